@@ -1,0 +1,339 @@
+#include "checkpoint.h"
+#include "compat.h"
+#include "frame.h"
+#include "tree.h"
+
+#include <string.h>
+
+/* Keyword options of checkpoint(); everything else goes to the function. */
+typedef struct {
+    PyObject *use_reentrant;
+    PyObject *preserve_rng_state;
+    PyObject *context_fn;
+    PyObject *determinism_check;
+    PyObject *debug;
+    PyObject *early_stop;
+} checkpoint_options;
+
+static const char *const option_names[] = {
+    "use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug",
+    "early_stop",
+};
+
+static PyObject **
+option_slot(checkpoint_options *opts, PyObject *name)
+{
+    PyObject **slots[] = {&opts->use_reentrant, &opts->preserve_rng_state, &opts->context_fn,
+                          &opts->determinism_check, &opts->debug, &opts->early_stop};
+    for (size_t i = 0; i < sizeof(slots) / sizeof(slots[0]); i++) {
+        if (PyUnicode_CompareWithASCIIString(name, option_names[i]) == 0)
+            return slots[i];
+    }
+    return NULL;
+}
+
+/* Splits keywords into checkpoint options (borrowed) and the function's
+ * own keywords (a new dict, or NULL when there are none). */
+static int
+split_keywords(PyObject *const *values, PyObject *kwnames, checkpoint_options *opts,
+               PyObject **fn_kwargs)
+{
+    *fn_kwargs = NULL;
+    Py_ssize_t n = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        PyObject **slot = option_slot(opts, name);
+        if (slot != NULL) {
+            *slot = values[i];
+            continue;
+        }
+        if (*fn_kwargs == NULL && (*fn_kwargs = PyDict_New()) == NULL)
+            return -1;
+        if (PyDict_SetItem(*fn_kwargs, name, values[i]) < 0) {
+            Py_CLEAR(*fn_kwargs);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int
+truth(PyObject *value, int fallback)
+{
+    return value == NULL || value == Py_None ? fallback : PyObject_IsTrue(value);
+}
+
+/* torch.utils.checkpoint's process-wide switches win over the arguments. */
+static int
+global_override(mp_state *st, const char *name, int value)
+{
+    PyObject *flag = PyDict_GetItemString(st->torch_checkpoint_dict, name);
+    if (flag == NULL || flag == Py_None)
+        return value;
+    return PyObject_IsTrue(flag);
+}
+
+static int
+warn_reentrant_once(mp_state *st, PyObject *use_reentrant)
+{
+    int reentrant = truth(use_reentrant, 0);
+    if (reentrant <= 0 || st->warned_reentrant)
+        return reentrant < 0 ? -1 : 0;
+    st->warned_reentrant = 1;
+    return PyErr_WarnEx(PyExc_UserWarning,
+                        "matepoint.checkpoint: use_reentrant=True is accepted for compatibility, "
+                        "but matepoint always uses the non-reentrant implementation.",
+                        2);
+}
+
+static int
+parse_determinism(mp_state *st, PyObject *value)
+{
+    (void)st;
+    if (value == NULL)
+        return 1;
+    if (PyUnicode_Check(value)) {
+        if (PyUnicode_CompareWithASCIIString(value, "default") == 0)
+            return 1;
+        if (PyUnicode_CompareWithASCIIString(value, "none") == 0)
+            return 0;
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "matepoint.checkpoint: determinism_check must be 'default' or 'none', got %R",
+                 value);
+    return -1;
+}
+
+/* The (forward, recompute) context managers and the debug error callback. */
+static int
+resolve_contexts(mp_state *st, checkpoint_options *opts, PyObject **forward,
+                 PyObject **recompute, PyObject **error_cb)
+{
+    PyObject *context_fn = opts->context_fn;
+    PyObject *made = NULL;
+    *forward = *recompute = *error_cb = NULL;
+    if (context_fn == Py_None || context_fn == st->noop_context_fn)
+        context_fn = NULL;
+    int debug = truth(opts->debug, 0);
+    if (debug < 0)
+        return -1;
+    if (global_override(st, "_checkpoint_debug_enabled", debug)) {
+        if (context_fn != NULL) {
+            PyErr_SetString(PyExc_ValueError,
+                            "matepoint.checkpoint: debug=True is incompatible with a context_fn");
+            return -1;
+        }
+        PyObject *pair = PyObject_CallNoArgs(st->debug_context_and_cb);
+        if (pair == NULL)
+            return -1;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            Py_DECREF(pair);
+            PyErr_SetString(PyExc_RuntimeError, "matepoint: unexpected torch debug context");
+            return -1;
+        }
+        context_fn = PyTuple_GET_ITEM(pair, 0);
+        *error_cb = Py_NewRef(PyTuple_GET_ITEM(pair, 1));
+        made = PyObject_CallNoArgs(context_fn);
+        Py_DECREF(pair);
+    } else if (context_fn != NULL) {
+        if (!PyCallable_Check(context_fn)) {
+            PyErr_Format(PyExc_TypeError,
+                         "matepoint.checkpoint: context_fn must be callable, got %.100s",
+                         Py_TYPE(context_fn)->tp_name);
+            return -1;
+        }
+        made = PyObject_CallNoArgs(context_fn);
+    } else {
+        return 0;
+    }
+    if (made == NULL)
+        goto error;
+    if (!PyTuple_Check(made) || PyTuple_GET_SIZE(made) != 2) {
+        PyErr_SetString(PyExc_TypeError, "matepoint.checkpoint: context_fn must return a tuple "
+                                         "of two context managers (forward, recompute)");
+        goto error;
+    }
+    *forward = Py_NewRef(PyTuple_GET_ITEM(made, 0));
+    *recompute = Py_NewRef(PyTuple_GET_ITEM(made, 1));
+    Py_DECREF(made);
+    return 0;
+error:
+    Py_XDECREF(made);
+    Py_CLEAR(*error_cb);
+    return -1;
+}
+
+static Frame *
+frame_new(mp_state *st, PyObject *module, PyObject *function)
+{
+    Frame *frame = PyObject_GC_New(Frame, st->frame_type);
+    if (frame == NULL)
+        return NULL;
+    Py_INCREF(st->frame_type);
+    frame->st = st;
+    frame->module = Py_NewRef(module);
+    frame->function = Py_NewRef(function);
+    frame->args_template = frame->kwargs_template = NULL;
+    frame->saved = frame->versions = NULL;
+    frame->recompute_context = frame->error_cb = frame->recomputed_gids = NULL;
+    memset(&frame->replay, 0, sizeof(frame->replay));
+    frame->holders = NULL;
+    frame->n_holders = frame->cap_holders = 0;
+    frame->early_stop = frame->check_metadata = 0;
+    frame->forward_completed = frame->ignore_saved_mismatch = 0;
+    PyObject_GC_Track(frame);
+    return frame;
+}
+
+/* Records the region's inputs, RNG and autocast state in the frame. */
+static int
+frame_capture(Frame *frame, PyObject *args, PyObject *fn_kwargs, int preserve_rng)
+{
+    mp_state *st = frame->st;
+    PyObject *tensors = PyList_New(0);
+    if (tensors == NULL)
+        return -1;
+    int result = -1;
+    frame->args_template = tree_flatten(st, args, tensors);
+    if (frame->args_template == NULL)
+        goto done;
+    if (fn_kwargs != NULL) {
+        frame->kwargs_template = tree_flatten(st, fn_kwargs, tensors);
+        if (frame->kwargs_template == NULL)
+            goto done;
+    }
+    if (replay_capture(st, &frame->replay, tensors, preserve_rng) < 0)
+        goto done;
+    result = frame_save_inputs(frame, tensors);
+done:
+    Py_DECREF(tensors);
+    return result;
+}
+
+static int
+push_forward_hooks(mp_state *st, Frame *frame)
+{
+    PyObject *done = PyObject_CallFunctionObjArgs(st->push_hooks, (PyObject *)frame,
+                                                  st->unpack_hook, NULL);
+    Py_XDECREF(done);
+    return done ? 0 : -1;
+}
+
+static int
+pop_forward_hooks(mp_state *st)
+{
+    PyObject *pending = mp_take_exception();
+    PyObject *done = PyObject_CallNoArgs(st->pop_hooks);
+    Py_XDECREF(done);
+    if (done == NULL) {
+        mp_chain_exception(pending);
+        return -1;
+    }
+    if (pending != NULL)
+        mp_restore_exception(pending);
+    return 0;
+}
+
+/* Runs the function with the frame's hooks installed and `forward` entered. */
+static PyObject *
+run_forward(mp_state *st, Frame *frame, PyObject *forward, PyObject *args, PyObject *fn_kwargs)
+{
+    if (push_forward_hooks(st, frame) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    if (forward == NULL || context_enter(st, forward) == 0) {
+        out = PyObject_Call(frame->function, args, fn_kwargs);
+        if (forward != NULL) {
+            int suppressed = context_exit(st, forward);
+            if (suppressed != 0)
+                Py_CLEAR(out);
+            if (suppressed == 1) {
+                PyErr_Clear();
+                PyErr_SetString(PyExc_RuntimeError,
+                                "matepoint.checkpoint: the forward context from context_fn "
+                                "suppressed an exception raised by the checkpointed function; "
+                                "checkpoint has no value to return for a failed forward");
+            }
+        }
+    }
+    if (pop_forward_hooks(st) < 0)
+        Py_CLEAR(out);
+    return out;
+}
+
+static PyObject *
+checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObject *args,
+                     PyObject *fn_kwargs, checkpoint_options *opts)
+{
+    PyObject *forward = NULL, *out = NULL;
+    int preserve_rng = truth(opts->preserve_rng_state, 1);
+    int check_metadata = parse_determinism(st, opts->determinism_check);
+    int early_stop = truth(opts->early_stop, 1);
+    if (preserve_rng < 0 || check_metadata < 0 || early_stop < 0)
+        return NULL;
+    Frame *frame = frame_new(st, module, function);
+    if (frame == NULL)
+        return NULL;
+    frame->check_metadata = (char)check_metadata;
+    frame->early_stop = (char)global_override(st, "_enable_checkpoint_early_stop", early_stop);
+    if (resolve_contexts(st, opts, &forward, &frame->recompute_context, &frame->error_cb) < 0 ||
+        frame_capture(frame, args, fn_kwargs, preserve_rng) < 0)
+        goto done;
+    out = run_forward(st, frame, forward, args, fn_kwargs);
+    if (out == NULL)
+        goto done;
+    frame->forward_completed = 1;
+    if (replay_check_forward(st, &frame->replay, preserve_rng) < 0) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    frame_drop_unneeded_inputs(frame);
+done:
+    Py_XDECREF(forward);
+    Py_DECREF(frame);
+    return out;
+}
+
+PyObject *
+checkpoint_call(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
+{
+    mp_state *st = PyModule_GetState(module);
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    checkpoint_options opts = {0};
+    PyObject *fn_kwargs = NULL, *fn_args = NULL, *out = NULL;
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError,
+                        "matepoint.checkpoint() missing required argument 'function'");
+        return NULL;
+    }
+    PyObject *function = args[0];
+    if (!PyCallable_Check(function)) {
+        PyErr_Format(PyExc_TypeError,
+                     "matepoint.checkpoint: function must be callable, got %.100s",
+                     Py_TYPE(function)->tp_name);
+        return NULL;
+    }
+    if (split_keywords(args + nargs, kwnames, &opts, &fn_kwargs) < 0)
+        return NULL;
+    if (warn_reentrant_once(st, opts.use_reentrant) < 0)
+        goto done;
+    fn_args = PyTuple_New(nargs - 1);
+    if (fn_args == NULL)
+        goto done;
+    for (Py_ssize_t i = 1; i < nargs; i++)
+        PyTuple_SET_ITEM(fn_args, i - 1, Py_NewRef(args[i]));
+
+    PyObject *grad = PyObject_CallNoArgs(st->is_grad_enabled);
+    if (grad == NULL)
+        goto done;
+    Py_DECREF(grad);
+    /* without grad nothing is saved, so there is nothing to recompute */
+    if (grad == Py_False)
+        out = PyObject_Call(function, fn_args, fn_kwargs);
+    else
+        out = checkpointed_forward(st, module, function, fn_args, fn_kwargs, &opts);
+done:
+    Py_XDECREF(fn_args);
+    Py_XDECREF(fn_kwargs);
+    return out;
+}

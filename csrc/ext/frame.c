@@ -1,0 +1,758 @@
+#include "frame.h"
+#include "compat.h"
+#include "tree.h"
+
+#include <string.h>
+
+/* Per-thread recompute bookkeeping. Thread-local, so it needs no lock: each
+ * thread only ever sees its own recomputes. `recompute_bn_modules` borrows
+ * the innermost recompute's list of BatchNorm modules whose running
+ * statistics were switched off. */
+static _Thread_local int recompute_depth;
+static _Thread_local PyObject *recompute_bn_modules;
+
+int
+frame_is_recomputing(void)
+{
+    return recompute_depth > 0;
+}
+
+/* ---- Holder ------------------------------------------------------------ */
+
+static int
+holder_traverse(Holder *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->frame);
+    Py_VISIT(self->meta);
+    Py_VISIT(self->recomputed);
+    return 0;
+}
+
+static int
+holder_clear(Holder *self)
+{
+    if (self->frame != NULL)
+        self->frame->holders[self->index] = NULL;
+    Py_CLEAR(self->frame);
+    Py_CLEAR(self->meta);
+    Py_CLEAR(self->recomputed);
+    return 0;
+}
+
+static void
+holder_dealloc(Holder *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    holder_clear(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot holder_slots[] = {
+    {Py_tp_dealloc, holder_dealloc},
+    {Py_tp_traverse, holder_traverse},
+    {Py_tp_clear, holder_clear},
+    {0, NULL},
+};
+
+PyType_Spec holder_spec = {
+    .name = "matepoint._C._Holder",
+    .basicsize = sizeof(Holder),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = holder_slots,
+};
+
+static PyObject *
+tensor_metadata(mp_state *st, PyObject *tensor)
+{
+    PyObject *shape = PyObject_GetAttr(tensor, st->str_shape);
+    PyObject *dtype = shape ? PyObject_GetAttr(tensor, st->str_dtype) : NULL;
+    PyObject *device = dtype ? PyObject_GetAttr(tensor, st->str_device) : NULL;
+    PyObject *meta = device ? PyTuple_Pack(3, shape, dtype, device) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    return meta;
+}
+
+static int
+frame_grow_holders(Frame *frame)
+{
+    if (frame->n_holders < frame->cap_holders)
+        return 0;
+    Py_ssize_t cap = frame->cap_holders ? frame->cap_holders * 2 : 8;
+    Holder **grown = PyMem_Realloc(frame->holders, (size_t)cap * sizeof(Holder *));
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    frame->holders = grown;
+    frame->cap_holders = cap;
+    return 0;
+}
+
+/* Forward pack hook: tensor -> Holder. The frame object is the hook. */
+static PyObject *
+frame_pack(Frame *frame, PyObject *args, PyObject *kwargs)
+{
+    PyObject *tensor;
+    if (!PyArg_UnpackTuple(args, "pack_hook", 1, 1, &tensor) || frame_grow_holders(frame) < 0)
+        return NULL;
+    (void)kwargs;
+    Holder *holder = PyObject_GC_New(Holder, frame->st->holder_type);
+    if (holder == NULL)
+        return NULL;
+    Py_INCREF(frame->st->holder_type);
+    holder->frame = (Frame *)Py_NewRef(frame);
+    holder->index = frame->n_holders;
+    holder->meta = NULL;
+    holder->recomputed = NULL;
+    frame->holders[frame->n_holders++] = holder;
+    PyObject_GC_Track(holder);
+    if (frame->check_metadata) {
+        holder->meta = tensor_metadata(frame->st, tensor);
+        if (holder->meta == NULL) {
+            Py_DECREF(holder);
+            return NULL;
+        }
+    }
+    return (PyObject *)holder;
+}
+
+/* ---- Frame ------------------------------------------------------------- */
+
+static int
+frame_traverse(Frame *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->module);
+    Py_VISIT(self->function);
+    Py_VISIT(self->args_template);
+    Py_VISIT(self->kwargs_template);
+    Py_VISIT(self->saved);
+    Py_VISIT(self->versions);
+    Py_VISIT(self->recompute_context);
+    Py_VISIT(self->error_cb);
+    Py_VISIT(self->recomputed_gids);
+    return replay_traverse(&self->replay, visit, arg);
+}
+
+static int
+frame_clear(Frame *self)
+{
+    Py_CLEAR(self->function);
+    Py_CLEAR(self->args_template);
+    Py_CLEAR(self->kwargs_template);
+    Py_CLEAR(self->saved);
+    Py_CLEAR(self->versions);
+    Py_CLEAR(self->recompute_context);
+    Py_CLEAR(self->error_cb);
+    Py_CLEAR(self->recomputed_gids);
+    replay_clear(&self->replay);
+    Py_CLEAR(self->module);
+    return 0;
+}
+
+static void
+frame_dealloc(Frame *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    frame_clear(self);
+    PyMem_Free(self->holders);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot frame_slots[] = {
+    {Py_tp_dealloc, frame_dealloc},
+    {Py_tp_traverse, frame_traverse},
+    {Py_tp_clear, frame_clear},
+    {Py_tp_call, frame_pack},
+    {0, NULL},
+};
+
+PyType_Spec frame_spec = {
+    .name = "matepoint._C._Frame",
+    .basicsize = sizeof(Frame),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = frame_slots,
+};
+
+/* ---- saving and restoring inputs ---------------------------------------- */
+
+static int
+append_version(mp_state *st, PyObject *versions, PyObject *tensor)
+{
+    PyObject *version = PyObject_GetAttr(tensor, st->str_version);
+    if (version == NULL)
+        return -1;
+    int result = PyList_Append(versions, version);
+    Py_DECREF(version);
+    return result;
+}
+
+/* torch's SavedTensor keeps the input's version counter, so an in-place
+ * change between forward and backward is caught even when the data lives
+ * elsewhere. Without it (older torch) the frame keeps tensor and version. */
+int
+frame_save_inputs(Frame *frame, PyObject *tensors)
+{
+    mp_state *st = frame->st;
+    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    frame->saved = PyList_New(n);
+    if (frame->saved == NULL)
+        return -1;
+    if (st->make_saved_tensor == NULL) {
+        frame->versions = PyList_New(0);
+        if (frame->versions == NULL)
+            return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *tensor = PyList_GET_ITEM(tensors, i);
+        PyObject *saved;
+        if (st->make_saved_tensor != NULL) {
+            PyObject *call_args[2] = {tensor, Py_False};
+            saved = PyObject_Vectorcall(st->make_saved_tensor, call_args, 2, NULL);
+            if (saved == NULL)
+                return -1;
+        } else {
+            if (append_version(st, frame->versions, tensor) < 0)
+                return -1;
+            saved = Py_NewRef(tensor);
+        }
+        PyList_SET_ITEM(frame->saved, i, saved);
+    }
+    return 0;
+}
+
+void
+frame_drop_unneeded_inputs(Frame *frame)
+{
+    if (frame->n_holders > 0)
+        return;
+    Py_CLEAR(frame->saved);
+    Py_CLEAR(frame->versions);
+    Py_CLEAR(frame->args_template);
+    Py_CLEAR(frame->kwargs_template);
+}
+
+static PyObject *
+raise_modified_input(Py_ssize_t index)
+{
+    PyObject *cause = mp_take_exception();
+    PyErr_Format(PyExc_RuntimeError,
+                 "matepoint.checkpoint: input tensor #%zd of the checkpointed function was "
+                 "modified in place after the forward pass; the recomputation in backward "
+                 "needs its original value. Clone the tensor before changing it, or change it "
+                 "before calling checkpoint.",
+                 index);
+    if (cause != NULL) {
+        PyObject *raised = mp_take_exception();
+        PyException_SetCause(raised, Py_NewRef(cause));
+        PyException_SetContext(raised, cause);
+        mp_restore_exception(raised);
+    }
+    return NULL;
+}
+
+static int
+is_inplace_error(PyObject *exc)
+{
+    PyObject *text = PyObject_Str(exc);
+    const char *utf8 = text ? PyUnicode_AsUTF8(text) : NULL;
+    int found = utf8 != NULL && strstr(utf8, "modified by an inplace operation") != NULL;
+    if (utf8 == NULL)
+        PyErr_Clear();
+    Py_XDECREF(text);
+    return found;
+}
+
+static PyObject *
+restore_one_input(Frame *frame, Py_ssize_t i)
+{
+    mp_state *st = frame->st;
+    PyObject *saved = PyList_GET_ITEM(frame->saved, i);
+    if (frame->versions == NULL) {
+        PyObject *tensor = PyObject_CallMethodNoArgs(saved, st->str_unpack);
+        if (tensor == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+            PyObject *exc = mp_take_exception();
+            int modified = is_inplace_error(exc);
+            mp_restore_exception(exc);
+            if (modified)
+                return raise_modified_input(i);
+        }
+        return tensor;
+    }
+    PyObject *version = PyObject_GetAttr(saved, st->str_version);
+    if (version == NULL)
+        return NULL;
+    int same = PyObject_RichCompareBool(version, PyList_GET_ITEM(frame->versions, i), Py_EQ);
+    Py_DECREF(version);
+    if (same < 0)
+        return NULL;
+    if (!same) {
+        PyErr_SetString(PyExc_RuntimeError, "input version changed");
+        return raise_modified_input(i);
+    }
+    return Py_NewRef(saved);
+}
+
+/* Rebuilds (args, kwargs) for the recompute from the saved inputs. */
+static int
+frame_restore_inputs(Frame *frame, PyObject **args_out, PyObject **kwargs_out)
+{
+    mp_state *st = frame->st;
+    Py_ssize_t n = PyList_GET_SIZE(frame->saved);
+    PyObject *tensors = PyList_New(n);
+    *args_out = *kwargs_out = NULL;
+    if (tensors == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *tensor = restore_one_input(frame, i);
+        if (tensor == NULL)
+            goto error;
+        PyList_SET_ITEM(tensors, i, tensor);
+    }
+    *args_out = tree_unflatten(st, frame->args_template, tensors);
+    if (*args_out == NULL)
+        goto error;
+    if (frame->kwargs_template != NULL) {
+        *kwargs_out = tree_unflatten(st, frame->kwargs_template, tensors);
+        if (*kwargs_out == NULL)
+            goto error;
+    }
+    Py_DECREF(tensors);
+    return 0;
+error:
+    Py_CLEAR(*args_out);
+    Py_DECREF(tensors);
+    return -1;
+}
+
+/* ---- recompute ---------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Frame *frame;
+    PyObject *gid;
+    Py_ssize_t count;           /* tensors saved so far by this recompute */
+} RecomputeHook;
+
+static int
+recompute_hook_traverse(RecomputeHook *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->frame);
+    Py_VISIT(self->gid);
+    return 0;
+}
+
+static int
+recompute_hook_clear(RecomputeHook *self)
+{
+    Py_CLEAR(self->frame);
+    Py_CLEAR(self->gid);
+    return 0;
+}
+
+static void
+recompute_hook_dealloc(RecomputeHook *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    recompute_hook_clear(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+checkpoint_error(mp_state *st, const char *message)
+{
+    PyErr_SetString(st->checkpoint_error, message);
+    return NULL;
+}
+
+static int
+holder_store(Holder *holder, PyObject *gid, PyObject *tensor)
+{
+    if (holder->recomputed == NULL) {
+        holder->recomputed = PyDict_New();
+        if (holder->recomputed == NULL)
+            return -1;
+    }
+    return PyDict_SetItem(holder->recomputed, gid, tensor);
+}
+
+/* Recompute pack hook: files each recomputed tensor under its holder. */
+static PyObject *
+recompute_pack(RecomputeHook *self, PyObject *args, PyObject *kwargs)
+{
+    Frame *frame = self->frame;
+    mp_state *st = frame->st;
+    PyObject *tensor;
+    (void)kwargs;
+    if (!PyArg_UnpackTuple(args, "pack_hook", 1, 1, &tensor))
+        return NULL;
+    PyObject *detached = PyObject_CallMethodNoArgs(tensor, st->str_detach);
+    if (detached == NULL)
+        return NULL;
+    Py_ssize_t index = self->count++;
+    if (index >= frame->n_holders) {
+        if (!frame->forward_completed) {
+            /* backward ran inside the forward: counts cannot be compared */
+            frame->ignore_saved_mismatch = 1;
+            return detached;
+        }
+        Py_DECREF(detached);
+        return checkpoint_error(st, "matepoint.checkpoint: the recomputation saved more tensors "
+                                    "than the original forward pass; the checkpointed function "
+                                    "must run the same operations both times.");
+    }
+    Holder *holder = frame->holders[index];
+    if (holder != NULL && holder_store(holder, self->gid, detached) < 0) {
+        Py_DECREF(detached);
+        return NULL;
+    }
+    if (frame->early_stop && self->count == frame->n_holders) {
+        Py_DECREF(detached);
+        PyErr_SetNone(st->stop_recompute);
+        return NULL;
+    }
+    return detached;
+}
+
+static PyType_Slot recompute_hook_slots[] = {
+    {Py_tp_dealloc, recompute_hook_dealloc},
+    {Py_tp_traverse, recompute_hook_traverse},
+    {Py_tp_clear, recompute_hook_clear},
+    {Py_tp_call, recompute_pack},
+    {0, NULL},
+};
+
+PyType_Spec recompute_hook_spec = {
+    .name = "matepoint._C._RecomputeHook",
+    .basicsize = sizeof(RecomputeHook),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = recompute_hook_slots,
+};
+
+static PyObject *
+describe_metadata(PyObject *meta)
+{
+    return PyUnicode_FromFormat("shape=%R, dtype=%R, device=%R", PyTuple_GET_ITEM(meta, 0),
+                                PyTuple_GET_ITEM(meta, 1), PyTuple_GET_ITEM(meta, 2));
+}
+
+static int
+report_metadata_mismatch(mp_state *st, Holder *holder, PyObject *now)
+{
+    PyObject *before = describe_metadata(holder->meta);
+    PyObject *after = before ? describe_metadata(now) : NULL;
+    if (after != NULL)
+        PyErr_Format(st->checkpoint_error,
+                     "matepoint.checkpoint: recomputed tensor at index %zd differs from the "
+                     "forward pass: saved %U, recomputed %U. The checkpointed function must be "
+                     "deterministic in shapes, dtypes and devices.",
+                     holder->index, before, after);
+    Py_XDECREF(before);
+    Py_XDECREF(after);
+    return -1;
+}
+
+static int
+check_recomputed(RecomputeHook *hook)
+{
+    Frame *frame = hook->frame;
+    mp_state *st = frame->st;
+    if (frame->ignore_saved_mismatch)
+        return 0;
+    if (hook->count != frame->n_holders) {
+        PyErr_Format(st->checkpoint_error,
+                     "matepoint.checkpoint: the forward pass saved %zd tensors but the "
+                     "recomputation saved %zd; the checkpointed function must run the same "
+                     "operations both times.",
+                     frame->n_holders, hook->count);
+        return -1;
+    }
+    if (!frame->check_metadata)
+        return 0;
+    for (Py_ssize_t i = 0; i < frame->n_holders; i++) {
+        Holder *holder = frame->holders[i];
+        if (holder == NULL || holder->meta == NULL || holder->recomputed == NULL)
+            continue;
+        PyObject *tensor = PyDict_GetItemWithError(holder->recomputed, hook->gid);
+        if (tensor == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            continue;
+        }
+        PyObject *now = tensor_metadata(st, tensor);
+        if (now == NULL)
+            return -1;
+        int same = PyObject_RichCompareBool(now, holder->meta, Py_EQ);
+        if (same != 1) {
+            if (same == 0)
+                report_metadata_mismatch(st, holder, now);
+            Py_DECREF(now);
+            return -1;
+        }
+        Py_DECREF(now);
+    }
+    return 0;
+}
+
+static int
+set_grad_enabled(mp_state *st, PyObject *flag)
+{
+    PyObject *done = PyObject_CallOneArg(st->set_grad_enabled, flag);
+    Py_XDECREF(done);
+    return done ? 0 : -1;
+}
+
+static int
+push_hooks(mp_state *st, PyObject *pack, PyObject *unpack)
+{
+    PyObject *done = PyObject_CallFunctionObjArgs(st->push_hooks, pack, unpack, NULL);
+    Py_XDECREF(done);
+    return done ? 0 : -1;
+}
+
+static int
+pop_hooks(mp_state *st)
+{
+    PyObject *pending = mp_take_exception();
+    PyObject *done = PyObject_CallNoArgs(st->pop_hooks);
+    Py_XDECREF(done);
+    if (done == NULL) {
+        mp_chain_exception(pending);
+        return -1;
+    }
+    if (pending != NULL)
+        mp_restore_exception(pending);
+    return 0;
+}
+
+/* Registers the BatchNorm guard for the duration of a recompute. */
+static PyObject *
+register_bn_guard(mp_state *st)
+{
+    return PyObject_CallOneArg(st->register_pre_hook, st->bn_guard_hook);
+}
+
+static int
+release_bn_guard(mp_state *st, PyObject *handle, PyObject *bn_modules)
+{
+    int result = 0;
+    PyObject *pending = mp_take_exception();
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(bn_modules); i++) {
+        if (PyObject_SetAttr(PyList_GET_ITEM(bn_modules, i), st->str_track_running_stats,
+                             Py_True) < 0)
+            result = -1;
+    }
+    PyObject *done = PyObject_CallMethodNoArgs(handle, st->str_remove);
+    if (done == NULL)
+        result = -1;
+    Py_XDECREF(done);
+    if (result < 0)
+        mp_chain_exception(pending);
+    else if (pending != NULL)
+        mp_restore_exception(pending);
+    return result;
+}
+
+PyObject *
+frame_batchnorm_guard(PyObject *module_obj, PyObject *const *args, Py_ssize_t nargs)
+{
+    mp_state *st = PyModule_GetState(module_obj);
+    if (recompute_depth == 0 || nargs < 1 || recompute_bn_modules == NULL)
+        Py_RETURN_NONE;
+    PyObject *module = args[0];
+    int is_bn = PyObject_IsInstance(module, st->batchnorm_type);
+    if (is_bn <= 0)
+        return is_bn < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *training = PyObject_GetAttr(module, st->str_training);
+    PyObject *tracking = training ? PyObject_GetAttr(module, st->str_track_running_stats) : NULL;
+    int switch_off = tracking && PyObject_IsTrue(training) == 1 && PyObject_IsTrue(tracking) == 1;
+    Py_XDECREF(training);
+    Py_XDECREF(tracking);
+    if (tracking == NULL)
+        return NULL;
+    /* batch statistics are still used; only the running averages stay put */
+    if (switch_off) {
+        if (PyList_Append(recompute_bn_modules, module) < 0 ||
+            PyObject_SetAttr(module, st->str_track_running_stats, Py_False) < 0)
+            return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Runs the region again under the recompute hook, with the forward's RNG,
+ * autocast and device context, grad mode on, BatchNorm statistics frozen. */
+static int
+frame_recompute(Frame *frame, PyObject *gid)
+{
+    mp_state *st = frame->st;
+    PyObject *args = NULL, *kwargs = NULL, *bn_handle = NULL, *grad_was = NULL;
+    PyObject *bn_modules = NULL, *outer_bn_modules = recompute_bn_modules;
+    replay_undo undo;
+    int result = -1, hooks_pushed = 0, replayed = 0;
+
+    if (frame->saved == NULL) {
+        checkpoint_error(st, "matepoint.checkpoint: internal error: inputs were released");
+        return -1;
+    }
+    RecomputeHook *hook = PyObject_GC_New(RecomputeHook, st->recompute_hook_type);
+    if (hook == NULL)
+        return -1;
+    Py_INCREF(st->recompute_hook_type);
+    hook->frame = (Frame *)Py_NewRef(frame);
+    hook->gid = Py_NewRef(gid);
+    hook->count = 0;
+    PyObject_GC_Track(hook);
+
+    if (frame_restore_inputs(frame, &args, &kwargs) < 0)
+        goto done;
+    grad_was = PyObject_CallNoArgs(st->is_grad_enabled);
+    bn_modules = grad_was ? PyList_New(0) : NULL;
+    if (bn_modules == NULL)
+        goto done;
+    if (push_hooks(st, (PyObject *)hook, st->identity) < 0)
+        goto done;
+    hooks_pushed = 1;
+    if (set_grad_enabled(st, Py_True) < 0)
+        goto done;
+    if (replay_enter(st, &frame->replay, frame->recompute_context, &undo) < 0)
+        goto done;
+    replayed = 1;
+    bn_handle = register_bn_guard(st);
+    if (bn_handle == NULL)
+        goto done;
+
+    recompute_depth++;
+    recompute_bn_modules = bn_modules;
+    PyObject *out = PyObject_Call(frame->function, args, kwargs);
+    recompute_bn_modules = outer_bn_modules;
+    recompute_depth--;
+    Py_XDECREF(out);
+    if (out != NULL || PyErr_ExceptionMatches(st->stop_recompute)) {
+        PyErr_Clear();
+        result = 0;
+    }
+done:
+    if (bn_handle != NULL && release_bn_guard(st, bn_handle, bn_modules) < 0)
+        result = -1;
+    if (replayed && replay_exit(st, &frame->replay, &undo) < 0)
+        result = -1;
+    if (grad_was != NULL && hooks_pushed) {
+        PyObject *pending = mp_take_exception();
+        if (set_grad_enabled(st, grad_was) < 0) {
+            result = -1;
+            mp_chain_exception(pending);
+        } else if (pending != NULL) {
+            mp_restore_exception(pending);
+        }
+    }
+    if (hooks_pushed && pop_hooks(st) < 0)
+        result = -1;
+    if (result == 0)
+        result = check_recomputed(hook);
+    Py_XDECREF(bn_handle);
+    Py_XDECREF(bn_modules);
+    Py_XDECREF(grad_was);
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_DECREF(hook);
+    return result;
+}
+
+/* ---- unpack ------------------------------------------------------------- */
+
+static PyObject *
+current_graph_task(mp_state *st)
+{
+    if (st->graph_exec_group != NULL) {
+        PyObject *group = PyObject_CallNoArgs(st->graph_exec_group);
+        if (group != Py_None)
+            return group;
+        Py_DECREF(group);
+    }
+    PyObject *gid = PyObject_CallNoArgs(st->graph_task_id);
+    if (gid == NULL)
+        return NULL;
+    long value = PyLong_AsLong(gid);
+    if (value == -1 && !PyErr_Occurred()) {
+        /* unpacked outside backward: every such access is its own pass */
+        Py_DECREF(gid);
+        return PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    }
+    return gid;
+}
+
+static PyObject *
+unpack_holder(Holder *holder)
+{
+    Frame *frame = holder->frame;
+    mp_state *st = frame->st;
+    PyObject *gid = current_graph_task(st);
+    if (gid == NULL)
+        return NULL;
+    PyObject *result = NULL;
+    if (frame->recomputed_gids == NULL) {
+        frame->recomputed_gids = PySet_New(NULL);
+        if (frame->recomputed_gids == NULL)
+            goto done;
+    }
+    int done_before = PySet_Contains(frame->recomputed_gids, gid);
+    if (done_before < 0)
+        goto done;
+    if (!done_before) {
+        /* marked first: a failed recompute is not retried with stale state */
+        if (PySet_Add(frame->recomputed_gids, gid) < 0 || frame_recompute(frame, gid) < 0)
+            goto done;
+    }
+    if (holder->recomputed != NULL) {
+        result = PyDict_GetItemWithError(holder->recomputed, gid);
+        if (result != NULL) {
+            Py_INCREF(result);
+            if (PyDict_DelItem(holder->recomputed, gid) < 0)
+                Py_CLEAR(result);
+            goto done;
+        }
+        if (PyErr_Occurred())
+            goto done;
+    }
+    checkpoint_error(st, "matepoint.checkpoint: a saved tensor of a checkpointed region was "
+                         "unpacked twice in one backward pass (or its recomputation failed "
+                         "earlier). Access ctx.saved_tensors only once per backward.");
+done:
+    Py_DECREF(gid);
+    return result;
+}
+
+PyObject *
+frame_unpack_hook(PyObject *module, PyObject *obj)
+{
+    mp_state *st = PyModule_GetState(module);
+    if (!Py_IS_TYPE(obj, st->holder_type)) {
+        PyErr_SetString(PyExc_TypeError, "matepoint: unpack hook got a foreign object");
+        return NULL;
+    }
+    Holder *holder = (Holder *)obj;
+    if (holder->frame == NULL)
+        return checkpoint_error(st, "matepoint.checkpoint: saved tensor was already released");
+    PyObject *result = unpack_holder(holder);
+    if (result == NULL && holder->frame->error_cb != NULL &&
+        PyErr_ExceptionMatches(st->checkpoint_error)) {
+        PyObject *exc = mp_take_exception();
+        PyObject *cb_result = PyObject_CallOneArg(holder->frame->error_cb, exc);
+        Py_XDECREF(cb_result);
+        mp_chain_exception(exc);
+    }
+    return result;
+}

@@ -1,0 +1,64 @@
+/* Checkpoint frames: the per-region record that lives as long as the autograd
+ * graph of one checkpointed call.
+ *
+ * A Frame owns the region's function, its saved inputs and the replay state.
+ * A Frame is itself the forward pack hook: each tensor autograd saves inside
+ * the region becomes a Holder, and the module-level unpack hook recomputes
+ * the region (once per backward pass) and hands out the recomputed tensor.
+ * Holders keep their frame alive; the frame points back at live holders
+ * without owning them, so a holder released by autograd frees its
+ * recomputed tensor at once. All of it runs with the GIL held. */
+#ifndef MATEPOINT_EXT_FRAME_H
+#define MATEPOINT_EXT_FRAME_H
+
+#include "state.h"
+#include "replay.h"
+
+typedef struct Holder Holder;
+
+typedef struct {
+    PyObject_HEAD
+    mp_state *st;               /* borrowed: `module` keeps it alive */
+    PyObject *module;
+    PyObject *function;
+    PyObject *args_template;    /* tuple template (tree.h) */
+    PyObject *kwargs_template;  /* dict template, or NULL */
+    PyObject *saved;            /* list: SavedTensor, or tensor when torch lacks it */
+    PyObject *versions;         /* list of ints beside raw tensors, else NULL */
+    PyObject *recompute_context;
+    PyObject *error_cb;         /* debug=True callback, or NULL */
+    PyObject *recomputed_gids;  /* set of graph tasks already recomputed */
+    replay_state replay;
+    Holder **holders;           /* borrowed; a dead holder leaves NULL */
+    Py_ssize_t n_holders, cap_holders;
+    char early_stop;
+    char check_metadata;
+    char forward_completed;
+    char ignore_saved_mismatch;
+} Frame;
+
+struct Holder {
+    PyObject_HEAD
+    Frame *frame;               /* strong */
+    Py_ssize_t index;
+    PyObject *meta;             /* (shape, dtype, device) or NULL */
+    PyObject *recomputed;       /* dict: graph task -> recomputed tensor */
+};
+
+extern PyType_Spec frame_spec;
+extern PyType_Spec holder_spec;
+extern PyType_Spec recompute_hook_spec;
+
+/* unpack hook of the forward pass: module-level, METH_O on the module. */
+PyObject *frame_unpack_hook(PyObject *module, PyObject *holder);
+/* Saves `tensors` (a list) as the frame's inputs. */
+int frame_save_inputs(Frame *frame, PyObject *tensors);
+/* Frees what only a recompute would need, when nothing inside was saved. */
+void frame_drop_unneeded_inputs(Frame *frame);
+
+/* Per-thread recompute depth: > 0 while a region is being recomputed. */
+int frame_is_recomputing(void);
+/* forward pre-hook that keeps BatchNorm statistics from updating twice */
+PyObject *frame_batchnorm_guard(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
+#endif

@@ -1,0 +1,263 @@
+/* matepoint._C: module definition, multi-phase init and module state. */
+#include "checkpoint.h"
+#include "compat.h"
+#include "frame.h"
+#include "state.h"
+#include "tree.h"
+
+#include <stddef.h>
+#include <string.h>
+
+mp_state *
+mp_state_from_type(PyTypeObject *type)
+{
+    return PyType_GetModuleState(type);
+}
+
+static PyObject *
+is_recomputing(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyBool_FromLong(frame_is_recomputing());
+}
+
+static PyObject *
+identity(PyObject *module, PyObject *obj)
+{
+    (void)module;
+    return Py_NewRef(obj);
+}
+
+PyDoc_STRVAR(checkpoint_doc,
+"checkpoint(function, *args, use_reentrant=None, preserve_rng_state=True,\n"
+"           context_fn=None, determinism_check='default', debug=False,\n"
+"           early_stop=True, **kwargs)\n"
+"--\n\n"
+"Run function(*args, **kwargs) without keeping its intermediate tensors.\n\n"
+"A drop-in replacement for torch.utils.checkpoint.checkpoint with the\n"
+"non-reentrant semantics: the region is recomputed during backward when its\n"
+"saved tensors are first needed.");
+
+static PyMethodDef module_methods[] = {
+    {"checkpoint", (PyCFunction)(void (*)(void))checkpoint_call,
+     METH_FASTCALL | METH_KEYWORDS, checkpoint_doc},
+    {"is_recomputing", is_recomputing, METH_NOARGS,
+     "True while this thread recomputes a checkpointed region."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* Bound to the module at exec time and handed to torch as hooks. */
+static PyMethodDef unpack_def = {"_unpack_hook", frame_unpack_hook, METH_O, NULL};
+static PyMethodDef identity_def = {"_identity", identity, METH_O, NULL};
+static PyMethodDef bn_guard_def = {"_batchnorm_guard",
+                                   (PyCFunction)(void (*)(void))frame_batchnorm_guard,
+                                   METH_FASTCALL, NULL};
+
+static PyObject *
+import_attr(const char *module_name, const char *dotted)
+{
+    PyObject *obj = PyImport_ImportModule(module_name);
+    const char *name = dotted;
+    while (obj != NULL && name != NULL) {
+        const char *dot = strchr(name, '.');
+        PyObject *part = dot ? PyUnicode_FromStringAndSize(name, dot - name)
+                             : PyUnicode_FromString(name);
+        PyObject *next = part ? PyObject_GetAttr(obj, part) : NULL;
+        Py_XDECREF(part);
+        Py_SETREF(obj, next);
+        name = dot ? dot + 1 : NULL;
+    }
+    return obj;
+}
+
+/* Same, but a missing attribute (an older torch) gives NULL without error. */
+static PyObject *
+import_optional_attr(const char *module_name, const char *dotted)
+{
+    PyObject *obj = import_attr(module_name, dotted);
+    if (obj == NULL && PyErr_ExceptionMatches(PyExc_AttributeError))
+        PyErr_Clear();
+    return obj;
+}
+
+struct torch_entry {
+    size_t offset;
+    const char *module;
+    const char *attr;
+    int optional;
+};
+
+#define ENTRY(field, mod, attr, optional) {offsetof(mp_state, field), mod, attr, optional}
+
+static const struct torch_entry torch_entries[] = {
+    ENTRY(torch_module, "torch", NULL, 0),
+    ENTRY(tensor_type, "torch._C", "TensorBase", 0),
+    ENTRY(parameter_type, "torch.nn", "Parameter", 0),
+    ENTRY(is_grad_enabled, "torch._C", "is_grad_enabled", 0),
+    ENTRY(set_grad_enabled, "torch._C", "_set_grad_enabled", 0),
+    ENTRY(push_hooks, "torch._C._autograd", "_push_saved_tensors_default_hooks", 0),
+    ENTRY(pop_hooks, "torch._C._autograd", "_pop_saved_tensors_default_hooks", 0),
+    ENTRY(make_saved_tensor, "torch._C._autograd", "_make_saved_tensor", 1),
+    ENTRY(graph_task_id, "torch._C", "_current_graph_task_id", 0),
+    ENTRY(graph_exec_group, "torch._C", "_get_graph_exec_group", 1),
+    ENTRY(function_mode_depth, "torch._C", "_len_torch_function_stack", 0),
+    ENTRY(function_mode_stack, "torch.overrides", "_get_current_function_mode_stack", 0),
+    ENTRY(device_context_type, "torch.utils._device", "DeviceContext", 0),
+    ENTRY(cpu_rng_get, "torch", "default_generator.get_state", 0),
+    ENTRY(cpu_rng_set, "torch", "default_generator.set_state", 0),
+    ENTRY(autocast_type, "torch.amp", "autocast", 0),
+    ENTRY(autocast_available, "torch.amp", "is_autocast_available", 0),
+    ENTRY(autocast_enabled, "torch", "is_autocast_enabled", 0),
+    ENTRY(autocast_dtype, "torch", "get_autocast_dtype", 0),
+    ENTRY(autocast_cache_enabled, "torch", "is_autocast_cache_enabled", 0),
+    ENTRY(default_device_type, "torch.utils.checkpoint", "DefaultDeviceType.get_device_type", 0),
+    ENTRY(torch_checkpoint_dict, "torch.utils.checkpoint", "__dict__", 0),
+    ENTRY(noop_context_fn, "torch.utils.checkpoint", "noop_context_fn", 0),
+    ENTRY(debug_context_and_cb, "torch.utils.checkpoint", "_get_debug_context_and_cb", 0),
+    ENTRY(checkpoint_error, "torch.utils.checkpoint", "CheckpointError", 0),
+    ENTRY(batchnorm_type, "torch.nn.modules.batchnorm", "_BatchNorm", 0),
+    ENTRY(register_pre_hook, "torch.nn.modules.module", "register_module_forward_pre_hook", 0),
+};
+
+static int
+load_torch(mp_state *st)
+{
+    for (size_t i = 0; i < sizeof(torch_entries) / sizeof(torch_entries[0]); i++) {
+        const struct torch_entry *e = &torch_entries[i];
+        PyObject **field = (PyObject **)((char *)st + e->offset);
+        *field = e->attr == NULL ? PyImport_ImportModule(e->module)
+                 : e->optional   ? import_optional_attr(e->module, e->attr)
+                                 : import_attr(e->module, e->attr);
+        if (*field == NULL && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+static int
+intern_names(mp_state *st)
+{
+    struct { PyObject **field; const char *text; } names[] = {
+        {&st->str_shape, "shape"}, {&st->str_dtype, "dtype"}, {&st->str_device, "device"},
+        {&st->str_type, "type"}, {&st->str_index, "index"}, {&st->str_detach, "detach"},
+        {&st->str_unpack, "unpack"}, {&st->str_version, "_version"},
+        {&st->str_enter, "__enter__"}, {&st->str_exit, "__exit__"},
+        {&st->str_initialized, "_initialized"}, {&st->str_get_rng_state, "get_rng_state"},
+        {&st->str_set_rng_state, "set_rng_state"}, {&st->str_training, "training"},
+        {&st->str_track_running_stats, "track_running_stats"}, {&st->str_remove, "remove"},
+        {&st->str_cpu, "cpu"}, {&st->str_fields, "_fields"},
+        {&st->str_register_prehook, "register_prehook"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        *names[i].field = PyUnicode_InternFromString(names[i].text);
+        if (*names[i].field == NULL)
+            return -1;
+    }
+    return 0;
+}
+
+static int
+add_type(PyObject *module, PyType_Spec *spec, PyTypeObject **out)
+{
+    *out = (PyTypeObject *)PyType_FromModuleAndSpec(module, spec, NULL);
+    return *out ? 0 : -1;
+}
+
+static int
+module_exec(PyObject *module)
+{
+    mp_state *st = PyModule_GetState(module);
+    if (load_torch(st) < 0 || intern_names(st) < 0)
+        return -1;
+    st->autocast_available_cache = PyDict_New();
+    if (st->autocast_available_cache == NULL)
+        return -1;
+    if (add_type(module, &frame_spec, &st->frame_type) < 0 ||
+        add_type(module, &holder_spec, &st->holder_type) < 0 ||
+        add_type(module, &recompute_hook_spec, &st->recompute_hook_type) < 0 ||
+        add_type(module, &tree_slot_spec, &st->slot_type) < 0 ||
+        add_type(module, &tree_node_spec, &st->node_type) < 0)
+        return -1;
+    st->stop_recompute = PyErr_NewException("matepoint._C._StopRecomputation", NULL, NULL);
+    st->unpack_hook = PyCFunction_NewEx(&unpack_def, module, NULL);
+    st->identity = PyCFunction_NewEx(&identity_def, module, NULL);
+    st->bn_guard_hook = PyCFunction_NewEx(&bn_guard_def, module, NULL);
+    if (st->stop_recompute == NULL || st->unpack_hook == NULL || st->identity == NULL ||
+        st->bn_guard_hook == NULL)
+        return -1;
+    return PyModule_AddIntConstant(module, "HAS_SAVED_TENSOR", st->make_saved_tensor != NULL);
+}
+
+/* Visits (or clears) every PyObject * field of the state. */
+#define STATE_OBJECT_FIELDS(X)                                                                  \
+    X(tensor_type) X(parameter_type) X(is_grad_enabled) X(set_grad_enabled) X(push_hooks)      \
+    X(pop_hooks) X(make_saved_tensor) X(graph_task_id) X(graph_exec_group)                     \
+    X(function_mode_depth) X(function_mode_stack) X(device_context_type) X(cpu_rng_get)        \
+    X(cpu_rng_set) X(torch_module) X(autocast_type) X(autocast_available) X(autocast_enabled)   \
+    X(autocast_dtype) X(autocast_cache_enabled) X(default_device_type)                         \
+    X(torch_checkpoint_dict) X(noop_context_fn) X(debug_context_and_cb) X(checkpoint_error)    \
+    X(batchnorm_type) X(register_pre_hook) X(autocast_available_cache) X(str_shape)            \
+    X(str_dtype) X(str_device) X(str_type) X(str_index) X(str_detach) X(str_unpack)            \
+    X(str_version) X(str_enter) X(str_exit) X(str_initialized) X(str_get_rng_state)            \
+    X(str_set_rng_state) X(str_training) X(str_track_running_stats) X(str_remove) X(str_cpu)   \
+    X(str_fields) X(str_register_prehook) X(stop_recompute) X(bn_guard_hook) X(identity)       \
+    X(unpack_hook)
+
+#define STATE_TYPE_FIELDS(X) X(frame_type) X(holder_type) X(recompute_hook_type) X(slot_type) \
+    X(node_type)
+
+static int
+module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    mp_state *st = PyModule_GetState(module);
+    if (st == NULL)
+        return 0;
+#define VISIT(field) Py_VISIT(st->field);
+    STATE_OBJECT_FIELDS(VISIT)
+    STATE_TYPE_FIELDS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int
+module_clear(PyObject *module)
+{
+    mp_state *st = PyModule_GetState(module);
+    if (st == NULL)
+        return 0;
+#define CLEAR(field) Py_CLEAR(st->field);
+    STATE_OBJECT_FIELDS(CLEAR)
+    STATE_TYPE_FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void
+module_free(void *module)
+{
+    module_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "matepoint._C",
+    .m_doc = "C core of matepoint: checkpoint frames, saved-tensor hooks, recomputation.",
+    .m_size = sizeof(mp_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC
+PyInit__C(void)
+{
+    return PyModuleDef_Init(&module_def);
+}

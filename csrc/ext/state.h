@@ -1,0 +1,71 @@
+/* Module state of matepoint._C: the torch objects the extension calls and
+ * the types it defines.
+ *
+ * Ownership: every PyObject * here is a strong reference owned by the module
+ * and released in module_clear(). The struct is reached through the module
+ * object or through a type created by PyType_FromModuleAndSpec; nothing in it
+ * is a process-wide static. All access happens with the GIL held. */
+#ifndef MATEPOINT_EXT_STATE_H
+#define MATEPOINT_EXT_STATE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+typedef struct mp_state {
+    /* torch entry points, looked up once at import */
+    PyObject *tensor_type;              /* torch._C.TensorBase */
+    PyObject *parameter_type;           /* torch.nn.Parameter */
+    PyObject *is_grad_enabled;          /* torch._C.is_grad_enabled */
+    PyObject *set_grad_enabled;         /* torch._C._set_grad_enabled */
+    PyObject *push_hooks;               /* torch._C._autograd._push_saved_tensors_default_hooks */
+    PyObject *pop_hooks;                /* torch._C._autograd._pop_saved_tensors_default_hooks */
+    PyObject *make_saved_tensor;        /* torch._C._autograd._make_saved_tensor, or NULL */
+    PyObject *graph_task_id;            /* torch._C._current_graph_task_id */
+    PyObject *graph_exec_group;         /* torch._C._get_graph_exec_group, or NULL */
+    PyObject *function_mode_depth;      /* torch._C._len_torch_function_stack */
+    PyObject *function_mode_stack;      /* torch.overrides._get_current_function_mode_stack */
+    PyObject *device_context_type;      /* torch.utils._device.DeviceContext */
+    PyObject *cpu_rng_get;              /* torch.default_generator.get_state */
+    PyObject *cpu_rng_set;              /* torch.default_generator.set_state */
+    PyObject *torch_module;             /* torch */
+    PyObject *autocast_type;            /* torch.amp.autocast */
+    PyObject *autocast_available;       /* torch.amp.is_autocast_available */
+    PyObject *autocast_enabled;         /* torch.is_autocast_enabled */
+    PyObject *autocast_dtype;           /* torch.get_autocast_dtype */
+    PyObject *autocast_cache_enabled;   /* torch.is_autocast_cache_enabled */
+    PyObject *default_device_type;      /* torch.utils.checkpoint.DefaultDeviceType.get_device_type */
+    PyObject *torch_checkpoint_dict;    /* torch.utils.checkpoint.__dict__ (global switches) */
+    PyObject *noop_context_fn;          /* torch.utils.checkpoint.noop_context_fn */
+    PyObject *debug_context_and_cb;     /* torch.utils.checkpoint._get_debug_context_and_cb */
+    PyObject *checkpoint_error;         /* torch.utils.checkpoint.CheckpointError */
+    PyObject *batchnorm_type;           /* torch.nn.modules.batchnorm._BatchNorm */
+    PyObject *register_pre_hook;        /* torch.nn.modules.module.register_module_forward_pre_hook */
+    PyObject *autocast_available_cache; /* dict: device type str -> bool */
+
+    /* interned attribute names */
+    PyObject *str_shape, *str_dtype, *str_device, *str_type, *str_index;
+    PyObject *str_detach, *str_unpack, *str_version, *str_enter, *str_exit;
+    PyObject *str_initialized, *str_get_rng_state, *str_set_rng_state;
+    PyObject *str_training, *str_track_running_stats, *str_remove, *str_cpu;
+    PyObject *str_fields, *str_register_prehook;
+
+    /* types and objects defined here */
+    PyTypeObject *frame_type;
+    PyTypeObject *holder_type;
+    PyTypeObject *recompute_hook_type;
+    PyTypeObject *slot_type;
+    PyTypeObject *node_type;
+    PyObject *stop_recompute;           /* private exception ending a recompute early */
+    PyObject *bn_guard_hook;            /* C function registered while recomputing */
+    PyObject *identity;                 /* unpack hook of the recompute pass */
+    PyObject *unpack_hook;              /* unpack hook of the forward pass */
+
+    /* set once use_reentrant=True was warned about; GIL-protected */
+    int warned_reentrant;
+} mp_state;
+
+/* The state of the module that defined `type`; `type` must be one of ours. */
+mp_state *mp_state_from_type(PyTypeObject *type);
+
+#endif

@@ -1,0 +1,50 @@
+"""checkpoint_sequential: checkpoint a sequential model in segments."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, Union
+
+import torch
+
+from matepoint._C import checkpoint
+
+
+def _run_segment(functions: Sequence[Callable[[Any], Any]], start: int, end: int) -> Callable:
+    def forward(value: Any) -> Any:
+        for index in range(start, end + 1):
+            value = functions[index](value)
+        return value
+
+    return forward
+
+
+def checkpoint_sequential(
+    functions: Union[torch.nn.Sequential, Sequence[Callable[[Any], Any]]],
+    segments: int,
+    input: Any,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``functions`` one after the other, checkpointing ``segments`` chunks.
+
+    Same as ``torch.utils.checkpoint.checkpoint_sequential``: every segment but
+    the last is checkpointed, so only segment inputs are kept during forward.
+    ``preserve_rng_state`` is the only other keyword accepted.
+    """
+    preserve = kwargs.pop("preserve_rng_state", True)
+    if kwargs:
+        raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    if not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"checkpoint_sequential: segments must be a positive int, got {segments!r}")
+    segment_size = len(functions) // segments
+    end = -1
+    for start in range(0, segment_size * (segments - 1), segment_size):
+        end = start + segment_size - 1
+        input = checkpoint(
+            _run_segment(functions, start, end),
+            input,
+            use_reentrant=use_reentrant,
+            preserve_rng_state=preserve,
+        )
+    return _run_segment(functions, end + 1, len(functions) - 1)(input)

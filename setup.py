@@ -1,0 +1,24 @@
+"""Build script: the C extension matepoint._C (no torch headers, no CUDA needed)."""
+import os
+from glob import glob
+
+from setuptools import Extension, setup
+
+
+def c_flags() -> list[str]:
+    flags = ["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden"]
+    if os.environ.get("MATEPOINT_WERROR") == "1":
+        flags.append("-Werror")
+    if os.environ.get("MATEPOINT_DEBUG") == "1":
+        flags += ["-O0", "-g"]
+    return flags
+
+
+extension = Extension(
+    "matepoint._C",
+    sources=sorted(glob("csrc/ext/*.c")),
+    include_dirs=["csrc"],
+    extra_compile_args=c_flags(),
+)
+
+setup(ext_modules=[extension])
