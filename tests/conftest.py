@@ -1,0 +1,98 @@
+"""Shared models and helpers for the matepoint test-suite."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import pytest
+import torch
+import torch.nn as nn
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_hooks_left_behind():
+    """Every test must leave torch's saved-tensor hook stack as it found it."""
+    before = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    yield
+    after = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    assert after == before, "a saved-tensor hook was left installed"
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor, wrap: Callable) -> torch.Tensor:
+        for layer in self.layers:
+            x = wrap(layer, x)
+        return x
+
+
+class Transformer(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=64, dropout=0.2,
+                                       batch_first=True)
+            for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor, wrap: Callable) -> torch.Tensor:
+        for block in self.blocks:
+            x = wrap(block, x)
+        return x
+
+
+class CNN(nn.Module):
+    def __init__(self, channels: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
+                          nn.ReLU(), nn.Dropout2d(0.1))
+            for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor, wrap: Callable) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = wrap(block, x)
+        return x
+
+
+def no_checkpoint(fn: Callable, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def torch_checkpoint(fn: Callable, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def train_step(model: nn.Module, x: torch.Tensor, wrap: Callable, seed: int = 0
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward/backward; returns (output, [input grad, param grads..., buffers...])."""
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    out = model(x, wrap)
+    (out.float() ** 2).mean().backward()
+    grads = [x.grad] + [p.grad for p in model.parameters()]
+    return out.detach(), grads + [b.detach().clone() for b in model.buffers()]
+
+
+def assert_bitwise_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for index, (left, right) in enumerate(zip(a, b)):
+        assert left is not None and right is not None, f"missing tensor #{index}"
+        assert torch.equal(left, right), f"tensor #{index} differs"
