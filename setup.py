@@ -16,9 +16,10 @@ def c_flags() -> list[str]:
 
 extension = Extension(
     "matepoint._C",
-    sources=sorted(glob("csrc/ext/*.c")),
+    sources=sorted(glob("csrc/ext/*.c")) + sorted(glob("csrc/pool/*.c")) + ["csrc/cuda/cudart.c"],
     include_dirs=["csrc"],
     extra_compile_args=c_flags(),
+    libraries=["dl", "pthread"],
 )
 
 setup(ext_modules=[extension])

@@ -1,14 +1,69 @@
 """matepoint: activation checkpointing for PyTorch with a C core.
 
 ``from matepoint import checkpoint`` is a drop-in replacement for
-``torch.utils.checkpoint.checkpoint`` (non-reentrant semantics).
+``torch.utils.checkpoint.checkpoint`` (non-reentrant semantics) that also
+moves each checkpoint's inputs to pinned host memory after the forward pass
+and brings them back, prefetched, for the recompute in backward.
 """
 from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Dict
 
 import torch  # noqa: F401  (the C core looks torch up at import)
 
 from matepoint._C import checkpoint, is_recomputing
+from matepoint._C import empty_pool as _empty_pool
+from matepoint._C import pool_stats as _pool_stats
+from matepoint._options import Options, settings as _settings
 from matepoint._sequential import checkpoint_sequential
 
-__all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing"]
+__all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "set_options", "options",
+           "Options", "pool_stats", "empty_pool"]
 __version__ = "0.1.0"
+
+
+def set_options(**changes: Any) -> Options:
+    """Change matepoint's settings; returns the new ``matepoint.options``.
+
+    Accepts offload, pipeline, prefetch_depth, min_offload_bytes,
+    pool_limit_bytes and offload_cpu. An unknown name raises TypeError, a
+    bad value TypeError or ValueError, and nothing changes then.
+    """
+    return _settings.update(**changes)
+
+
+def pool_stats() -> Dict[str, Any]:
+    """Counters of the host pool that offloaded inputs live in.
+
+    bytes_in_use, bytes_requested, bytes_reserved, peak_bytes_in_use,
+    host_allocations, hits, misses, fallbacks (pageable memory used),
+    failures, blocks_in_use, backend ("cuda-pinned", "host" or "none"), and
+    prefetched / fetched_at_need: spans copied back ahead of time or on demand.
+    """
+    return _pool_stats()
+
+
+def empty_pool() -> None:
+    """Free the cached, unused buffers of the host pool."""
+    _empty_pool()
+
+
+class _Module(types.ModuleType):
+    """Module type giving ``options`` and the legacy ``NOPIPELINE`` flag."""
+
+    @property
+    def options(self) -> Options:
+        return _settings.current
+
+    @property
+    def NOPIPELINE(self) -> bool:  # noqa: N802 (name kept from the original matepoint)
+        return not _settings.current.pipeline
+
+    @NOPIPELINE.setter
+    def NOPIPELINE(self, value: bool) -> None:  # noqa: N802
+        _settings.update(pipeline=not value)
+
+
+sys.modules[__name__].__class__ = _Module

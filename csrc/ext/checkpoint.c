@@ -174,7 +174,7 @@ frame_new(mp_state *st, PyObject *module, PyObject *function)
     frame->module = Py_NewRef(module);
     frame->function = Py_NewRef(function);
     frame->args_template = frame->kwargs_template = NULL;
-    frame->saved = frame->versions = NULL;
+    frame->saved = frame->versions = frame->offload_group = frame->offload_records = NULL;
     frame->recompute_context = frame->error_cb = frame->recomputed_gids = NULL;
     memset(&frame->replay, 0, sizeof(frame->replay));
     frame->holders = NULL;
@@ -283,7 +283,8 @@ checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObjec
     if (out == NULL)
         goto done;
     frame->forward_completed = 1;
-    if (replay_check_forward(st, &frame->replay, preserve_rng) < 0) {
+    if (frame_finish_forward(frame) < 0 ||
+        replay_check_forward(st, &frame->replay, preserve_rng) < 0) {
         Py_CLEAR(out);
         goto done;
     }

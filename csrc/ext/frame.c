@@ -1,4 +1,5 @@
 #include "frame.h"
+#include "offload.h"
 #include "compat.h"
 #include "tree.h"
 
@@ -134,6 +135,8 @@ frame_traverse(Frame *self, visitproc visit, void *arg)
     Py_VISIT(self->kwargs_template);
     Py_VISIT(self->saved);
     Py_VISIT(self->versions);
+    Py_VISIT(self->offload_group);
+    Py_VISIT(self->offload_records);
     Py_VISIT(self->recompute_context);
     Py_VISIT(self->error_cb);
     Py_VISIT(self->recomputed_gids);
@@ -148,6 +151,8 @@ frame_clear(Frame *self)
     Py_CLEAR(self->kwargs_template);
     Py_CLEAR(self->saved);
     Py_CLEAR(self->versions);
+    Py_CLEAR(self->offload_group);
+    Py_CLEAR(self->offload_records);
     Py_CLEAR(self->recompute_context);
     Py_CLEAR(self->error_cb);
     Py_CLEAR(self->recomputed_gids);
@@ -185,49 +190,60 @@ PyType_Spec frame_spec = {
 
 /* ---- saving and restoring inputs ---------------------------------------- */
 
-static int
-append_version(mp_state *st, PyObject *versions, PyObject *tensor)
+static PyObject *
+list_of_none(Py_ssize_t n)
 {
-    PyObject *version = PyObject_GetAttr(tensor, st->str_version);
-    if (version == NULL)
-        return -1;
-    int result = PyList_Append(versions, version);
-    Py_DECREF(version);
-    return result;
+    PyObject *list = PyList_New(n);
+    for (Py_ssize_t i = 0; list != NULL && i < n; i++)
+        PyList_SET_ITEM(list, i, Py_NewRef(Py_None));
+    return list;
 }
 
-/* torch's SavedTensor keeps the input's version counter, so an in-place
- * change between forward and backward is caught even when the data lives
- * elsewhere. Without it (older torch) the frame keeps tensor and version. */
+/* Keeps one input as it is. torch's SavedTensor keeps the input's version
+ * counter, so an in-place change between forward and backward is caught;
+ * without it (older torch) the frame keeps tensor and version. */
+static int
+save_plain(Frame *frame, PyObject *tensor, Py_ssize_t i)
+{
+    mp_state *st = frame->st;
+    PyObject *saved;
+    if (st->make_saved_tensor != NULL) {
+        PyObject *call_args[2] = {tensor, Py_False};
+        saved = PyObject_Vectorcall(st->make_saved_tensor, call_args, 2, NULL);
+    } else {
+        PyObject *version = PyObject_GetAttr(tensor, st->str_version);
+        if (version == NULL || PyList_SetItem(frame->versions, i, version) < 0)
+            return -1;
+        saved = Py_NewRef(tensor);
+    }
+    return saved == NULL ? -1 : PyList_SetItem(frame->saved, i, saved);
+}
+
 int
 frame_save_inputs(Frame *frame, PyObject *tensors)
 {
     mp_state *st = frame->st;
     Py_ssize_t n = PyList_GET_SIZE(tensors);
-    frame->saved = PyList_New(n);
+    frame->saved = list_of_none(n);
     if (frame->saved == NULL)
         return -1;
-    if (st->make_saved_tensor == NULL) {
-        frame->versions = PyList_New(0);
-        if (frame->versions == NULL)
+    if (st->make_saved_tensor == NULL && (frame->versions = list_of_none(n)) == NULL)
+        return -1;
+    if (offload_save_inputs(st, frame->module, frame->function, tensors, frame->saved,
+                            &frame->offload_group, &frame->offload_records) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GET_ITEM(frame->saved, i) == Py_None &&
+            save_plain(frame, PyList_GET_ITEM(tensors, i), i) < 0)
             return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *tensor = PyList_GET_ITEM(tensors, i);
-        PyObject *saved;
-        if (st->make_saved_tensor != NULL) {
-            PyObject *call_args[2] = {tensor, Py_False};
-            saved = PyObject_Vectorcall(st->make_saved_tensor, call_args, 2, NULL);
-            if (saved == NULL)
-                return -1;
-        } else {
-            if (append_version(st, frame->versions, tensor) < 0)
-                return -1;
-            saved = Py_NewRef(tensor);
-        }
-        PyList_SET_ITEM(frame->saved, i, saved);
-    }
     return 0;
+}
+
+int
+frame_finish_forward(Frame *frame)
+{
+    return offload_check_forward(frame->st, frame->offload_records);
 }
 
 void
@@ -237,12 +253,14 @@ frame_drop_unneeded_inputs(Frame *frame)
         return;
     Py_CLEAR(frame->saved);
     Py_CLEAR(frame->versions);
+    Py_CLEAR(frame->offload_group);
+    Py_CLEAR(frame->offload_records);
     Py_CLEAR(frame->args_template);
     Py_CLEAR(frame->kwargs_template);
 }
 
-static PyObject *
-raise_modified_input(Py_ssize_t index)
+PyObject *
+checkpoint_raise_modified_input(Py_ssize_t index)
 {
     PyObject *cause = mp_take_exception();
     PyErr_Format(PyExc_RuntimeError,
@@ -273,33 +291,48 @@ is_inplace_error(PyObject *exc)
 }
 
 static PyObject *
+unpack_saved_tensor(mp_state *st, PyObject *saved, Py_ssize_t i)
+{
+    PyObject *tensor = PyObject_CallMethodNoArgs(saved, st->str_unpack);
+    if (tensor == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+        PyObject *exc = mp_take_exception();
+        int modified = is_inplace_error(exc);
+        mp_restore_exception(exc);
+        if (modified)
+            return checkpoint_raise_modified_input(i);
+    }
+    return tensor;
+}
+
+/* Without SavedTensor: compare the version the input had in forward with
+ * the one it has now (an offloaded input is checked while it is alive). */
+static int
+check_version(Frame *frame, PyObject *tensor, Py_ssize_t i)
+{
+    if (tensor == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *version = PyObject_GetAttr(tensor, frame->st->str_version);
+    if (version == NULL)
+        return -1;
+    int same = PyObject_RichCompareBool(version, PyList_GET_ITEM(frame->versions, i), Py_EQ);
+    Py_DECREF(version);
+    if (same == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "input version changed");
+        checkpoint_raise_modified_input(i);
+    }
+    return same == 1 ? 0 : -1;
+}
+
+static PyObject *
 restore_one_input(Frame *frame, Py_ssize_t i)
 {
     mp_state *st = frame->st;
     PyObject *saved = PyList_GET_ITEM(frame->saved, i);
-    if (frame->versions == NULL) {
-        PyObject *tensor = PyObject_CallMethodNoArgs(saved, st->str_unpack);
-        if (tensor == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
-            PyObject *exc = mp_take_exception();
-            int modified = is_inplace_error(exc);
-            mp_restore_exception(exc);
-            if (modified)
-                return raise_modified_input(i);
-        }
-        return tensor;
-    }
-    PyObject *version = PyObject_GetAttr(saved, st->str_version);
-    if (version == NULL)
-        return NULL;
-    int same = PyObject_RichCompareBool(version, PyList_GET_ITEM(frame->versions, i), Py_EQ);
-    Py_DECREF(version);
-    if (same < 0)
-        return NULL;
-    if (!same) {
-        PyErr_SetString(PyExc_RuntimeError, "input version changed");
-        return raise_modified_input(i);
-    }
-    return Py_NewRef(saved);
+    if (frame->versions == NULL)
+        return unpack_saved_tensor(st, saved, i);
+    if (offload_is_record(st, saved))
+        return offload_restore(st, saved);
+    return check_version(frame, saved, i) < 0 ? NULL : Py_NewRef(saved);
 }
 
 /* Rebuilds (args, kwargs) for the recompute from the saved inputs. */
@@ -312,12 +345,15 @@ frame_restore_inputs(Frame *frame, PyObject **args_out, PyObject **kwargs_out)
     *args_out = *kwargs_out = NULL;
     if (tensors == NULL)
         return -1;
+    if (offload_group_begin_restore(st, frame->offload_group) < 0)
+        goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *tensor = restore_one_input(frame, i);
         if (tensor == NULL)
             goto error;
         PyList_SET_ITEM(tensors, i, tensor);
     }
+    offload_group_end_restore(frame->offload_group);
     *args_out = tree_unflatten(st, frame->args_template, tensors);
     if (*args_out == NULL)
         goto error;
@@ -329,6 +365,7 @@ frame_restore_inputs(Frame *frame, PyObject **args_out, PyObject **kwargs_out)
     Py_DECREF(tensors);
     return 0;
 error:
+    offload_group_end_restore(frame->offload_group);
     Py_CLEAR(*args_out);
     Py_DECREF(tensors);
     return -1;

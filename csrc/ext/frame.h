@@ -24,7 +24,9 @@ typedef struct {
     PyObject *args_template;    /* tuple template (tree.h) */
     PyObject *kwargs_template;  /* dict template, or NULL */
     PyObject *saved;            /* list: SavedTensor, or tensor when torch lacks it */
-    PyObject *versions;         /* list of ints beside raw tensors, else NULL */
+    PyObject *versions;         /* input versions when torch lacks SavedTensor, else NULL */
+    PyObject *offload_group;    /* the inputs this frame offloaded (offload.h), or NULL */
+    PyObject *offload_records;  /* their records, or NULL */
     PyObject *recompute_context;
     PyObject *error_cb;         /* debug=True callback, or NULL */
     PyObject *recomputed_gids;  /* set of graph tasks already recomputed */
@@ -53,6 +55,10 @@ extern PyType_Spec recompute_hook_spec;
 PyObject *frame_unpack_hook(PyObject *module, PyObject *holder);
 /* Saves `tensors` (a list) as the frame's inputs. */
 int frame_save_inputs(Frame *frame, PyObject *tensors);
+/* After the forward: checks offloaded inputs were not changed meanwhile. */
+int frame_finish_forward(Frame *frame);
+/* Raises the error for an input changed in place; returns NULL. */
+PyObject *checkpoint_raise_modified_input(Py_ssize_t index);
 /* Frees what only a recompute would need, when nothing inside was saved. */
 void frame_drop_unneeded_inputs(Frame *frame);
 

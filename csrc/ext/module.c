@@ -2,6 +2,7 @@
 #include "checkpoint.h"
 #include "compat.h"
 #include "frame.h"
+#include "offload.h"
 #include "state.h"
 #include "tree.h"
 
@@ -39,7 +40,51 @@ PyDoc_STRVAR(checkpoint_doc,
 "non-reentrant semantics: the region is recomputed during backward when its\n"
 "saved tensors are first needed.");
 
+static PyObject *
+pool_stats(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    return offload_pool_stats(PyModule_GetState(module));
+}
+
+static PyObject *
+empty_pool(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    offload_empty_pool(PyModule_GetState(module));
+    Py_RETURN_NONE;
+}
+
+/* _configure(offload, pipeline, prefetch_depth, min_offload_bytes,
+ *            pool_limit_bytes, offload_cpu): values are validated by
+ * matepoint/_options.py; this only range-checks what C relies on. */
+static PyObject *
+configure(PyObject *module, PyObject *args)
+{
+    mp_state *st = PyModule_GetState(module);
+    int enabled, pipeline, depth, offload_cpu;
+    long long min_bytes;
+    unsigned long long limit;
+    if (!PyArg_ParseTuple(args, "ppiLKp:_configure", &enabled, &pipeline, &depth, &min_bytes,
+                          &limit, &offload_cpu))
+        return NULL;
+    if (depth < 0 || min_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "matepoint: prefetch_depth and min_offload_bytes "
+                                          "must not be negative");
+        return NULL;
+    }
+    offload_options *opts = offload_engine_options(st->engine);
+    *opts = (offload_options){.enabled = enabled, .pipeline = pipeline, .prefetch_depth = depth,
+                              .min_offload_bytes = min_bytes, .pool_limit_bytes = limit,
+                              .offload_cpu = offload_cpu};
+    offload_engine_apply_limit(st->engine);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"pool_stats", pool_stats, METH_NOARGS, "Counters of the pinned host pool, as a dict."},
+    {"empty_pool", empty_pool, METH_NOARGS, "Free cached, unused host pool buffers."},
+    {"_configure", configure, METH_VARARGS, NULL},
     {"checkpoint", (PyCFunction)(void (*)(void))checkpoint_call,
      METH_FASTCALL | METH_KEYWORDS, checkpoint_doc},
     {"is_recomputing", is_recomputing, METH_NOARGS,
@@ -49,6 +94,7 @@ static PyMethodDef module_methods[] = {
 
 /* Bound to the module at exec time and handed to torch as hooks. */
 static PyMethodDef unpack_def = {"_unpack_hook", frame_unpack_hook, METH_O, NULL};
+static PyMethodDef offload_unpack_def = {"_offload_unpack", offload_unpack_hook, METH_O, NULL};
 static PyMethodDef identity_def = {"_identity", identity, METH_O, NULL};
 static PyMethodDef bn_guard_def = {"_batchnorm_guard",
                                    (PyCFunction)(void (*)(void))frame_batchnorm_guard,
@@ -118,6 +164,13 @@ static const struct torch_entry torch_entries[] = {
     ENTRY(checkpoint_error, "torch.utils.checkpoint", "CheckpointError", 0),
     ENTRY(batchnorm_type, "torch.nn.modules.batchnorm", "_BatchNorm", 0),
     ENTRY(register_pre_hook, "torch.nn.modules.module", "register_module_forward_pre_hook", 0),
+    ENTRY(tensor_class, "torch", "Tensor", 0),
+    ENTRY(module_type, "torch.nn", "Module", 0),
+    ENTRY(top_hooks, "torch._C._autograd", "_top_saved_tensors_default_hooks", 0),
+    ENTRY(current_raw_stream, "torch._C", "_cuda_getCurrentRawStream", 1),
+    ENTRY(torch_empty, "torch", "empty", 0),
+    ENTRY(torch_empty_strided, "torch", "empty_strided", 0),
+    ENTRY(uint8_dtype, "torch", "uint8", 0),
 };
 
 static int
@@ -177,14 +230,24 @@ module_exec(PyObject *module)
         add_type(module, &holder_spec, &st->holder_type) < 0 ||
         add_type(module, &recompute_hook_spec, &st->recompute_hook_type) < 0 ||
         add_type(module, &tree_slot_spec, &st->slot_type) < 0 ||
-        add_type(module, &tree_node_spec, &st->node_type) < 0)
+        add_type(module, &tree_node_spec, &st->node_type) < 0 ||
+        add_type(module, &storage_copy_spec, &st->storage_copy_type) < 0 ||
+        add_type(module, &tensor_record_spec, &st->tensor_record_type) < 0 ||
+        add_type(module, &offload_group_spec, &st->offload_group_type) < 0 ||
+        add_type(module, &offload_packer_spec, &st->offload_packer_type) < 0)
         return -1;
+    st->engine = offload_engine_new();
+    if (st->engine == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     st->stop_recompute = PyErr_NewException("matepoint._C._StopRecomputation", NULL, NULL);
     st->unpack_hook = PyCFunction_NewEx(&unpack_def, module, NULL);
     st->identity = PyCFunction_NewEx(&identity_def, module, NULL);
+    st->offload_unpack = PyCFunction_NewEx(&offload_unpack_def, module, NULL);
     st->bn_guard_hook = PyCFunction_NewEx(&bn_guard_def, module, NULL);
     if (st->stop_recompute == NULL || st->unpack_hook == NULL || st->identity == NULL ||
-        st->bn_guard_hook == NULL)
+        st->bn_guard_hook == NULL || st->offload_unpack == NULL)
         return -1;
     return PyModule_AddIntConstant(module, "HAS_SAVED_TENSOR", st->make_saved_tensor != NULL);
 }
@@ -202,10 +265,12 @@ module_exec(PyObject *module)
     X(str_version) X(str_enter) X(str_exit) X(str_initialized) X(str_get_rng_state)            \
     X(str_set_rng_state) X(str_training) X(str_track_running_stats) X(str_remove) X(str_cpu)   \
     X(str_fields) X(str_register_prehook) X(stop_recompute) X(bn_guard_hook) X(identity)       \
-    X(unpack_hook)
+    X(unpack_hook) X(tensor_class) X(module_type) X(top_hooks) X(current_raw_stream)          \
+    X(torch_empty) X(torch_empty_strided) X(uint8_dtype) X(offload_unpack)
 
 #define STATE_TYPE_FIELDS(X) X(frame_type) X(holder_type) X(recompute_hook_type) X(slot_type) \
-    X(node_type)
+    X(node_type) X(storage_copy_type) X(tensor_record_type) X(offload_group_type)          \
+    X(offload_packer_type)
 
 static int
 module_traverse(PyObject *module, visitproc visit, void *arg)
@@ -236,6 +301,11 @@ module_clear(PyObject *module)
 static void
 module_free(void *module)
 {
+    mp_state *st = PyModule_GetState((PyObject *)module);
+    if (st != NULL && st->engine != NULL) {
+        offload_engine_free(st->engine);
+        st->engine = NULL;
+    }
     module_clear((PyObject *)module);
 }
 

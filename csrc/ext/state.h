@@ -42,6 +42,13 @@ typedef struct mp_state {
     PyObject *batchnorm_type;           /* torch.nn.modules.batchnorm._BatchNorm */
     PyObject *register_pre_hook;        /* torch.nn.modules.module.register_module_forward_pre_hook */
     PyObject *autocast_available_cache; /* dict: device type str -> bool */
+    PyObject *tensor_class;             /* torch.Tensor */
+    PyObject *module_type;              /* torch.nn.Module */
+    PyObject *top_hooks;                /* torch._C._autograd._top_saved_tensors_default_hooks */
+    PyObject *current_raw_stream;       /* torch._C._cuda_getCurrentRawStream, or NULL */
+    PyObject *torch_empty;              /* torch.empty */
+    PyObject *torch_empty_strided;      /* torch.empty_strided */
+    PyObject *uint8_dtype;              /* torch.uint8 */
 
     /* interned attribute names */
     PyObject *str_shape, *str_dtype, *str_device, *str_type, *str_index;
@@ -56,10 +63,18 @@ typedef struct mp_state {
     PyTypeObject *recompute_hook_type;
     PyTypeObject *slot_type;
     PyTypeObject *node_type;
+    PyTypeObject *storage_copy_type;
+    PyTypeObject *tensor_record_type;
+    PyTypeObject *offload_group_type;
+    PyTypeObject *offload_packer_type;
     PyObject *stop_recompute;           /* private exception ending a recompute early */
     PyObject *bn_guard_hook;            /* C function registered while recomputing */
     PyObject *identity;                 /* unpack hook of the recompute pass */
     PyObject *unpack_hook;              /* unpack hook of the forward pass */
+    PyObject *offload_unpack;           /* unpack hook of offloaded inputs */
+
+    /* offload engine and its options (offload.h); owned, freed with the module */
+    struct offload_engine *engine;
 
     /* set once use_reentrant=True was warned about; GIL-protected */
     int warned_reentrant;

@@ -1,0 +1,47 @@
+/* The few CUDA runtime entry points matepoint's extension needs, loaded at
+ * run time with dlopen so the module builds and imports without CUDA.
+ *
+ * cudart_load() returns the process-wide table, loading it on first use; it
+ * prefers the libcudart torch already loaded (one runtime in the process).
+ * It returns NULL when no runtime can be found; cudart_error() then says
+ * why. The table is immutable once loaded; loading is serialized by a
+ * pthread_once. Handles are the runtime's own (cudaStream_t, cudaEvent_t)
+ * carried as void *. Status codes: 0 is success. */
+#ifndef MATEPOINT_CUDART_H
+#define MATEPOINT_CUDART_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    CUDART_SUCCESS = 0,
+    CUDART_ERROR_NOT_READY = 600,
+    CUDART_MEMCPY_HOST_TO_DEVICE = 1,
+    CUDART_MEMCPY_DEVICE_TO_HOST = 2,
+    CUDART_HOST_ALLOC_PORTABLE = 1,
+    CUDART_EVENT_DISABLE_TIMING = 2,
+    CUDART_STREAM_NON_BLOCKING = 1,
+};
+
+typedef struct cudart {
+    int (*get_device_count)(int *count);
+    int (*get_device)(int *device);
+    int (*set_device)(int device);
+    int (*host_alloc)(void **ptr, size_t bytes, unsigned flags);
+    int (*free_host)(void *ptr);
+    int (*stream_create)(void **stream, unsigned flags);
+    int (*stream_destroy)(void *stream);
+    int (*stream_wait_event)(void *stream, void *event, unsigned flags);
+    int (*event_create)(void **event, unsigned flags);
+    int (*event_destroy)(void *event);
+    int (*event_record)(void *event, void *stream);
+    int (*event_query)(void *event);
+    int (*event_synchronize)(void *event);
+    int (*memcpy_async)(void *dst, const void *src, size_t bytes, int kind, void *stream);
+    const char *(*get_error_string)(int status);
+} cudart;
+
+const cudart *cudart_load(void);
+const char *cudart_error(void);
+
+#endif

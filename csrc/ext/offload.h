@@ -1,0 +1,75 @@
+/* Offload engine: moves checkpoint inputs to host pool buffers after they
+ * are saved and brings them back for the recompute, ahead of time.
+ *
+ * CUDA inputs are copied device-to-host on a per-device copy-out stream
+ * that first waits on an event recorded on the producing stream; the source
+ * storage stays referenced until the copy's event has completed. In
+ * backward, host-to-device copies run on a per-device copy-in stream and the
+ * compute stream waits on each copy's event before the data is used. With
+ * offload_cpu, CPU tensors take the same path with plain memcpy, so the
+ * bookkeeping is tested without a GPU.
+ *
+ * Inputs sharing a storage are copied once (the byte span the inputs
+ * cover), and every input comes back as a view with its exact size, stride,
+ * offset and dtype. A frame's inputs form an OffloadGroup; groups of a
+ * device are linked in creation order, which is the prefetch order in
+ * backward (reverse).
+ *
+ * Everything here runs with the GIL held, which guards the engine state;
+ * the pool has its own lock. */
+#ifndef MATEPOINT_EXT_OFFLOAD_H
+#define MATEPOINT_EXT_OFFLOAD_H
+
+#include "state.h"
+
+typedef struct {
+    int enabled;                /* offload CUDA inputs at all */
+    int pipeline;               /* prefetch; else copy back at need */
+    int prefetch_depth;         /* groups fetched ahead in backward */
+    int64_t min_offload_bytes;  /* smaller tensors stay where they are */
+    uint64_t pool_limit_bytes;  /* 0: no limit */
+    int offload_cpu;            /* test mode: CPU tensors go through the pool */
+} offload_options;
+
+typedef struct offload_engine offload_engine;
+
+offload_engine *offload_engine_new(void);
+/* Waits for copies in flight, frees the pool's cache. */
+void offload_engine_free(offload_engine *engine);
+offload_options *offload_engine_options(offload_engine *engine);
+int offload_engine_apply_limit(offload_engine *engine);
+
+/* Python: dict of pool counters; drop cached buffers. */
+PyObject *offload_pool_stats(mp_state *st);
+int offload_empty_pool(mp_state *st);
+
+/* Offloads the eligible ones among the region's input tensors: their slot
+ * in `saved` (a list as long as `tensors`) receives a SavedTensor over a
+ * record, or the record itself when torch lacks SavedTensor. Other slots
+ * are left alone. *group_out receives the frame's OffloadGroup and
+ * *records_out the list of records, or both NULL when nothing moved. */
+int offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject *tensors,
+                        PyObject *saved, PyObject **group_out, PyObject **records_out);
+/* After the forward: marks records whose input the region changed in place
+ * (their copy may be torn; restoring them raises). */
+int offload_check_forward(mp_state *st, PyObject *records);
+
+/* Before a recompute restores its inputs: fetch this group, prefetch the
+ * ones before it. After: release the group's staging tensors. */
+int offload_group_begin_restore(mp_state *st, PyObject *group);
+void offload_group_end_restore(PyObject *group);
+
+/* Is `obj` an offload record (saved directly when torch lacks SavedTensor)? */
+int offload_is_record(mp_state *st, PyObject *obj);
+/* Restores one record's tensor (the unpack hook's work); raises when the
+ * input was changed in place since it was saved. */
+PyObject *offload_restore(mp_state *st, PyObject *record);
+
+PyObject *offload_unpack_hook(PyObject *module, PyObject *record);
+
+extern PyType_Spec storage_copy_spec;
+extern PyType_Spec tensor_record_spec;
+extern PyType_Spec offload_group_spec;
+extern PyType_Spec offload_packer_spec;
+
+#endif

@@ -1,0 +1,84 @@
+/* Size-bucketed host memory pool for offloaded tensors.
+ *
+ * Sizes round up to size classes, eight per power of two, so a buffer wastes
+ * less than 12.5% of its request (requests below 2 KiB round up to 256-byte
+ * steps instead). Released buffers are cached per class and handed out again,
+ * so a training loop in steady state makes no new host allocations.
+ *
+ * Memory comes from a backend: pinned memory through the CUDA runtime, or
+ * plain aligned host memory (pool_host.c). When the backend fails or the
+ * byte limit would be passed, the pool first drops its cache and retries,
+ * then falls back to pageable memory that is freed on release, not cached.
+ *
+ * Ownership: the pool owns every buffer it made; a caller owns an acquired
+ * block until it calls pool_release(). Thread-safety: every function may be
+ * called from any thread; one mutex guards the pool. Units: bytes. */
+#ifndef MATEPOINT_POOL_H
+#define MATEPOINT_POOL_H
+
+#include <stdint.h>
+
+typedef struct {
+    /* Allocates `bytes` of host memory, NULL on failure. */
+    void *(*alloc)(void *ctx, uint64_t bytes);
+    void (*free)(void *ctx, void *ptr, uint64_t bytes);
+    void *ctx;
+    const char *name;           /* "cuda-pinned" or "host" */
+} pool_backend;
+
+typedef struct {
+    void *ptr;
+    uint64_t size;              /* class size actually reserved */
+    uint64_t requested;
+    uint8_t fallback;           /* pageable memory outside the cache */
+} pool_block;
+
+typedef struct {
+    uint64_t bytes_in_use;          /* class bytes of acquired blocks, fallbacks included */
+    uint64_t bytes_requested;       /* what callers asked for, of those */
+    uint64_t bytes_reserved;        /* backend memory held: in use plus cached */
+    uint64_t peak_bytes_in_use;
+    uint64_t host_allocations;      /* backend allocations made */
+    uint64_t hits;                  /* acquisitions served from the cache */
+    uint64_t misses;                /* acquisitions that needed a new buffer */
+    uint64_t fallbacks;             /* acquisitions served by pageable memory */
+    uint64_t failures;              /* acquisitions that got nothing */
+    uint64_t blocks_in_use;
+} pool_stats;
+
+typedef struct pool pool;
+
+/* NULL when out of memory. limit_bytes == 0 means no limit. */
+pool *pool_create(pool_backend backend, uint64_t limit_bytes);
+/* Frees cached buffers; blocks still acquired are the caller's leak. */
+void pool_destroy(pool *p);
+
+/* 0 on success; -1 when neither the backend nor pageable memory could
+ * serve it (the block is then zeroed). */
+int pool_acquire(pool *p, uint64_t bytes, pool_block *out);
+void pool_release(pool *p, pool_block *block);
+
+/* Frees every cached, unused buffer. */
+void pool_empty(pool *p);
+void pool_set_limit(pool *p, uint64_t limit_bytes);
+pool_stats pool_get_stats(pool *p);
+void pool_reset_peak(pool *p);
+const char *pool_backend_name(pool *p);
+
+/* Size class of a request: the bytes a buffer for it reserves. */
+uint64_t pool_class_size(uint64_t bytes);
+
+/* Backend over plain aligned host memory. capacity_bytes > 0 makes
+ * allocations fail past that many live bytes (tests inject failures so). */
+typedef struct {
+    uint64_t capacity_bytes;
+    uint64_t live_bytes;        /* guarded by the owning pool's mutex */
+} pool_host_ctx;
+
+pool_backend pool_host_backend(pool_host_ctx *ctx);
+
+/* Backend over pinned memory from a loaded CUDA runtime (pool_cuda.c). */
+struct cudart;
+pool_backend pool_cuda_backend(const struct cudart *rt);
+
+#endif

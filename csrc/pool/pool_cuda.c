@@ -1,0 +1,30 @@
+/* Pool backend over pinned (page-locked) memory from the CUDA runtime.
+ * Portable pinning, so one pool serves copies to and from every device. */
+#include "pool.h"
+#include "cuda/cudart.h"
+
+static void *
+pinned_alloc(void *ctx, uint64_t bytes)
+{
+    const cudart *rt = ctx;
+    void *ptr = NULL;
+    if (bytes > SIZE_MAX || rt->host_alloc(&ptr, (size_t)bytes, CUDART_HOST_ALLOC_PORTABLE) != 0)
+        return NULL;
+    return ptr;
+}
+
+static void
+pinned_free(void *ctx, void *ptr, uint64_t bytes)
+{
+    const cudart *rt = ctx;
+    (void)bytes;
+    /* a failure here leaves nothing to undo; the pool forgets the buffer */
+    (void)rt->free_host(ptr);
+}
+
+pool_backend
+pool_cuda_backend(const cudart *rt)
+{
+    return (pool_backend){.alloc = pinned_alloc, .free = pinned_free, .ctx = (void *)rt,
+                          .name = "cuda-pinned"};
+}

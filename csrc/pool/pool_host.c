@@ -1,0 +1,36 @@
+/* Pool backend over plain aligned host memory: used where CUDA is absent
+ * and by the unit tests, which give it a capacity to make it fail. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* posix_memalign under -std=c11 */
+#endif
+#include "pool.h"
+
+#include <stdlib.h>
+
+static void *
+host_alloc(void *ctx, uint64_t bytes)
+{
+    pool_host_ctx *host = ctx;
+    if (host->capacity_bytes != 0 && host->live_bytes + bytes > host->capacity_bytes)
+        return NULL;
+    void *ptr = NULL;
+    /* page alignment, as pinned memory has */
+    if (bytes > SIZE_MAX || posix_memalign(&ptr, 4096, (size_t)bytes) != 0)
+        return NULL;
+    host->live_bytes += bytes;
+    return ptr;
+}
+
+static void
+host_free(void *ctx, void *ptr, uint64_t bytes)
+{
+    pool_host_ctx *host = ctx;
+    host->live_bytes -= bytes;
+    free(ptr);
+}
+
+pool_backend
+pool_host_backend(pool_host_ctx *ctx)
+{
+    return (pool_backend){.alloc = host_alloc, .free = host_free, .ctx = ctx, .name = "host"};
+}

@@ -1,0 +1,101 @@
+"""matepoint's options: one immutable object, set through set_options() or
+MATEPOINT_<NAME> environment variables read at import."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Optional
+
+from matepoint import _C
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Current matepoint settings (read-only; change them with set_options).
+
+    offload: move inputs of checkpointed regions on CUDA devices to pinned
+        host memory after the forward pass.
+    pipeline: prefetch inputs of the next checkpoints during backward;
+        False copies them back only when the recompute needs them.
+    prefetch_depth: how many checkpoints ahead backward prefetches.
+    min_offload_bytes: smaller tensors stay on the device.
+    pool_limit_bytes: cap on pinned host memory (None: no cap); past it,
+        offloads use pageable memory.
+    offload_cpu: test mode; CPU tensors go through the host pool too.
+    """
+
+    offload: bool = True
+    pipeline: bool = True
+    prefetch_depth: int = 1
+    min_offload_bytes: int = 1 << 20
+    pool_limit_bytes: Optional[int] = None
+    offload_cpu: bool = False
+
+
+_FIELDS = {field.name: field for field in dataclasses.fields(Options)}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _check(name: str, value: Any) -> Any:
+    default = _FIELDS[name].default
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise TypeError(f"matepoint option {name} must be a bool, got {value!r}")
+        return value
+    if value is None and name == "pool_limit_bytes":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"matepoint option {name} must be an int, got {value!r}")
+    if value < 0 or (name == "pool_limit_bytes" and value == 0):
+        raise ValueError(f"matepoint option {name} must be positive, got {value}")
+    return value
+
+
+def _parse_env(name: str, text: str) -> Any:
+    variable = "MATEPOINT_" + name.upper()
+    default = _FIELDS[name].default
+    lowered = text.strip().lower()
+    if isinstance(default, bool):
+        if lowered in _TRUE | _FALSE:
+            return lowered in _TRUE
+        raise ValueError(f"{variable}={text!r}: expected one of 1/0, true/false, yes/no, on/off")
+    if name == "pool_limit_bytes" and lowered in {"", "none"}:
+        return None
+    try:
+        return _check(name, int(lowered, 0))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{variable}={text!r}: expected a non-negative integer") from error
+
+
+def options_from_env(environ: Mapping[str, str]) -> Options:
+    """Options with every MATEPOINT_<NAME> variable of ``environ`` applied."""
+    values = {name: _parse_env(name, environ["MATEPOINT_" + name.upper()])
+              for name in _FIELDS if "MATEPOINT_" + name.upper() in environ}
+    return Options(**values)
+
+
+class _Settings:
+    """Holds the current Options and pushes them into the C core."""
+
+    def __init__(self) -> None:
+        self.current = Options()
+
+    def apply(self, options: Options) -> None:
+        _C._configure(options.offload, options.pipeline, options.prefetch_depth,
+                      options.min_offload_bytes, options.pool_limit_bytes or 0,
+                      options.offload_cpu)
+        self.current = options
+
+    def update(self, **changes: Any) -> Options:
+        unknown = sorted(set(changes) - set(_FIELDS))
+        if unknown:
+            raise TypeError(f"unknown matepoint option(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(_FIELDS)}")
+        checked = {name: _check(name, value) for name, value in changes.items()}
+        self.apply(dataclasses.replace(self.current, **checked))
+        return self.current
+
+
+settings = _Settings()
+settings.apply(options_from_env(os.environ))

@@ -1,0 +1,178 @@
+/* Unit tests of the host pool (csrc/pool) on its host backend. */
+#include "pool/pool.h"
+#include "check.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void
+test_class_sizes_bound_waste(void)
+{
+    uint64_t previous = 0;
+    for (uint64_t bytes = 1; bytes < ((uint64_t)1 << 34); bytes = bytes * 9 / 8 + 1) {
+        uint64_t size = pool_class_size(bytes);
+        CHECK(size >= bytes);
+        CHECK(size >= previous);
+        CHECK(pool_class_size(size) == size);
+        CHECK(size % 256 == 0);
+        if (bytes > 2048)
+            CHECK((size - bytes) * 8 < bytes);
+        else
+            CHECK(size - bytes < 256);
+        previous = size;
+    }
+    CHECK(pool_class_size(0) == 256);
+    CHECK(pool_class_size(2049) == 2304);
+    CHECK(pool_class_size(4096) == 4096);
+    CHECK(pool_class_size(4097) == 4608);
+    CHECK(pool_class_size((1u << 20) + 1) == (1u << 20) + (1u << 17));
+}
+
+static void
+test_reuse_makes_no_new_allocations(void)
+{
+    pool_host_ctx ctx = {0};
+    pool *p = pool_create(pool_host_backend(&ctx), 0);
+    pool_block blocks[16];
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < 16; i++) {
+            CHECK(pool_acquire(p, (uint64_t)(i + 1) * 100000, &blocks[i]) == 0);
+            memset(blocks[i].ptr, i, blocks[i].requested);
+        }
+        for (int i = 0; i < 16; i++)
+            pool_release(p, &blocks[i]);
+    }
+    pool_stats stats = pool_get_stats(p);
+    CHECK(stats.host_allocations == 16);
+    CHECK(stats.hits == 32 && stats.misses == 16);
+    CHECK(stats.bytes_in_use == 0 && stats.bytes_requested == 0 && stats.blocks_in_use == 0);
+    CHECK(stats.bytes_reserved == ctx.live_bytes && stats.bytes_reserved > 0);
+    CHECK(stats.peak_bytes_in_use == stats.bytes_reserved);
+    pool_empty(p);
+    stats = pool_get_stats(p);
+    CHECK(stats.bytes_reserved == 0 && ctx.live_bytes == 0);
+    pool_destroy(p);
+}
+
+static void
+test_limit_falls_back_to_pageable_memory(void)
+{
+    pool_host_ctx ctx = {0};
+    pool *p = pool_create(pool_host_backend(&ctx), 1 << 20);
+    pool_block a, b;
+    CHECK(pool_acquire(p, 900 * 1024, &a) == 0 && !a.fallback);
+    uint64_t cached_size = a.size;
+    CHECK(pool_acquire(p, 900 * 1024, &b) == 0 && b.fallback);
+    memset(b.ptr, 1, b.requested);
+    pool_stats stats = pool_get_stats(p);
+    CHECK(stats.fallbacks == 1 && stats.bytes_reserved <= (1 << 20));
+    CHECK(stats.bytes_in_use == a.size + b.size);
+    pool_release(p, &b);
+    pool_release(p, &a);
+    stats = pool_get_stats(p);
+    CHECK(stats.bytes_in_use == 0 && stats.bytes_reserved == cached_size);
+    pool_destroy(p);
+    CHECK(ctx.live_bytes == 0);
+}
+
+static void
+test_backend_failure_drops_cache_then_falls_back(void)
+{
+    pool_host_ctx ctx = {.capacity_bytes = 3 << 20};
+    pool *p = pool_create(pool_host_backend(&ctx), 0);
+    pool_block small, large, third;
+    CHECK(pool_acquire(p, 2 << 20, &small) == 0 && !small.fallback);
+    pool_release(p, &small);   /* cached: 2 MiB held */
+    /* 2 MiB more do not fit beside the cached buffer: the cache is dropped */
+    CHECK(pool_acquire(p, 5 << 19, &large) == 0 && !large.fallback);
+    CHECK(pool_get_stats(p).bytes_reserved == large.size);
+    CHECK(pool_acquire(p, 2 << 20, &third) == 0 && third.fallback);
+    pool_release(p, &third);
+    pool_release(p, &large);
+    pool_stats stats = pool_get_stats(p);
+    CHECK(stats.fallbacks == 1 && stats.failures == 0 && stats.bytes_in_use == 0);
+    pool_set_limit(p, 1);      /* a limit below what is held drops the cache */
+    CHECK(pool_get_stats(p).bytes_reserved == 0);
+    pool_destroy(p);
+    CHECK(ctx.live_bytes == 0);
+}
+
+static void
+test_impossible_request_fails_cleanly(void)
+{
+    pool_host_ctx ctx = {.capacity_bytes = 1 << 20};
+    pool *p = pool_create(pool_host_backend(&ctx), 0);
+    pool_block block;
+    CHECK(pool_acquire(p, (uint64_t)1 << 62, &block) == -1);
+    CHECK(block.ptr == NULL);
+    pool_release(p, &block);   /* releasing an empty block is a no-op */
+    pool_stats stats = pool_get_stats(p);
+    CHECK(stats.failures == 1 && stats.bytes_in_use == 0 && stats.blocks_in_use == 0);
+    pool_destroy(p);
+}
+
+typedef struct {
+    pool *p;
+    unsigned seed;
+    int corrupted;
+} worker_args;
+
+static void *
+stress_worker(void *arg)
+{
+    worker_args *w = arg;
+    pool_block held[8] = {{0}};
+    for (int step = 0; step < 20000; step++) {
+        int slot = rand_r(&w->seed) % 8;
+        if (held[slot].ptr != NULL) {
+            unsigned char tag = (unsigned char)(slot + 1);
+            const unsigned char *bytes = held[slot].ptr;
+            if (bytes[0] != tag || bytes[held[slot].requested - 1] != tag)
+                w->corrupted = 1;
+            pool_release(w->p, &held[slot]);
+        } else {
+            uint64_t bytes = 1 + (uint64_t)(rand_r(&w->seed) % 300000);
+            if (pool_acquire(w->p, bytes, &held[slot]) == 0)
+                memset(held[slot].ptr, slot + 1, bytes);
+        }
+    }
+    for (int slot = 0; slot < 8; slot++)
+        pool_release(w->p, &held[slot]);
+    return NULL;
+}
+
+static void
+test_threads_share_the_pool_safely(void)
+{
+    pool_host_ctx ctx = {0};
+    pool *p = pool_create(pool_host_backend(&ctx), 8 << 20);
+    pthread_t threads[4];
+    worker_args args[4];
+    for (int i = 0; i < 4; i++) {
+        args[i] = (worker_args){.p = p, .seed = (unsigned)(i * 7919 + 1)};
+        pthread_create(&threads[i], NULL, stress_worker, &args[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(threads[i], NULL);
+        CHECK(!args[i].corrupted);
+    }
+    pool_stats stats = pool_get_stats(p);
+    CHECK(stats.bytes_in_use == 0 && stats.blocks_in_use == 0 && stats.bytes_requested == 0);
+    CHECK(stats.bytes_reserved == ctx.live_bytes);
+    CHECK(stats.misses == stats.host_allocations + stats.fallbacks + stats.failures);
+    pool_destroy(p);
+    CHECK(ctx.live_bytes == 0);
+}
+
+int
+main(void)
+{
+    test_class_sizes_bound_waste();
+    test_reuse_makes_no_new_allocations();
+    test_limit_falls_back_to_pageable_memory();
+    test_backend_failure_drops_cache_then_falls_back();
+    test_impossible_request_fails_cleanly();
+    test_threads_share_the_pool_safely();
+    return check_report("test_pool");
+}
