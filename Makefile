@@ -5,10 +5,38 @@ PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 export MATEPOINT_WERROR ?= 1
 
-.PHONY: test pytest install demo bench clean
+CC      ?= cc
+SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all
+CTEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c $(SANITIZE)
+# the failure tests ask for impossible sizes on purpose
+export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
+CTESTS  := build/ctest/test_pool
 
-test: install
+.PHONY: test ctest sanitize install demo bench clean
+
+test: ctest install sanitize
 	$(PY) -m pytest -q tests
+
+# The whole Python suite once more against an ASan/UBSan build of the
+# extension (CPython and torch stay uninstrumented; leaks are left to ctest).
+ASAN_BUILD := build/asan
+SANITIZER_PRELOAD = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libubsan.so)
+sanitize: install
+	CFLAGS="$(SANITIZE) -fno-omit-frame-pointer" LDFLAGS="$(SANITIZE)" MATEPOINT_DEBUG=1 \
+	  $(PY) setup.py -q build_ext --build-lib $(ASAN_BUILD) --build-temp $(ASAN_BUILD)-tmp
+	cp matepoint/*.py $(ASAN_BUILD)/matepoint/
+	cd $(ASAN_BUILD) && LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 \
+	  $(abspath $(PY)) -c "import matepoint._C as c; assert '$(ASAN_BUILD)' in c.__file__, c.__file__" && \
+	  LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 \
+	  $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(CURDIR)/tests
+
+# C unit tests under AddressSanitizer and UBSan
+ctest: $(CTESTS)
+	@for t in $(CTESTS); do $$t || exit 1; done
+
+build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool.h
+	@mkdir -p $(@D)
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c -lpthread
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

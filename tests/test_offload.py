@@ -335,3 +335,17 @@ def test_input_changed_inside_the_region_is_caught_with_offload(offload) -> None
     del hidden
     with pytest.raises(RuntimeError, match="input tensor #0 .* modified in place"):
         out.sum().backward()
+
+
+def test_input_stays_on_its_device_when_no_host_memory_at_all(offload) -> None:
+    import matepoint._C as core
+    x = torch.randn(16, requires_grad=True)
+    hidden = x * 1.0
+    core._fail_pool_acquires(1)
+    out = matepoint.checkpoint(lambda t: t.sin().exp(), hidden)
+    hidden_ref = weakref.ref(hidden)
+    del hidden
+    assert hidden_ref() is not None  # kept where it was: nothing is lost
+    assert stats()["bytes_in_use"] == 0
+    out.sum().backward()
+    assert torch.allclose(x.grad, (x.cos() * x.sin().exp()).detach())

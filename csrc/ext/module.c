@@ -81,7 +81,22 @@ configure(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+fail_pool_acquires(PyObject *module, PyObject *arg)
+{
+    long count = PyLong_AsLong(arg);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    if (count < 0 || count > 1000000) {
+        PyErr_SetString(PyExc_ValueError, "matepoint: count out of range");
+        return NULL;
+    }
+    offload_fail_next_acquires(PyModule_GetState(module), (int)count);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"_fail_pool_acquires", fail_pool_acquires, METH_O, "Tests: refuse the next N offloads."},
     {"pool_stats", pool_stats, METH_NOARGS, "Counters of the pinned host pool, as a dict."},
     {"empty_pool", empty_pool, METH_NOARGS, "Free cached, unused host pool buffers."},
     {"_configure", configure, METH_VARARGS, NULL},

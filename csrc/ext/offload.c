@@ -34,6 +34,7 @@ struct offload_engine {
     int warned_fallback;
     uint64_t prefetched;        /* spans copied back ahead of their recompute */
     uint64_t fetched_at_need;   /* spans copied back when the recompute asked */
+    int fail_next_acquires;     /* tests: make the pool refuse this many spans */
 };
 
 /* One storage span staged in a host buffer. */
@@ -642,6 +643,10 @@ inspect_input(mp_state *st, PyObject *tensor, PyObject *buffers, input_info *inf
 static int
 current_stream(mp_state *st, int index, void **stream)
 {
+    if (st->current_raw_stream == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "matepoint: this torch build has no CUDA streams");
+        return -1;
+    }
     PyObject *raw = PyObject_CallFunction(st->current_raw_stream, "i", index);
     if (raw == NULL)
         return -1;
@@ -746,7 +751,9 @@ offload_span(mp_state *st, PyObject *module, input_info *first, uint64_t lo, uin
     if (copy == NULL)
         return NULL;
     uint64_t fallbacks = pool_get_stats(engine->pool).fallbacks;
-    if (pool_acquire(engine->pool, hi - lo, &copy->block) < 0) {
+    int refused = engine->fail_next_acquires > 0;
+    engine->fail_next_acquires -= refused;
+    if (refused || pool_acquire(engine->pool, hi - lo, &copy->block) < 0) {
         Py_DECREF(copy);
         return Py_NewRef(Py_None);
     }
@@ -998,6 +1005,10 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
         Py_CLEAR(*group_out);
         goto done;
     }
+    if (PyList_GET_SIZE(*records_out) == 0) {   /* everything stayed where it was */
+        Py_CLEAR(*records_out);
+        Py_CLEAR(*group_out);
+    }
     result = 0;
 done:
     for (Py_ssize_t i = 0; i < n; i++)
@@ -1103,8 +1114,10 @@ offload_group_begin_restore(mp_state *st, PyObject *group_obj)
 {
     OffloadGroup *group = (OffloadGroup *)group_obj;
     offload_options *opts = &st->engine->options;
-    if (group == NULL)
+    if (group == NULL || group->device == NULL)
         return 0;
+    if (group->device->index >= 0 && poll_in_flight(st->engine, group->device) < 0)
+        return -1;
     if (fetch_group(st, group, 0) < 0)
         return -1;
     if (!opts->pipeline)
@@ -1249,6 +1262,12 @@ offload_pool_stats(mp_state *st)
         "misses", stats.misses, "fallbacks", stats.fallbacks, "failures", stats.failures,
         "blocks_in_use", stats.blocks_in_use, "backend",
         engine->pool == NULL ? "none" : pool_backend_name(engine->pool));
+}
+
+void
+offload_fail_next_acquires(mp_state *st, int count)
+{
+    st->engine->fail_next_acquires = count;
 }
 
 int

@@ -42,6 +42,8 @@ int offload_engine_apply_limit(offload_engine *engine);
 /* Python: dict of pool counters; drop cached buffers. */
 PyObject *offload_pool_stats(mp_state *st);
 int offload_empty_pool(mp_state *st);
+/* Tests: the next `count` spans find no host memory at all. */
+void offload_fail_next_acquires(mp_state *st, int count);
 
 /* Offloads the eligible ones among the region's input tensors: their slot
  * in `saved` (a list as long as `tensors`) receives a SavedTensor over a

@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* rand_r */
 /* Unit tests of the host pool (csrc/pool) on its host backend. */
 #include "pool/pool.h"
 #include "check.h"
