@@ -93,6 +93,7 @@ def test_pool_returns_to_zero_and_is_reused(cuda_offload) -> None:
             h = matepoint.checkpoint(b, h)
         h.sum().backward()
         del h
+    torch.cuda.synchronize()
     gc.collect()
     stats = matepoint.pool_stats()
     assert stats["host_allocations"] == allocations

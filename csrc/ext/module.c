@@ -51,7 +51,8 @@ static PyObject *
 empty_pool(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    offload_empty_pool(PyModule_GetState(module));
+    if (offload_empty_pool(PyModule_GetState(module)) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 

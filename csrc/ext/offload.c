@@ -1247,11 +1247,24 @@ offload_unpack_hook(PyObject *module, PyObject *record)
 
 /* ---- pool API ------------------------------------------------------------------- */
 
+/* Lets copies that have completed give their buffers back. */
+static int
+poll_all_devices(offload_engine *engine)
+{
+    for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
+        if (engine->cuda[i] != NULL && poll_in_flight(engine, engine->cuda[i]) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 PyObject *
 offload_pool_stats(mp_state *st)
 {
     offload_engine *engine = st->engine;
     pool_stats stats = {0};
+    if (poll_all_devices(engine) < 0)
+        return NULL;
     if (engine->pool != NULL)
         stats = pool_get_stats(engine->pool);
     return Py_BuildValue(
@@ -1273,6 +1286,8 @@ offload_fail_next_acquires(mp_state *st, int count)
 int
 offload_empty_pool(mp_state *st)
 {
+    if (poll_all_devices(st->engine) < 0)
+        return -1;
     if (st->engine->pool != NULL)
         pool_empty(st->engine->pool);
     return 0;
