@@ -10,7 +10,7 @@ SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all
 CTEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c $(SANITIZE)
 # the failure tests ask for impossible sizes on purpose
 export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
-CTESTS  := build/ctest/test_pool
+CTESTS  := build/ctest/test_pool build/ctest/test_alloc
 
 .PHONY: test ctest sanitize install demo bench clean
 
@@ -37,6 +37,10 @@ ctest: $(CTESTS)
 build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool.h
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c -lpthread
+
+build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc.h csrc/alloc/alloc_host.h
+	@mkdir -p $(@D)
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c -lpthread
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -1,0 +1,94 @@
+/* Caching device allocator: the algorithm, over a small backend interface.
+ *
+ * Memory comes from the backend in segments; requests are rounded to 512
+ * bytes and served best-fit from cached free blocks, splitting a larger
+ * block and coalescing free neighbours again. Requests of at most 1 MiB
+ * share 2 MiB segments (the small pool); larger ones use the large pool
+ * (20 MiB segments below 10 MiB, else the request rounded to 2 MiB).
+ *
+ * Reuse is stream-ordered: a block freed on stream S can be handed out again
+ * on S at once; on another stream only once an event recorded on S after
+ * the free has completed. Blocks used on more streams (alloc_record_stream)
+ * wait for events on all of them. When the backend is out of memory the
+ * allocator waits for pending events, releases cached segments and retries.
+ *
+ * Every allocation carries a tag (an opaque 64-bit region/phase id); live
+ * and peak bytes are kept per tag.
+ *
+ * Ownership: the allocator owns segments and blocks; a caller owns a pointer
+ * from alloc_malloc() until alloc_free(). Thread-safety: any function from
+ * any thread; one mutex per device. Units: bytes. */
+#ifndef MATEPOINT_ALLOC_H
+#define MATEPOINT_ALLOC_H
+
+#include <stdint.h>
+
+enum { ALLOC_OK = 0, ALLOC_OUT_OF_MEMORY = 1, ALLOC_ERROR = -1 };
+
+typedef struct {
+    /* ALLOC_OK with *ptr set, ALLOC_OUT_OF_MEMORY, or ALLOC_ERROR */
+    int (*device_malloc)(void *ctx, int device, uint64_t bytes, void **ptr);
+    void (*device_free)(void *ctx, int device, void *ptr, uint64_t bytes);
+    /* records a new event on `stream`; ALLOC_OK or ALLOC_ERROR */
+    int (*event_record)(void *ctx, int device, void *stream, void **event);
+    /* 1 completed, 0 pending, ALLOC_ERROR */
+    int (*event_query)(void *ctx, void *event);
+    void (*event_wait)(void *ctx, void *event);
+    void (*event_free)(void *ctx, void *event);
+    /* waits for all work on the device (a fallback when no event can be made) */
+    void (*device_synchronize)(void *ctx, int device);
+    void *ctx;
+} alloc_backend;
+
+typedef struct {
+    uint64_t allocated_bytes, peak_allocated_bytes;   /* block sizes handed out */
+    uint64_t requested_bytes;                         /* what callers asked for */
+    uint64_t reserved_bytes, peak_reserved_bytes;     /* segments held */
+    uint64_t mallocs, frees, cache_hits;
+    uint64_t device_allocs, device_frees;
+    uint64_t oom_retries, ooms;
+    uint64_t live_blocks;
+} alloc_stats;
+
+typedef struct {
+    uint64_t tag;
+    uint64_t live_bytes, peak_bytes, allocations;
+} alloc_tag_stats;
+
+typedef struct {
+    uint64_t requested;         /* bytes asked for by the failing call */
+    int device;
+    uint64_t reserved, allocated;
+} alloc_oom_info;
+
+typedef struct allocator allocator;
+
+allocator *alloc_create(alloc_backend backend, int device_count);
+/* Frees cached segments; live blocks are the caller's leak. */
+void alloc_destroy(allocator *a);
+
+/* NULL when out of memory (then alloc_last_oom() tells the numbers) or on a
+ * backend error. Size 0 is valid and gives a distinct pointer. */
+void *alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag);
+/* -1 when `ptr` is not a live allocation of `device`. */
+int alloc_free(allocator *a, void *ptr, int device);
+/* Marks a live block as used on `stream` too; -1 when unknown. */
+int alloc_record_stream(allocator *a, void *ptr, void *stream);
+/* Waits for pending frees and releases every segment with no live block. */
+void alloc_empty_cache(allocator *a);
+/* Caps reserved bytes of `device` (0: no cap). */
+void alloc_set_limit(allocator *a, int device, uint64_t limit_bytes);
+
+alloc_stats alloc_get_stats(allocator *a, int device);
+void alloc_reset_peaks(allocator *a);
+/* Copies up to `max` tag entries of `device` with live or peak bytes into
+ * `out`; returns how many there are in all. */
+int alloc_get_tag_stats(allocator *a, int device, alloc_tag_stats *out, int max);
+alloc_oom_info alloc_last_oom(allocator *a);
+/* Checks internal invariants of `device` (tests); 0 when they hold. */
+int alloc_check(allocator *a, int device);
+
+/* Rounding applied to a request (tests and reports). */
+uint64_t alloc_round_size(uint64_t size);
+
+#endif

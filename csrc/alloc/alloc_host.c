@@ -1,0 +1,126 @@
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* posix_memalign under -std=c11 */
+#endif
+#include "alloc_host.h"
+
+#include <stdlib.h>
+
+typedef struct {
+    alloc_host_stream *stream;
+    uint64_t mark;              /* work queued on the stream when recorded */
+} host_event;
+
+void
+alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes)
+{
+    ctx->capacity_bytes = capacity_bytes;
+    ctx->live_bytes = 0;
+    atomic_store(&ctx->live_events, 0);
+    pthread_mutex_init(&ctx->lock, NULL);
+}
+
+void
+alloc_host_submit(alloc_host_stream *stream)
+{
+    atomic_fetch_add(&stream->submitted, 1);
+}
+
+void
+alloc_host_complete(alloc_host_stream *stream)
+{
+    atomic_store(&stream->completed, atomic_load(&stream->submitted));
+}
+
+static int
+host_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
+{
+    alloc_host_ctx *host = ctx;
+    (void)device;
+    pthread_mutex_lock(&host->lock);
+    int refused = host->capacity_bytes != 0 && host->live_bytes + bytes > host->capacity_bytes;
+    if (!refused)
+        host->live_bytes += bytes;
+    pthread_mutex_unlock(&host->lock);
+    if (refused)
+        return ALLOC_OUT_OF_MEMORY;
+    if (bytes > SIZE_MAX || posix_memalign(ptr, 512, (size_t)bytes) != 0) {
+        pthread_mutex_lock(&host->lock);
+        host->live_bytes -= bytes;
+        pthread_mutex_unlock(&host->lock);
+        return ALLOC_OUT_OF_MEMORY;
+    }
+    return ALLOC_OK;
+}
+
+static void
+host_free(void *ctx, int device, void *ptr, uint64_t bytes)
+{
+    alloc_host_ctx *host = ctx;
+    (void)device;
+    pthread_mutex_lock(&host->lock);
+    host->live_bytes -= bytes;
+    pthread_mutex_unlock(&host->lock);
+    free(ptr);
+}
+
+static int
+host_event_record(void *ctx, int device, void *stream, void **event)
+{
+    alloc_host_ctx *host = ctx;
+    (void)device;
+    host_event *e = malloc(sizeof(*e));
+    if (e == NULL)
+        return ALLOC_ERROR;
+    e->stream = stream;
+    e->mark = stream ? atomic_load(&e->stream->submitted) : 0;
+    atomic_fetch_add(&host->live_events, 1);
+    *event = e;
+    return ALLOC_OK;
+}
+
+static int
+host_event_query(void *ctx, void *event)
+{
+    host_event *e = event;
+    (void)ctx;
+    return e->stream == NULL || atomic_load(&e->stream->completed) >= e->mark;
+}
+
+static void
+host_event_wait(void *ctx, void *event)
+{
+    host_event *e = event;
+    (void)ctx;
+    if (e->stream == NULL)
+        return;
+    uint64_t done = atomic_load(&e->stream->completed);
+    while (done < e->mark &&
+           !atomic_compare_exchange_weak(&e->stream->completed, &done, e->mark))
+        ;
+}
+
+static void
+host_event_free(void *ctx, void *event)
+{
+    alloc_host_ctx *host = ctx;
+    atomic_fetch_sub(&host->live_events, 1);
+    free(event);
+}
+
+static void
+host_synchronize(void *ctx, int device)
+{
+    (void)ctx;
+    (void)device;
+}
+
+alloc_backend
+alloc_host_backend(alloc_host_ctx *ctx)
+{
+    return (alloc_backend){
+        .device_malloc = host_malloc, .device_free = host_free,
+        .event_record = host_event_record, .event_query = host_event_query,
+        .event_wait = host_event_wait, .event_free = host_event_free,
+        .device_synchronize = host_synchronize, .ctx = ctx,
+    };
+}

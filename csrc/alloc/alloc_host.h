@@ -1,0 +1,35 @@
+/* Host backend of the allocator, for tests: "device memory" is aligned host
+ * memory (so tests can write patterns into blocks), and streams are
+ * counters the test drives. A stream handle is an alloc_host_stream *;
+ * NULL is a stream whose work is always complete.
+ *
+ * Thread-safety: counters are atomic; the context's byte count is guarded
+ * by its mutex. */
+#ifndef MATEPOINT_ALLOC_HOST_H
+#define MATEPOINT_ALLOC_HOST_H
+
+#include "alloc.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+typedef struct {
+    _Atomic uint64_t submitted;     /* work queued on the stream */
+    _Atomic uint64_t completed;     /* work finished */
+} alloc_host_stream;
+
+typedef struct {
+    uint64_t capacity_bytes;        /* 0: unlimited */
+    uint64_t live_bytes;
+    _Atomic int64_t live_events;
+    pthread_mutex_t lock;
+} alloc_host_ctx;
+
+void alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes);
+alloc_backend alloc_host_backend(alloc_host_ctx *ctx);
+
+/* Queue one unit of work on `stream`; finish all queued work. */
+void alloc_host_submit(alloc_host_stream *stream);
+void alloc_host_complete(alloc_host_stream *stream);
+
+#endif

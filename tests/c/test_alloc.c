@@ -1,0 +1,372 @@
+#define _GNU_SOURCE /* rand_r */
+/* Unit tests of the caching allocator (csrc/alloc) on its host backend. */
+#include "alloc/alloc.h"
+#include "alloc/alloc_host.h"
+#include "check.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MiB (1ull << 20)
+
+static allocator *
+make(alloc_host_ctx *ctx, uint64_t capacity, int devices)
+{
+    alloc_host_init(ctx, capacity);
+    return alloc_create(alloc_host_backend(ctx), devices);
+}
+
+static void
+finish(allocator *a, alloc_host_ctx *ctx)
+{
+    alloc_destroy(a);
+    CHECK(ctx->live_bytes == 0);
+    CHECK(atomic_load(&ctx->live_events) == 0);
+}
+
+static void
+test_rounding_and_size_zero(void)
+{
+    CHECK(alloc_round_size(0) == 512 && alloc_round_size(1) == 512);
+    CHECK(alloc_round_size(513) == 1024 && alloc_round_size(4096) == 4096);
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 1);
+    void *p = alloc_malloc(a, 0, 0, NULL, 0);
+    void *q = alloc_malloc(a, 0, 0, NULL, 0);
+    CHECK(p != NULL && q != NULL && p != q);
+    CHECK(alloc_get_stats(a, 0).allocated_bytes == 1024);
+    CHECK(alloc_free(a, p, 0) == 0 && alloc_free(a, q, 0) == 0);
+    CHECK(alloc_free(a, q, 0) == -1);        /* double free is refused */
+    CHECK(alloc_free(a, (void *)16, 0) == -1);
+    CHECK(alloc_malloc(a, 10, 7, NULL, 0) == NULL);   /* no such device */
+    CHECK(alloc_check(a, 0) == 0);
+    finish(a, &ctx);
+}
+
+static void
+test_split_and_coalesce(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 1);
+    char *x = alloc_malloc(a, 1000, 0, NULL, 0);
+    char *y = alloc_malloc(a, 3000, 0, NULL, 0);
+    char *z = alloc_malloc(a, 500, 0, NULL, 0);
+    CHECK(y == x + 1024 && z == y + 3072);    /* carved from one segment */
+    alloc_stats s = alloc_get_stats(a, 0);
+    CHECK(s.device_allocs == 1 && s.reserved_bytes == 2 * MiB && s.cache_hits == 2);
+    CHECK(alloc_check(a, 0) == 0);
+    alloc_free(a, y, 0);
+    CHECK(alloc_check(a, 0) == 0);
+    char *w = alloc_malloc(a, 2500, 0, NULL, 0);
+    CHECK(w == y);                            /* best fit: the hole left by y */
+    alloc_free(a, w, 0);
+    alloc_free(a, x, 0);
+    alloc_free(a, z, 0);
+    CHECK(alloc_check(a, 0) == 0);
+    s = alloc_get_stats(a, 0);
+    CHECK(s.allocated_bytes == 0 && s.live_blocks == 0 && s.requested_bytes == 0);
+    /* everything coalesced back: the whole segment serves one request */
+    char *whole = alloc_malloc(a, MiB, 0, NULL, 0);
+    char *other = alloc_malloc(a, MiB, 0, NULL, 0);
+    CHECK(whole == x && other == x + MiB && alloc_get_stats(a, 0).device_allocs == 1);
+    alloc_free(a, whole, 0);
+    alloc_free(a, other, 0);
+    alloc_empty_cache(a);
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 0 && ctx.live_bytes == 0);
+    finish(a, &ctx);
+}
+
+static void
+test_large_pool_sizes(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 1);
+    void *mid = alloc_malloc(a, 3 * MiB, 0, NULL, 0);
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 20 * MiB);
+    void *big = alloc_malloc(a, 25 * MiB + 1, 0, NULL, 0);   /* own segment, 2 MiB rounding */
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 20 * MiB + 26 * MiB);
+    void *again = alloc_malloc(a, 5 * MiB, 0, NULL, 0);   /* fits in the 20 MiB segment */
+    CHECK(alloc_get_stats(a, 0).device_allocs == 2 && again == (char *)mid + 3 * MiB);
+    alloc_free(a, mid, 0);
+    alloc_free(a, big, 0);
+    alloc_free(a, again, 0);
+    CHECK(alloc_check(a, 0) == 0);
+    finish(a, &ctx);
+}
+
+static void
+test_stream_ordered_reuse(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0}, s2 = {0}, s3 = {0};
+    allocator *a = make(&ctx, 0, 1);
+    void *p = alloc_malloc(a, 4096, 0, &s1, 0);
+    alloc_host_submit(&s1);                   /* a kernel uses p on s1 */
+    alloc_free(a, p, 0);
+    void *same = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(same == p);                         /* same stream: at once */
+    alloc_host_submit(&s1);
+    alloc_free(a, same, 0);
+    void *other = alloc_malloc(a, 4096, 0, &s2, 0);
+    CHECK(other != p);                        /* s1 is still busy with it */
+    CHECK(alloc_get_stats(a, 0).device_allocs == 2);
+    alloc_host_submit(&s2);
+    alloc_free(a, other, 0);
+    alloc_host_complete(&s1);
+    void *reused = alloc_malloc(a, 4096, 0, &s3, 0);
+    CHECK(reused == p);                       /* s1 finished, s2 not: s3 gets p */
+    CHECK(alloc_get_stats(a, 0).device_allocs == 2);
+    alloc_free(a, reused, 0);
+    CHECK(alloc_check(a, 0) == 0);
+    finish(a, &ctx);
+}
+
+static void
+test_record_stream_defers_reuse(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0}, s2 = {0};
+    allocator *a = make(&ctx, 0, 1);
+    void *p = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, p, &s2) == 0);
+    CHECK(alloc_record_stream(a, (void *)64, &s2) == -1);
+    alloc_host_submit(&s2);                   /* s2 reads p */
+    alloc_free(a, p, 0);
+    void *q = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(q != p);                            /* pending on s2's event */
+    CHECK(alloc_check(a, 0) == 0);
+    alloc_host_complete(&s2);
+    void *r = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(r == p);
+    alloc_free(a, q, 0);
+    alloc_free(a, r, 0);
+    CHECK(alloc_check(a, 0) == 0);
+    finish(a, &ctx);
+}
+
+static void
+test_out_of_memory_releases_cache_then_fails_cleanly(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 22 * MiB, 1);
+    void *small[6];
+    for (int i = 0; i < 6; i++)
+        small[i] = alloc_malloc(a, MiB, 0, NULL, 0);
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 6 * MiB);
+    for (int i = 0; i < 6; i++)
+        alloc_free(a, small[i], 0);
+    void *big = alloc_malloc(a, 4 * MiB, 0, NULL, 0);   /* needs a 20 MiB segment */
+    alloc_stats s = alloc_get_stats(a, 0);
+    CHECK(big != NULL && s.oom_retries == 1 && s.device_frees == 3);
+    CHECK(s.reserved_bytes == 20 * MiB && s.ooms == 0);
+    void *too_much = alloc_malloc(a, 30 * MiB, 0, NULL, 0);
+    CHECK(too_much == NULL);
+    alloc_oom_info oom = alloc_last_oom(a);
+    CHECK(oom.requested == 30 * MiB && oom.reserved == 20 * MiB && oom.allocated == 4 * MiB);
+    CHECK(alloc_get_stats(a, 0).ooms == 1);
+    alloc_free(a, big, 0);
+    alloc_set_limit(a, 0, 1 * MiB);
+    alloc_empty_cache(a);
+    CHECK(alloc_malloc(a, 600 * 1024, 0, NULL, 0) == NULL);   /* 2 MiB segment > limit */
+    alloc_set_limit(a, 0, 0);
+    CHECK(alloc_check(a, 0) == 0);
+    finish(a, &ctx);
+}
+
+static void
+test_tags_are_exact(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 2);
+    void *f1 = alloc_malloc(a, 1000, 0, NULL, 7);
+    void *f2 = alloc_malloc(a, 3000, 0, NULL, 7);
+    void *r1 = alloc_malloc(a, 512, 0, NULL, 9);
+    void *d1 = alloc_malloc(a, 100, 1, NULL, 7);   /* other device, own table */
+    alloc_tag_stats tags[8];
+    int n = alloc_get_tag_stats(a, 0, tags, 8);
+    CHECK(n == 2);
+    for (int i = 0; i < n; i++) {
+        if (tags[i].tag == 7)
+            CHECK(tags[i].live_bytes == 4096 && tags[i].peak_bytes == 4096 && tags[i].allocations == 2);
+        else
+            CHECK(tags[i].tag == 9 && tags[i].live_bytes == 512);
+    }
+    alloc_free(a, f1, 0);
+    alloc_free(a, f2, 0);
+    n = alloc_get_tag_stats(a, 0, tags, 8);
+    for (int i = 0; i < n; i++) {
+        if (tags[i].tag == 7)
+            CHECK(tags[i].live_bytes == 0 && tags[i].peak_bytes == 4096);
+    }
+    alloc_reset_peaks(a);
+    CHECK(alloc_get_tag_stats(a, 0, tags, 8) == 1);   /* tag 7 now has neither */
+    CHECK(alloc_get_stats(a, 0).peak_allocated_bytes == 512);
+    CHECK(alloc_get_tag_stats(a, 1, tags, 8) == 1 && tags[0].live_bytes == 512);
+    alloc_free(a, r1, 0);
+    alloc_free(a, d1, 1);
+    finish(a, &ctx);
+}
+
+typedef struct {
+    char *ptr;
+    uint64_t size;
+    unsigned char pattern;
+    int device;
+} live_alloc;
+
+static int
+ranges_overlap(live_alloc *live, int n)
+{
+    for (int i = 0; i < n; i++)
+        for (int j = i + 1; j < n; j++)
+            if (live[i].device == live[j].device && live[i].ptr < live[j].ptr + live[j].size &&
+                live[j].ptr < live[i].ptr + live[i].size)
+                return 1;
+    return 0;
+}
+
+static int
+pattern_intact(const live_alloc *l)
+{
+    return l->size == 0 || (l->ptr[0] == (char)l->pattern && l->ptr[l->size - 1] == (char)l->pattern &&
+                            l->ptr[l->size / 2] == (char)l->pattern);
+}
+
+static void
+test_randomized_operations_keep_invariants(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 200 * MiB, 2);
+    alloc_host_stream streams[3] = {{0}};
+    live_alloc live[64];
+    int n = 0, bad_pattern = 0, bad_check = 0;
+    unsigned seed = 12345;
+    for (int step = 0; step < 6000; step++) {
+        int op = rand_r(&seed) % 10;
+        alloc_host_stream *stream = &streams[rand_r(&seed) % 3];
+        if (op < 5 && n < 64) {
+            uint64_t sizes[] = {0, 1, 700, 4096, 100000, MiB, 3 * MiB, 12 * MiB};
+            uint64_t size = sizes[rand_r(&seed) % 8] + (uint64_t)(rand_r(&seed) % 3000);
+            int device = rand_r(&seed) % 2;
+            char *p = alloc_malloc(a, size, device, stream, (uint64_t)(rand_r(&seed) % 4));
+            if (p != NULL) {
+                live[n] = (live_alloc){p, size, (unsigned char)(step & 0xff), device};
+                memset(p, live[n].pattern, size);
+                n++;
+            }
+        } else if (op < 8 && n > 0) {
+            int i = rand_r(&seed) % n;
+            bad_pattern += !pattern_intact(&live[i]);
+            alloc_host_submit(stream);
+            CHECK(alloc_free(a, live[i].ptr, live[i].device) == 0);
+            live[i] = live[--n];
+        } else if (op == 8 && n > 0) {
+            int i = rand_r(&seed) % n;
+            CHECK(alloc_record_stream(a, live[i].ptr, stream) == 0);
+            alloc_host_submit(stream);
+        } else {
+            alloc_host_complete(stream);
+        }
+        if (step % 50 == 0) {
+            bad_check += alloc_check(a, 0) != 0 || alloc_check(a, 1) != 0;
+            bad_check += ranges_overlap(live, n);
+        }
+    }
+    CHECK(bad_pattern == 0);
+    CHECK(bad_check == 0);
+    for (int i = 0; i < n; i++) {
+        bad_pattern += !pattern_intact(&live[i]);
+        alloc_free(a, live[i].ptr, live[i].device);
+    }
+    CHECK(bad_pattern == 0);
+    for (int i = 0; i < 3; i++)
+        alloc_host_complete(&streams[i]);
+    alloc_empty_cache(a);
+    for (int d = 0; d < 2; d++) {
+        alloc_stats s = alloc_get_stats(a, d);
+        CHECK(s.allocated_bytes == 0 && s.reserved_bytes == 0 && s.live_blocks == 0);
+        CHECK(s.mallocs == s.frees);
+        CHECK(alloc_check(a, d) == 0);
+    }
+    CHECK(ctx.live_bytes == 0);
+    finish(a, &ctx);
+}
+
+typedef struct {
+    allocator *a;
+    alloc_host_stream stream;
+    unsigned seed;
+    int corrupted;
+} worker;
+
+static void *
+stress_worker(void *arg)
+{
+    worker *w = arg;
+    live_alloc live[16];
+    int n = 0;
+    for (int step = 0; step < 5000; step++) {
+        if (n < 16 && rand_r(&w->seed) % 2) {
+            uint64_t size = (uint64_t)(rand_r(&w->seed) % (3 * MiB));
+            char *p = alloc_malloc(w->a, size, 0, &w->stream, 1);
+            if (p != NULL) {
+                live[n] = (live_alloc){p, size, (unsigned char)(w->seed & 0xff), 0};
+                memset(p, live[n].pattern, size);
+                n++;
+            }
+        } else if (n > 0) {
+            int i = rand_r(&w->seed) % n;
+            w->corrupted |= !pattern_intact(&live[i]);
+            alloc_host_submit(&w->stream);
+            alloc_free(w->a, live[i].ptr, 0);
+            live[i] = live[--n];
+            if (step % 7 == 0)
+                alloc_host_complete(&w->stream);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        w->corrupted |= !pattern_intact(&live[i]);
+        alloc_free(w->a, live[i].ptr, 0);
+    }
+    alloc_host_complete(&w->stream);
+    return NULL;
+}
+
+static void
+test_threads_stress(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 1);
+    pthread_t threads[4];
+    worker workers[4];
+    for (int i = 0; i < 4; i++) {
+        workers[i] = (worker){.a = a, .seed = (unsigned)(i + 1) * 2654435761u};
+        pthread_create(&threads[i], NULL, stress_worker, &workers[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(threads[i], NULL);
+        CHECK(!workers[i].corrupted);
+    }
+    alloc_stats s = alloc_get_stats(a, 0);
+    CHECK(s.allocated_bytes == 0 && s.live_blocks == 0 && s.mallocs == s.frees);
+    CHECK(alloc_check(a, 0) == 0);
+    alloc_empty_cache(a);
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 0);
+    finish(a, &ctx);
+}
+
+int
+main(void)
+{
+    test_rounding_and_size_zero();
+    test_split_and_coalesce();
+    test_large_pool_sizes();
+    test_stream_ordered_reuse();
+    test_record_stream_defers_reuse();
+    test_out_of_memory_releases_cache_then_fails_cleanly();
+    test_tags_are_exact();
+    test_randomized_operations_keep_invariants();
+    test_threads_stress();
+    return check_report("test_alloc");
+}
