@@ -22,4 +22,15 @@ extension = Extension(
     libraries=["dl", "pthread"],
 )
 
-setup(ext_modules=[extension])
+# The CUDA caching allocator: a plain shared library (no Python module) that
+# torch loads by path. It reaches the CUDA runtime through dlopen, so it
+# builds on machines without CUDA too.
+allocator = Extension(
+    "matepoint._alloc",
+    sources=sorted(glob("csrc/alloc/*.c")) + ["csrc/cuda/cudart.c"],
+    include_dirs=["csrc"],
+    extra_compile_args=c_flags(),
+    libraries=["dl", "pthread"],
+)
+
+setup(ext_modules=[extension, allocator])

@@ -16,11 +16,14 @@ import torch  # noqa: F401  (the C core looks torch up at import)
 from matepoint._C import checkpoint, is_recomputing
 from matepoint._C import empty_pool as _empty_pool
 from matepoint._C import pool_stats as _pool_stats
+from matepoint._allocator import (empty_cache, install_allocator, memory_report, memory_stats,
+                                  reset_peak_memory_stats)
 from matepoint._options import Options, settings as _settings
 from matepoint._sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "set_options", "options",
-           "Options", "pool_stats", "empty_pool"]
+           "Options", "pool_stats", "empty_pool", "install_allocator", "memory_stats",
+           "reset_peak_memory_stats", "empty_cache", "memory_report"]
 __version__ = "0.1.0"
 
 

@@ -68,6 +68,11 @@ load(void)
         {(void **)&runtime.event_synchronize, "cudaEventSynchronize"},
         {(void **)&runtime.memcpy_async, "cudaMemcpyAsync"},
         {(void **)&runtime.get_error_string, "cudaGetErrorString"},
+        {(void **)&runtime.malloc, "cudaMalloc"},
+        {(void **)&runtime.free, "cudaFree"},
+        {(void **)&runtime.mem_get_info, "cudaMemGetInfo"},
+        {(void **)&runtime.device_synchronize, "cudaDeviceSynchronize"},
+        {(void **)&runtime.get_last_error, "cudaGetLastError"},
     };
     for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
         if (!resolve(handle, symbols[i].slot, symbols[i].name))

@@ -15,6 +15,7 @@
 
 enum {
     CUDART_SUCCESS = 0,
+    CUDART_ERROR_MEMORY_ALLOCATION = 2,
     CUDART_ERROR_NOT_READY = 600,
     CUDART_MEMCPY_HOST_TO_DEVICE = 1,
     CUDART_MEMCPY_DEVICE_TO_HOST = 2,
@@ -38,6 +39,11 @@ typedef struct cudart {
     int (*event_query)(void *event);
     int (*event_synchronize)(void *event);
     int (*memcpy_async)(void *dst, const void *src, size_t bytes, int kind, void *stream);
+    int (*malloc)(void **ptr, size_t bytes);
+    int (*free)(void *ptr);
+    int (*mem_get_info)(size_t *free_bytes, size_t *total_bytes);
+    int (*device_synchronize)(void);
+    int (*get_last_error)(void);
     const char *(*get_error_string)(int status);
 } cudart;
 

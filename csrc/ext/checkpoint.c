@@ -179,6 +179,7 @@ frame_new(mp_state *st, PyObject *module, PyObject *function)
     memset(&frame->replay, 0, sizeof(frame->replay));
     frame->holders = NULL;
     frame->n_holders = frame->cap_holders = 0;
+    frame->region_id = ++st->next_region_id;
     frame->early_stop = frame->check_metadata = 0;
     frame->forward_completed = frame->ignore_saved_mismatch = 0;
     PyObject_GC_Track(frame);
@@ -279,7 +280,9 @@ checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObjec
     if (resolve_contexts(st, opts, &forward, &frame->recompute_context, &frame->error_cb) < 0 ||
         frame_capture(frame, args, fn_kwargs, preserve_rng) < 0)
         goto done;
+    uint64_t outer_tag = alloc_link_tag(&st->alloc, alloc_region_tag(frame->region_id, TAG_FORWARD));
     out = run_forward(st, frame, forward, args, fn_kwargs);
+    alloc_link_tag(&st->alloc, outer_tag);
     if (out == NULL)
         goto done;
     frame->forward_completed = 1;

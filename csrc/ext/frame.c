@@ -727,7 +727,10 @@ frame_recompute(Frame *frame, PyObject *gid)
 
     recompute_depth++;
     recompute_bn_modules = bn_modules;
+    uint64_t outer_tag =
+        alloc_link_tag(&st->alloc, alloc_region_tag(frame->region_id, TAG_RECOMPUTE));
     PyObject *out = PyObject_Call(frame->function, args, kwargs);
+    alloc_link_tag(&st->alloc, outer_tag);
     recompute_bn_modules = outer_bn_modules;
     recompute_depth--;
     Py_XDECREF(out);

@@ -33,6 +33,7 @@ typedef struct {
     replay_state replay;
     Holder **holders;           /* borrowed; a dead holder leaves NULL */
     Py_ssize_t n_holders, cap_holders;
+    uint64_t region_id;         /* names the region's allocations (alloc_link.h) */
     char early_stop;
     char check_metadata;
     char forward_completed;

@@ -1,4 +1,5 @@
 /* matepoint._C: module definition, multi-phase init and module state. */
+#include "alloc_link.h"
 #include "checkpoint.h"
 #include "compat.h"
 #include "frame.h"
@@ -101,6 +102,10 @@ static PyMethodDef module_methods[] = {
     {"pool_stats", pool_stats, METH_NOARGS, "Counters of the pinned host pool, as a dict."},
     {"empty_pool", empty_pool, METH_NOARGS, "Free cached, unused host pool buffers."},
     {"_configure", configure, METH_VARARGS, NULL},
+    {"_attach_allocator", alloc_link_attach, METH_O, NULL},
+    {"_allocator_stats", alloc_link_stats, METH_NOARGS, NULL},
+    {"_allocator_reset_peaks", alloc_link_reset_peaks, METH_NOARGS, NULL},
+    {"_allocator_empty_cache", alloc_link_empty_cache, METH_NOARGS, NULL},
     {"checkpoint", (PyCFunction)(void (*)(void))checkpoint_call,
      METH_FASTCALL | METH_KEYWORDS, checkpoint_doc},
     {"is_recomputing", is_recomputing, METH_NOARGS,

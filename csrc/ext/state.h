@@ -12,6 +12,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "alloc_link.h"
+
 typedef struct mp_state {
     /* torch entry points, looked up once at import */
     PyObject *tensor_type;              /* torch._C.TensorBase */
@@ -75,6 +77,10 @@ typedef struct mp_state {
 
     /* offload engine and its options (offload.h); owned, freed with the module */
     struct offload_engine *engine;
+
+    /* allocator library entry points once attached (alloc_link.h) */
+    struct alloc_link alloc;
+    uint64_t next_region_id;            /* numbers checkpointed regions for tags */
 
     /* set once use_reentrant=True was warned about; GIL-protected */
     int warned_reentrant;

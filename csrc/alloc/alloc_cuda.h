@@ -1,0 +1,13 @@
+/* CUDA runtime backend of the allocator (csrc/cuda/cudart.h loads the
+ * runtime). Device calls switch to the block's device and back. A failed
+ * cudaMalloc's error is cleared, so torch's later error checks do not see
+ * it. Thread-safety: stateless apart from the runtime table. */
+#ifndef MATEPOINT_ALLOC_CUDA_H
+#define MATEPOINT_ALLOC_CUDA_H
+
+#include "alloc.h"
+
+struct cudart;
+alloc_backend alloc_cuda_backend(const struct cudart *rt);
+
+#endif

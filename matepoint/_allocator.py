@@ -1,0 +1,110 @@
+"""matepoint's CUDA caching allocator: install it, read its statistics."""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from typing import Any, Dict, List
+
+import torch
+
+from matepoint import _C
+
+_PHASES = {0: "other", 1: "forward", 2: "recompute"}
+# optional hooks torch's CUDAPluggableAllocator lets us register, by entry point
+_HOOKS = {
+    "set_init_fn": "matepoint_init",
+    "set_reset_fn": "matepoint_reset",
+    "set_record_stream_fn": "matepoint_record_stream",
+    "set_memory_fraction_fn": "matepoint_set_memory_fraction",
+}
+_installed = False
+
+
+def allocator_path() -> str:
+    """Path of the allocator's shared library inside the installed package."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    matches = sorted(glob.glob(os.path.join(here, "_alloc*.so")))
+    if not matches:
+        raise RuntimeError(f"matepoint was built without its allocator library (no _alloc*.so in {here})")
+    return matches[0]
+
+
+def install_allocator() -> None:
+    """Make matepoint's allocator torch's CUDA allocator for this process.
+
+    Call it at program start, before anything touches CUDA memory. Under it,
+    torch.cuda.memory_allocated()/memory_stats() raise (torch cannot see
+    inside a pluggable allocator): use matepoint.memory_stats() instead.
+    Calling it again once installed does nothing.
+    """
+    global _installed
+    if _installed:
+        return
+    if not torch.cuda.is_available():
+        raise RuntimeError("matepoint.install_allocator: CUDA is not available in this process")
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "matepoint.install_allocator must run before CUDA is first used: CUDA is already "
+            "initialized here, so torch's own allocator may hold memory")
+    path = allocator_path()
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "matepoint_malloc", "matepoint_free")
+    library = ctypes.CDLL(path)
+    for setter, entry in _HOOKS.items():
+        register = getattr(pluggable._allocator, setter, None)
+        if register is not None:
+            register(ctypes.cast(getattr(library, entry), ctypes.c_void_p).value)
+    torch.cuda.memory.change_current_allocator(pluggable)
+    _C._attach_allocator(path)
+    _installed = True
+
+
+def _tag_rows(tags: List[tuple]) -> List[Dict[str, Any]]:
+    return [{"region": tag >> 2, "phase": _PHASES.get(tag & 3, "other"), "live_bytes": live,
+             "peak_bytes": peak, "allocations": count}
+            for tag, live, peak, count in sorted(tags)]
+
+
+def memory_stats(device: int = 0) -> Dict[str, Any]:
+    """Memory of matepoint's allocator on ``device``.
+
+    allocated/reserved bytes (current and peak), requested bytes, counts of
+    mallocs, frees, cache hits, device allocations and frees, OOM retries,
+    and ``tags``: live and peak bytes per checkpointed region and phase
+    (region 0 is memory allocated outside any checkpoint).
+    """
+    per_device = _C._allocator_stats()
+    if not 0 <= device < len(per_device):
+        raise ValueError(f"matepoint.memory_stats: no device {device} (have {len(per_device)})")
+    stats = dict(per_device[device])
+    stats["tags"] = _tag_rows(stats["tags"])
+    return stats
+
+
+def reset_peak_memory_stats() -> None:
+    """Start peak counts (device and per tag) again from the current values."""
+    _C._allocator_reset_peaks()
+
+
+def empty_cache() -> None:
+    """Give every cached, unused segment back to the device."""
+    _C._allocator_empty_cache()
+
+
+def memory_report(device: int = 0) -> str:
+    """A table of memory per checkpointed region: peak bytes in forward and
+    recompute, bytes still live, with totals first."""
+    stats = memory_stats(device)
+    mib = 1 << 20
+    lines = [
+        f"matepoint allocator, device {device}: allocated {stats['allocated_bytes'] / mib:.1f} MiB "
+        f"(peak {stats['peak_allocated_bytes'] / mib:.1f}), reserved "
+        f"{stats['reserved_bytes'] / mib:.1f} MiB (peak {stats['peak_reserved_bytes'] / mib:.1f}), "
+        f"{stats['cache_hits']}/{stats['mallocs']} cache hits, {stats['oom_retries']} OOM retries",
+        f"{'region':>8} {'phase':>10} {'peak MiB':>10} {'live MiB':>10} {'allocs':>8}",
+    ]
+    for row in stats["tags"]:
+        name = "outside" if row["region"] == 0 else str(row["region"])
+        lines.append(f"{name:>8} {row['phase']:>10} {row['peak_bytes'] / mib:>10.2f} "
+                     f"{row['live_bytes'] / mib:>10.2f} {row['allocations']:>8}")
+    return "\n".join(lines)
