@@ -12,9 +12,9 @@ CTEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c $(SANITIZ
 export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc
 
-.PHONY: test ctest sanitize install demo bench clean
+.PHONY: test ctest fuzz valgrind sanitize install demo bench clean
 
-test: ctest install sanitize
+test: ctest fuzz valgrind install sanitize
 	$(PY) -m pytest -q tests
 
 # The whole Python suite once more against an ASan/UBSan build of the
@@ -37,6 +37,29 @@ ctest: $(CTESTS)
 build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool.h
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c -lpthread
+
+# Operation-sequence fuzzing of allocator and pool: libFuzzer-compatible
+# harness, driven here by random inputs for a bounded time under ASan/UBSan.
+FUZZ_SECONDS ?= 20
+FUZZ_SOURCES := tests/c/fuzz_ops.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/pool/pool.c csrc/pool/pool_host.c
+fuzz: build/ctest/fuzz_ops
+	build/ctest/fuzz_ops $(FUZZ_SECONDS)
+
+build/ctest/fuzz_ops: $(FUZZ_SOURCES) csrc/alloc/alloc.h csrc/pool/pool.h
+	@mkdir -p $(@D)
+	$(CC) $(CTEST_CFLAGS) -DFUZZ_DRIVER -o $@ $(FUZZ_SOURCES) -lpthread
+
+# The same C unit tests, uninstrumented, under valgrind's memcheck.
+VALGRIND := valgrind -q --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite
+valgrind:
+	@mkdir -p build/valgrind
+	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_pool \
+	  tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c -lpthread
+	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_alloc \
+	  tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c -lpthread
+	@if command -v valgrind >/dev/null; then \
+	  $(VALGRIND) build/valgrind/test_pool && $(VALGRIND) build/valgrind/test_alloc; \
+	else echo "valgrind not installed: memcheck run skipped"; fi
 
 build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc.h csrc/alloc/alloc_host.h
 	@mkdir -p $(@D)

@@ -1,0 +1,189 @@
+#define _GNU_SOURCE /* rand_r */
+/* Fuzz harness over operation sequences of the allocator and the host pool.
+ *
+ * LLVMFuzzerTestOneInput reads bytes as operations (malloc, free,
+ * record_stream, stream progress, empty cache; pool acquire/release/empty)
+ * and aborts on any broken invariant or corrupted block. Built with clang
+ * -fsanitize=fuzzer it is a libFuzzer target; built without (FUZZ_DRIVER),
+ * main() feeds it random inputs for a bounded number of seconds, which is
+ * what CI runs under ASan/UBSan. */
+#include "alloc/alloc.h"
+#include "alloc/alloc_host.h"
+#include "pool/pool.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define SLOTS 32
+
+typedef struct {
+    char *ptr;
+    uint64_t size;
+    int device;
+    unsigned char pattern;
+} slot;
+
+static void
+require(int cond, const char *what)
+{
+    if (!cond) {
+        fprintf(stderr, "fuzz_ops: invariant broken: %s\n", what);
+        abort();
+    }
+}
+
+/* Marks both ends of a block: enough to see a neighbour write over it,
+ * cheap enough to run many inputs. */
+static void
+fill_pattern(slot *s)
+{
+    uint64_t edge = s->size < 4096 ? s->size : 4096;
+    memset(s->ptr, s->pattern, edge);
+    memset(s->ptr + s->size - edge, s->pattern, edge);
+}
+
+static void
+check_pattern(const slot *s)
+{
+    if (s->ptr == NULL || s->size == 0)
+        return;
+    require(s->ptr[0] == (char)s->pattern && s->ptr[s->size - 1] == (char)s->pattern,
+            "block contents changed while it was live");
+}
+
+static uint64_t
+size_from(const uint8_t *data)
+{
+    static const uint64_t scales[] = {1, 512, 4096, 65536, 1 << 20, 3 << 20, 12 << 20, 0};
+    return scales[data[0] & 7] * (1 + (data[1] & 3)) + (uint64_t)(data[0] >> 3);
+}
+
+static void
+run_allocator(const uint8_t *data, size_t size)
+{
+    alloc_host_ctx ctx;
+    alloc_host_init(&ctx, 256ull << 20);
+    allocator *a = alloc_create(alloc_host_backend(&ctx), 2);
+    alloc_host_stream streams[3] = {{0}};
+    slot slots[SLOTS] = {{0}};
+    for (size_t i = 0; i + 3 <= size; i += 3) {
+        const uint8_t *op = data + i;
+        slot *s = &slots[op[1] % SLOTS];
+        alloc_host_stream *stream = &streams[op[2] % 3];
+        switch (op[0] % 6) {
+        case 0:
+        case 1:
+            if (s->ptr == NULL) {
+                uint64_t bytes = size_from(op + 1);
+                int device = op[2] & 1;
+                s->ptr = alloc_malloc(a, bytes, device, stream, op[2] >> 4);
+                if (s->ptr != NULL) {
+                    *s = (slot){s->ptr, bytes, device, (unsigned char)(i & 0xff)};
+                    fill_pattern(s);
+                }
+            }
+            break;
+        case 2:
+            if (s->ptr != NULL) {
+                check_pattern(s);
+                alloc_host_submit(stream);
+                require(alloc_free(a, s->ptr, s->device) == 0, "free of a live block failed");
+                require(alloc_free(a, s->ptr, s->device) == -1, "double free accepted");
+                *s = (slot){0};
+            }
+            break;
+        case 3:
+            if (s->ptr != NULL)
+                require(alloc_record_stream(a, s->ptr, stream) == 0, "record_stream failed");
+            alloc_host_submit(stream);
+            break;
+        case 4:
+            alloc_host_complete(stream);
+            break;
+        default:
+            alloc_empty_cache(a);
+            break;
+        }
+        require(alloc_check(a, 0) == 0 && alloc_check(a, 1) == 0, "allocator invariants");
+    }
+    for (int i = 0; i < SLOTS; i++) {
+        check_pattern(&slots[i]);
+        if (slots[i].ptr != NULL)
+            alloc_free(a, slots[i].ptr, slots[i].device);
+    }
+    for (int i = 0; i < 3; i++)
+        alloc_host_complete(&streams[i]);
+    alloc_empty_cache(a);
+    require(alloc_get_stats(a, 0).reserved_bytes == 0 && alloc_get_stats(a, 1).reserved_bytes == 0,
+            "segments left after empty_cache");
+    alloc_destroy(a);
+    require(ctx.live_bytes == 0, "backend memory leaked");
+}
+
+static void
+run_pool(const uint8_t *data, size_t size)
+{
+    pool_host_ctx ctx = {.capacity_bytes = 64u << 20};
+    pool *p = pool_create(pool_host_backend(&ctx), (uint64_t)(data[0] & 3) << 23);
+    pool_block blocks[SLOTS] = {{0}};
+    for (size_t i = 0; i + 3 <= size; i += 3) {
+        pool_block *b = &blocks[data[i + 1] % SLOTS];
+        switch (data[i] % 4) {
+        case 0:
+        case 1:
+            if (b->ptr == NULL && pool_acquire(p, size_from(data + i + 1), b) == 0)
+                memset(b->ptr, 0x5a, b->requested < 4096 ? b->requested : 4096);
+            break;
+        case 2:
+            pool_release(p, b);
+            break;
+        default:
+            pool_empty(p);
+            break;
+        }
+        pool_stats st = pool_get_stats(p);
+        require(st.bytes_in_use >= st.bytes_requested, "pool accounting");
+        require(st.misses == st.host_allocations + st.fallbacks + st.failures, "pool counters");
+    }
+    for (int i = 0; i < SLOTS; i++)
+        pool_release(p, &blocks[i]);
+    require(pool_get_stats(p).bytes_in_use == 0, "pool bytes left in use");
+    pool_destroy(p);
+    require(ctx.live_bytes == 0, "pool memory leaked");
+}
+
+int
+LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 4)
+        return 0;
+    if (data[0] & 1)
+        run_pool(data + 1, size - 1);
+    else
+        run_allocator(data + 1, size - 1);
+    return 0;
+}
+
+#ifdef FUZZ_DRIVER
+int
+main(int argc, char **argv)
+{
+    double seconds = argc > 1 ? atof(argv[1]) : 10.0;
+    unsigned first_seed = argc > 2 ? (unsigned)atoi(argv[2]) : (unsigned)time(NULL);
+    unsigned seed = first_seed;
+    uint8_t buffer[3 * 400 + 1];
+    clock_t start = clock();
+    long runs = 0;
+    while ((double)(clock() - start) / CLOCKS_PER_SEC < seconds) {
+        size_t size = 4 + (size_t)(rand_r(&seed) % (sizeof(buffer) - 4));
+        for (size_t i = 0; i < size; i++)
+            buffer[i] = (uint8_t)rand_r(&seed);
+        LLVMFuzzerTestOneInput(buffer, size);
+        runs++;
+    }
+    printf("fuzz_ops: %ld inputs in %.0f s (seed %u), no invariant broken\n", runs, seconds, first_seed);
+    return 0;
+}
+#endif
