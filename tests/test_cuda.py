@@ -122,3 +122,57 @@ def test_random_sizes_stress_finds_no_corruption(cuda_offload) -> None:
         ref = run(lambda f, t: f(t))
         got = run(matepoint.checkpoint)
         assert torch.allclose(ref, got, rtol=0, atol=0), f"step {step}: gradients differ"
+
+
+def test_data_parallel_replicas_in_threads(cuda_offload) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[block(128) for _ in range(3)]).cuda()
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            for b in self.inner:
+                x = matepoint.checkpoint(b, x)
+            return x
+
+    x = torch.randn(64, 128, device="cuda")
+    ref_model = copy.deepcopy(model)
+    ref_model(x).pow(2).mean().backward()
+    parallel = nn.DataParallel(Checkpointed(model))
+    parallel(x).pow(2).mean().backward()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+
+
+FSDP_SCRIPT = """
+import os, torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+import matepoint
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+dist.init_process_group("nccl", rank=0, world_size=1, init_method="tcp://127.0.0.1:29533")
+torch.manual_seed(0)
+blocks = nn.ModuleList(nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)).cuda()
+reference = [p.detach().clone() for p in blocks.parameters()]
+for b in blocks:
+    fully_shard(b)
+x = torch.randn(32, 256, device="cuda")
+h = x
+for b in blocks:
+    h = matepoint.checkpoint(b, h)
+h.pow(2).mean().backward()
+assert all(p.grad is not None for p in blocks.parameters())
+dist.destroy_process_group()
+print("fsdp2 ok")
+"""
+
+
+def test_fsdp2_fully_shard_with_checkpoint() -> None:
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", FSDP_SCRIPT], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "fsdp2 ok" in result.stdout
