@@ -12,7 +12,7 @@ CTEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c $(SANITIZ
 export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc
 
-.PHONY: test ctest fuzz valgrind sanitize install demo bench clean
+.PHONY: test ctest fuzz valgrind sanitize install demo bench gpu-check clean
 
 test: ctest fuzz valgrind install sanitize
 	$(PY) -m pytest -q tests
@@ -79,7 +79,16 @@ demo: install
 	$(PY) -m matepoint.demo
 
 bench: install
-	$(PY) benchmarks/overhead.py
+	$(PY) -m matepoint.bench
+
+# On a GPU machine with torch installed and no network: build, run every
+# test (the @pytest.mark.cuda ones too), then the benchmark at a size that
+# finishes in minutes; its table comes last.
+SYSTEM_PY ?= python3
+gpu-check:
+	$(SYSTEM_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(SYSTEM_PY) -m pytest -q tests
+	$(SYSTEM_PY) -m matepoint.bench --gpu-check
 
 clean:
 	rm -rf build *.egg-info matepoint/*.so

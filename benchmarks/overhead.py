@@ -9,65 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
-import time
-from typing import Callable
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 
-import matepoint
+from matepoint.bench import measure_overhead
 
 log = logging.getLogger("matepoint.bench.overhead")
-
-
-def tiny(x: torch.Tensor) -> torch.Tensor:
-    return torch.sin(x) * x
-
-
-def make_step(wrapper: Callable, x: torch.Tensor) -> Callable[[], None]:
-    def step() -> None:
-        out = wrapper(tiny, x)
-        out.sum().backward()
-
-    return step
-
-
-def plain(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
-    return fn(*args)
-
-
-def torch_cp(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
-    return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False)
-
-
-def median_us(step: Callable[[], None], calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
-def measure(rounds: int, calls: int) -> dict:
-    torch.set_num_threads(1)
-    x = torch.randn(16, requires_grad=True)
-    steps = {
-        "plain": make_step(plain, x),
-        "torch": make_step(torch_cp, x),
-        "matepoint": make_step(matepoint.checkpoint, x),
-    }
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    for step in steps.values():
-        median_us(step, calls)  # warm-up
-    for _ in range(rounds):
-        for name, step in steps.items():
-            samples[name].append(median_us(step, calls))
-    result = {name: statistics.median(values) for name, values in samples.items()}
-    result["overhead_torch_us"] = result["torch"] - result["plain"]
-    result["overhead_matepoint_us"] = result["matepoint"] - result["plain"]
-    result["ratio_total"] = result["matepoint"] / result["torch"]
-    result["ratio_overhead"] = result["overhead_matepoint_us"] / result["overhead_torch_us"]
-    return result
 
 
 def main() -> None:
@@ -77,7 +24,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the result to this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    result = measure(args.rounds, args.calls)
+    torch.set_num_threads(1)
+    result = measure_overhead(args.rounds, args.calls)
     log.info("per call, forward+backward of a tiny function (median of %d rounds x %d calls)",
              args.rounds, args.calls)
     log.info("%-28s %10.2f us", "no checkpoint", result["plain"])
