@@ -1,6 +1,7 @@
 #include "checkpoint.h"
 #include "compat.h"
 #include "frame.h"
+#include "hooks.h"
 #include "tree.h"
 
 #include <string.h>
@@ -211,35 +212,11 @@ done:
     return result;
 }
 
-static int
-push_forward_hooks(mp_state *st, Frame *frame)
-{
-    PyObject *done = PyObject_CallFunctionObjArgs(st->push_hooks, (PyObject *)frame,
-                                                  st->unpack_hook, NULL);
-    Py_XDECREF(done);
-    return done ? 0 : -1;
-}
-
-static int
-pop_forward_hooks(mp_state *st)
-{
-    PyObject *pending = mp_take_exception();
-    PyObject *done = PyObject_CallNoArgs(st->pop_hooks);
-    Py_XDECREF(done);
-    if (done == NULL) {
-        mp_chain_exception(pending);
-        return -1;
-    }
-    if (pending != NULL)
-        mp_restore_exception(pending);
-    return 0;
-}
-
 /* Runs the function with the frame's hooks installed and `forward` entered. */
 static PyObject *
 run_forward(mp_state *st, Frame *frame, PyObject *forward, PyObject *args, PyObject *fn_kwargs)
 {
-    if (push_forward_hooks(st, frame) < 0)
+    if (hooks_push(st, (PyObject *)frame, st->unpack_hook) < 0)
         return NULL;
     PyObject *out = NULL;
     if (forward == NULL || context_enter(st, forward) == 0) {
@@ -257,7 +234,7 @@ run_forward(mp_state *st, Frame *frame, PyObject *forward, PyObject *args, PyObj
             }
         }
     }
-    if (pop_forward_hooks(st) < 0)
+    if (hooks_pop(st) < 0)
         Py_CLEAR(out);
     return out;
 }

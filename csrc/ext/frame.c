@@ -1,4 +1,5 @@
 #include "frame.h"
+#include "hooks.h"
 #include "offload.h"
 #include "compat.h"
 #include "tree.h"
@@ -208,8 +209,7 @@ save_plain(Frame *frame, PyObject *tensor, Py_ssize_t i)
     mp_state *st = frame->st;
     PyObject *saved;
     if (st->make_saved_tensor != NULL) {
-        PyObject *call_args[2] = {tensor, Py_False};
-        saved = PyObject_Vectorcall(st->make_saved_tensor, call_args, 2, NULL);
+        saved = hooks_save_tensor(st, tensor);
     } else {
         PyObject *version = PyObject_GetAttr(tensor, st->str_version);
         if (version == NULL || PyList_SetItem(frame->versions, i, version) < 0)
@@ -304,22 +304,18 @@ unpack_saved_tensor(mp_state *st, PyObject *saved, Py_ssize_t i)
     return tensor;
 }
 
-/* Without SavedTensor: compare the version the input had in forward with
- * the one it has now (an offloaded input is checked while it is alive). */
+/* Without SavedTensor (older torch): the input's version now must be the
+ * one it had in the forward pass. */
 static int
 check_version(Frame *frame, PyObject *tensor, Py_ssize_t i)
 {
-    if (tensor == NULL)
-        return PyErr_Occurred() ? -1 : 0;
     PyObject *version = PyObject_GetAttr(tensor, frame->st->str_version);
     if (version == NULL)
         return -1;
     int same = PyObject_RichCompareBool(version, PyList_GET_ITEM(frame->versions, i), Py_EQ);
     Py_DECREF(version);
-    if (same == 0) {
-        PyErr_SetString(PyExc_RuntimeError, "input version changed");
+    if (same == 0)
         checkpoint_raise_modified_input(i);
-    }
     return same == 1 ? 0 : -1;
 }
 
@@ -552,29 +548,6 @@ set_grad_enabled(mp_state *st, PyObject *flag)
     return done ? 0 : -1;
 }
 
-static int
-push_hooks(mp_state *st, PyObject *pack, PyObject *unpack)
-{
-    PyObject *done = PyObject_CallFunctionObjArgs(st->push_hooks, pack, unpack, NULL);
-    Py_XDECREF(done);
-    return done ? 0 : -1;
-}
-
-static int
-pop_hooks(mp_state *st)
-{
-    PyObject *pending = mp_take_exception();
-    PyObject *done = PyObject_CallNoArgs(st->pop_hooks);
-    Py_XDECREF(done);
-    if (done == NULL) {
-        mp_chain_exception(pending);
-        return -1;
-    }
-    if (pending != NULL)
-        mp_restore_exception(pending);
-    return 0;
-}
-
 /* Registers the BatchNorm guard for the duration of a recompute. */
 static PyObject *
 register_bn_guard(mp_state *st)
@@ -713,7 +686,7 @@ frame_recompute(Frame *frame, PyObject *gid)
     bn_modules = grad_was ? PyList_New(0) : NULL;
     if (bn_modules == NULL)
         goto done;
-    if (push_hooks(st, (PyObject *)hook, st->identity) < 0)
+    if (hooks_push(st, (PyObject *)hook, st->identity) < 0)
         goto done;
     hooks_pushed = 1;
     if (set_grad_enabled(st, Py_True) < 0)
@@ -752,7 +725,7 @@ done:
             mp_restore_exception(pending);
         }
     }
-    if (hooks_pushed && pop_hooks(st) < 0)
+    if (hooks_pushed && hooks_pop(st) < 0)
         result = -1;
     if (result == 0)
         result = check_recomputed(hook);

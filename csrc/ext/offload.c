@@ -1,6 +1,7 @@
 #include "offload.h"
 #include "compat.h"
 #include "frame.h"
+#include "hooks.h"
 #include "cuda/cudart.h"
 #include "pool/pool.h"
 
@@ -64,6 +65,7 @@ typedef struct {
     PyObject *version;          /* the input's version when it was saved */
     Py_ssize_t input_index;     /* position among the region's input tensors */
     int modified_in_forward;
+    int requires_grad;          /* restored by hand when no SavedTensor does it */
 } TensorRecord;
 
 struct OffloadGroup {
@@ -841,7 +843,10 @@ record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group, Py
     PyObject_GC_Track(record);
     record->weak_source = PyWeakref_NewRef(tensor, NULL);
     record->version = record->weak_source ? PyObject_GetAttr(tensor, st->str_version) : NULL;
-    if (record->version == NULL) {
+    PyObject *requires_grad = record->version ? PyObject_GetAttrString(tensor, "requires_grad") : NULL;
+    record->requires_grad = requires_grad == Py_True;
+    Py_XDECREF(requires_grad);
+    if (requires_grad == NULL) {
         Py_DECREF(record);
         return NULL;
     }
@@ -885,31 +890,18 @@ save_records_as_saved_tensors(mp_state *st, PyObject *records, PyObject *tensors
     packer->records = Py_NewRef(records);
     packer->next = 0;
     PyObject_GC_Track(packer);
-    PyObject *pushed = PyObject_CallFunctionObjArgs(st->push_hooks, (PyObject *)packer,
-                                                    st->offload_unpack, NULL);
+    int result = hooks_push(st, (PyObject *)packer, st->offload_unpack);
     Py_DECREF(packer);
-    if (pushed == NULL)
+    if (result < 0)
         return -1;
-    Py_DECREF(pushed);
-    int result = 0;
     for (Py_ssize_t i = 0; result == 0 && i < PyList_GET_SIZE(tensors); i++) {
         if (infos[i].copy_index == UNPLANNED || infos[i].copy_index == STAYS)
             continue;
-        PyObject *args[2] = {PyList_GET_ITEM(tensors, i), Py_False};
-        PyObject *saved_tensor = PyObject_Vectorcall(st->make_saved_tensor, args, 2, NULL);
+        PyObject *saved_tensor = hooks_save_tensor(st, PyList_GET_ITEM(tensors, i));
         if (saved_tensor == NULL || PyList_SetItem(saved, i, saved_tensor) < 0)
             result = -1;
     }
-    PyObject *pending = mp_take_exception();
-    PyObject *popped = PyObject_CallNoArgs(st->pop_hooks);
-    Py_XDECREF(popped);
-    if (popped == NULL) {
-        mp_chain_exception(pending);
-        return -1;
-    }
-    if (pending != NULL)
-        mp_restore_exception(pending);
-    return result;
+    return hooks_pop(st) < 0 ? -1 : result;
 }
 
 static PyObject *
@@ -1207,6 +1199,18 @@ view_of_copy(mp_state *st, TensorRecord *record)
     return result;
 }
 
+/* A restored input must require grad as it did in the forward pass, or the
+ * recompute would save other tensors. SavedTensor does this itself. */
+static PyObject *
+with_requires_grad(PyObject *tensor, int requires_grad)
+{
+    if (tensor == NULL || !requires_grad)
+        return tensor;
+    PyObject *done = PyObject_CallMethod(tensor, "requires_grad_", "O", Py_True);
+    Py_DECREF(tensor);
+    return done;
+}
+
 PyObject *
 offload_restore(mp_state *st, PyObject *record_obj)
 {
@@ -1231,7 +1235,8 @@ offload_restore(mp_state *st, PyObject *record_obj)
                 return NULL;
         }
     }
-    return view_of_copy(st, record);
+    PyObject *view = view_of_copy(st, record);
+    return st->make_saved_tensor == NULL ? with_requires_grad(view, record->requires_grad) : view;
 }
 
 PyObject *
