@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
             raise SystemExit("in-place change not caught, offload=%s" % offload)
         except RuntimeError as error:
             assert "modified in place" in str(error), error
-        del out, error
+        del out
     assert matepoint.pool_stats()["bytes_in_use"] == 0
     print("older torch paths ok")
 """)
