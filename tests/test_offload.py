@@ -349,3 +349,13 @@ def test_input_stays_on_its_device_when_no_host_memory_at_all(offload) -> None:
     assert stats()["bytes_in_use"] == 0
     out.sum().backward()
     assert torch.allclose(x.grad, (x.cos() * x.sin().exp()).detach())
+
+
+def test_per_call_offload_override(offload) -> None:
+    hidden = torch.randn(64, requires_grad=True) * 1.0
+    before = stats()["misses"] + stats()["hits"]
+    kept = matepoint.checkpoint(lambda t: t.sin().exp(), hidden, matepoint_offload=False)
+    assert stats()["misses"] + stats()["hits"] == before  # stayed on its device
+    moved = matepoint.checkpoint(lambda t: t.cos().exp(), hidden, matepoint_offload=True)
+    assert stats()["misses"] + stats()["hits"] == before + 1
+    (kept.sum() + moved.sum()).backward()

@@ -189,7 +189,9 @@ def test_many_iterations_keep_memory_flat(offload) -> None:
     assert stats["bytes_in_use"] == 0
     assert stats["host_allocations"] == allocations
     assert grown_objects < 100
-    assert grown_rss_kib < 50 * 1024
+    # AddressSanitizer quarantines freed memory, so RSS says nothing there
+    if not os.environ.get("MATEPOINT_SANITIZED"):
+        assert grown_rss_kib < 50 * 1024
 
 
 EXIT_SCRIPT = textwrap.dedent("""

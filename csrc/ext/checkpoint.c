@@ -14,18 +14,20 @@ typedef struct {
     PyObject *determinism_check;
     PyObject *debug;
     PyObject *early_stop;
+    PyObject *matepoint_offload;    /* matepoint's own: force offload of this region on/off */
 } checkpoint_options;
 
 static const char *const option_names[] = {
     "use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug",
-    "early_stop",
+    "early_stop", "matepoint_offload",
 };
 
 static PyObject **
 option_slot(checkpoint_options *opts, PyObject *name)
 {
     PyObject **slots[] = {&opts->use_reentrant, &opts->preserve_rng_state, &opts->context_fn,
-                          &opts->determinism_check, &opts->debug, &opts->early_stop};
+                          &opts->determinism_check, &opts->debug, &opts->early_stop,
+                          &opts->matepoint_offload};
     for (size_t i = 0; i < sizeof(slots) / sizeof(slots[0]); i++) {
         if (PyUnicode_CompareWithASCIIString(name, option_names[i]) == 0)
             return slots[i];
@@ -189,7 +191,8 @@ frame_new(mp_state *st, PyObject *module, PyObject *function)
 
 /* Records the region's inputs, RNG and autocast state in the frame. */
 static int
-frame_capture(Frame *frame, PyObject *args, PyObject *fn_kwargs, int preserve_rng)
+frame_capture(Frame *frame, PyObject *args, PyObject *fn_kwargs, int preserve_rng,
+              int offload_override)
 {
     mp_state *st = frame->st;
     PyObject *tensors = PyList_New(0);
@@ -206,7 +209,7 @@ frame_capture(Frame *frame, PyObject *args, PyObject *fn_kwargs, int preserve_rn
     }
     if (replay_capture(st, &frame->replay, tensors, preserve_rng) < 0)
         goto done;
-    result = frame_save_inputs(frame, tensors);
+    result = frame_save_inputs(frame, tensors, offload_override);
 done:
     Py_DECREF(tensors);
     return result;
@@ -247,7 +250,11 @@ checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObjec
     int preserve_rng = truth(opts->preserve_rng_state, 1);
     int check_metadata = parse_determinism(st, opts->determinism_check);
     int early_stop = truth(opts->early_stop, 1);
-    if (preserve_rng < 0 || check_metadata < 0 || early_stop < 0)
+    int offload_override = opts->matepoint_offload == NULL || opts->matepoint_offload == Py_None
+                               ? -1
+                               : PyObject_IsTrue(opts->matepoint_offload);
+    if (preserve_rng < 0 || check_metadata < 0 || early_stop < 0 ||
+        (offload_override == -1 && PyErr_Occurred()))
         return NULL;
     Frame *frame = frame_new(st, module, function);
     if (frame == NULL)
@@ -255,7 +262,7 @@ checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObjec
     frame->check_metadata = (char)check_metadata;
     frame->early_stop = (char)global_override(st, "_enable_checkpoint_early_stop", early_stop);
     if (resolve_contexts(st, opts, &forward, &frame->recompute_context, &frame->error_cb) < 0 ||
-        frame_capture(frame, args, fn_kwargs, preserve_rng) < 0)
+        frame_capture(frame, args, fn_kwargs, preserve_rng, offload_override) < 0)
         goto done;
     uint64_t outer_tag = alloc_link_tag(&st->alloc, alloc_region_tag(frame->region_id, TAG_FORWARD));
     out = run_forward(st, frame, forward, args, fn_kwargs);

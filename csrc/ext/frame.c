@@ -220,7 +220,7 @@ save_plain(Frame *frame, PyObject *tensor, Py_ssize_t i)
 }
 
 int
-frame_save_inputs(Frame *frame, PyObject *tensors)
+frame_save_inputs(Frame *frame, PyObject *tensors, int offload_override)
 {
     mp_state *st = frame->st;
     Py_ssize_t n = PyList_GET_SIZE(tensors);
@@ -229,8 +229,8 @@ frame_save_inputs(Frame *frame, PyObject *tensors)
         return -1;
     if (st->make_saved_tensor == NULL && (frame->versions = list_of_none(n)) == NULL)
         return -1;
-    if (offload_save_inputs(st, frame->module, frame->function, tensors, frame->saved,
-                            &frame->offload_group, &frame->offload_records) < 0)
+    if (offload_save_inputs(st, frame->module, frame->function, tensors, offload_override,
+                            frame->saved, &frame->offload_group, &frame->offload_records) < 0)
         return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (PyList_GET_ITEM(frame->saved, i) == Py_None &&

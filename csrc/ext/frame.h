@@ -54,8 +54,9 @@ extern PyType_Spec recompute_hook_spec;
 
 /* unpack hook of the forward pass: module-level, METH_O on the module. */
 PyObject *frame_unpack_hook(PyObject *module, PyObject *holder);
-/* Saves `tensors` (a list) as the frame's inputs. */
-int frame_save_inputs(Frame *frame, PyObject *tensors);
+/* Saves `tensors` (a list) as the frame's inputs; offload_override is -1
+ * (follow the options), 0 (keep them on their device) or 1 (offload). */
+int frame_save_inputs(Frame *frame, PyObject *tensors, int offload_override);
 /* After the forward: checks offloaded inputs were not changed meanwhile. */
 int frame_finish_forward(Frame *frame);
 /* Raises the error for an input changed in place; returns NULL. */

@@ -242,35 +242,42 @@ cuda_device(offload_engine *engine, int index)
     return device;
 }
 
-/* Drops the sources of device-to-host copies that have completed. */
+/* Drops the sources of device-to-host copies that have completed. The
+ * copies still running move to a fresh list, so no slot of the old one is
+ * released twice. */
 static int
 poll_in_flight(offload_engine *engine, offload_device *device)
 {
     if (device->in_flight == NULL)
         return 0;
     PyObject *list = device->in_flight;
-    Py_ssize_t kept = 0;
+    PyObject *running = PyList_New(0);
+    if (running == NULL)
+        return -1;
+    int result = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(list, i);
-        int status = engine->rt->event_query(copy->d2h_done);
-        if (status == CUDART_ERROR_NOT_READY) {
-            PyList_SET_ITEM(list, kept++, (PyObject *)copy);
-            continue;
-        }
-        if (status != CUDART_SUCCESS) {
+        if (copy->d2h_done == NULL)
+            continue;  /* finished by an earlier poll that then failed */
+        int status = result < 0 ? CUDART_ERROR_NOT_READY : engine->rt->event_query(copy->d2h_done);
+        if (status != CUDART_SUCCESS && status != CUDART_ERROR_NOT_READY) {
             cuda_failed(engine->rt, status, "device-to-host copy");
-            PyList_SET_ITEM(list, kept++, (PyObject *)copy);
-            for (Py_ssize_t j = i + 1; j < PyList_GET_SIZE(list); j++)
-                PyList_SET_ITEM(list, kept++, PyList_GET_ITEM(list, j));
-            (void)PyList_SetSlice(list, kept, PyList_GET_SIZE(list), NULL);
-            return -1;
+            result = -1;
+            status = CUDART_ERROR_NOT_READY;  /* keep it: its source may still be read */
+        }
+        if (status == CUDART_ERROR_NOT_READY) {
+            if (PyList_Append(running, (PyObject *)copy) < 0) {
+                Py_DECREF(running);
+                return -1;
+            }
+            continue;
         }
         (void)engine->rt->event_destroy(copy->d2h_done);
         copy->d2h_done = NULL;
         Py_CLEAR(copy->source);
-        Py_DECREF(copy);
     }
-    return PyList_SetSlice(list, kept, PyList_GET_SIZE(list), NULL);
+    Py_SETREF(device->in_flight, running);
+    return result;
 }
 
 /* ---- Python types ---------------------------------------------------------- */
@@ -604,7 +611,8 @@ module_buffers(mp_state *st, PyObject *function)
 
 /* Fills `info` for an input worth offloading: 1 if so, 0 if it stays. */
 static int
-inspect_input(mp_state *st, PyObject *tensor, PyObject *buffers, input_info *info)
+inspect_input(mp_state *st, PyObject *tensor, PyObject *buffers, int cuda_enabled,
+              input_info *info)
 {
     offload_options *opts = &st->engine->options;
     info->copy_index = UNPLANNED;
@@ -622,7 +630,7 @@ inspect_input(mp_state *st, PyObject *tensor, PyObject *buffers, input_info *inf
     int is_cpu = PyUnicode_Compare(type, st->str_cpu) == 0;
     int is_cuda = PyUnicode_CompareWithASCIIString(type, "cuda") == 0;
     Py_DECREF(type);
-    if (!((is_cuda && opts->enabled) || (is_cpu && opts->offload_cpu)))
+    if (!((is_cuda && cuda_enabled) || (is_cpu && opts->offload_cpu)))
         return 0;
     int64_t index = -1;
     if (is_cuda && attr_int64(info->device_obj, "index", &index) < 0)
@@ -946,12 +954,14 @@ hooks_active(mp_state *st)
 
 int
 offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject *tensors,
-                    PyObject *saved, PyObject **group_out, PyObject **records_out)
+                    int offload_override, PyObject *saved, PyObject **group_out,
+                    PyObject **records_out)
 {
     offload_options *opts = &st->engine->options;
     Py_ssize_t n = PyList_GET_SIZE(tensors);
+    int cuda_enabled = offload_override < 0 ? opts->enabled : offload_override;
     *group_out = *records_out = NULL;
-    if (n == 0 || !(opts->enabled || opts->offload_cpu))
+    if (n == 0 || offload_override == 0 || !(cuda_enabled || opts->offload_cpu))
         return 0;
     int active = hooks_active(st);
     if (active != 0)
@@ -967,7 +977,8 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
     if (buffers == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int eligible = inspect_input(st, PyList_GET_ITEM(tensors, i), buffers, &infos[i]);
+        int eligible = inspect_input(st, PyList_GET_ITEM(tensors, i), buffers, cuda_enabled,
+                                     &infos[i]);
         if (eligible < 0)
             goto done;
         if (!eligible)

@@ -48,10 +48,13 @@ void offload_fail_next_acquires(mp_state *st, int count);
 /* Offloads the eligible ones among the region's input tensors: their slot
  * in `saved` (a list as long as `tensors`) receives a SavedTensor over a
  * record, or the record itself when torch lacks SavedTensor. Other slots
- * are left alone. *group_out receives the frame's OffloadGroup and
+ * are left alone. offload_override: -1 follows the options, 0 offloads
+ * nothing, 1 offloads CUDA inputs even with offload off (the planner's
+ * per-block choice). *group_out receives the frame's OffloadGroup and
  * *records_out the list of records, or both NULL when nothing moved. */
 int offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject *tensors,
-                        PyObject *saved, PyObject **group_out, PyObject **records_out);
+                        int offload_override, PyObject *saved, PyObject **group_out,
+                        PyObject **records_out);
 /* After the forward: marks records whose input the region changed in place
  * (their copy may be torn; restoring them raises). */
 int offload_check_forward(mp_state *st, PyObject *records);
