@@ -16,7 +16,8 @@ def c_flags() -> list[str]:
 
 extension = Extension(
     "matepoint._C",
-    sources=sorted(glob("csrc/ext/*.c")) + sorted(glob("csrc/pool/*.c")) + ["csrc/cuda/cudart.c"],
+    sources=sorted(glob("csrc/ext/*.c")) + sorted(glob("csrc/pool/*.c"))
+    + sorted(glob("csrc/planner/*.c")) + ["csrc/cuda/cudart.c"],
     include_dirs=["csrc"],
     extra_compile_args=c_flags(),
     libraries=["dl", "pthread"],

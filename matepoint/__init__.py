@@ -19,11 +19,13 @@ from matepoint._C import pool_stats as _pool_stats
 from matepoint._allocator import (empty_cache, install_allocator, memory_report, memory_stats,
                                   reset_peak_memory_stats)
 from matepoint._options import Options, settings as _settings
+from matepoint._planner import Plan, PlanError, PlannedBlock, auto_checkpoint, plan
 from matepoint._sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "set_options", "options",
            "Options", "pool_stats", "empty_pool", "install_allocator", "memory_stats",
-           "reset_peak_memory_stats", "empty_cache", "memory_report"]
+           "reset_peak_memory_stats", "empty_cache", "memory_report", "plan", "auto_checkpoint",
+           "Plan", "PlanError", "PlannedBlock"]
 __version__ = "0.1.0"
 
 

@@ -59,6 +59,11 @@ def install_allocator() -> None:
     _installed = True
 
 
+def is_installed() -> bool:
+    """True once install_allocator() made matepoint's allocator torch's."""
+    return _installed
+
+
 def _tag_rows(tags: List[tuple]) -> List[Dict[str, Any]]:
     return [{"region": tag >> 2, "phase": _PHASES.get(tag & 3, "other"), "live_bytes": live,
              "peak_bytes": peak, "allocations": count}

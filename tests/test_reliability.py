@@ -100,8 +100,10 @@ DDP_SCRIPT = textwrap.dedent("""
     if rank == 0:
         torch.save([p.grad for p in model.parameters()], out)
     dist.barrier()
-    dist.destroy_process_group()
     assert matepoint.pool_stats()["bytes_in_use"] == 0
+    # gloo's teardown now and then aborts ("terminate called without an
+    # active exception") after all work is done: leave without it
+    os._exit(0)
 """)
 
 

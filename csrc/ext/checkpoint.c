@@ -15,11 +15,12 @@ typedef struct {
     PyObject *debug;
     PyObject *early_stop;
     PyObject *matepoint_offload;    /* matepoint's own: force offload of this region on/off */
+    PyObject *matepoint_prefetch;   /* matepoint's own: may its recompute prefetch others */
 } checkpoint_options;
 
 static const char *const option_names[] = {
     "use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug",
-    "early_stop", "matepoint_offload",
+    "early_stop", "matepoint_offload", "matepoint_prefetch",
 };
 
 static PyObject **
@@ -27,7 +28,7 @@ option_slot(checkpoint_options *opts, PyObject *name)
 {
     PyObject **slots[] = {&opts->use_reentrant, &opts->preserve_rng_state, &opts->context_fn,
                           &opts->determinism_check, &opts->debug, &opts->early_stop,
-                          &opts->matepoint_offload};
+                          &opts->matepoint_offload, &opts->matepoint_prefetch};
     for (size_t i = 0; i < sizeof(slots) / sizeof(slots[0]); i++) {
         if (PyUnicode_CompareWithASCIIString(name, option_names[i]) == 0)
             return slots[i];
@@ -184,6 +185,7 @@ frame_new(mp_state *st, PyObject *module, PyObject *function)
     frame->n_holders = frame->cap_holders = 0;
     frame->region_id = ++st->next_region_id;
     frame->early_stop = frame->check_metadata = 0;
+    frame->prefetch_ahead = 1;
     frame->forward_completed = frame->ignore_saved_mismatch = 0;
     PyObject_GC_Track(frame);
     return frame;
@@ -250,16 +252,18 @@ checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObjec
     int preserve_rng = truth(opts->preserve_rng_state, 1);
     int check_metadata = parse_determinism(st, opts->determinism_check);
     int early_stop = truth(opts->early_stop, 1);
+    int prefetch_ahead = truth(opts->matepoint_prefetch, 1);
     int offload_override = opts->matepoint_offload == NULL || opts->matepoint_offload == Py_None
                                ? -1
                                : PyObject_IsTrue(opts->matepoint_offload);
-    if (preserve_rng < 0 || check_metadata < 0 || early_stop < 0 ||
+    if (preserve_rng < 0 || check_metadata < 0 || early_stop < 0 || prefetch_ahead < 0 ||
         (offload_override == -1 && PyErr_Occurred()))
         return NULL;
     Frame *frame = frame_new(st, module, function);
     if (frame == NULL)
         return NULL;
     frame->check_metadata = (char)check_metadata;
+    frame->prefetch_ahead = (char)prefetch_ahead;
     frame->early_stop = (char)global_override(st, "_enable_checkpoint_early_stop", early_stop);
     if (resolve_contexts(st, opts, &forward, &frame->recompute_context, &frame->error_cb) < 0 ||
         frame_capture(frame, args, fn_kwargs, preserve_rng, offload_override) < 0)

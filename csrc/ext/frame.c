@@ -341,7 +341,7 @@ frame_restore_inputs(Frame *frame, PyObject **args_out, PyObject **kwargs_out)
     *args_out = *kwargs_out = NULL;
     if (tensors == NULL)
         return -1;
-    if (offload_group_begin_restore(st, frame->offload_group) < 0)
+    if (offload_group_begin_restore(st, frame->offload_group, frame->prefetch_ahead) < 0)
         goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *tensor = restore_one_input(frame, i);

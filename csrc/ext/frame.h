@@ -35,6 +35,7 @@ typedef struct {
     Py_ssize_t n_holders, cap_holders;
     uint64_t region_id;         /* names the region's allocations (alloc_link.h) */
     char early_stop;
+    char prefetch_ahead;        /* its recompute may prefetch earlier regions' inputs */
     char check_metadata;
     char forward_completed;
     char ignore_saved_mismatch;

@@ -4,6 +4,7 @@
 #include "compat.h"
 #include "frame.h"
 #include "offload.h"
+#include "plan.h"
 #include "state.h"
 #include "tree.h"
 
@@ -108,6 +109,10 @@ static PyMethodDef module_methods[] = {
     {"_allocator_empty_cache", alloc_link_empty_cache, METH_NOARGS, NULL},
     {"checkpoint", (PyCFunction)(void (*)(void))checkpoint_call,
      METH_FASTCALL | METH_KEYWORDS, checkpoint_doc},
+    {"_plan_solve", plan_solve_py, METH_VARARGS, NULL},
+    {"_plan_evaluate", plan_evaluate_py, METH_VARARGS, NULL},
+    {"_plan_min_budget", plan_min_budget_py, METH_VARARGS, NULL},
+    {"_plan_frontier", plan_frontier_py, METH_VARARGS, NULL},
     {"is_recomputing", is_recomputing, METH_NOARGS,
      "True while this thread recomputes a checkpointed region."},
     {NULL, NULL, 0, NULL},

@@ -75,6 +75,7 @@ struct OffloadGroup {
     PyObject *copies;           /* tuple of StorageCopy */
     OffloadGroup *prev, *next;
     int linked;
+    unsigned long thread;       /* creator: backward order means nothing across threads */
 };
 
 /* Pack hook while a frame saves its inputs: hands out prepared records. */
@@ -872,6 +873,7 @@ group_new(mp_state *st, PyObject *module, PyObject *copies)
     group->copies = PyList_AsTuple(copies);
     group->prev = group->next = NULL;
     group->linked = 0;
+    group->thread = PyThread_get_thread_ident();
     group->device = PyTuple_GET_SIZE(group->copies) > 0
                         ? ((StorageCopy *)PyTuple_GET_ITEM(group->copies, 0))->device
                         : NULL;
@@ -1076,30 +1078,32 @@ start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream)
     return failed ? -1 : 0;
 }
 
+/* Allocating the destination lets other threads run: the copy is held
+ * meanwhile, and one fetched by them in that window is taken as is. */
 static int
 fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
 {
     if (copy->fetched != NULL)
         return 0;
+    Py_INCREF(copy);
     PyObject *fetched = empty_bytes(st, copy->nbytes, copy->device_obj);
     void *dst;
-    if (fetched == NULL || tensor_ptr(fetched, &dst) < 0) {
-        Py_XDECREF(fetched);
-        return -1;
-    }
-    int failed = copy->device->index < 0
+    int failed = fetched == NULL || tensor_ptr(fetched, &dst) < 0;
+    if (!failed && copy->fetched == NULL) {
+        failed = copy->device->index < 0
                      ? (memcpy(dst, copy->block.ptr, (size_t)copy->nbytes), 0)
                      : start_h2d(st, copy, dst, on_copy_stream);
-    if (failed) {
-        Py_DECREF(fetched);
-        return -1;
+        if (!failed) {
+            copy->fetched = Py_NewRef(fetched);
+            if (on_copy_stream)
+                st->engine->prefetched++;
+            else
+                st->engine->fetched_at_need++;
+        }
     }
-    copy->fetched = fetched;
-    if (on_copy_stream)
-        st->engine->prefetched++;
-    else
-        st->engine->fetched_at_need++;
-    return 0;
+    Py_XDECREF(fetched);
+    Py_DECREF(copy);
+    return failed ? -1 : 0;
 }
 
 static int
@@ -1113,7 +1117,7 @@ fetch_group(mp_state *st, OffloadGroup *group, int on_copy_stream)
 }
 
 int
-offload_group_begin_restore(mp_state *st, PyObject *group_obj)
+offload_group_begin_restore(mp_state *st, PyObject *group_obj, int prefetch_ahead)
 {
     OffloadGroup *group = (OffloadGroup *)group_obj;
     offload_options *opts = &st->engine->options;
@@ -1123,15 +1127,25 @@ offload_group_begin_restore(mp_state *st, PyObject *group_obj)
         return -1;
     if (fetch_group(st, group, 0) < 0)
         return -1;
-    if (!opts->pipeline)
+    if (!opts->pipeline || !prefetch_ahead)
         return 0;
-    /* backward runs frames in reverse creation order: fetch those ahead */
-    OffloadGroup *ahead = group->prev;
-    for (int i = 0; ahead != NULL && i < opts->prefetch_depth; i++, ahead = ahead->prev) {
-        if (fetch_group(st, ahead, 1) < 0)
-            return -1;
+    /* backward runs this thread's frames in reverse creation order: fetch
+     * those ahead. Fetching lets other threads run and free groups, so the
+     * walk holds the group it stands on. */
+    int fetched = 0, failed = 0;
+    OffloadGroup *ahead = group->linked ? group->prev : NULL;
+    Py_XINCREF(ahead);
+    while (ahead != NULL && fetched < opts->prefetch_depth && !failed) {
+        if (ahead->thread == group->thread) {
+            failed = fetch_group(st, ahead, 1) < 0;
+            fetched++;
+        }
+        OffloadGroup *next = ahead->linked ? ahead->prev : NULL;
+        Py_XINCREF(next);
+        Py_SETREF(ahead, next);
     }
-    return 0;
+    Py_XDECREF(ahead);
+    return failed ? -1 : 0;
 }
 
 void

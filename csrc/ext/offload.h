@@ -59,9 +59,10 @@ int offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyOb
  * (their copy may be torn; restoring them raises). */
 int offload_check_forward(mp_state *st, PyObject *records);
 
-/* Before a recompute restores its inputs: fetch this group, prefetch the
- * ones before it. After: release the group's staging tensors. */
-int offload_group_begin_restore(mp_state *st, PyObject *group);
+/* Before a recompute restores its inputs: fetch this group and, when
+ * prefetch_ahead and the options allow, prefetch the ones before it.
+ * After: release the group's staging tensors. */
+int offload_group_begin_restore(mp_state *st, PyObject *group, int prefetch_ahead);
 void offload_group_end_restore(PyObject *group);
 
 /* Is `obj` an offload record (saved directly when torch lacks SavedTensor)? */

@@ -1,0 +1,214 @@
+/* Python face of the budget planner (planner/planner.h). Blocks arrive as a
+ * sequence of (forward_s, backward_s, copy_s, input_units,
+ * activation_units, keep_work_units, checkpoint_work_units) tuples; choices as a bytes object of
+ * PLAN_* values. The solver runs without the GIL. */
+#include "plan.h"
+
+#include "planner/planner.h"
+
+#include <limits.h>
+#include <math.h>
+
+static int
+block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
+{
+    long long units[4];
+    if (!PyTuple_Check(item) ||
+        !PyArg_ParseTuple(item, "dddLLLL", &block->forward_s, &block->backward_s, &block->copy_s,
+                          &units[0], &units[1], &units[2], &units[3])) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "block %zd: expected (forward_s, backward_s, copy_s, input_units, "
+                     "activation_units, keep_work_units, checkpoint_work_units)",
+                     index);
+        return -1;
+    }
+    int negative = !(block->forward_s >= 0 && block->backward_s >= 0 && block->copy_s >= 0) ||
+                   !isfinite(block->forward_s + block->backward_s + block->copy_s);
+    for (int k = 0; k < 4; k++) {
+        negative |= units[k] < 0;
+        /* sums of units over a chain must not wrap: keep each far below 2^64 */
+        if (units[k] > (1LL << 42)) {
+            PyErr_Format(PyExc_OverflowError, "block %zd: too many units; use a larger unit",
+                         index);
+            return -1;
+        }
+    }
+    if (negative) {
+        PyErr_Format(PyExc_ValueError, "block %zd: times and units must be non-negative numbers",
+                     index);
+        return -1;
+    }
+    block->input_units = (uint64_t)units[0];
+    block->activation_units = (uint64_t)units[1];
+    block->keep_work_units = (uint64_t)units[2];
+    block->checkpoint_work_units = (uint64_t)units[3];
+    return 0;
+}
+
+/* A PyMem array of the blocks, *n set; NULL with an exception. */
+static plan_block *
+blocks_from_sequence(PyObject *sequence, int *n)
+{
+    PyObject *fast = PySequence_Fast(sequence, "blocks must be a sequence of tuples");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t size = PySequence_Fast_GET_SIZE(fast);
+    plan_block *blocks = NULL;
+    if (size > INT_MAX / 4) {
+        PyErr_SetString(PyExc_OverflowError, "too many blocks");
+        goto error;
+    }
+    blocks = PyMem_Calloc((size_t)(size > 0 ? size : 1), sizeof(plan_block));
+    if (blocks == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        if (block_from_tuple(PySequence_Fast_GET_ITEM(fast, i), i, &blocks[i]) < 0)
+            goto error;
+    }
+    Py_DECREF(fast);
+    *n = (int)size;
+    return blocks;
+error:
+    PyMem_Free(blocks);
+    Py_DECREF(fast);
+    return NULL;
+}
+
+static PyObject *
+cost_tuple(plan_cost cost)
+{
+    return Py_BuildValue("(dK)", cost.time_s, (unsigned long long)cost.peak_units);
+}
+
+PyObject *
+plan_solve_py(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *sequence, *result = NULL;
+    unsigned long long budget;
+    int pipeline, n, status;
+    if (!PyArg_ParseTuple(args, "OKp:_plan_solve", &sequence, &budget, &pipeline))
+        return NULL;
+    plan_block *blocks = blocks_from_sequence(sequence, &n);
+    if (blocks == NULL)
+        return NULL;
+    uint8_t *choices = PyMem_Malloc((size_t)n + 1);
+    plan_cost cost = {0, 0};
+    if (choices == NULL) {
+        PyMem_Free(blocks);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    status = plan_solve(blocks, n, budget, pipeline, choices, &cost);
+    Py_END_ALLOW_THREADS
+    if (status < 0)
+        PyErr_Format(PyExc_MemoryError,
+                     "the planner's tables for %d blocks and %llu units do not fit in memory; "
+                     "use a larger unit",
+                     n, budget);
+    else if (status == 1)
+        result = Py_NewRef(Py_None);
+    else
+        result = Py_BuildValue("(y#dK)", (const char *)choices, (Py_ssize_t)n, cost.time_s,
+                               (unsigned long long)cost.peak_units);
+    PyMem_Free(choices);
+    PyMem_Free(blocks);
+    return result;
+}
+
+PyObject *
+plan_evaluate_py(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *sequence;
+    Py_buffer choices;
+    int pipeline, n;
+    if (!PyArg_ParseTuple(args, "Oy*p:_plan_evaluate", &sequence, &choices, &pipeline))
+        return NULL;
+    PyObject *result = NULL;
+    plan_block *blocks = blocks_from_sequence(sequence, &n);
+    if (blocks == NULL)
+        goto done;
+    if (choices.len != n) {
+        PyErr_Format(PyExc_ValueError, "%zd choices for %d blocks", choices.len, n);
+        goto done;
+    }
+    const uint8_t *values = choices.buf;
+    for (int i = 0; i < n; i++) {
+        if (values[i] >= PLAN_CHOICES) {
+            PyErr_Format(PyExc_ValueError, "choice %d of block %d is not 0, 1 or 2", values[i], i);
+            goto done;
+        }
+    }
+    result = cost_tuple(plan_evaluate(blocks, n, values, pipeline));
+done:
+    PyMem_Free(blocks);
+    PyBuffer_Release(&choices);
+    return result;
+}
+
+PyObject *
+plan_min_budget_py(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *sequence;
+    int pipeline, n, status;
+    uint64_t budget = 0;
+    if (!PyArg_ParseTuple(args, "Op:_plan_min_budget", &sequence, &pipeline))
+        return NULL;
+    plan_block *blocks = blocks_from_sequence(sequence, &n);
+    if (blocks == NULL)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    status = plan_min_budget(blocks, n, pipeline, &budget);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(blocks);
+    if (status < 0)
+        return PyErr_NoMemory();
+    return PyLong_FromUnsignedLongLong(budget);
+}
+
+PyObject *
+plan_frontier_py(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *sequence, *result = NULL;
+    int pipeline, max_points, n, count;
+    if (!PyArg_ParseTuple(args, "Opi:_plan_frontier", &sequence, &pipeline, &max_points))
+        return NULL;
+    if (max_points < 1) {
+        PyErr_SetString(PyExc_ValueError, "max_points must be at least 1");
+        return NULL;
+    }
+    plan_block *blocks = blocks_from_sequence(sequence, &n);
+    plan_cost *points = blocks ? PyMem_Calloc((size_t)max_points, sizeof(plan_cost)) : NULL;
+    if (points == NULL) {
+        if (blocks != NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    count = plan_frontier(blocks, n, pipeline, max_points, points);
+    Py_END_ALLOW_THREADS
+    if (count < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if ((result = PyList_New(count)) == NULL)
+        goto done;
+    for (int i = 0; i < count; i++) {
+        PyObject *point = cost_tuple(points[i]);
+        if (point == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, point);
+    }
+done:
+    PyMem_Free(points);
+    PyMem_Free(blocks);
+    return result;
+}

@@ -1,0 +1,20 @@
+/* matepoint._C's planner functions (_plan_solve, _plan_evaluate,
+ * _plan_min_budget, _plan_frontier): thin argument conversion around
+ * planner/planner.h. Memory is counted in the caller's units. */
+#ifndef MATEPOINT_EXT_PLAN_H
+#define MATEPOINT_EXT_PLAN_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* (blocks, budget_units, pipeline) -> (choices: bytes, time_s, peak_units),
+ * or None when no plan fits the budget. */
+PyObject *plan_solve_py(PyObject *module, PyObject *args);
+/* (blocks, choices, pipeline) -> (time_s, peak_units) */
+PyObject *plan_evaluate_py(PyObject *module, PyObject *args);
+/* (blocks, pipeline) -> the smallest budget any plan meets */
+PyObject *plan_min_budget_py(PyObject *module, PyObject *args);
+/* (blocks, pipeline, max_points) -> [(time_s, peak_units), ...], peak falling */
+PyObject *plan_frontier_py(PyObject *module, PyObject *args);
+
+#endif

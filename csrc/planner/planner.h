@@ -1,0 +1,59 @@
+/* Budget planner: for a chain of blocks, choose per block whether to keep
+ * its activations, checkpoint it keeping its input on the device, or
+ * checkpoint it offloading its input, so that peak activation memory stays
+ * within a budget at the least step time.
+ *
+ * Cost model (units of memory are the caller's quantum, times seconds):
+ *   held (after its forward)   keep: act   recompute: in   offload: 0
+ *   work (its own peak, over its forward, recompute and backward, on top
+ *   of what blocks before it hold)   keep: keep_work   else: checkpoint_work
+ *   while block i runs backward, block i-1's input is being prefetched when
+ *   both offload (pipeline): +in[i-1]
+ *   peak = max over i of (held by blocks before i) + work[i] + prefetch[i]
+ *   time: keep f+b, recompute/offload 2f+b; an offload adds the part of its
+ *   copy out its own forward does not hide, and the part of its copy back
+ *   that the backward of the next block does not hide (all of it for the
+ *   last block, or without pipeline).
+ *
+ * plan_solve() is an exact dynamic program over (block, memory held so far,
+ * previous choice): O(n * budget) time, n * budget * 3 bytes of memory.
+ * Pure computation: thread-safe, no global state, no Python. */
+#ifndef MATEPOINT_PLANNER_H
+#define MATEPOINT_PLANNER_H
+
+#include <stdint.h>
+
+enum { PLAN_KEEP = 0, PLAN_RECOMPUTE = 1, PLAN_OFFLOAD = 2, PLAN_CHOICES = 3 };
+
+typedef struct {
+    double forward_s, backward_s;
+    double copy_s;                  /* one-way copy of the input */
+    uint64_t input_units, activation_units;
+    uint64_t keep_work_units, checkpoint_work_units;
+} plan_block;
+
+typedef struct {
+    double time_s;
+    uint64_t peak_units;
+} plan_cost;
+
+/* The cost of a given plan under the model above. */
+plan_cost plan_evaluate(const plan_block *blocks, int n, const uint8_t *choices, int pipeline);
+
+/* 0: `choices` holds the fastest plan with peak <= budget_units; 1: no
+ * plan fits the budget; -1: out of memory. */
+int plan_solve(const plan_block *blocks, int n, uint64_t budget_units, int pipeline,
+               uint8_t *choices, plan_cost *cost);
+
+/* *budget receives the smallest budget any plan fits in. 0, or -1: out of
+ * memory. */
+int plan_min_budget(const plan_block *blocks, int n, int pipeline, uint64_t *budget);
+
+/* The time-vs-memory frontier: the fastest plan at each peak where a
+ * smaller budget costs time, from the fastest plan down to the smallest,
+ * at most max_points of them, into `points` (peak falling, time rising).
+ * Returns how many, or -1: out of memory. */
+int plan_frontier(const plan_block *blocks, int n, int pipeline, int max_points,
+                  plan_cost *points);
+
+#endif

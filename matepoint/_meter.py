@@ -1,0 +1,130 @@
+"""Peak memory of a stretch of code on one device, for the planner.
+
+On CUDA it reads the allocator's peak (matepoint's when installed, torch's
+otherwise). On the CPU, where torch keeps no statistics, it samples the C
+heap's bytes in use (glibc's mallinfo2) after every aten operation; host
+pool buffers, which stand for pinned memory, are left out.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import ctypes.util
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from matepoint import _C
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _load_mallinfo2() -> Optional[Any]:
+    try:
+        function = ctypes.CDLL(ctypes.util.find_library("c") or None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.restype = _Mallinfo2
+    return function
+
+
+_mallinfo2 = _load_mallinfo2()
+
+
+def host_meter_available() -> bool:
+    """True where CPU peaks can be measured (glibc 2.33 and newer)."""
+    return _mallinfo2 is not None
+
+
+def _host_bytes_in_use() -> int:
+    info = _mallinfo2()
+    # pool buffers come from the same heap but stand for pinned host memory
+    return int(info.uordblks + info.hblkhd) - int(_C.pool_stats()["bytes_reserved"])
+
+
+class _HostSampler(TorchDispatchMode):
+    """Hands the heap's bytes in use to `on_sample` after every operation."""
+
+    def __init__(self, on_sample: Callable[[int], None]) -> None:
+        super().__init__()
+        self.on_sample = on_sample
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.on_sample(_host_bytes_in_use())
+        return out
+
+
+_host_sampler_warm = False
+
+
+def _warm_up_host_sampler() -> None:
+    """The first dispatch through a Python mode builds caches: not ours to count."""
+    global _host_sampler_warm
+    if not _host_sampler_warm:
+        with _HostSampler(lambda in_use: None):
+            torch.ones(2).add(1)
+        _host_sampler_warm = True
+
+
+class PeakMeter:
+    """``with PeakMeter(device) as m: ...``; then ``m.peak_bytes`` is the most
+    memory in use on ``device`` above what was in use at entry."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cpu" and not host_meter_available():
+            raise RuntimeError("measuring CPU memory needs glibc's mallinfo2 (Linux, glibc 2.33+)")
+        self.peak_bytes = 0
+        self._base = 0
+        self._sampler: Optional[_HostSampler] = None
+        self._gc_was_enabled = False
+
+    def _sample(self, in_use: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, in_use - self._base)
+
+    def __enter__(self) -> "PeakMeter":
+        self.peak_bytes = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = _cuda_allocated(self.device, reset_peak=True)
+        else:
+            _warm_up_host_sampler()
+            # a collection in the middle would free unrelated memory and
+            # hide the peak
+            self._gc_was_enabled = gc.isenabled()
+            gc.collect()
+            gc.disable()
+            self._sampler = _HostSampler(self._sample)
+            self._base = _host_bytes_in_use()
+            self._sampler.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._sampler is not None:
+            self._sampler.__exit__(*exc)
+            self._sampler = None
+            if self._gc_was_enabled:
+                gc.enable()
+            return
+        torch.cuda.synchronize(self.device)
+        self._sample(_cuda_allocated(self.device, peak=True))
+
+
+def _cuda_allocated(device: torch.device, reset_peak: bool = False, peak: bool = False) -> int:
+    from matepoint import _allocator
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _allocator.is_installed():
+        if reset_peak:
+            _allocator.reset_peak_memory_stats()
+        stats = _allocator.memory_stats(index)
+        return int(stats["peak_allocated_bytes" if peak else "allocated_bytes"])
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats(index)
+    return int(torch.cuda.max_memory_allocated(index) if peak
+               else torch.cuda.memory_allocated(index))

@@ -1,0 +1,446 @@
+"""Budget planner: per block of a chain, keep its activations, recompute it,
+or recompute it and offload its input, so that activation memory fits a
+budget at the least step time.
+
+``matepoint.plan(blocks, x, budget_bytes=...)`` profiles each block once,
+solves the choice exactly in C (csrc/planner) and returns a :class:`Plan`
+that prints as a table, wraps the blocks and saves to JSON.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from matepoint import _C
+from matepoint._meter import PeakMeter, host_meter_available
+from matepoint._options import settings
+
+log = logging.getLogger("matepoint.planner")
+
+CHOICES = ("keep", "recompute", "offload")
+MIB = float(1 << 20)
+Blocks = Union[nn.Sequential, nn.ModuleList, Sequence[Callable]]
+
+
+class PlanError(ValueError):
+    """No plan fits the budget; ``smallest_budget_bytes`` says what would."""
+
+    def __init__(self, budget_bytes: int, smallest_budget_bytes: int) -> None:
+        super().__init__(
+            f"matepoint.plan: no plan keeps activation memory within {budget_bytes} bytes "
+            f"({budget_bytes / MIB:.1f} MiB); the smallest budget any plan meets is "
+            f"{smallest_budget_bytes} bytes ({smallest_budget_bytes / MIB:.1f} MiB)")
+        self.budget_bytes = budget_bytes
+        self.smallest_budget_bytes = smallest_budget_bytes
+
+
+@dataclasses.dataclass
+class BlockProfile:
+    """What one block costs, measured once by :func:`plan`."""
+
+    forward_s: float
+    backward_s: float
+    copy_s: float           # one way, its input between device and host
+    input_bytes: int
+    activation_bytes: int   # saved for backward, its input included if saved
+    output_bytes: int
+    forward_peak_bytes: int   # above its input, while its forward runs
+    backward_peak_bytes: int  # above its saved tensors and output gradient, in backward
+
+    def keep_work_bytes(self) -> int:
+        """Its own peak when kept: forward, or backward over what it saved."""
+        return max(self.input_bytes + self.forward_peak_bytes,
+                   self.activation_bytes + self.output_bytes + self.backward_peak_bytes)
+
+    def checkpoint_work_bytes(self) -> int:
+        """Its own peak when checkpointed: the recompute runs with the output
+        gradient waiting, then backward over the recomputed tensors."""
+        return self.input_bytes + self.output_bytes + max(
+            self.forward_peak_bytes, self.activation_bytes + self.backward_peak_bytes)
+
+
+@dataclasses.dataclass
+class Plan:
+    """The planner's choice per block, with what it predicts.
+
+    ``str(plan)`` is a table; :meth:`apply` wraps blocks accordingly;
+    :meth:`save` and :meth:`load` keep it as JSON so a run can reuse it.
+    """
+
+    choices: List[str]
+    profiles: List[BlockProfile]
+    budget_bytes: int
+    unit_bytes: int
+    pipeline: bool
+    predicted_peak_bytes: int
+    predicted_time_s: float
+
+    def apply(self, blocks: Blocks) -> Blocks:
+        """Wraps each block as planned: same container kind as ``blocks``."""
+        blocks_list = list(blocks)
+        if len(blocks_list) != len(self.choices):
+            raise ValueError(f"the plan is for {len(self.choices)} blocks, got {len(blocks_list)}")
+        # only an offloaded block right after another prefetches it: what
+        # the planner's model counts
+        follows_offload = [False] + [c == "offload" for c in self.choices[:-1]]
+        wrapped = [PlannedBlock(block, choice, prefetch=follows)
+                   for block, choice, follows in zip(blocks_list, self.choices, follows_offload)]
+        if isinstance(blocks, nn.Sequential):
+            return nn.Sequential(*wrapped)
+        if isinstance(blocks, nn.ModuleList):
+            return nn.ModuleList(wrapped)
+        return wrapped
+
+    def frontier(self, max_points: int = 64) -> List[Tuple[int, float]]:
+        """(peak bytes, step seconds) of the fastest plan at each memory level.
+
+        From the fastest plan down to the smallest, at most ``max_points``
+        of them; each is exact under the planner's model.
+        """
+        points = _C._plan_frontier(_units(self.profiles, self.unit_bytes), self.pipeline,
+                                   max_points)
+        return [(peak * self.unit_bytes, seconds) for seconds, peak in points]
+
+    def table(self) -> str:
+        """The plan as a readable table, one row per block."""
+        lines = [f"matepoint plan: budget {self.budget_bytes / MIB:.1f} MiB, predicted peak "
+                 f"{self.predicted_peak_bytes / MIB:.1f} MiB, step {self.predicted_time_s * 1e3:.2f}"
+                 f" ms ({'pipelined' if self.pipeline else 'unpipelined'} copies)",
+                 f"{'block':>5} {'choice':>9} {'held MiB':>9} {'input MiB':>9} "
+                 f"{'act MiB':>9} {'time ms':>9}"]
+        for i, (choice, p) in enumerate(zip(self.choices, self.profiles)):
+            held = {"keep": p.activation_bytes, "recompute": p.input_bytes, "offload": 0}[choice]
+            seconds = p.forward_s + p.backward_s + (p.forward_s if choice != "keep" else 0.0)
+            lines.append(f"{i:>5} {choice:>9} {held / MIB:>9.2f} {p.input_bytes / MIB:>9.2f} "
+                         f"{p.activation_bytes / MIB:>9.2f} {seconds * 1e3:>9.3f}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> Dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["format"] = "matepoint-plan-1"
+        return data
+
+    def save(self, path: str) -> None:
+        """Writes the plan as JSON."""
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(self.to_dict(), file, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        """Reads a plan written by :meth:`save`."""
+        with open(path, encoding="utf-8") as file:
+            data = json.load(file)
+        if not isinstance(data, dict) or data.pop("format", None) != "matepoint-plan-1":
+            raise ValueError(f"{path} is not a matepoint plan")
+        try:
+            data["profiles"] = [BlockProfile(**p) for p in data["profiles"]]
+            plan = cls(**data)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"{path} is not a matepoint plan: {error}") from None
+        unknown = set(plan.choices) - set(CHOICES)
+        if unknown or len(plan.choices) != len(plan.profiles):
+            raise ValueError(f"{path} is not a matepoint plan: bad choices {plan.choices}")
+        return plan
+
+
+class PlannedBlock(nn.Module):
+    """One block run as its plan says: kept, checkpointed, or checkpointed
+    with its input offloaded; ``prefetch`` lets its recompute start bringing
+    back the input of the offloaded region before it."""
+
+    def __init__(self, block: Callable, choice: str, prefetch: bool = True) -> None:
+        super().__init__()
+        if choice not in CHOICES:
+            raise ValueError(f"choice must be one of {CHOICES}, not {choice!r}")
+        self.block = block
+        self.choice = choice
+        self.prefetch = prefetch
+
+    def forward(self, *args: Any) -> Any:
+        if self.choice == "keep":
+            return self.block(*args)
+        return _C.checkpoint(self.block, *args, use_reentrant=False,
+                             matepoint_offload=self.choice == "offload",
+                             matepoint_prefetch=self.prefetch)
+
+    def extra_repr(self) -> str:
+        return f"choice={self.choice}, prefetch={self.prefetch}"
+
+
+def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
+         unit_bytes: Optional[int] = None, pipeline: Optional[bool] = None,
+         bandwidth_bytes_per_s: Optional[float] = None, repeats: int = 3) -> Plan:
+    """Chooses keep / recompute / offload per block within ``budget_bytes``.
+
+    ``blocks`` run in order, each on the previous one's output (as
+    ``nn.Sequential`` does); ``sample_inputs`` are what the first receives,
+    with the batch you will train on. Each block is run ``repeats`` times to
+    time it. ``budget_bytes`` bounds the activation memory of a step (what
+    autograd keeps for backward, plus the recompute of one block), not
+    parameters, their gradients (counted as already allocated) or
+    optimizer state. ``unit_bytes`` is the solver's
+    memory quantum (sizes are rounded up to it); ``pipeline`` (whether
+    backward prefetches) defaults to matepoint's option.
+    Raises :class:`PlanError` with the smallest feasible budget when no
+    plan fits.
+    """
+    blocks_list = _check_blocks(blocks)
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive int, not {budget_bytes!r}")
+    if unit_bytes is not None and (not isinstance(unit_bytes, int) or unit_bytes <= 0):
+        raise ValueError(f"unit_bytes must be a positive int, not {unit_bytes!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, not {repeats!r}")
+    device = _device_of(sample_inputs)
+    options = settings.current
+    if pipeline is None:
+        pipeline = options.pipeline
+    if options.prefetch_depth > 1:
+        log.warning("matepoint.plan counts one prefetched input in backward; prefetch_depth=%d "
+                    "holds more", options.prefetch_depth)
+    bandwidth = bandwidth_bytes_per_s or _copy_bandwidth(device)
+    profiles = profile_blocks(blocks_list, sample_inputs, bandwidth, repeats)
+    return solve(profiles, budget_bytes, unit_bytes or default_unit(budget_bytes), bool(pipeline))
+
+
+def solve(profiles: List[BlockProfile], budget_bytes: int, unit_bytes: int,
+          pipeline: bool) -> Plan:
+    """The fastest plan for measured ``profiles`` within ``budget_bytes``."""
+    units = _units(profiles, unit_bytes)
+    budget_units = budget_bytes // unit_bytes
+    solved = _C._plan_solve(units, budget_units, pipeline)
+    if solved is None:
+        smallest = _C._plan_min_budget(units, pipeline) * unit_bytes
+        raise PlanError(budget_bytes, smallest)
+    choices, seconds, peak_units = solved
+    result = Plan([CHOICES[c] for c in choices], profiles, budget_bytes, unit_bytes, pipeline,
+                  peak_units * unit_bytes, seconds)
+    log.info("%s", result)
+    return result
+
+
+def auto_checkpoint(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
+                    **plan_options: Any) -> Blocks:
+    """Plans ``blocks`` within ``budget_bytes`` and returns them wrapped.
+
+    Shorthand for ``matepoint.plan(blocks, *sample_inputs,
+    budget_bytes=...).apply(blocks)``.
+    """
+    return plan(blocks, *sample_inputs, budget_bytes=budget_bytes, **plan_options).apply(blocks)
+
+
+def default_unit(budget_bytes: int) -> int:
+    """A power of two that keeps the solver's tables near 100k units."""
+    return max(1024, 1 << max(0, math.ceil(math.log2(max(1, budget_bytes // 100_000)))))
+
+
+def _units(profiles: List[BlockProfile], unit_bytes: int) -> List[Tuple]:
+    def up(nbytes: int) -> int:
+        return -(-nbytes // unit_bytes)
+    return [(p.forward_s, p.backward_s, p.copy_s, up(p.input_bytes), up(p.activation_bytes),
+             up(p.keep_work_bytes()), up(p.checkpoint_work_bytes())) for p in profiles]
+
+
+def _check_blocks(blocks: Blocks) -> List[Callable]:
+    if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
+        blocks_list = list(blocks)
+    elif isinstance(blocks, (list, tuple)):
+        blocks_list = list(blocks)
+    else:
+        raise TypeError("blocks must be an nn.Sequential, an nn.ModuleList or a list of "
+                        f"callables, not {type(blocks).__name__}")
+    if not blocks_list:
+        raise ValueError("blocks is empty: nothing to plan")
+    for i, block in enumerate(blocks_list):
+        if not callable(block):
+            raise TypeError(f"block {i} ({type(block).__name__}) is not callable")
+    return blocks_list
+
+
+def _tensors_in(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors_in(item)]
+    return []
+
+
+def _device_of(sample_inputs: Tuple) -> torch.device:
+    tensors = _tensors_in(sample_inputs)
+    if not tensors:
+        raise ValueError("sample_inputs hold no tensor: the planner needs the batch to profile")
+    return tensors[0].device
+
+
+def _storage_bytes(tensors: List[torch.Tensor]) -> int:
+    seen: Dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:
+    """Bytes per second between the device and host memory (one way)."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    pinned = device.type == "cuda"
+    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    timings = []
+    for _ in range(3):
+        _synchronize(device)
+        begun = time.perf_counter()
+        target.copy_(source, non_blocking=pinned)
+        _synchronize(device)
+        timings.append(time.perf_counter() - begun)
+    return nbytes / max(min(timings), 1e-9)
+
+
+def _fresh_inputs(args: Tuple) -> Tuple:
+    """The block's inputs as leaves, so one block's backward runs alone."""
+    def fresh(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            leaf = value.detach()
+            return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
+        if isinstance(value, (list, tuple)):
+            return type(value)(fresh(v) for v in value)
+        if isinstance(value, dict):
+            return {k: fresh(v) for k, v in value.items()}
+        return value
+    return tuple(fresh(a) for a in args)
+
+
+def _saved_bytes(block: Callable, args: Tuple, resident: set) -> Tuple[Any, int]:
+    """Runs the block once; the bytes of distinct storages autograd saved,
+    parameters and buffers (always resident) left out."""
+    storages: Dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in resident:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = block(*args)
+    return out, sum(storages.values())
+
+
+def _timed(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    timings = []
+    for _ in range(repeats):
+        _synchronize(device)
+        begun = time.perf_counter()
+        run()
+        _synchronize(device)
+        timings.append(time.perf_counter() - begun)
+    return statistics.median(timings)
+
+
+def _backward(out: Any) -> None:
+    outputs = [t for t in _tensors_in(out) if t.requires_grad]
+    if outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
+def profile_block(block: Callable, args: Tuple, bandwidth: float,
+                  repeats: int) -> Tuple[BlockProfile, Any]:
+    """Measures one block on ``args``; returns its profile and its output."""
+    device = _device_of(args)
+    resident = set()
+    if isinstance(block, nn.Module):
+        resident = {t.untyped_storage().data_ptr()
+                    for t in list(block.parameters()) + list(block.buffers())}
+    args = _fresh_inputs(args)
+    with _gradients_preserved(block):
+        # warm-up: workspaces and parameter gradients exist before measuring
+        _backward(block(*args))
+        forward_peak, backward_peak = _peaks(block, args, device)
+        out, activation_bytes = _saved_bytes(block, args, resident)
+        with torch.no_grad():
+            forward_s = _timed(lambda: block(*args), device, repeats)
+        both_s = _timed(lambda: _backward(block(*args)), device, repeats)
+    input_bytes = _storage_bytes(_tensors_in(args))
+    profile = BlockProfile(forward_s, max(both_s - forward_s, 0.0), input_bytes / bandwidth,
+                           input_bytes, activation_bytes, _storage_bytes(_tensors_in(out)),
+                           forward_peak, backward_peak)
+    return profile, out
+
+
+def _peaks(block: Callable, args: Tuple, device: torch.device) -> Tuple[int, int]:
+    """Peak bytes of the block's forward above its input, and of its
+    backward above what the forward left and the output gradient; zeros
+    where memory cannot be measured (then the sizes alone plan)."""
+    if device.type != "cuda" and not host_meter_available():
+        return 0, 0
+    with PeakMeter(device) as forward:
+        out = block(*args)
+    outputs = [t for t in _tensors_in(out) if t.requires_grad]
+    gradients = [torch.ones_like(t) for t in outputs]
+    with PeakMeter(device) as backward:
+        if outputs:
+            torch.autograd.backward(outputs, gradients)
+    return forward.peak_bytes, backward.peak_bytes
+
+
+@contextlib.contextmanager
+def _gradients_preserved(block: Callable):
+    """Profiling's backward passes leave the parameters' .grad as they were."""
+    parameters = list(block.parameters()) if isinstance(block, nn.Module) else []
+    saved = [(p, p.grad) for p in parameters]
+    try:
+        yield
+    finally:
+        for parameter, grad in saved:
+            parameter.grad = grad
+
+
+@contextlib.contextmanager
+def _state_preserved(blocks: List[Callable], devices: List[torch.device]):
+    """Profiling runs blocks several times: their buffers (BatchNorm's
+    running statistics) and the random number streams come out untouched."""
+    modules = [b for b in blocks if isinstance(b, nn.Module)]
+    saved = [[(buffer, buffer.detach().clone()) for buffer in m.buffers()] for m in modules]
+    cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for pairs in saved:
+                    for buffer, copy in pairs:
+                        buffer.copy_(copy)
+
+
+def profile_blocks(blocks: List[Callable], sample_inputs: Tuple, bandwidth: float,
+                   repeats: int) -> List[BlockProfile]:
+    """Profiles each block in turn, feeding each the previous one's output."""
+    profiles, args = [], sample_inputs
+    with _state_preserved(blocks, [_device_of(sample_inputs)]):
+        for i, block in enumerate(blocks):
+            try:
+                profile, out = profile_block(block, args, bandwidth, repeats)
+            except Exception as error:
+                raise RuntimeError(f"matepoint.plan: profiling block {i} failed: {error}") \
+                    from error
+            profiles.append(profile)
+            args = (out.detach() if isinstance(out, torch.Tensor) else out,)
+    return profiles

@@ -1,0 +1,175 @@
+"""matepoint.plan: profiling, applying, saving, errors, and measured memory."""
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import matepoint
+from matepoint._meter import PeakMeter, host_meter_available
+from matepoint._planner import BlockProfile, Plan, solve
+from conftest import assert_bitwise_equal
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def offload():
+    saved = matepoint.options
+    matepoint.set_options(offload_cpu=True, min_offload_bytes=0)
+    yield
+    gc.collect()
+    assert matepoint.pool_stats()["bytes_in_use"] == 0
+    matepoint.set_options(**{n: getattr(saved, n) for n in saved.__dataclass_fields__})
+
+
+def chain(depth: int = 8, width: int = 256) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[
+        nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        for _ in range(depth)])
+
+
+def step(model, x):
+    x = x.detach().requires_grad_(True)
+    model(x).square().mean().backward()
+    grads = [x.grad] + [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def measured_step(model, x) -> int:
+    """Peak bytes of a training step above what was in use before it, with
+    the parameters' gradients allocated beforehand (the budget leaves them
+    out): the second of two steps, so pool buffers exist too."""
+    for _ in range(2):
+        x_leaf = x.detach().requires_grad_(True)
+        gc.collect()
+        with PeakMeter(torch.device("cpu")) as meter:
+            model(x_leaf).square().mean().backward()
+        model.zero_grad(set_to_none=False)
+    return meter.peak_bytes
+
+
+def profile(in_mib: float, act_mib: float) -> BlockProfile:
+    return BlockProfile(1e-3, 2e-3, 1e-4, int(in_mib * MIB), int(act_mib * MIB), int(in_mib * MIB),
+                        int(act_mib * MIB), int(act_mib * MIB) // 2)
+
+
+def test_every_choice_gives_the_unplanned_gradients(offload) -> None:
+    model, x = chain(6, 64), torch.randn(32, 64)
+    choices = ["keep", "recompute", "offload", "offload", "recompute", "keep"]
+    planned = Plan(choices, [profile(1, 4)] * 6, 64 * MIB, 1024, True, 0, 0.0).apply(model)
+    assert isinstance(planned, nn.Sequential)
+    assert [b.choice for b in planned] == choices
+    before = matepoint.pool_stats()["hits"] + matepoint.pool_stats()["misses"]
+    expected, got = step(model, x), step(planned, x)
+    assert matepoint.pool_stats()["hits"] + matepoint.pool_stats()["misses"] == before + 2
+    assert_bitwise_equal(expected, got)
+
+
+def test_plan_apply_and_auto_checkpoint_give_the_same_gradients(offload) -> None:
+    model, x = chain(6, 64), torch.randn(32, 64)
+    expected = step(model, x)
+    plan = matepoint.plan(model, x, budget_bytes=200 << 10, repeats=1)
+    assert_bitwise_equal(expected, step(plan.apply(model), x))
+    wrapped = matepoint.auto_checkpoint(nn.ModuleList(model), x, budget_bytes=200 << 10, repeats=1)
+    assert isinstance(wrapped, nn.ModuleList) and len(wrapped) == 6
+    assert_bitwise_equal(expected, step(nn.Sequential(*wrapped), x))
+
+
+@pytest.mark.skipif(not host_meter_available(), reason="needs glibc's mallinfo2")
+def test_measured_peak_stays_within_the_prediction(offload) -> None:
+    model, x = chain(8, 256), torch.randn(512, 256)
+    seen = set()
+    for budget_mib in (48, 30, 20, 12, 10):
+        plan = matepoint.plan(model, x, budget_bytes=budget_mib * MIB, repeats=1)
+        measured = measured_step(plan.apply(model), x)
+        seen.update(plan.choices)
+        print(f"budget {budget_mib} MiB: predicted {plan.predicted_peak_bytes / MIB:.2f} MiB, "
+              f"measured {measured / MIB:.2f} MiB, {plan.choices}")
+        assert plan.predicted_peak_bytes <= budget_mib * MIB
+        assert measured <= 1.05 * plan.predicted_peak_bytes
+        assert measured >= 0.8 * plan.predicted_peak_bytes  # the model is not vacuous
+    assert seen == {"keep", "recompute", "offload"}
+
+
+def test_too_small_a_budget_names_the_smallest_feasible(offload) -> None:
+    model, x = chain(4, 64), torch.randn(32, 64)
+    with pytest.raises(matepoint.PlanError, match="smallest budget any plan meets is") as caught:
+        matepoint.plan(model, x, budget_bytes=1024, unit_bytes=1024, repeats=1)
+    smallest = caught.value.smallest_budget_bytes
+    assert smallest > 1024
+    plan = solve(matepoint.plan(model, x, budget_bytes=smallest, unit_bytes=1024,
+                                repeats=1).profiles, smallest, 1024, True)
+    assert plan.predicted_peak_bytes <= smallest
+    with pytest.raises(matepoint.PlanError):
+        solve(plan.profiles, smallest - 1024, 1024, True)
+
+
+def test_solve_trades_time_for_memory() -> None:
+    profiles = [profile(1, 8)] * 10
+    roomy = solve(profiles, 200 * MIB, MIB, True)
+    tight = solve(profiles, 20 * MIB, MIB, True)
+    assert roomy.choices == ["keep"] * 10
+    assert tight.predicted_peak_bytes <= 20 * MIB < roomy.predicted_peak_bytes
+    assert tight.predicted_time_s > roomy.predicted_time_s
+    frontier = roomy.frontier()
+    peaks = [peak for peak, _ in frontier]
+    times = [seconds for _, seconds in frontier]
+    assert peaks == sorted(peaks, reverse=True) and times == sorted(times)
+    assert frontier[0] == (roomy.predicted_peak_bytes, pytest.approx(roomy.predicted_time_s))
+    table = str(tight)
+    assert "budget 20.0 MiB" in table and len(table.splitlines()) == 12
+
+
+def test_save_and_load(tmp_path) -> None:
+    plan = solve([profile(1, 8)] * 5, 20 * MIB, MIB, True)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert Plan.load(str(path)) == plan
+    path.write_text('{"format": "something else"}')
+    with pytest.raises(ValueError, match="not a matepoint plan"):
+        Plan.load(str(path))
+    path.write_text('{"format": "matepoint-plan-1", "choices": ["keep"]}')
+    with pytest.raises(ValueError, match="not a matepoint plan"):
+        Plan.load(str(path))
+
+
+def test_bad_arguments_are_named() -> None:
+    model, x = chain(2, 16), torch.randn(4, 16)
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        matepoint.plan(model[0][0], x, budget_bytes=MIB)
+    with pytest.raises(ValueError, match="empty"):
+        matepoint.plan([], x, budget_bytes=MIB)
+    with pytest.raises(TypeError, match="block 1 .* not callable"):
+        matepoint.plan([model[0], 3], x, budget_bytes=MIB)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        matepoint.plan(model, x, budget_bytes=0)
+    with pytest.raises(ValueError, match="unit_bytes"):
+        matepoint.plan(model, x, budget_bytes=MIB, unit_bytes=-1)
+    with pytest.raises(ValueError, match="no tensor"):
+        matepoint.plan(model, 3, budget_bytes=MIB)
+    with pytest.raises(ValueError, match="plan is for 2 blocks"):
+        solve([profile(1, 1)] * 2, 100 * MIB, MIB, True).apply(chain(3, 16))
+    with pytest.raises(ValueError, match="choice must be one of"):
+        matepoint.PlannedBlock(model[0], "discard")
+
+    def broken(t):
+        raise ArithmeticError("boom")
+    with pytest.raises(RuntimeError, match="profiling block 1 failed: boom"):
+        matepoint.plan([model[0], broken], x, budget_bytes=MIB)
+
+
+def test_profiling_leaves_batchnorm_statistics_and_rng_alone() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Dropout(0.3),
+                          nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)))
+    x = torch.randn(2, 3, 8, 8)
+    buffers = copy.deepcopy(list(model.buffers()))
+    rng = torch.get_rng_state()
+    matepoint.plan(model, x, budget_bytes=64 * MIB, repeats=2)
+    assert_bitwise_equal(buffers, list(model.buffers()))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
