@@ -29,7 +29,7 @@ sanitize: install
 	  $(abspath $(PY)) -c "import matepoint._C as c; assert '$(ASAN_BUILD)' in c.__file__, c.__file__" && \
 	  LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 MATEPOINT_SANITIZED=1 \
 	  PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 \
-	  $(abspath $(PY)) -m pytest -v -p no:cacheprovider $(CURDIR)/tests
+	  $(abspath $(PY)) -m pytest -v --capture=sys -p no:cacheprovider $(CURDIR)/tests
 
 # C unit tests under AddressSanitizer and UBSan
 ctest: $(CTESTS)
