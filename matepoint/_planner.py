@@ -227,8 +227,18 @@ def solve(profiles: List[BlockProfile], budget_bytes: int, unit_bytes: int,
     choices, seconds, peak_units = solved
     result = Plan([CHOICES[c] for c in choices], profiles, budget_bytes, unit_bytes, pipeline,
                   peak_units * unit_bytes, seconds)
-    log.info("%s", result)
+    log.debug("%s", result)
     return result
+
+
+def predict(profiles: List[BlockProfile], choices: List[str], unit_bytes: int,
+            pipeline: bool) -> Tuple[int, float]:
+    """(peak bytes, step seconds) the planner's model gives ``choices``."""
+    if len(choices) != len(profiles) or set(choices) - set(CHOICES):
+        raise ValueError(f"need one of {CHOICES} per block, got {choices}")
+    codes = bytes(CHOICES.index(c) for c in choices)
+    seconds, peak_units = _C._plan_evaluate(_units(profiles, unit_bytes), codes, pipeline)
+    return peak_units * unit_bytes, seconds
 
 
 def auto_checkpoint(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,

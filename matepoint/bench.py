@@ -9,6 +9,9 @@ also writes JSON and, with matplotlib, a PNG plot. Modes:
   torch+save_on_cpu   torch checkpoint inside save_on_cpu(pin_memory=True)
   matepoint           matepoint.checkpoint (inputs offloaded, prefetched)
   matepoint+alloc     the same under matepoint's allocator
+  matepoint-auto      matepoint.plan's choice per block (keep / recompute /
+                      offload) under --budget-gib, by default the activation
+                      memory that checkpointing every block needs
 
 Every (mode, depth) runs in its own process, so peaks are clean and an
 out-of-memory in one is recorded as OOM while the sweep goes on. Without a
@@ -31,7 +34,7 @@ import torch
 import torch.nn as nn
 
 log = logging.getLogger("matepoint.bench")
-MODES = ["none", "torch", "torch+save_on_cpu", "matepoint", "matepoint+alloc"]
+MODES = ["none", "torch", "torch+save_on_cpu", "matepoint", "matepoint+alloc", "matepoint-auto"]
 MIB = float(1 << 20)
 
 
@@ -65,6 +68,32 @@ def device_used_bytes() -> int:
     return total - free
 
 
+def planned_blocks(blocks: nn.ModuleList, x: torch.Tensor,
+                   budget_gib: Optional[float]) -> tuple:
+    """matepoint-auto: the blocks wrapped as planned, and the plan."""
+    import matepoint
+    from matepoint import _planner
+    profiles = _planner.profile_blocks(list(blocks), (x,), _planner._copy_bandwidth(x.device),
+                                       repeats=3)
+    unit = 1 << 20 if x.is_cuda else 4096
+    pipeline = matepoint.options.pipeline
+    if budget_gib is None:  # what checkpointing every block needs
+        budget, _ = _planner.predict(profiles, ["recompute"] * len(profiles), unit, pipeline)
+    else:
+        budget = int(budget_gib * (1 << 30))
+    plan = _planner.solve(profiles, budget, unit, pipeline)
+    log.info("%s", plan)
+    return plan.apply(blocks), plan
+
+
+def activation_peak(start: int, mode: str) -> int:
+    """Peak device bytes of this step above those in use at its start."""
+    import matepoint
+    if mode == "matepoint+alloc":
+        return matepoint.memory_stats()["peak_allocated_bytes"] - start
+    return torch.cuda.max_memory_allocated() - start
+
+
 def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     """One mode at one depth, in this process; returns the measurements."""
     mode, depth = args.child_mode, args.child_depth
@@ -76,21 +105,35 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     blocks = build_stack(depth, args.hidden, args.heads, dtype, device)
     x = torch.randn(args.batch, args.seq, args.hidden, device=device, dtype=dtype)
-    wrap = wrapper_for(mode)
+    wrap, plan = wrapper_for(mode), None
+    if mode == "matepoint-auto":
+        run_blocks, plan = planned_blocks(blocks, x, args.budget_gib)
+        wrap = lambda block, h: block(h)  # noqa: E731 (each block wraps itself)
+    else:
+        run_blocks = blocks
+    # gradients exist before each step, as the planner's budget assumes
+    for p in blocks.parameters():
+        p.grad = torch.zeros_like(p)
     if mode == "torch+save_on_cpu":
         context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda)  # noqa: E731
     else:
         context = contextlib.nullcontext
-    times, device_peak = [], 0
+    times, device_peak, step_peak = [], 0, 0
     for step in range(args.steps):
         for p in blocks.parameters():
-            p.grad = None
+            p.grad.zero_()
         if cuda:
             torch.cuda.synchronize()
+            if mode == "matepoint+alloc":
+                matepoint.reset_peak_memory_stats()
+                step_start = matepoint.memory_stats()["allocated_bytes"]
+            else:
+                torch.cuda.reset_peak_memory_stats()
+                step_start = torch.cuda.memory_allocated()
         start = time.perf_counter()
         h = x.requires_grad_(True)
         with context():
-            for block in blocks:
+            for block in run_blocks:
                 h = wrap(block, h)
         if cuda:
             torch.cuda.synchronize()
@@ -99,6 +142,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
             device_peak = max(device_peak, device_used_bytes())
+            step_peak = max(step_peak, activation_peak(step_start, mode))
         times.append(time.perf_counter() - start)
         del h
     result: Dict[str, Any] = {
@@ -107,8 +151,13 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         "grad_fingerprint": grad_fingerprint(blocks),
         "pinned_host_bytes": matepoint.pool_stats()["bytes_reserved"] if "matepoint" in mode else None,
     }
+    if plan is not None:
+        result["plan"] = {c: plan.choices.count(c) for c in ("keep", "recompute", "offload")}
+        result["budget_bytes"] = plan.budget_bytes
+        result["predicted_peak_bytes"] = plan.predicted_peak_bytes
     if cuda:
         result["device_used_bytes"] = device_peak
+        result["activation_peak_bytes"] = step_peak
         if mode == "matepoint+alloc":
             stats = matepoint.memory_stats()
             result["peak_allocated_bytes"] = stats["peak_allocated_bytes"]
@@ -127,6 +176,8 @@ def spawn(args: argparse.Namespace, mode: str, depth: int) -> Dict[str, Any]:
                str(depth), "--hidden", str(args.hidden), "--heads", str(args.heads), "--seq",
                str(args.seq), "--batch", str(args.batch), "--dtype", args.dtype, "--steps",
                str(args.steps)]
+    if args.budget_gib is not None:
+        command += ["--budget-gib", str(args.budget_gib)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -176,7 +227,8 @@ def offload_throughput(probe: Dict[str, float], depth: int = 16, megabytes: int 
 def print_table(rows: List[Dict[str, Any]], cuda: bool) -> None:
     header = f"{'mode':<18} {'depth':>5} {'status':>6} {'step ms':>9}"
     if cuda:
-        header += f" {'alloc MiB':>10} {'reserved MiB':>12} {'device MiB':>10} {'pinned MiB':>10}"
+        header += (f" {'alloc MiB':>10} {'reserved MiB':>12} {'device MiB':>10} {'pinned MiB':>10}"
+                   f" {'act MiB':>8} {'pred MiB':>8}")
     header += f" {'grads':>6}"
     log.info(header)
     for row in rows:
@@ -189,7 +241,9 @@ def print_table(rows: List[Dict[str, Any]], cuda: bool) -> None:
             pinned = row.get("pinned_host_bytes")
             line += (f" {row['peak_allocated_bytes'] / MIB:>10.0f} {row['peak_reserved_bytes'] / MIB:>12.0f}"
                      f" {row['device_used_bytes'] / MIB:>10.0f}"
-                     f" {(pinned or 0) / MIB:>10.0f}")
+                     f" {(pinned or 0) / MIB:>10.0f} {row['activation_peak_bytes'] / MIB:>8.0f}")
+            predicted = row.get("predicted_peak_bytes")
+            line += f" {predicted / MIB:>8.0f}" if predicted is not None else f" {'-':>8}"
         line += f" {row.get('grads_match', '-'):>6}"
         log.info(line)
 
@@ -243,6 +297,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--budget-gib", type=float, default=None,
+                        help="matepoint-auto's activation budget (default: what checkpointing "
+                             "every block needs)")
     parser.add_argument("--out", default="benchmarks/out", help="folder for JSON and PNG")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per (mode, depth)")
     parser.add_argument("--gpu-check", action="store_true",
@@ -308,7 +365,7 @@ def run_cpu(args: argparse.Namespace) -> None:
              "%.1f MiB with matepoint", held["none"] / MIB, held["matepoint"] / MIB)
     args.hidden, args.heads, args.seq, args.batch, args.steps, args.dtype = 64, 4, 32, 2, 3, "float32"
     depths = [4, 8]
-    modes = ["none", "torch", "matepoint"]
+    modes = ["none", "torch", "matepoint", "matepoint-auto"]
     rows = [spawn(args, mode, depth) for depth in depths for mode in modes]
     mark_gradients(rows, tolerance=0.0)
     print_table(rows, cuda=False)

@@ -15,8 +15,11 @@ def test_cpu_bench_writes_results_with_matching_gradients(tmp_path) -> None:
     assert "GPU memory, step time and PCIe numbers need a GPU" in result.stderr
     payload = json.loads((tmp_path / "bench.json").read_text())
     rows = payload["rows"]
-    assert {r["mode"] for r in rows} == {"none", "torch", "matepoint"}
+    assert {r["mode"] for r in rows} == {"none", "torch", "matepoint", "matepoint-auto"}
     assert all(r["status"] == "ok" and r["grads_match"] == "yes" for r in rows)
+    auto = [r for r in rows if r["mode"] == "matepoint-auto"]
+    assert all(r["predicted_peak_bytes"] <= r["budget_bytes"] for r in auto)
+    assert all(sum(r["plan"].values()) == r["depth"] for r in auto)
     assert payload["overhead_us"]["matepoint"] > 0
     assert payload["held_bytes"]["matepoint"] < payload["held_bytes"]["none"]
 

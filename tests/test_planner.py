@@ -173,3 +173,33 @@ def test_profiling_leaves_batchnorm_statistics_and_rng_alone() -> None:
     assert_bitwise_equal(buffers, list(model.buffers()))
     assert torch.equal(rng, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.cuda
+def test_cuda_measured_peak_is_within_five_percent_of_the_prediction() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[
+        nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
+        for _ in range(12)]).cuda()
+    x = torch.randn(8, 512, 512, device="cuda")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    everything = matepoint.plan(model, x, budget_bytes=1 << 40, unit_bytes=1 << 20)
+    for fraction in (1.0, 0.5, 0.25):
+        budget = max(int(everything.predicted_peak_bytes * fraction), 1 << 20)
+        try:
+            plan = matepoint.plan(model, x, budget_bytes=budget, unit_bytes=1 << 20)
+        except matepoint.PlanError:
+            continue
+        planned = plan.apply(model)
+        for _ in range(2):  # the second step is measured
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            planned(x.detach().requires_grad_(True)).float().square().mean().backward()
+            torch.cuda.synchronize()
+            measured = torch.cuda.max_memory_allocated() - start
+            model.zero_grad(set_to_none=False)
+        print(f"budget {budget / MIB:.0f} MiB: predicted {plan.predicted_peak_bytes / MIB:.0f} "
+              f"MiB, measured {measured / MIB:.0f} MiB, {plan.choices}")
+        assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes

@@ -92,6 +92,8 @@ typedef struct {
     uint64_t width;             /* budget + 1 */
     uint64_t reach;             /* no state above this many units is reachable yet */
     double *best, *next;        /* ROWS * width each */
+    double *merged;             /* width: the better row to keep or recompute from */
+    uint8_t *merged_row;        /* width: which row that was */
     uint8_t *parent;            /* n * ROWS * width */
 } dp_tables;
 
@@ -110,8 +112,10 @@ dp_alloc(dp_tables *t, int n, uint64_t budget)
     size_t cells = (size_t)ROWS * t->width;
     t->best = malloc(cells * sizeof(double));
     t->next = malloc(cells * sizeof(double));
+    t->merged = malloc(t->width * sizeof(double));
+    t->merged_row = malloc(t->width);
     t->parent = malloc((size_t)n * cells);
-    if (t->best == NULL || t->next == NULL || t->parent == NULL)
+    if (!t->best || !t->next || !t->merged || !t->merged_row || !t->parent)
         return -1;
     for (size_t i = 0; i < cells; i++)
         t->best[i] = UNREACHABLE;
@@ -124,41 +128,86 @@ dp_free(dp_tables *t)
 {
     free(t->best);
     free(t->next);
+    free(t->merged);
+    free(t->merged_row);
     free(t->parent);
 }
 
 /* The most units that may be held before block i so that choice c fits,
- * or -1 when it never does. */
+ * or -1 when it never does; never above what is reachable. */
 static int64_t
-held_limit(const plan_block *b, int c, uint64_t prefetch, uint64_t budget)
+held_limit(const plan_block *b, int c, uint64_t prefetch, uint64_t budget, uint64_t reach)
 {
     uint64_t need = work_units(b, c) + prefetch;
     uint64_t held = held_units(b, c);
     if (need > budget || held > budget)
         return -1;
-    uint64_t by_work = budget - need, by_held = budget - held;
-    return (int64_t)(by_work < by_held ? by_work : by_held);
+    uint64_t limit = budget - need < budget - held ? budget - need : budget - held;
+    return (int64_t)(limit < reach ? limit : reach);
 }
 
-/* Relaxes next[row(c)][s + held(c)] from best[prev_row][s] for every s up
- * to `limit`: the hot loop, a shifted element-wise minimum. */
+/* Keeping or recomputing block i looks the same from either row, but for
+ * the previous block's copy back, which nothing hides then: take the
+ * better row per state once. */
 static void
-dp_relax(dp_tables *t, uint8_t *parent, int prev_row, int c, uint64_t shift, int64_t limit,
-         double extra)
+dp_merge_rows(dp_tables *t, double copy_back)
 {
-    const double *from = t->best + (size_t)prev_row * t->width;
-    size_t to_start = (size_t)row_of(c) * t->width + shift;
-    double *to = t->next + to_start;
-    uint8_t *to_parent = parent + to_start;
-    uint8_t packed = (uint8_t)(c | prev_row << 2);
-    for (int64_t s = 0; s <= limit; s++) {
-        /* unreachable stays infinite; selects, not branches, which the
-         * data would mispredict half the time */
-        double time = from[s] + extra, old = to[s];
-        uint8_t old_parent = to_parent[s];
-        int better = time < old;
-        to[s] = better ? time : old;
-        to_parent[s] = better ? packed : old_parent;
+    const double *stayed = t->best, *offloaded = t->best + t->width;
+    for (uint64_t s = 0; s <= t->reach; s++) {
+        double via_offload = offloaded[s] + copy_back;
+        int take = via_offload < stayed[s];
+        t->merged[s] = take ? via_offload : stayed[s];
+        t->merged_row[s] = (uint8_t)take;
+    }
+}
+
+/* Row ROW_STAYED of the next step: keep (shifted by its activations) and
+ * recompute (shifted by its input) from the merged row. The hot loops. */
+static void
+dp_fill_stayed(dp_tables *t, uint8_t *parent, const plan_block *b, uint64_t budget,
+               uint64_t reach)
+{
+    double *to = t->next;
+    for (uint64_t s = 0; s <= reach; s++)
+        to[s] = UNREACHABLE;
+    for (int c = PLAN_KEEP; c <= PLAN_RECOMPUTE; c++) {
+        int64_t limit = held_limit(b, c, 0, budget, t->reach);
+        uint64_t shift = held_units(b, c);
+        double extra = own_time(b, c);
+        double *row = to + shift;
+        uint8_t *row_parent = parent + shift;
+        for (int64_t s = 0; s <= limit; s++) {
+            /* selects, not branches, which the data would mispredict */
+            double time = t->merged[s] + extra, old = row[s];
+            uint8_t old_parent = row_parent[s];
+            int better = time < old;
+            row[s] = better ? time : old;
+            row_parent[s] = better ? (uint8_t)(c | t->merged_row[s] << 2) : old_parent;
+        }
+    }
+}
+
+/* Row ROW_OFFLOADED of the next step: offload holds nothing more, so each
+ * state comes from the same state of either row. */
+static void
+dp_fill_offloaded(dp_tables *t, uint8_t *parent, const plan_block *b, const plan_block *previous,
+                  uint64_t budget, uint64_t reach, int pipeline)
+{
+    const double *stayed = t->best, *offloaded = t->best + t->width;
+    double *to = t->next + t->width;
+    uint8_t *to_parent = parent + t->width;
+    int64_t from_stayed = held_limit(b, PLAN_OFFLOAD, 0, budget, t->reach);
+    int64_t from_offloaded = held_limit(
+        b, PLAN_OFFLOAD, prefetch_units(previous, PLAN_OFFLOAD, PLAN_OFFLOAD, pipeline), budget,
+        t->reach);
+    double extra = own_time(b, PLAN_OFFLOAD);
+    double extra_offloaded = extra + copy_back_time(previous, b, PLAN_OFFLOAD, pipeline);
+    for (uint64_t s = 0; s <= reach; s++) {
+        double a = (int64_t)s <= from_stayed ? stayed[s] + extra : UNREACHABLE;
+        double o = (int64_t)s <= from_offloaded ? offloaded[s] + extra_offloaded : UNREACHABLE;
+        int take = o < a;
+        to[s] = take ? o : a;
+        to_parent[s] = (uint8_t)(PLAN_OFFLOAD | take << 2);
     }
 }
 
@@ -167,32 +216,15 @@ static void
 dp_step(dp_tables *t, const plan_block *blocks, int i, uint64_t budget, int pipeline)
 {
     const plan_block *b = &blocks[i], *previous = &blocks[i - 1];
-    size_t cells = (size_t)ROWS * t->width;
-    uint8_t *parent = t->parent + (size_t)i * cells;
+    uint8_t *parent = t->parent + (size_t)i * ROWS * t->width;
     uint64_t most_held = held_units(b, PLAN_KEEP) > held_units(b, PLAN_RECOMPUTE)
                              ? held_units(b, PLAN_KEEP)
                              : held_units(b, PLAN_RECOMPUTE);
     uint64_t reach = t->reach + most_held < budget ? t->reach + most_held : budget;
-    for (int row = 0; row < ROWS; row++) {
-        double *next = t->next + (size_t)row * t->width;
-        for (uint64_t s = 0; s <= reach; s++)
-            next[s] = UNREACHABLE;
-    }
-    for (int prev_row = 0; prev_row < ROWS; prev_row++) {
-        int previous_choice = prev_row ? PLAN_OFFLOAD : PLAN_KEEP;
-        for (int c = 0; c < PLAN_CHOICES; c++) {
-            uint64_t prefetch = prefetch_units(previous, previous_choice, c, pipeline);
-            int64_t limit = held_limit(b, c, prefetch, budget);
-            if (limit < 0)
-                continue;
-            if ((uint64_t)limit > t->reach)
-                limit = (int64_t)t->reach;
-            double extra = own_time(b, c);
-            if (prev_row == ROW_OFFLOADED)
-                extra += copy_back_time(previous, b, c, pipeline);
-            dp_relax(t, parent, prev_row, c, held_units(b, c), limit, extra);
-        }
-    }
+    /* keep and recompute never prefetch the previous input: it comes back whole */
+    dp_merge_rows(t, copy_back_time(previous, b, PLAN_KEEP, pipeline));
+    dp_fill_stayed(t, parent, b, budget, reach);
+    dp_fill_offloaded(t, parent, b, previous, budget, reach, pipeline);
     double *swap = t->best;
     t->best = t->next;
     t->next = swap;
@@ -203,7 +235,7 @@ static void
 dp_first(dp_tables *t, const plan_block *b, uint64_t budget)
 {
     for (int c = 0; c < PLAN_CHOICES; c++) {
-        if (held_limit(b, c, 0, budget) < 0)
+        if (held_limit(b, c, 0, budget, budget) < 0)
             continue;
         uint64_t held = held_units(b, c);
         double *cell = &t->best[(size_t)row_of(c) * t->width + held];
