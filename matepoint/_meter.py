@@ -1,4 +1,5 @@
-"""Peak memory of a stretch of code on one device, for the planner.
+"""Memory measurements for the planner and the demo: bytes autograd saves,
+and the peak memory of a stretch of code on one device.
 
 On CUDA it reads the allocator's peak (matepoint's when installed, torch's
 otherwise). On the CPU, where torch keeps no statistics, it samples the C
@@ -10,12 +11,29 @@ from __future__ import annotations
 import ctypes
 import gc
 import ctypes.util
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from matepoint import _C
+
+
+def saved_tensor_bytes(run: Callable[[], Any], resident: Set[int]) -> Tuple[Any, int]:
+    """Calls ``run()``; returns its result and the bytes of the distinct
+    storages autograd saved for backward meanwhile, those whose data
+    pointer is in ``resident`` (parameters, buffers) left out."""
+    storages: Dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in resident:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = run()
+    return out, sum(storages.values())
 
 
 class _Mallinfo2(ctypes.Structure):

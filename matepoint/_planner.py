@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from matepoint import _C
-from matepoint._meter import PeakMeter, host_meter_available
+from matepoint._meter import PeakMeter, host_meter_available, saved_tensor_bytes
 from matepoint._options import settings
 
 log = logging.getLogger("matepoint.planner")
@@ -338,22 +338,6 @@ def _fresh_inputs(args: Tuple) -> Tuple:
     return tuple(fresh(a) for a in args)
 
 
-def _saved_bytes(block: Callable, args: Tuple, resident: set) -> Tuple[Any, int]:
-    """Runs the block once; the bytes of distinct storages autograd saved,
-    parameters and buffers (always resident) left out."""
-    storages: Dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in resident:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = block(*args)
-    return out, sum(storages.values())
-
-
 def _timed(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
     timings = []
     for _ in range(repeats):
@@ -384,7 +368,7 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float,
         # warm-up: workspaces and parameter gradients exist before measuring
         _backward(block(*args))
         forward_peak, backward_peak = _peaks(block, args, device)
-        out, activation_bytes = _saved_bytes(block, args, resident)
+        out, activation_bytes = saved_tensor_bytes(lambda: block(*args), resident)
         with torch.no_grad():
             forward_s = _timed(lambda: block(*args), device, repeats)
         both_s = _timed(lambda: _backward(block(*args)), device, repeats)

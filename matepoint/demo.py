@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import matepoint
+from matepoint._meter import saved_tensor_bytes
 
 log = logging.getLogger("matepoint.demo")
 
@@ -27,21 +28,17 @@ def make_model(depth: int, width: int) -> nn.ModuleList:
 
 def held_bytes(model: nn.ModuleList, x: torch.Tensor, wrap: Callable) -> int:
     """Bytes of distinct activation storages autograd keeps for backward."""
-    storages: dict[int, int] = {}
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    def forward() -> torch.Tensor:
         out = x
         for block in model:
             out = wrap(block, out)
+        return out
+
+    out, held = saved_tensor_bytes(forward, weights)
     out.sum().backward()
-    return sum(storages.values())
+    return held
 
 
 def plain(fn: Callable, *args: torch.Tensor) -> torch.Tensor:

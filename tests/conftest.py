@@ -26,6 +26,20 @@ def _no_hooks_left_behind():
     assert after == before, "a saved-tensor hook was left installed"
 
 
+@pytest.fixture
+def offload():
+    """offload_cpu on, every tensor eligible; the pool starts empty and ends empty."""
+    import gc
+    import matepoint
+    saved = matepoint.options
+    matepoint.set_options(offload_cpu=True, min_offload_bytes=0)
+    matepoint.empty_pool()
+    yield
+    gc.collect()
+    assert matepoint.pool_stats()["bytes_in_use"] == 0, "a pool buffer outlived its graph"
+    matepoint.set_options(**{name: getattr(saved, name) for name in saved.__dataclass_fields__})
+
+
 class MLP(nn.Module):
     def __init__(self, width: int = 32, depth: int = 4) -> None:
         super().__init__()

@@ -1,6 +1,5 @@
 """The offload path, run on the CPU with offload_cpu=True."""
 import copy
-import gc
 import warnings
 import weakref
 
@@ -11,19 +10,6 @@ import torch.nn as nn
 import matepoint
 from conftest import CNN, MLP, Transformer, assert_bitwise_equal, no_checkpoint, train_step
 from matepoint._options import options_from_env
-
-
-@pytest.fixture
-def offload():
-    """offload_cpu on, every tensor eligible; the pool starts empty and ends empty."""
-    saved = matepoint.options
-    matepoint.set_options(offload_cpu=True, min_offload_bytes=0)
-    matepoint.empty_pool()
-    yield
-    gc.collect()
-    assert matepoint.pool_stats()["bytes_in_use"] == 0, "a pool buffer outlived its graph"
-    matepoint.set_options(**{name: getattr(saved, name) for name in saved.__dataclass_fields__})
-    matepoint.empty_pool()
 
 
 def stats():
@@ -359,3 +345,18 @@ def test_per_call_offload_override(offload) -> None:
     moved = matepoint.checkpoint(lambda t: t.cos().exp(), hidden, matepoint_offload=True)
     assert stats()["misses"] + stats()["hits"] == before + 1
     (kept.sum() + moved.sum()).backward()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_per_call_prefetch_switch(offload, prefetch: bool) -> None:
+    x = torch.randn(64, requires_grad=True)
+    first = matepoint.checkpoint(lambda t: t.sin().exp(), x * 1.0)
+    second = matepoint.checkpoint(lambda t: t.cos().exp(), first * 1.0,
+                                  matepoint_prefetch=prefetch)
+    before = stats()["prefetched"]
+    second.sum().backward()
+    # the second region's recompute brings the first one's input back ahead
+    assert stats()["prefetched"] - before == (1 if prefetch else 0)
+    plain = x.detach().requires_grad_(True)
+    ((plain.sin().exp() * 1.0).cos().exp()).sum().backward()
+    assert torch.equal(x.grad, plain.grad)

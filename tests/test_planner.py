@@ -14,16 +14,6 @@ from conftest import assert_bitwise_equal
 MIB = 1 << 20
 
 
-@pytest.fixture
-def offload():
-    saved = matepoint.options
-    matepoint.set_options(offload_cpu=True, min_offload_bytes=0)
-    yield
-    gc.collect()
-    assert matepoint.pool_stats()["bytes_in_use"] == 0
-    matepoint.set_options(**{n: getattr(saved, n) for n in saved.__dataclass_fields__})
-
-
 def chain(depth: int = 8, width: int = 256) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[

@@ -15,16 +15,6 @@ import matepoint
 from conftest import MLP, Transformer, assert_bitwise_equal, no_checkpoint, train_step
 
 
-@pytest.fixture
-def offload():
-    saved = matepoint.options
-    matepoint.set_options(offload_cpu=True, min_offload_bytes=0)
-    yield
-    gc.collect()
-    assert matepoint.pool_stats()["bytes_in_use"] == 0
-    matepoint.set_options(**{n: getattr(saved, n) for n in saved.__dataclass_fields__})
-
-
 def test_four_threads_give_the_serial_gradients(offload) -> None:
     # eval mode: dropout would draw from the RNG all threads share
     torch.manual_seed(0)

@@ -251,10 +251,11 @@ poll_in_flight(offload_engine *engine, offload_device *device)
 {
     if (device->in_flight == NULL)
         return 0;
-    PyObject *list = device->in_flight;
     PyObject *running = PyList_New(0);
     if (running == NULL)
         return -1;
+    /* releasing a source may run code that polls again: hold the list */
+    PyObject *list = Py_NewRef(device->in_flight);
     int result = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(list, i);
@@ -269,6 +270,7 @@ poll_in_flight(offload_engine *engine, offload_device *device)
         if (status == CUDART_ERROR_NOT_READY) {
             if (PyList_Append(running, (PyObject *)copy) < 0) {
                 Py_DECREF(running);
+                Py_DECREF(list);
                 return -1;
             }
             continue;
@@ -278,6 +280,7 @@ poll_in_flight(offload_engine *engine, offload_device *device)
         Py_CLEAR(copy->source);
     }
     Py_SETREF(device->in_flight, running);
+    Py_DECREF(list);
     return result;
 }
 
