@@ -52,11 +52,21 @@ def _load_mallinfo2() -> Optional[Any]:
 
 
 _mallinfo2 = _load_mallinfo2()
+_host_meter_works: Optional[bool] = None
 
 
 def host_meter_available() -> bool:
-    """True where CPU peaks can be measured (glibc 2.33 and newer)."""
-    return _mallinfo2 is not None
+    """True where CPU peaks can be measured: glibc 2.33 and newer, and its
+    heap really in use (under AddressSanitizer mallinfo2 sees nothing)."""
+    global _host_meter_works
+    if _host_meter_works is None:
+        _host_meter_works = False
+        if _mallinfo2 is not None:
+            before = _host_bytes_in_use()
+            probe = torch.empty(4 << 20, dtype=torch.uint8)
+            _host_meter_works = _host_bytes_in_use() - before >= probe.numel()
+            del probe
+    return _host_meter_works
 
 
 def _host_bytes_in_use() -> int:
