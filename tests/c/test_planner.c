@@ -1,0 +1,130 @@
+/* Planner unit tests: the dynamic program against brute force over every
+ * plan of short random chains, the smallest budget, the frontier's order,
+ * and refusal of budgets too large for memory. */
+#include "check.h"
+#include "planner/planner.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
+
+static uint64_t
+rng_next(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+static double
+rng_unit(void)
+{
+    return (double)(rng_next() >> 11) / (double)(1ULL << 53);
+}
+
+static void
+random_chain(plan_block *blocks, int n)
+{
+    for (int i = 0; i < n; i++) {
+        uint64_t in = rng_next() % 7, act = rng_next() % 13;
+        blocks[i] = (plan_block){
+            .forward_s = rng_unit(), .backward_s = 2 * rng_unit(), .copy_s = 3 * rng_unit(),
+            .input_units = in, .activation_units = act,
+            .keep_work_units = act + rng_next() % 7,
+            .checkpoint_work_units = in + act + rng_next() % 7,
+        };
+    }
+}
+
+/* The fastest plan's time within `budget` by trying all 3^n, or INFINITY;
+ * *smallest receives the least peak of any plan. */
+static double
+brute_force(const plan_block *blocks, int n, uint64_t budget, int pipeline, uint64_t *smallest)
+{
+    uint8_t choices[16] = {0};
+    double best = INFINITY;
+    *smallest = UINT64_MAX;
+    for (;;) {
+        plan_cost cost = plan_evaluate(blocks, n, choices, pipeline);
+        if (cost.peak_units < *smallest)
+            *smallest = cost.peak_units;
+        if (cost.peak_units <= budget && cost.time_s < best)
+            best = cost.time_s;
+        int i = 0;
+        while (i < n && ++choices[i] == PLAN_CHOICES)
+            choices[i++] = 0;
+        if (i == n)
+            return best;
+    }
+}
+
+static void
+test_against_brute_force(int n, int pipeline)
+{
+    plan_block blocks[16];
+    uint8_t choices[16];
+    plan_cost cost;
+    random_chain(blocks, n);
+    uint64_t smallest, found;
+    brute_force(blocks, n, UINT64_MAX, pipeline, &smallest);
+    CHECK(plan_min_budget(blocks, n, pipeline, &found) == 0 && found == smallest);
+    if (smallest > 0)
+        CHECK(plan_solve(blocks, n, smallest - 1, pipeline, choices, &cost) == 1);
+    for (uint64_t budget = smallest; budget < smallest + 40; budget += 3) {
+        double best = brute_force(blocks, n, budget, pipeline, &found);
+        CHECK(plan_solve(blocks, n, budget, pipeline, choices, &cost) == 0);
+        CHECK(cost.peak_units <= budget);
+        CHECK(fabs(cost.time_s - best) <= 1e-9 * (1 + best));
+    }
+}
+
+static void
+test_frontier(void)
+{
+    plan_block blocks[8];
+    plan_cost points[256];
+    random_chain(blocks, 8);
+    int count = plan_frontier(blocks, 8, 1, 256, points);
+    CHECK(count > 0);
+    for (int i = 1; i < count; i++) {
+        CHECK(points[i].peak_units < points[i - 1].peak_units);
+        CHECK(points[i].time_s > points[i - 1].time_s);
+    }
+    uint64_t smallest;
+    CHECK(plan_min_budget(blocks, 8, 1, &smallest) == 0);
+    CHECK(count == 256 || points[count - 1].peak_units == smallest);
+    CHECK(plan_frontier(blocks, 8, 1, 1, points) == 1);
+}
+
+static void
+test_edges(void)
+{
+    plan_block blocks[2] = {{.forward_s = 1, .backward_s = 1, .input_units = 1,
+                             .activation_units = 1, .keep_work_units = 2,
+                             .checkpoint_work_units = 3}};
+    blocks[1] = blocks[0];
+    uint8_t choices[2];
+    plan_cost cost;
+    CHECK(plan_solve(blocks, 0, 0, 1, choices, &cost) == 0 && cost.peak_units == 0);
+    /* tables far beyond memory are refused, not attempted */
+    CHECK(plan_solve(blocks, 2, UINT64_MAX / 4, 1, choices, &cost) == -1);
+    CHECK(plan_solve(blocks, 2, 1000, 1, choices, &cost) == 0);
+    CHECK(choices[0] == PLAN_KEEP && choices[1] == PLAN_KEEP && cost.peak_units == 3);
+}
+
+int
+main(void)
+{
+    for (int round = 0; round < 40; round++) {
+        for (int n = 1; n <= 7; n++) {
+            test_against_brute_force(n, 1);
+            test_against_brute_force(n, 0);
+        }
+    }
+    test_frontier();
+    test_edges();
+    return check_report("test_planner");
+}
