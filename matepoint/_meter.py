@@ -9,8 +9,8 @@ pool buffers, which stand for pinned memory, are left out.
 from __future__ import annotations
 
 import ctypes
-import gc
 import ctypes.util
+import gc
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch

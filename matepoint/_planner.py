@@ -383,7 +383,7 @@ def _peaks(block: Callable, args: Tuple, device: torch.device) -> Tuple[int, int
     """Peak bytes of the block's forward above its input, and of its
     backward above what the forward left and the output gradient; zeros
     where memory cannot be measured (then the sizes alone plan)."""
-    if device.type != "cuda" and not host_meter_available():
+    if not (device.type == "cuda" or (device.type == "cpu" and host_meter_available())):
         return 0, 0
     with PeakMeter(device) as forward:
         out = block(*args)

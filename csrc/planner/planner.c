@@ -1,8 +1,10 @@
+/* The planner's cost model (plan_evaluate) and its exact solver: a dynamic
+ * program whose tables are swept once per block, the hot loops kept to a
+ * few linear passes over the memory axis. */
 #include "planner.h"
 
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 /* infinite, so adding a block's time to it needs no check */
 #define UNREACHABLE INFINITY
