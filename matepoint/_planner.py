@@ -152,6 +152,11 @@ class Plan:
         unknown = set(plan.choices) - set(CHOICES)
         if unknown or len(plan.choices) != len(plan.profiles):
             raise ValueError(f"{path} is not a matepoint plan: bad choices {plan.choices}")
+        for i, profile in enumerate(plan.profiles):
+            values = dataclasses.astuple(profile)
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                       for v in values):
+                raise ValueError(f"{path} is not a matepoint plan: block {i} has {values}")
         return plan
 
 

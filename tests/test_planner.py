@@ -1,6 +1,7 @@
 """matepoint.plan: profiling, applying, saving, errors, and measured memory."""
 import copy
 import gc
+import json
 
 import pytest
 import torch
@@ -124,6 +125,11 @@ def test_save_and_load(tmp_path) -> None:
         Plan.load(str(path))
     path.write_text('{"format": "matepoint-plan-1", "choices": ["keep"]}')
     with pytest.raises(ValueError, match="not a matepoint plan"):
+        Plan.load(str(path))
+    data = plan.to_dict()
+    data["profiles"][2]["input_bytes"] = "lots"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="block 2 has"):
         Plan.load(str(path))
 
 
