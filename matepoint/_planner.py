@@ -194,12 +194,11 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
     with the batch you will train on. Each block is run ``repeats`` times to
     time it. ``budget_bytes`` bounds the activation memory of a step (what
     autograd keeps for backward, plus the recompute of one block), not
-    parameters, their gradients (counted as already allocated) or
-    optimizer state. ``unit_bytes`` is the solver's
-    memory quantum (sizes are rounded up to it); ``pipeline`` (whether
-    backward prefetches) defaults to matepoint's option.
-    Raises :class:`PlanError` with the smallest feasible budget when no
-    plan fits.
+    parameters, their gradients (counted as already allocated) or optimizer
+    state. ``unit_bytes`` is the solver's memory quantum (sizes are rounded
+    up to it); ``pipeline`` (whether backward prefetches) defaults to
+    matepoint's option. Raises :class:`PlanError` with the smallest
+    feasible budget when no plan fits.
     """
     blocks_list = _check_blocks(blocks)
     if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
