@@ -323,7 +323,12 @@ storage_copy_dealloc(StorageCopy *self)
     PyObject_GC_UnTrack(self);
     offload_engine *engine = self->module ? engine_of(self->module) : NULL;
     if (engine != NULL) {
-        /* d2h_done is always clear here: in_flight holds a reference until then */
+        /* d2h_done is clear here but when starting the copy failed half-way:
+         * in_flight holds a reference until the copy completed */
+        if (self->d2h_done != NULL) {
+            (void)engine->rt->event_synchronize(self->d2h_done);
+            (void)engine->rt->event_destroy(self->d2h_done);
+        }
         wait_for_h2d(engine, self);
         if (self->block.ptr != NULL)
             pool_release(engine->pool, &self->block);
@@ -687,7 +692,12 @@ record_new_event(const cudart *rt, void *stream, void **event)
 {
     if (cuda_failed(rt, rt->event_create(event, CUDART_EVENT_DISABLE_TIMING), "cudaEventCreate"))
         return -1;
-    return cuda_failed(rt, rt->event_record(*event, stream), "cudaEventRecord");
+    if (cuda_failed(rt, rt->event_record(*event, stream), "cudaEventRecord")) {
+        (void)rt->event_destroy(*event);
+        *event = NULL;
+        return -1;
+    }
+    return 0;
 }
 
 /* Device to host on the copy-out stream, after the producer's work. */
