@@ -86,18 +86,11 @@ def planned_blocks(blocks: nn.ModuleList, x: torch.Tensor,
     return plan.apply(blocks), plan
 
 
-def activation_peak(start: int, mode: str) -> int:
-    """Peak device bytes of this step above those in use at its start."""
-    import matepoint
-    if mode == "matepoint+alloc":
-        return matepoint.memory_stats()["peak_allocated_bytes"] - start
-    return torch.cuda.max_memory_allocated() - start
-
-
 def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     """One mode at one depth, in this process; returns the measurements."""
     mode, depth = args.child_mode, args.child_depth
     import matepoint
+    from matepoint._meter import PeakMeter
     if mode == "matepoint+alloc":
         matepoint.install_allocator()
     cuda = torch.cuda.is_available()
@@ -118,33 +111,29 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda)  # noqa: E731
     else:
         context = contextlib.nullcontext
-    times, device_peak, step_peak = [], 0, 0
-    for step in range(args.steps):
-        for p in blocks.parameters():
-            p.grad.zero_()
-        if cuda:
-            torch.cuda.synchronize()
-            if mode == "matepoint+alloc":
-                matepoint.reset_peak_memory_stats()
-                step_start = matepoint.memory_stats()["allocated_bytes"]
-            else:
-                torch.cuda.reset_peak_memory_stats()
-                step_start = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        h = x.requires_grad_(True)
-        with context():
-            for block in run_blocks:
-                h = wrap(block, h)
-        if cuda:
-            torch.cuda.synchronize()
-            device_peak = max(device_peak, device_used_bytes())
-        h.float().pow(2).mean().backward()
-        if cuda:
-            torch.cuda.synchronize()
-            device_peak = max(device_peak, device_used_bytes())
-            step_peak = max(step_peak, activation_peak(step_start, mode))
-        times.append(time.perf_counter() - start)
-        del h
+    times, device_peak = [], 0
+    # peaks count from here: matepoint-auto's profiling above is not a step
+    meter = PeakMeter(torch.device("cuda")) if cuda else None
+    with meter or contextlib.nullcontext():
+        for step in range(args.steps):
+            for p in blocks.parameters():
+                p.grad.zero_()
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            h = x.requires_grad_(True)
+            with context():
+                for block in run_blocks:
+                    h = wrap(block, h)
+            if cuda:
+                torch.cuda.synchronize()
+                device_peak = max(device_peak, device_used_bytes())
+            h.float().pow(2).mean().backward()
+            if cuda:
+                torch.cuda.synchronize()
+                device_peak = max(device_peak, device_used_bytes())
+            times.append(time.perf_counter() - start)
+            del h
     result: Dict[str, Any] = {
         "mode": mode, "depth": depth, "status": "ok",
         "step_ms": statistics.median(times[1:] or times) * 1e3,
@@ -157,7 +146,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         result["predicted_peak_bytes"] = plan.predicted_peak_bytes
     if cuda:
         result["device_used_bytes"] = device_peak
-        result["activation_peak_bytes"] = step_peak
+        result["activation_peak_bytes"] = meter.peak_bytes
         if mode == "matepoint+alloc":
             stats = matepoint.memory_stats()
             result["peak_allocated_bytes"] = stats["peak_allocated_bytes"]
