@@ -80,19 +80,17 @@ def test_gradients_equal_non_offloaded_run(cuda_offload) -> None:
 def test_pool_returns_to_zero_and_is_reused(cuda_offload) -> None:
     model = nn.ModuleList(block(512) for _ in range(4)).cuda()
     x = torch.randn(128, 512, device="cuda", requires_grad=True)
-    for _ in range(3):
-        h = x
-        for b in model:
-            h = matepoint.checkpoint(b, h)
-        h.sum().backward()
-        del h
+
+    def train_steps(count: int) -> None:
+        for _ in range(count):
+            h = x
+            for b in model:
+                h = matepoint.checkpoint(b, h)
+            h.sum().backward()
+
+    train_steps(3)
     allocations = matepoint.pool_stats()["host_allocations"]
-    for _ in range(3):
-        h = x
-        for b in model:
-            h = matepoint.checkpoint(b, h)
-        h.sum().backward()
-        del h
+    train_steps(3)
     torch.cuda.synchronize()
     gc.collect()
     stats = matepoint.pool_stats()
