@@ -58,10 +58,10 @@ PyObject *frame_unpack_hook(PyObject *module, PyObject *holder);
 /* Saves `tensors` (a list) as the frame's inputs; offload_override is -1
  * (follow the options), 0 (keep them on their device) or 1 (offload). */
 int frame_save_inputs(Frame *frame, PyObject *tensors, int offload_override);
+/* Rebuilds (args, kwargs) for the recompute from the saved inputs. */
+int frame_restore_inputs(Frame *frame, PyObject **args_out, PyObject **kwargs_out);
 /* After the forward: checks offloaded inputs were not changed meanwhile. */
 int frame_finish_forward(Frame *frame);
-/* Raises the error for an input changed in place; returns NULL. */
-PyObject *checkpoint_raise_modified_input(Py_ssize_t index);
 /* Frees what only a recompute would need, when nothing inside was saved. */
 void frame_drop_unneeded_inputs(Frame *frame);
 

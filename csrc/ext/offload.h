@@ -1,5 +1,6 @@
-/* Offload engine: moves checkpoint inputs to host pool buffers after they
- * are saved and brings them back for the recompute, ahead of time.
+/* The offload path as the rest of the extension sees it: moves checkpoint
+ * inputs to host pool buffers after they are saved and brings them back for
+ * the recompute, ahead of time.
  *
  * CUDA inputs are copied device-to-host on a per-device copy-out stream
  * that first waits on an event recorded on the producing stream; the source
@@ -16,7 +17,13 @@
  * backward (reverse).
  *
  * Everything here runs with the GIL held, which guards the engine state;
- * the pool has its own lock. */
+ * the pool has its own lock. Where each part lives:
+ *   offload_engine.c   per-device streams, the pool, counters (offload_engine.h)
+ *   offload_window.c   copies in flight and when their sources are dropped
+ *   offload_inspect.c  which inputs are eligible, their storage spans
+ *   offload_types.c    the Python objects: copies, records, groups, packer
+ *   offload_save.c     copying inputs out, building the records
+ *   offload_restore.c  copying back, prefetch, views of the copies */
 #ifndef MATEPOINT_EXT_OFFLOAD_H
 #define MATEPOINT_EXT_OFFLOAD_H
 

@@ -1,0 +1,128 @@
+#include "offload_inspect.h"
+#include "offload_engine.h"
+
+void
+input_info_clear(input_info *info)
+{
+    Py_CLEAR(info->storage);
+    Py_CLEAR(info->device_obj);
+    Py_CLEAR(info->dtype);
+    Py_CLEAR(info->size);
+    Py_CLEAR(info->stride);
+}
+
+int
+inspect_call_int64(PyObject *obj, const char *method, int64_t *out)
+{
+    PyObject *value = PyObject_CallMethod(obj, method, NULL);
+    if (value == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+int
+inspect_attr_int64(PyObject *obj, const char *name, int64_t *out)
+{
+    PyObject *value = PyObject_GetAttrString(obj, name);
+    if (value == NULL)
+        return -1;
+    *out = value == Py_None ? -1 : PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* Byte span [offset, offset + extent) of the storage that `tensor` reads:
+ * views, non-contiguous and stride-0 tensors read less than their storage. */
+static int
+tensor_span(PyObject *tensor, input_info *info)
+{
+    int64_t storage_offset, numel;
+    if (inspect_call_int64(tensor, "storage_offset", &storage_offset) < 0 ||
+        inspect_call_int64(tensor, "element_size", &info->itemsize) < 0 ||
+        inspect_call_int64(tensor, "numel", &numel) < 0)
+        return -1;
+    info->byte_offset = (uint64_t)(storage_offset * info->itemsize);
+    info->byte_extent = 0;
+    if (numel == 0)
+        return 0;
+    int64_t last = 0;
+    for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(info->size); d++) {
+        int64_t extent = PyLong_AsLongLong(PyTuple_GET_ITEM(info->size, d));
+        int64_t step = PyLong_AsLongLong(PyTuple_GET_ITEM(info->stride, d));
+        if (PyErr_Occurred())
+            return -1;
+        last += (extent - 1) * step;
+    }
+    info->byte_extent = (uint64_t)((last + 1) * info->itemsize);
+    return 0;
+}
+
+static int
+is_buffer_of(PyObject *buffers, PyObject *tensor)
+{
+    if (buffers == NULL)
+        return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(buffers); i++) {
+        if (PyList_GET_ITEM(buffers, i) == tensor)
+            return 1;
+    }
+    return 0;
+}
+
+PyObject *
+inspect_module_buffers(mp_state *st, PyObject *function)
+{
+    int is_module = PyObject_IsInstance(function, st->module_type);
+    if (is_module <= 0)
+        return is_module < 0 ? NULL : PyList_New(0);
+    PyObject *iter = PyObject_CallMethod(function, "buffers", NULL);
+    PyObject *list = iter ? PySequence_List(iter) : NULL;
+    Py_XDECREF(iter);
+    return list;
+}
+
+int
+inspect_input(mp_state *st, PyObject *tensor, PyObject *buffers, int cuda_enabled,
+              input_info *info)
+{
+    offload_options *opts = &st->engine->options;
+    info->copy_index = UNPLANNED;
+    if (!Py_IS_TYPE(tensor, (PyTypeObject *)st->tensor_class) || is_buffer_of(buffers, tensor))
+        return 0;
+    int64_t nbytes;
+    if (inspect_attr_int64(tensor, "nbytes", &nbytes) < 0)
+        return -1;
+    if (nbytes < opts->min_offload_bytes)
+        return 0;
+    info->device_obj = PyObject_GetAttr(tensor, st->str_device);
+    PyObject *type = info->device_obj ? PyObject_GetAttr(info->device_obj, st->str_type) : NULL;
+    if (type == NULL)
+        return -1;
+    int is_cpu = PyUnicode_Compare(type, st->str_cpu) == 0;
+    int is_cuda = PyUnicode_CompareWithASCIIString(type, "cuda") == 0;
+    Py_DECREF(type);
+    if (!((is_cuda && cuda_enabled) || (is_cpu && opts->offload_cpu)))
+        return 0;
+    int64_t index = -1;
+    if (is_cuda && inspect_attr_int64(info->device_obj, "index", &index) < 0)
+        return -1;
+    info->device_index = (int)index;
+    int64_t ptr;
+    info->dtype = PyObject_GetAttr(tensor, st->str_dtype);
+    info->size = info->dtype ? PyObject_CallMethod(tensor, "size", NULL) : NULL;
+    info->stride = info->size ? PyObject_CallMethod(tensor, "stride", NULL) : NULL;
+    info->storage = info->stride ? PyObject_CallMethod(tensor, "untyped_storage", NULL) : NULL;
+    if (info->storage == NULL || inspect_call_int64(info->storage, "data_ptr", &ptr) < 0 ||
+        tensor_span(tensor, info) < 0)
+        return -1;
+    info->storage_ptr = (uintptr_t)ptr;
+    return 1;
+}
+
+int
+inspect_same_storage(const input_info *a, const input_info *b)
+{
+    return a->device_index == b->device_index && a->storage_ptr == b->storage_ptr;
+}

@@ -1,0 +1,51 @@
+/* Inspecting a checkpoint's input tensors before they are offloaded: which
+ * ones are eligible, where their bytes live, and how inputs that share a
+ * storage are grouped into one copied span.
+ *
+ * An eligible input is a plain torch.Tensor (no subclass, no Parameter, no
+ * buffer of the checkpointed module) of at least min_offload_bytes on a
+ * CUDA device (or the CPU in the offload_cpu test mode). Its span is the
+ * byte range of its storage that it reads: views, non-contiguous and
+ * stride-0 tensors read less than their storage. input_info holds strong
+ * references, released by input_info_clear. GIL held throughout. */
+#ifndef MATEPOINT_EXT_OFFLOAD_INSPECT_H
+#define MATEPOINT_EXT_OFFLOAD_INSPECT_H
+
+#include "state.h"
+
+/* copy_index values beside a real index into the list of copies */
+#define UNPLANNED (-1)
+#define STAYS (-2)      /* the pool had no memory: saved where it is */
+#define NO_DATA (-3)    /* no elements: rebuilt empty */
+
+/* What the offload path learns about one input tensor. */
+typedef struct {
+    PyObject *storage;          /* the input's untyped storage */
+    PyObject *device_obj;
+    PyObject *dtype, *size, *stride;
+    int device_index;           /* -1: CPU */
+    uintptr_t storage_ptr;
+    uint64_t byte_offset, byte_extent;
+    int64_t itemsize;
+    Py_ssize_t copy_index;      /* into the copies list, or one of the values above */
+} input_info;
+
+void input_info_clear(input_info *info);
+
+/* The buffers of `function` when it is a module (never offloaded), else
+ * an empty list. */
+PyObject *inspect_module_buffers(mp_state *st, PyObject *function);
+
+/* Fills `info` for an input worth offloading: 1 if so, 0 if it stays,
+ * -1 on error. cuda_enabled: whether CUDA inputs may be offloaded. */
+int inspect_input(mp_state *st, PyObject *tensor, PyObject *buffers, int cuda_enabled,
+                  input_info *info);
+
+/* Do two inspected inputs share one storage? */
+int inspect_same_storage(const input_info *a, const input_info *b);
+
+/* obj.method() or obj.name as a C integer (None reads as -1). */
+int inspect_call_int64(PyObject *obj, const char *method, int64_t *out);
+int inspect_attr_int64(PyObject *obj, const char *name, int64_t *out);
+
+#endif

@@ -1,0 +1,270 @@
+/* The save direction: copying a region's eligible inputs out to pool
+ * buffers and building the records autograd keeps in their place. */
+#include "offload.h"
+#include "hooks.h"
+#include "offload_types.h"
+#include "offload_window.h"
+#include "streams.h"
+
+#include <string.h>
+
+#define SPAN_ALIGN 16   /* largest element size: keeps every view offset whole */
+
+/* Device to host on the copy-out stream, after the producer's work. */
+static int
+start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
+{
+    offload_engine *engine = st->engine;
+    const cudart *rt = engine->rt;
+    offload_device *device = copy->device;
+    void *producer;
+    int previous;
+    if (offload_engine_current_stream(st, device->index, &producer) < 0 ||
+        streams_enter_device(rt, device->index, &previous) < 0)
+        return -1;
+    int failed = streams_wait_stream(rt, device->copy_out, producer) < 0 ||
+                 streams_check(rt, rt->memcpy_async(copy->block.ptr, (const void *)src,
+                                                    (size_t)copy->nbytes,
+                                                    CUDART_MEMCPY_DEVICE_TO_HOST, device->copy_out),
+                               "cudaMemcpyAsync (device to host)") ||
+                 streams_record_new_event(rt, device->copy_out, &copy->d2h_done) < 0;
+    streams_leave_device(rt, previous);
+    return failed ? -1 : offload_window_add(device, copy, storage);
+}
+
+static void
+warn_fallback_once(offload_engine *engine)
+{
+    if (engine->warned_fallback)
+        return;
+    engine->warned_fallback = 1;
+    if (PyErr_WarnEx(PyExc_RuntimeWarning,
+                     "matepoint: the pinned host pool is at pool_limit_bytes or pinning failed; "
+                     "offloading into pageable memory, which copies more slowly",
+                     1) < 0)
+        PyErr_WriteUnraisable(NULL);
+}
+
+/* Copies one storage span out. Returns the copy, Py_None when the pool has
+ * no memory at all (the inputs then stay on their device), NULL on error. */
+static PyObject *
+offload_span(mp_state *st, PyObject *module, input_info *first, uint64_t lo, uint64_t hi)
+{
+    offload_engine *engine = st->engine;
+    offload_device *device = first->device_index < 0 ? &engine->cpu
+                                                     : offload_engine_cuda_device(engine, first->device_index);
+    if (device == NULL || offload_engine_ensure_pool(engine) < 0)
+        return NULL;
+    if (device->index >= 0 && offload_window_poll(engine, device) < 0)
+        return NULL;
+    StorageCopy *copy = storage_copy_new(st, module, device, first->device_obj, hi - lo);
+    if (copy == NULL)
+        return NULL;
+    uint64_t fallbacks = pool_get_stats(engine->pool).fallbacks;
+    int refused = engine->fail_next_acquires > 0;
+    engine->fail_next_acquires -= refused;
+    if (refused || pool_acquire(engine->pool, hi - lo, &copy->block) < 0) {
+        Py_DECREF(copy);
+        return Py_NewRef(Py_None);
+    }
+    if (pool_get_stats(engine->pool).fallbacks != fallbacks)
+        warn_fallback_once(engine);
+    uintptr_t src = first->storage_ptr + (uintptr_t)lo;
+    if (device->index < 0) {
+        memcpy(copy->block.ptr, (const void *)src, (size_t)(hi - lo));
+    } else if (start_d2h(st, copy, src, first->storage) < 0) {
+        Py_DECREF(copy);
+        return NULL;
+    }
+    return (PyObject *)copy;
+}
+
+/* Plans one copy per distinct storage among `infos` and starts them. */
+static PyObject *
+offload_storages(mp_state *st, PyObject *module, input_info *infos, Py_ssize_t n)
+{
+    PyObject *copies = PyList_New(0);
+    if (copies == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!infos[i].storage || infos[i].copy_index != UNPLANNED)
+            continue;
+        if (infos[i].byte_extent == 0) {
+            infos[i].copy_index = NO_DATA;
+            continue;
+        }
+        uint64_t lo = infos[i].byte_offset, hi = lo + infos[i].byte_extent;
+        for (Py_ssize_t j = i + 1; j < n; j++) {
+            if (infos[j].storage && inspect_same_storage(&infos[i], &infos[j]) && infos[j].byte_extent) {
+                lo = infos[j].byte_offset < lo ? infos[j].byte_offset : lo;
+                uint64_t end = infos[j].byte_offset + infos[j].byte_extent;
+                hi = end > hi ? end : hi;
+            }
+        }
+        lo -= lo % SPAN_ALIGN;
+        PyObject *copy = offload_span(st, module, &infos[i], lo, hi);
+        if (copy == NULL || PyList_Append(copies, copy) < 0) {
+            Py_XDECREF(copy);
+            Py_DECREF(copies);
+            return NULL;
+        }
+        Py_ssize_t index = copy == Py_None ? STAYS : PyList_GET_SIZE(copies) - 1;
+        Py_DECREF(copy);
+        for (Py_ssize_t j = i; j < n; j++) {
+            if (infos[j].storage && infos[j].byte_extent && inspect_same_storage(&infos[i], &infos[j])) {
+                infos[j].copy_index = index;
+                infos[j].byte_offset -= lo;
+            }
+        }
+    }
+    return copies;
+}
+
+/* Saves the records through torch's SavedTensor, so that torch keeps each
+ * input's version counter; our packer hands it the prepared records. */
+static int
+save_records_as_saved_tensors(mp_state *st, PyObject *records, PyObject *tensors,
+                              input_info *infos, PyObject *saved)
+{
+    PyObject *packer = packer_new(st, records);
+    if (packer == NULL)
+        return -1;
+    int result = hooks_push(st, packer, st->offload_unpack);
+    Py_DECREF(packer);
+    if (result < 0)
+        return -1;
+    for (Py_ssize_t i = 0; result == 0 && i < PyList_GET_SIZE(tensors); i++) {
+        if (infos[i].copy_index == UNPLANNED || infos[i].copy_index == STAYS)
+            continue;
+        PyObject *saved_tensor = hooks_save_tensor(st, PyList_GET_ITEM(tensors, i));
+        if (saved_tensor == NULL || PyList_SetItem(saved, i, saved_tensor) < 0)
+            result = -1;
+    }
+    return hooks_pop(st) < 0 ? -1 : result;
+}
+
+static PyObject *
+make_records(mp_state *st, PyObject *tensors, input_info *infos, PyObject *copies,
+             PyObject *group, PyObject *saved)
+{
+    PyObject *records = PyList_New(0);
+    if (records == NULL)
+        return NULL;
+    int direct = st->make_saved_tensor == NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors); i++) {
+        if (infos[i].copy_index == UNPLANNED || infos[i].copy_index == STAYS)
+            continue;
+        TensorRecord *record = record_new(st, &infos[i], copies, group,
+                                          PyList_GET_ITEM(tensors, i), i);
+        int failed = record == NULL || PyList_Append(records, (PyObject *)record) < 0 ||
+                     (direct && PyList_SetItem(saved, i, Py_NewRef(record)) < 0);
+        Py_XDECREF(record);
+        if (failed) {
+            Py_DECREF(records);
+            return NULL;
+        }
+    }
+    if (!direct && save_records_as_saved_tensors(st, records, tensors, infos, saved) < 0)
+        Py_CLEAR(records);
+    return records;
+}
+
+/* Offloading is torch's nesting rule in reverse: inside another
+ * checkpoint's forward (or any saved-tensor hooks) inputs belong to the outer
+ * hooks, so they are left alone. */
+static int
+hooks_active(mp_state *st)
+{
+    PyObject *top = PyObject_CallOneArg(st->top_hooks, Py_False);
+    if (top == NULL)
+        return -1;
+    int active = top != Py_None;
+    Py_DECREF(top);
+    return active;
+}
+
+int
+offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject *tensors,
+                    int offload_override, PyObject *saved, PyObject **group_out,
+                    PyObject **records_out)
+{
+    offload_options *opts = &st->engine->options;
+    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    int cuda_enabled = offload_override < 0 ? opts->enabled : offload_override;
+    *group_out = *records_out = NULL;
+    if (n == 0 || offload_override == 0 || !(cuda_enabled || opts->offload_cpu))
+        return 0;
+    int active = hooks_active(st);
+    if (active != 0)
+        return active < 0 ? -1 : 0;
+    input_info *infos = PyMem_Calloc((size_t)n, sizeof(input_info));
+    PyObject *buffers = NULL, *copies = NULL;
+    int result = -1, candidates = 0;
+    if (infos == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    buffers = inspect_module_buffers(st, function);
+    if (buffers == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int eligible = inspect_input(st, PyList_GET_ITEM(tensors, i), buffers, cuda_enabled,
+                                     &infos[i]);
+        if (eligible < 0)
+            goto done;
+        if (!eligible)
+            input_info_clear(&infos[i]);
+        candidates += eligible;
+    }
+    result = 0;
+    if (candidates == 0)
+        goto done;
+    result = -1;
+    copies = offload_storages(st, module, infos, n);
+    if (copies == NULL)
+        goto done;
+    /* entries of Py_None stand for spans the pool could not take */
+    PyObject *live = PyList_New(0);
+    for (Py_ssize_t i = 0; live != NULL && i < PyList_GET_SIZE(copies); i++) {
+        if (PyList_GET_ITEM(copies, i) != Py_None && PyList_Append(live, PyList_GET_ITEM(copies, i)) < 0)
+            Py_CLEAR(live);
+    }
+    if (live == NULL)
+        goto done;
+    *group_out = group_new(st, module, live);
+    Py_DECREF(live);
+    if (*group_out != NULL)
+        *records_out = make_records(st, tensors, infos, copies, *group_out, saved);
+    if (*records_out == NULL) {
+        Py_CLEAR(*group_out);
+        goto done;
+    }
+    if (PyList_GET_SIZE(*records_out) == 0) {   /* everything stayed where it was */
+        Py_CLEAR(*records_out);
+        Py_CLEAR(*group_out);
+    }
+    result = 0;
+done:
+    for (Py_ssize_t i = 0; i < n; i++)
+        input_info_clear(&infos[i]);
+    PyMem_Free(infos);
+    Py_XDECREF(buffers);
+    Py_XDECREF(copies);
+    return result;
+}
+
+int
+offload_check_forward(mp_state *st, PyObject *records)
+{
+    if (records == NULL)
+        return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); i++) {
+        TensorRecord *record = (TensorRecord *)PyList_GET_ITEM(records, i);
+        /* the copy out may have raced the change: the data is unusable */
+        int changed = offload_source_changed(st, record);
+        if (changed < 0)
+            return -1;
+        record->modified_in_forward = changed;
+    }
+    return 0;
+}

@@ -1,0 +1,336 @@
+#include "offload_types.h"
+#include "streams.h"
+
+static void
+wait_for_h2d(offload_engine *engine, StorageCopy *copy)
+{
+    if (copy->h2d_done == NULL)
+        return;
+    /* the host buffer may be read by the copy still: wait before reuse */
+    Py_BEGIN_ALLOW_THREADS
+    (void)engine->rt->event_synchronize(copy->h2d_done);
+    Py_END_ALLOW_THREADS
+    (void)engine->rt->event_destroy(copy->h2d_done);
+    copy->h2d_done = NULL;
+}
+
+static int
+storage_copy_traverse(StorageCopy *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->module);
+    Py_VISIT(self->device_obj);
+    Py_VISIT(self->source);
+    Py_VISIT(self->fetched);
+    return 0;
+}
+
+static void
+storage_copy_dealloc(StorageCopy *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    offload_engine *engine = self->module ? offload_engine_of(self->module) : NULL;
+    if (engine != NULL) {
+        /* d2h_done is clear here but when starting the copy failed half-way:
+         * in_flight holds a reference until the copy completed */
+        if (self->d2h_done != NULL) {
+            (void)engine->rt->event_synchronize(self->d2h_done);
+            (void)engine->rt->event_destroy(self->d2h_done);
+        }
+        wait_for_h2d(engine, self);
+        if (self->block.ptr != NULL)
+            pool_release(engine->pool, &self->block);
+    }
+    Py_CLEAR(self->fetched);
+    Py_CLEAR(self->source);
+    Py_CLEAR(self->device_obj);
+    Py_CLEAR(self->module);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot storage_copy_slots[] = {
+    {Py_tp_dealloc, storage_copy_dealloc},
+    {Py_tp_traverse, storage_copy_traverse},
+    {0, NULL},
+};
+
+PyType_Spec storage_copy_spec = {
+    .name = "matepoint._C._StorageCopy",
+    .basicsize = sizeof(StorageCopy),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = storage_copy_slots,
+};
+
+static int
+tensor_record_traverse(TensorRecord *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->copy);
+    Py_VISIT(self->group);
+    Py_VISIT(self->dtype);
+    Py_VISIT(self->size);
+    Py_VISIT(self->stride);
+    Py_VISIT(self->device_obj);
+    Py_VISIT(self->weak_source);
+    Py_VISIT(self->version);
+    return 0;
+}
+
+static int
+tensor_record_clear(TensorRecord *self)
+{
+    Py_CLEAR(self->copy);
+    Py_CLEAR(self->group);
+    Py_CLEAR(self->dtype);
+    Py_CLEAR(self->size);
+    Py_CLEAR(self->stride);
+    Py_CLEAR(self->device_obj);
+    Py_CLEAR(self->weak_source);
+    Py_CLEAR(self->version);
+    return 0;
+}
+
+static void
+tensor_record_dealloc(TensorRecord *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    tensor_record_clear(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot tensor_record_slots[] = {
+    {Py_tp_dealloc, tensor_record_dealloc},
+    {Py_tp_traverse, tensor_record_traverse},
+    {Py_tp_clear, tensor_record_clear},
+    {0, NULL},
+};
+
+PyType_Spec tensor_record_spec = {
+    .name = "matepoint._C._TensorRecord",
+    .basicsize = sizeof(TensorRecord),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = tensor_record_slots,
+};
+
+static void
+group_unlink(OffloadGroup *group)
+{
+    if (!group->linked)
+        return;
+    offload_device *device = group->device;
+    if (group->prev != NULL)
+        group->prev->next = group->next;
+    else
+        device->first = group->next;
+    if (group->next != NULL)
+        group->next->prev = group->prev;
+    else
+        device->last = group->prev;
+    group->prev = group->next = NULL;
+    group->linked = 0;
+}
+
+static void
+group_link(OffloadGroup *group)
+{
+    offload_device *device = group->device;
+    group->prev = device->last;
+    group->next = NULL;
+    if (device->last != NULL)
+        device->last->next = group;
+    else
+        device->first = group;
+    device->last = group;
+    group->linked = 1;
+}
+
+static int
+offload_group_traverse(OffloadGroup *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->module);
+    Py_VISIT(self->copies);
+    return 0;
+}
+
+static void
+offload_group_dealloc(OffloadGroup *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    group_unlink(self);
+    Py_CLEAR(self->copies);
+    Py_CLEAR(self->module);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot offload_group_slots[] = {
+    {Py_tp_dealloc, offload_group_dealloc},
+    {Py_tp_traverse, offload_group_traverse},
+    {0, NULL},
+};
+
+PyType_Spec offload_group_spec = {
+    .name = "matepoint._C._OffloadGroup",
+    .basicsize = sizeof(OffloadGroup),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = offload_group_slots,
+};
+
+static int
+packer_traverse(OffloadPacker *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->records);
+    return 0;
+}
+
+static void
+packer_dealloc(OffloadPacker *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->records);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+packer_call(OffloadPacker *self, PyObject *args, PyObject *kwargs)
+{
+    (void)args;
+    (void)kwargs;
+    if (self->next >= PyList_GET_SIZE(self->records)) {
+        PyErr_SetString(PyExc_RuntimeError, "matepoint: offload packer ran out of records");
+        return NULL;
+    }
+    return Py_NewRef(PyList_GET_ITEM(self->records, self->next++));
+}
+
+static PyType_Slot offload_packer_slots[] = {
+    {Py_tp_dealloc, packer_dealloc},
+    {Py_tp_traverse, packer_traverse},
+    {Py_tp_call, packer_call},
+    {0, NULL},
+};
+
+PyType_Spec offload_packer_spec = {
+    .name = "matepoint._C._OffloadPacker",
+    .basicsize = sizeof(OffloadPacker),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = offload_packer_slots,
+};
+
+StorageCopy *
+storage_copy_new(mp_state *st, PyObject *module, offload_device *device, PyObject *device_obj,
+                 uint64_t nbytes)
+{
+    StorageCopy *copy = PyObject_GC_New(StorageCopy, st->storage_copy_type);
+    if (copy == NULL)
+        return NULL;
+    Py_INCREF(st->storage_copy_type);
+    copy->module = Py_NewRef(module);
+    copy->device = device;
+    copy->device_obj = Py_NewRef(device_obj);
+    copy->nbytes = nbytes;
+    copy->block = (pool_block){0};
+    copy->source = copy->fetched = NULL;
+    copy->d2h_done = copy->h2d_done = NULL;
+    PyObject_GC_Track(copy);
+    return copy;
+}
+
+TensorRecord *
+record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group, PyObject *tensor,
+           Py_ssize_t input_index)
+{
+    TensorRecord *record = PyObject_GC_New(TensorRecord, st->tensor_record_type);
+    if (record == NULL)
+        return NULL;
+    Py_INCREF(st->tensor_record_type);
+    record->copy = info->copy_index >= 0
+                       ? (StorageCopy *)Py_NewRef(PyList_GET_ITEM(copies, info->copy_index))
+                       : NULL;
+    record->group = Py_NewRef(group);
+    record->dtype = Py_NewRef(info->dtype);
+    record->size = Py_NewRef(info->size);
+    record->stride = Py_NewRef(info->stride);
+    record->device_obj = Py_NewRef(info->device_obj);
+    record->offset = info->itemsize ? (int64_t)info->byte_offset / info->itemsize : 0;
+    record->weak_source = record->version = NULL;
+    record->input_index = input_index;
+    record->modified_in_forward = 0;
+    PyObject_GC_Track(record);
+    record->weak_source = PyWeakref_NewRef(tensor, NULL);
+    record->version = record->weak_source ? PyObject_GetAttr(tensor, st->str_version) : NULL;
+    PyObject *requires_grad = record->version ? PyObject_GetAttrString(tensor, "requires_grad") : NULL;
+    record->requires_grad = requires_grad == Py_True;
+    Py_XDECREF(requires_grad);
+    if (requires_grad == NULL) {
+        Py_DECREF(record);
+        return NULL;
+    }
+    return record;
+}
+
+PyObject *
+group_new(mp_state *st, PyObject *module, PyObject *copies)
+{
+    OffloadGroup *group = PyObject_GC_New(OffloadGroup, st->offload_group_type);
+    if (group == NULL)
+        return NULL;
+    Py_INCREF(st->offload_group_type);
+    group->module = Py_NewRef(module);
+    group->copies = PyList_AsTuple(copies);
+    group->prev = group->next = NULL;
+    group->linked = 0;
+    group->thread = PyThread_get_thread_ident();
+    group->device = PyTuple_GET_SIZE(group->copies) > 0
+                        ? ((StorageCopy *)PyTuple_GET_ITEM(group->copies, 0))->device
+                        : NULL;
+    PyObject_GC_Track(group);
+    if (group->copies == NULL) {
+        Py_DECREF(group);
+        return NULL;
+    }
+    if (group->device != NULL)
+        group_link(group);
+    return (PyObject *)group;
+}
+
+PyObject *
+packer_new(mp_state *st, PyObject *records)
+{
+    OffloadPacker *packer = PyObject_GC_New(OffloadPacker, st->offload_packer_type);
+    if (packer == NULL)
+        return NULL;
+    Py_INCREF(st->offload_packer_type);
+    packer->records = Py_NewRef(records);
+    packer->next = 0;
+    PyObject_GC_Track(packer);
+    return (PyObject *)packer;
+}
+
+/* 1 when the record's input is alive with another version than saved. */
+int
+offload_source_changed(mp_state *st, TensorRecord *record)
+{
+    PyObject *source = PyWeakref_GetObject(record->weak_source);
+    if (source == NULL || source == Py_None)
+        return source == NULL ? -1 : 0;
+    PyObject *now = PyObject_GetAttr(source, st->str_version);
+    if (now == NULL)
+        return -1;
+    int same = PyObject_RichCompareBool(now, record->version, Py_EQ);
+    Py_DECREF(now);
+    return same < 0 ? -1 : !same;
+}
