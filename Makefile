@@ -10,7 +10,8 @@ SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all
 CTEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c $(SANITIZE)
 # the failure tests ask for impossible sizes on purpose
 export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
-CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner
+CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
+           build/ctest/test_cudart_sim
 
 .PHONY: test ctest fuzz valgrind sanitize install demo bench gpu-check clean
 
@@ -39,6 +40,10 @@ build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h csrc/pool/pool.c csrc
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c -lpthread
 
+build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h csrc/cuda/cudart_sim.c csrc/cuda/cudart_sim.h
+	@mkdir -p $(@D)
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_sim.c csrc/cuda/cudart_sim.c -lpthread
+
 build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h csrc/planner/planner.c csrc/planner/planner.h
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_planner.c csrc/planner/planner.c -lm
@@ -64,9 +69,11 @@ valgrind:
 	  tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c -lpthread
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_planner \
 	  tests/c/test_planner.c csrc/planner/planner.c -lm
+	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_cudart_sim \
+	  tests/c/test_cudart_sim.c csrc/cuda/cudart_sim.c -lpthread
 	@if command -v valgrind >/dev/null; then \
 	  $(VALGRIND) build/valgrind/test_pool && $(VALGRIND) build/valgrind/test_alloc && \
-	  $(VALGRIND) build/valgrind/test_planner; \
+	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
 
 build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc.h csrc/alloc/alloc_host.h

@@ -17,7 +17,7 @@ def c_flags() -> list[str]:
 extension = Extension(
     "matepoint._C",
     sources=sorted(glob("csrc/ext/*.c")) + sorted(glob("csrc/pool/*.c"))
-    + sorted(glob("csrc/planner/*.c")) + ["csrc/cuda/cudart.c"],
+    + sorted(glob("csrc/planner/*.c")) + ["csrc/cuda/cudart.c", "csrc/cuda/cudart_sim.c"],
     include_dirs=["csrc"],
     extra_compile_args=c_flags(),
     libraries=["dl", "pthread"],

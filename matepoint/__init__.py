@@ -16,6 +16,7 @@ import torch  # noqa: F401  (the C core looks torch up at import)
 from matepoint._C import checkpoint, is_recomputing
 from matepoint._C import empty_pool as _empty_pool
 from matepoint._C import pool_stats as _pool_stats
+from matepoint._C import _reserve_pool
 from matepoint._allocator import (empty_cache, install_allocator, memory_report, memory_stats,
                                   reset_peak_memory_stats)
 from matepoint._options import Options, settings as _settings
@@ -23,7 +24,7 @@ from matepoint._planner import Plan, PlanError, PlannedBlock, auto_checkpoint, p
 from matepoint._sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "set_options", "options",
-           "Options", "pool_stats", "empty_pool", "install_allocator", "memory_stats",
+           "Options", "pool_stats", "empty_pool", "reserve_pool", "install_allocator", "memory_stats",
            "reset_peak_memory_stats", "empty_cache", "memory_report", "plan", "auto_checkpoint",
            "Plan", "PlanError", "PlannedBlock"]
 __version__ = "0.1.0"
@@ -32,8 +33,8 @@ __version__ = "0.1.0"
 def set_options(**changes: Any) -> Options:
     """Change matepoint's settings; returns the new ``matepoint.options``.
 
-    Accepts offload, pipeline, prefetch_depth, min_offload_bytes,
-    pool_limit_bytes and offload_cpu. An unknown name raises TypeError, a
+    Accepts offload, pipeline, prefetch_depth, offload_window,
+    min_offload_bytes, pool_limit_bytes and offload_cpu. An unknown name raises TypeError, a
     bad value TypeError or ValueError, and nothing changes then.
     """
     return _settings.update(**changes)
@@ -44,10 +45,38 @@ def pool_stats() -> Dict[str, Any]:
 
     bytes_in_use, bytes_requested, bytes_reserved, peak_bytes_in_use,
     host_allocations, hits, misses, fallbacks (pageable memory used),
-    failures, blocks_in_use, backend ("cuda-pinned", "host" or "none"), and
-    prefetched / fetched_at_need: spans copied back ahead of time or on demand.
+    failures, blocks_in_use, backend ("cuda-pinned", "host" or "none"),
+    prefetched / fetched_at_need: spans copied back ahead of time or on demand,
+    and device_bytes_in_flight / peak_device_bytes_in_flight: device memory of
+    offloaded inputs still held while their copy out may run (bounded by
+    ``offload_window`` checkpoints).
     """
     return _pool_stats()
+
+
+def reserve_pool(buffer_bytes: int, count: int = 1) -> int:
+    """Pin ``count`` host buffers for inputs of ``buffer_bytes`` bytes now.
+
+    Pinning host memory is slow (milliseconds per buffer, far more for large
+    ones): a deep model's first step would pay it for every offloaded input.
+    Call this once before training, for example
+    ``matepoint.reserve_pool(x.nbytes, count=len(model.blocks))``, and the
+    first step finds its buffers ready. The GIL is released meanwhile, so a
+    background thread can do it. Returns how many buffers were added; raises
+    MemoryError when ``pool_limit_bytes`` or the host refused some (the ones
+    pinned stay in the pool).
+    """
+    for name, value in (("buffer_bytes", buffer_bytes), ("count", count)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"matepoint.reserve_pool: {name} must be an int, got {value!r}")
+        if value <= 0:
+            raise ValueError(f"matepoint.reserve_pool: {name} must be positive, got {value}")
+    added = _reserve_pool(buffer_bytes, count)
+    if added < count:
+        raise MemoryError(
+            f"matepoint.reserve_pool: pinned {added} of {count} buffers of {buffer_bytes} bytes; "
+            f"pool_limit_bytes={_settings.current.pool_limit_bytes} or the host refused the rest")
+    return added
 
 
 def empty_pool() -> None:

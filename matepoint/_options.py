@@ -18,6 +18,10 @@ class Options:
     pipeline: prefetch inputs of the next checkpoints during backward;
         False copies them back only when the recompute needs them.
     prefetch_depth: how many checkpoints ahead backward prefetches.
+    offload_window: how many checkpoints' inputs may still be on the device
+        while they are copied out. Before a checkpoint runs, the GPU waits
+        for the copy of the one this many places back (no host wait), so
+        device memory stays bounded however far the CPU runs ahead.
     min_offload_bytes: smaller tensors stay on the device.
     pool_limit_bytes: cap on pinned host memory (None: no cap); past it,
         offloads use pageable memory.
@@ -27,6 +31,7 @@ class Options:
     offload: bool = True
     pipeline: bool = True
     prefetch_depth: int = 1
+    offload_window: int = 2
     min_offload_bytes: int = 1 << 20
     pool_limit_bytes: Optional[int] = None
     offload_cpu: bool = False
@@ -47,7 +52,7 @@ def _check(name: str, value: Any) -> Any:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"matepoint option {name} must be an int, got {value!r}")
-    if value < 0 or (name == "pool_limit_bytes" and value == 0):
+    if value < 0 or (name in ("pool_limit_bytes", "offload_window") and value == 0):
         raise ValueError(f"matepoint option {name} must be positive, got {value}")
     return value
 
@@ -84,7 +89,7 @@ class _Settings:
     def apply(self, options: Options) -> None:
         _C._configure(options.offload, options.pipeline, options.prefetch_depth,
                       options.min_offload_bytes, options.pool_limit_bytes or 0,
-                      options.offload_cpu)
+                      options.offload_cpu, options.offload_window)
         self.current = options
 
     def update(self, **changes: Any) -> Options:

@@ -6,6 +6,7 @@
 #include "offload.h"
 #include "plan.h"
 #include "state.h"
+#include "testing.h"
 #include "tree.h"
 
 #include <stddef.h>
@@ -59,27 +60,27 @@ empty_pool(PyObject *module, PyObject *unused)
 }
 
 /* _configure(offload, pipeline, prefetch_depth, min_offload_bytes,
- *            pool_limit_bytes, offload_cpu): values are validated by
+ *            pool_limit_bytes, offload_cpu, offload_window): values are validated by
  * matepoint/_options.py; this only range-checks what C relies on. */
 static PyObject *
 configure(PyObject *module, PyObject *args)
 {
     mp_state *st = PyModule_GetState(module);
-    int enabled, pipeline, depth, offload_cpu;
+    int enabled, pipeline, depth, offload_cpu, window;
     long long min_bytes;
     unsigned long long limit;
-    if (!PyArg_ParseTuple(args, "ppiLKp:_configure", &enabled, &pipeline, &depth, &min_bytes,
-                          &limit, &offload_cpu))
+    if (!PyArg_ParseTuple(args, "ppiLKpi:_configure", &enabled, &pipeline, &depth, &min_bytes,
+                          &limit, &offload_cpu, &window))
         return NULL;
-    if (depth < 0 || min_bytes < 0) {
+    if (depth < 0 || min_bytes < 0 || window < 1) {
         PyErr_SetString(PyExc_ValueError, "matepoint: prefetch_depth and min_offload_bytes "
-                                          "must not be negative");
+                                          "must not be negative, offload_window at least 1");
         return NULL;
     }
     offload_options *opts = offload_engine_options(st->engine);
     *opts = (offload_options){.enabled = enabled, .pipeline = pipeline, .prefetch_depth = depth,
                               .min_offload_bytes = min_bytes, .pool_limit_bytes = limit,
-                              .offload_cpu = offload_cpu};
+                              .offload_cpu = offload_cpu, .window = window};
     offload_engine_apply_limit(st->engine);
     Py_RETURN_NONE;
 }
@@ -98,7 +99,26 @@ fail_pool_acquires(PyObject *module, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* _reserve_pool(buffer_bytes, count) -> buffers added */
+static PyObject *
+reserve_pool(PyObject *module, PyObject *args)
+{
+    unsigned long long buffer_bytes, count;
+    uint64_t added;
+    if (!PyArg_ParseTuple(args, "KK:_reserve_pool", &buffer_bytes, &count))
+        return NULL;
+    if (offload_reserve_pool(PyModule_GetState(module), buffer_bytes, count, &added) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(added);
+}
+
 static PyMethodDef module_methods[] = {
+    {"_reserve_pool", reserve_pool, METH_VARARGS, NULL},
+    {"_simulate_cuda", testing_simulate_cuda, METH_O, NULL},
+    {"_sim_advance", testing_sim_advance, METH_O, NULL},
+    {"_sim_set_progress", testing_sim_set_progress, METH_O, NULL},
+    {"_sim_stats", testing_sim_stats, METH_NOARGS, NULL},
+    {"_offload_copies", testing_offload_copies, METH_NOARGS, NULL},
     {"_fail_pool_acquires", fail_pool_acquires, METH_O, "Tests: refuse the next N offloads."},
     {"pool_stats", pool_stats, METH_NOARGS, "Counters of the pinned host pool, as a dict."},
     {"empty_pool", empty_pool, METH_NOARGS, "Free cached, unused host pool buffers."},

@@ -33,6 +33,7 @@ typedef struct {
     int enabled;                /* offload CUDA inputs at all */
     int pipeline;               /* prefetch; else copy back at need */
     int prefetch_depth;         /* groups fetched ahead in backward */
+    int window;                 /* regions whose copies out may be in flight (>= 1) */
     int64_t min_offload_bytes;  /* smaller tensors stay where they are */
     uint64_t pool_limit_bytes;  /* 0: no limit */
     int offload_cpu;            /* test mode: CPU tensors go through the pool */
@@ -49,6 +50,9 @@ int offload_engine_apply_limit(offload_engine *engine);
 /* Python: dict of pool counters; drop cached buffers. */
 PyObject *offload_pool_stats(mp_state *st);
 int offload_empty_pool(mp_state *st);
+/* Pins up to `count` buffers for spans of `buffer_bytes` ahead of use,
+ * without the GIL; *added says how many. */
+int offload_reserve_pool(mp_state *st, uint64_t buffer_bytes, uint64_t count, uint64_t *added);
 /* Tests: the next `count` spans find no host memory at all. */
 void offload_fail_next_acquires(mp_state *st, int count);
 

@@ -26,6 +26,7 @@ typedef struct {
     void *copy_out;             /* cudaStream_t, NULL on the CPU */
     void *copy_in;
     PyObject *in_flight;        /* list of StorageCopy whose source is held (offload_window.h) */
+    uint64_t regions;           /* checkpoint calls that offloaded here so far */
     struct OffloadGroup *first, *last; /* live groups in creation order (borrowed) */
 } offload_device;
 
@@ -34,6 +35,10 @@ struct offload_engine {
     pool *pool;                 /* created on first offload */
     pool_host_ctx host_ctx;
     const cudart *rt;           /* set once a CUDA tensor was offloaded */
+    int simulated;              /* tests: rt is the simulated runtime and CPU
+                                 * tensors stand for device 0's (cudart_sim.h) */
+    uint64_t device_bytes_in_flight;        /* sources held by the windows */
+    uint64_t peak_device_bytes_in_flight;
     offload_device cpu;
     offload_device *cuda[MAX_CUDA_DEVICES];
     int warned_fallback;
@@ -54,5 +59,9 @@ offload_device *offload_engine_cuda_device(offload_engine *engine, int index);
 
 /* torch's current stream on CUDA device `index`. */
 int offload_engine_current_stream(mp_state *st, int index, void **stream);
+
+/* Tests: run the CUDA path over the simulated runtime (on != 0) or the real
+ * one again. Refused (RuntimeError) while offloaded inputs are alive. */
+int offload_engine_simulate(offload_engine *engine, int on);
 
 #endif

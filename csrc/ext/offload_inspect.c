@@ -108,7 +108,8 @@ inspect_input(mp_state *st, PyObject *tensor, PyObject *buffers, int cuda_enable
     int64_t index = -1;
     if (is_cuda && inspect_attr_int64(info->device_obj, "index", &index) < 0)
         return -1;
-    info->device_index = (int)index;
+    /* the simulated runtime's device 0 stands for the CPU in tests */
+    info->device_index = is_cpu && st->engine->simulated ? 0 : (int)index;
     int64_t ptr;
     info->dtype = PyObject_GetAttr(tensor, st->str_dtype);
     info->size = info->dtype ? PyObject_CallMethod(tensor, "size", NULL) : NULL;

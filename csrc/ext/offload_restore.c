@@ -106,7 +106,8 @@ offload_group_begin_restore(mp_state *st, PyObject *group_obj, int prefetch_ahea
     offload_options *opts = &st->engine->options;
     if (group == NULL || group->device == NULL)
         return 0;
-    if (group->device->index >= 0 && offload_window_poll(st->engine, group->device) < 0)
+    /* backward has begun on this device: nothing it copied out stays */
+    if (group->device->index >= 0 && offload_window_release_all(st->engine, group->device) < 0)
         return -1;
     if (fetch_group(st, group, 0) < 0)
         return -1;

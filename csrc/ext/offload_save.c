@@ -29,7 +29,7 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
                                "cudaMemcpyAsync (device to host)") ||
                  streams_record_new_event(rt, device->copy_out, &copy->d2h_done) < 0;
     streams_leave_device(rt, previous);
-    return failed ? -1 : offload_window_add(device, copy, storage);
+    return failed ? -1 : offload_window_add(engine, device, copy, storage, producer);
 }
 
 static void
@@ -54,8 +54,6 @@ offload_span(mp_state *st, PyObject *module, input_info *first, uint64_t lo, uin
     offload_device *device = first->device_index < 0 ? &engine->cpu
                                                      : offload_engine_cuda_device(engine, first->device_index);
     if (device == NULL || offload_engine_ensure_pool(engine) < 0)
-        return NULL;
-    if (device->index >= 0 && offload_window_poll(engine, device) < 0)
         return NULL;
     StorageCopy *copy = storage_copy_new(st, module, device, first->device_obj, hi - lo);
     if (copy == NULL)
@@ -169,6 +167,31 @@ make_records(mp_state *st, PyObject *tensors, input_info *infos, PyObject *copie
     return records;
 }
 
+static int
+copied_to(PyObject *copies, offload_device *device)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(copies); i++) {
+        PyObject *item = PyList_GET_ITEM(copies, i);
+        if (item != Py_None && ((StorageCopy *)item)->device == device)
+            return 1;
+    }
+    return 0;
+}
+
+/* Closes the region on each device its copies went to: the window then
+ * releases what it no longer allows, before the region's function runs. */
+static int
+end_regions(offload_engine *engine, PyObject *copies)
+{
+    for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
+        offload_device *device = engine->cuda[i];
+        if (device != NULL && copied_to(copies, device) &&
+            offload_window_end_region(engine, device) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* Offloading is torch's nesting rule in reverse: inside another
  * checkpoint's forward (or any saved-tensor hooks) inputs belong to the outer
  * hooks, so they are left alone. */
@@ -236,6 +259,11 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
     if (*group_out != NULL)
         *records_out = make_records(st, tensors, infos, copies, *group_out, saved);
     if (*records_out == NULL) {
+        Py_CLEAR(*group_out);
+        goto done;
+    }
+    if (end_regions(st->engine, copies) < 0) {
+        Py_CLEAR(*records_out);
         Py_CLEAR(*group_out);
         goto done;
     }

@@ -32,8 +32,8 @@ storage_copy_dealloc(StorageCopy *self)
     PyObject_GC_UnTrack(self);
     offload_engine *engine = self->module ? offload_engine_of(self->module) : NULL;
     if (engine != NULL) {
-        /* d2h_done is clear here but when starting the copy failed half-way:
-         * in_flight holds a reference until the copy completed */
+        /* the copy out may still write the host buffer (a source released
+         * in stream order keeps its event): wait before the pool reuses it */
         if (self->d2h_done != NULL) {
             (void)engine->rt->event_synchronize(self->d2h_done);
             (void)engine->rt->event_destroy(self->d2h_done);
@@ -244,6 +244,8 @@ storage_copy_new(mp_state *st, PyObject *module, offload_device *device, PyObjec
     copy->nbytes = nbytes;
     copy->block = (pool_block){0};
     copy->source = copy->fetched = NULL;
+    copy->producer = NULL;
+    copy->region = 0;
     copy->d2h_done = copy->h2d_done = NULL;
     PyObject_GC_Track(copy);
     return copy;

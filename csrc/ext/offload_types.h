@@ -30,7 +30,9 @@ typedef struct {
     uint64_t nbytes;
     pool_block block;
     PyObject *source;           /* storage kept while the D2H may read it */
-    void *d2h_done;             /* cudaEvent_t or NULL */
+    void *producer;             /* stream current when the copy was queued */
+    uint64_t region;            /* the device's region count then (offload_window.h) */
+    void *d2h_done;             /* cudaEvent_t until seen complete, else NULL */
     PyObject *fetched;          /* uint8 tensor holding the span again, or NULL */
     void *h2d_done;
 } StorageCopy;

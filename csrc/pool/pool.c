@@ -226,6 +226,39 @@ pool_release(pool *p, pool_block *block)
     *block = (pool_block){0};
 }
 
+uint64_t
+pool_reserve(pool *p, uint64_t bytes, uint64_t count)
+{
+    unsigned index = pool_class_index(bytes);
+    uint64_t size = pool_index_size(index);
+    uint64_t added = 0;
+    for (; added < count; added++) {
+        cached_buffer *node = malloc(sizeof(*node));
+        if (node == NULL)
+            break;
+        /* claim the bytes first, so a concurrent acquire sees the limit */
+        pthread_mutex_lock(&p->lock);
+        int fits = within_limit(p, size);
+        p->stats.bytes_reserved += fits ? size : 0;
+        pthread_mutex_unlock(&p->lock);
+        /* pinning takes milliseconds per buffer: not under the lock */
+        void *ptr = fits ? p->backend.alloc(p->backend.ctx, size) : NULL;
+        pthread_mutex_lock(&p->lock);
+        if (ptr == NULL) {
+            p->stats.bytes_reserved -= fits ? size : 0;
+            pthread_mutex_unlock(&p->lock);
+            free(node);
+            break;
+        }
+        p->stats.host_allocations++;
+        node->ptr = ptr;
+        node->next = p->free_lists[index];
+        p->free_lists[index] = node;
+        pthread_mutex_unlock(&p->lock);
+    }
+    return added;
+}
+
 void
 pool_set_limit(pool *p, uint64_t limit_bytes)
 {

@@ -58,6 +58,11 @@ void pool_destroy(pool *p);
 int pool_acquire(pool *p, uint64_t bytes, pool_block *out);
 void pool_release(pool *p, pool_block *block);
 
+/* Allocates up to `count` buffers for requests of `bytes` into the cache
+ * now, so later acquisitions of that size class make no backend call;
+ * returns how many it added (fewer when the limit or the backend refused).
+ * The backend runs outside the lock. */
+uint64_t pool_reserve(pool *p, uint64_t bytes, uint64_t count);
 /* Frees every cached, unused buffer. */
 void pool_empty(pool *p);
 void pool_set_limit(pool *p, uint64_t limit_bytes);

@@ -166,9 +166,36 @@ test_threads_share_the_pool_safely(void)
     CHECK(ctx.live_bytes == 0);
 }
 
+static void
+test_reserve_fills_the_cache_within_the_limit(void)
+{
+    pool_host_ctx ctx = {0};
+    uint64_t size = pool_class_size(300000);
+    pool *p = pool_create(pool_host_backend(&ctx), 3 * size);
+    CHECK(pool_reserve(p, 300000, 5) == 3);       /* the limit stops it at three */
+    pool_stats stats = pool_get_stats(p);
+    CHECK(stats.host_allocations == 3 && stats.bytes_reserved == 3 * size);
+    CHECK(stats.bytes_in_use == 0 && ctx.live_bytes == 3 * size);
+    pool_block blocks[3];
+    for (int i = 0; i < 3; i++)
+        CHECK(pool_acquire(p, 300000 - (uint64_t)i, &blocks[i]) == 0 && !blocks[i].fallback);
+    stats = pool_get_stats(p);
+    CHECK(stats.hits == 3 && stats.misses == 0 && stats.host_allocations == 3);
+    for (int i = 0; i < 3; i++)
+        pool_release(p, &blocks[i]);
+    CHECK(pool_reserve(p, 300000, 1) == 0);       /* cached buffers count toward the limit */
+    ctx.capacity_bytes = 3 * size;                /* the backend refuses past this */
+    pool_set_limit(p, 0);
+    CHECK(pool_reserve(p, 300000, 2) == 0);
+    CHECK(pool_get_stats(p).bytes_reserved == 3 * size);
+    pool_destroy(p);
+    CHECK(ctx.live_bytes == 0);
+}
+
 int
 main(void)
 {
+    test_reserve_fills_the_cache_within_the_limit();
     test_class_sizes_bound_waste();
     test_reuse_makes_no_new_allocations();
     test_limit_falls_back_to_pageable_memory();
