@@ -1,5 +1,6 @@
-"""Memory measurements for the planner and the demo: bytes autograd saves,
-and the peak memory of a stretch of code on one device.
+"""Measurements shared by the planner and the benchmark: bytes autograd
+saves, the peak memory of a stretch of code on one device, and the
+device-host copy bandwidth.
 
 On CUDA it reads the allocator's peak (matepoint's when installed, torch's
 otherwise). On the CPU, where torch keeps no statistics, it samples the C
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import gc
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,11 +33,52 @@ def saved_tensor_bytes(run: Callable[[], Any], resident: Set[int]) -> Tuple[Any,
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in resident:
             storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        # a saved output handed back as itself would hold its own grad_fn:
+        # a reference cycle through C++ that no collection frees
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = run()
     return out, sum(storages.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyBandwidth:
+    """Bytes per second of one copy each way between a device and host memory."""
+
+    h2d: float
+    d2h: float
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 5) -> CopyBandwidth:
+    """Median bandwidth of ``repeats`` copies each way, after one warm-up copy.
+
+    On CUDA the host side is pinned and each copy is timed with CUDA events
+    on the current stream; on the CPU, by the wall clock."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    result = {}
+    for name, dst, src in (("h2d", on_device, host), ("d2h", host, on_device)):
+        seconds: List[float] = []
+        for _ in range(repeats + 1):
+            seconds.append(_timed_copy(dst, src, cuda))
+        result[name] = nbytes / max(statistics.median(seconds[1:]), 1e-9)
+    return CopyBandwidth(**result)
+
+
+def _timed_copy(dst: torch.Tensor, src: torch.Tensor, cuda: bool) -> float:
+    if not cuda:
+        begun = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - begun
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 class _Mallinfo2(ctypes.Structure):

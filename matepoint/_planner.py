@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from matepoint import _C
-from matepoint._meter import PeakMeter, host_meter_available, saved_tensor_bytes
+from matepoint._meter import PeakMeter, copy_bandwidth, host_meter_available, saved_tensor_bytes
 from matepoint._options import settings
 
 log = logging.getLogger("matepoint.planner")
@@ -214,7 +214,7 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
     if options.prefetch_depth > 1:
         log.warning("matepoint.plan counts one prefetched input in backward; prefetch_depth=%d "
                     "holds more", options.prefetch_depth)
-    bandwidth = bandwidth_bytes_per_s or _copy_bandwidth(device)
+    bandwidth = bandwidth_bytes_per_s or copy_bandwidth(device).d2h
     profiles = profile_blocks(blocks_list, sample_inputs, bandwidth, repeats)
     return solve(profiles, budget_bytes, unit_bytes or default_unit(budget_bytes), bool(pipeline))
 
@@ -313,33 +313,21 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:
-    """Bytes per second between the device and host memory (one way)."""
-    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    pinned = device.type == "cuda"
-    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    timings = []
-    for _ in range(3):
-        _synchronize(device)
-        begun = time.perf_counter()
-        target.copy_(source, non_blocking=pinned)
-        _synchronize(device)
-        timings.append(time.perf_counter() - begun)
-    return nbytes / max(min(timings), 1e-9)
+def _detached(value: Any, requires_grad: bool = False) -> Any:
+    """``value`` with every tensor in it cut from its graph."""
+    if isinstance(value, torch.Tensor):
+        leaf = value.detach()
+        return leaf.requires_grad_(True) if requires_grad and leaf.is_floating_point() else leaf
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v, requires_grad) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v, requires_grad) for k, v in value.items()}
+    return value
 
 
 def _fresh_inputs(args: Tuple) -> Tuple:
     """The block's inputs as leaves, so one block's backward runs alone."""
-    def fresh(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            leaf = value.detach()
-            return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
-        if isinstance(value, (list, tuple)):
-            return type(value)(fresh(v) for v in value)
-        if isinstance(value, dict):
-            return {k: fresh(v) for k, v in value.items()}
-        return value
-    return tuple(fresh(a) for a in args)
+    return _detached(args, requires_grad=True)
 
 
 def _timed(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -361,7 +349,8 @@ def _backward(out: Any) -> None:
 
 def profile_block(block: Callable, args: Tuple, bandwidth: float,
                   repeats: int) -> Tuple[BlockProfile, Any]:
-    """Measures one block on ``args``; returns its profile and its output."""
+    """Measures one block on ``args``; returns its profile and its output
+    (detached: profiling holds one block's activations at a time)."""
     device = _device_of(args)
     resident = set()
     if isinstance(block, nn.Module):
@@ -373,12 +362,15 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float,
         _backward(block(*args))
         forward_peak, backward_peak = _peaks(block, args, device)
         out, activation_bytes = saved_tensor_bytes(lambda: block(*args), resident)
+        output_bytes = _storage_bytes(_tensors_in(out))
+        # the next block needs the values, not this block's activations
+        out = _detached(out)
         with torch.no_grad():
             forward_s = _timed(lambda: block(*args), device, repeats)
         both_s = _timed(lambda: _backward(block(*args)), device, repeats)
     input_bytes = _storage_bytes(_tensors_in(args))
     profile = BlockProfile(forward_s, max(both_s - forward_s, 0.0), input_bytes / bandwidth,
-                           input_bytes, activation_bytes, _storage_bytes(_tensors_in(out)),
+                           input_bytes, activation_bytes, output_bytes,
                            forward_peak, backward_peak)
     return profile, out
 
@@ -440,5 +432,5 @@ def profile_blocks(blocks: List[Callable], sample_inputs: Tuple, bandwidth: floa
                 raise RuntimeError(f"matepoint.plan: profiling block {i} failed: {error}") \
                     from error
             profiles.append(profile)
-            args = (out.detach() if isinstance(out, torch.Tensor) else out,)
+            args = (out,)
     return profiles

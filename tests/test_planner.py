@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import matepoint
+from matepoint import _meter
 from matepoint._meter import PeakMeter, host_meter_available
 from matepoint._planner import BlockProfile, Plan, solve
 from conftest import assert_bitwise_equal
@@ -199,3 +200,57 @@ def test_cuda_measured_peak_is_within_five_percent_of_the_prediction() -> None:
         print(f"budget {budget / MIB:.0f} MiB: predicted {plan.predicted_peak_bytes / MIB:.0f} "
               f"MiB, measured {measured / MIB:.0f} MiB, {plan.choices}")
         assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+
+
+def profiling_memory(device: torch.device, model: nn.Module, x: torch.Tensor):
+    """(peak above the start, left over after) of matepoint.plan, and the plan."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = _meter._host_bytes_in_use()
+    with PeakMeter(device) as meter:
+        plan = matepoint.plan(model, x, budget_bytes=1 << 40, repeats=1,
+                              bandwidth_bytes_per_s=1e10)  # no probe buffers
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        left = torch.cuda.memory_allocated() - before
+    else:
+        left = _meter._host_bytes_in_use() - before
+    return meter.peak_bytes, left, plan
+
+
+def check_profiling_memory(device: torch.device, shallow: nn.Module, deep: nn.Module,
+                           x: torch.Tensor) -> None:
+    """Profiling holds one block at a time, whatever the depth (its peak is
+    the same for 4 blocks and 16), and gives everything back."""
+    shallow_peak, shallow_left, _ = profiling_memory(device, shallow, x)
+    deep_peak, deep_left, plan = profiling_memory(device, deep, x)
+    all_blocks = sum(p.activation_bytes for p in plan.profiles)
+    assert deep_peak <= 1.1 * shallow_peak, (shallow_peak, deep_peak)
+    assert deep_peak <= 0.35 * all_blocks, (deep_peak, all_blocks)
+    one_block = all_blocks / len(plan.profiles)
+    assert abs(shallow_left) <= 0.05 * one_block and abs(deep_left) <= 0.05 * one_block, \
+        (shallow_left, deep_left, one_block)
+
+
+@pytest.mark.skipif(not host_meter_available(), reason="needs glibc's mallinfo2")
+def test_profiling_holds_one_block_and_gives_memory_back() -> None:
+    check_profiling_memory(torch.device("cpu"), chain(depth=4), chain(depth=16),
+                           torch.randn(256, 256))
+
+
+@pytest.mark.cuda
+def test_cuda_profiling_holds_one_block_and_gives_memory_back() -> None:
+    def stack(depth: int) -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[
+            nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
+            for _ in range(depth)]).cuda()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        return model
+    check_profiling_memory(torch.device("cuda"), stack(4), stack(16),
+                           torch.randn(8, 512, 512, device="cuda"))
