@@ -65,6 +65,51 @@ def test_tags_and_stats_through_the_library_on_the_host_backend() -> None:
     assert "host allocator ok" in result.stdout
 
 
+HOST_PHASES_SCRIPT = textwrap.dedent("""
+    import ctypes, threading, torch, matepoint
+    from matepoint import _C
+    from matepoint._allocator import allocator_path
+    lib = ctypes.CDLL(allocator_path())
+    lib.matepoint_malloc.restype = ctypes.c_void_p
+    lib.matepoint_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    _C._attach_allocator(allocator_path())
+
+    def region(x):
+        y = x.sin()                             # the region's only saved tensor: x
+        lib.matepoint_malloc(1 << 20, 0, None)  # after it: early stop never gets here
+        return y * 2
+
+    def recompute_bytes(early_stop, on_thread):
+        matepoint.reset_peak_memory_stats()
+        before = {r["region"]: r for r in matepoint.memory_stats()["tags"]
+                  if r["phase"] == "recompute"}
+        x = torch.randn(4, requires_grad=True)
+        loss = matepoint.checkpoint(region, x, early_stop=early_stop).sum()
+        if on_thread:
+            thread = threading.Thread(target=loss.backward)
+            thread.start(); thread.join()
+        else:
+            loss.backward()
+        assert torch.equal(x.grad, 2 * x.cos())
+        return sum(r["live_bytes"] for r in matepoint.memory_stats()["tags"]
+                   if r["phase"] == "recompute" and r["region"] not in before)
+
+    assert recompute_bytes(early_stop=True, on_thread=False) == 0
+    assert recompute_bytes(early_stop=False, on_thread=False) == 1 << 20
+    # autograd's device threads run CUDA backward: the tag follows the thread
+    assert recompute_bytes(early_stop=False, on_thread=True) == 1 << 20
+    print("phases ok")
+""")
+
+
+def test_early_stop_saves_recompute_allocations_and_tags_follow_threads() -> None:
+    env = dict(os.environ, MATEPOINT_ALLOC_BACKEND="host")
+    result = subprocess.run([sys.executable, "-c", HOST_PHASES_SCRIPT], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "phases ok" in result.stdout
+
+
 def test_library_exports_torch_entry_points() -> None:
     import ctypes
     lib = ctypes.CDLL(matepoint._allocator.allocator_path())
@@ -87,20 +132,33 @@ def test_install_without_cuda_is_refused() -> None:
 
 CUDA_SCRIPT = textwrap.dedent("""
     import torch, matepoint
+    from torch import nn
     matepoint.install_allocator()
-    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(64, 512, device="cuda")
-    for step in range(3):
-        h = x
-        for layer in model:
-            h = matepoint.checkpoint(layer, h)
-        h.pow(2).mean().backward()
-        opt.step(); opt.zero_grad()
-    torch.cuda.synchronize()
+
+    def recompute_tags(blocks, **kwargs):
+        """Recompute-tagged rows of the regions these steps create."""
+        seen = {r["region"] for r in matepoint.memory_stats()["tags"]}
+        x = torch.randn(64, 512, device="cuda")
+        for step in range(2):
+            h = x
+            for block in blocks:
+                h = matepoint.checkpoint(block, h, **kwargs)
+            h.pow(2).mean().backward()
+        torch.cuda.synchronize()
+        return [r for r in matepoint.memory_stats()["tags"]
+                if r["phase"] == "recompute" and r["region"] not in seen]
+
+    # Linear saves only its input and weight: early stop ends the recompute
+    # before it allocates anything
+    linears = [nn.Linear(512, 512).cuda() for _ in range(4)]
+    assert recompute_tags(linears) == []
+    assert recompute_tags(linears, early_stop=False) != []
+    # Linear-GELU-Linear must recompute the GELU input and output
+    mlps = [nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512)).cuda()
+            for _ in range(4)]
+    assert recompute_tags(mlps) != []
     stats = matepoint.memory_stats()
     assert stats["mallocs"] > 0 and stats["cache_hits"] > 0
-    assert any(r["phase"] == "recompute" for r in stats["tags"])
     torch.cuda.empty_cache()
     print(matepoint.memory_report())
     print("cuda allocator ok")

@@ -6,7 +6,8 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import torch
-    del torch._C._autograd._make_saved_tensor
+    if hasattr(torch._C._autograd, "_make_saved_tensor"):   # absent from some versions
+        delattr(torch._C._autograd, "_make_saved_tensor")
     import matepoint, matepoint._C as core
     assert core.HAS_SAVED_TENSOR == 0
 

@@ -157,6 +157,16 @@ def test_tensors_on_different_devices_in_one_call() -> None:
     assert torch.allclose(x.grad, 2 * x.cos().detach())
 
 
+def test_an_initialized_accelerator_the_inputs_do_not_use_is_no_error(monkeypatch) -> None:
+    """CUDA initialized elsewhere in the process (as on every GPU machine)
+    says nothing about a region of CPU and meta inputs."""
+    monkeypatch.setattr(torch.cuda, "_initialized", True, raising=False)
+    x = torch.randn(3, requires_grad=True)
+    meta = torch.empty(3, device="meta")
+    matepoint.checkpoint(lambda a, m: a.sin() * 2, x, meta).sum().backward()
+    assert torch.allclose(x.grad, 2 * x.cos().detach())
+
+
 def test_many_iterations_keep_memory_flat(offload) -> None:
     import resource
     model = MLP(width=64, depth=6)

@@ -264,6 +264,8 @@ replay_capture(mp_state *st, replay_state *r, PyObject *tensors, int preserve_rn
     r->device_was_initialized = device_initialized(st, device_module);
     if (r->device_was_initialized < 0)
         goto done;
+    if (!r->device_was_initialized && device_module != NULL)
+        r->uninitialized_module = Py_NewRef(device_module);
     if (r->device_was_initialized) {
         r->device_indices = distinct_indices(st, devices, device_type);
         if (r->device_indices == NULL)
@@ -281,24 +283,25 @@ done:
     return result;
 }
 
-/* torch refuses a forward that initialized the accelerator while RNG state
- * was to be preserved: its state could not have been saved before. */
+/* torch refuses a forward that initialized the accelerator of the region's
+ * inputs while RNG state was to be preserved: its state could not have been
+ * saved before. Only that accelerator: a region of CPU (or meta) inputs has
+ * none to check, whatever else the process initialized. */
 int
 replay_check_forward(mp_state *st, replay_state *r, int preserve_rng)
 {
-    if (!preserve_rng || r->device_was_initialized)
+    if (!preserve_rng || r->uninitialized_module == NULL)
         return 0;
-    PyObject *cuda = PyObject_GetAttrString(st->torch_module, "cuda");
-    int now = device_initialized(st, cuda);
-    Py_XDECREF(cuda);
+    int now = device_initialized(st, r->uninitialized_module);
+    Py_CLEAR(r->uninitialized_module);
     if (now < 0)
         return -1;
     if (now) {
         PyErr_SetString(PyExc_RuntimeError,
-                        "matepoint.checkpoint: the CUDA device was initialized inside the "
-                        "checkpointed function, so its RNG state could not be saved for the "
-                        "recomputation; initialize CUDA before the first checkpoint or pass "
-                        "preserve_rng_state=False");
+                        "matepoint.checkpoint: the device of the region's inputs was initialized "
+                        "inside the checkpointed function, so its RNG state could not be saved "
+                        "for the recomputation; initialize it (e.g. torch.cuda.init()) before the "
+                        "first checkpoint or pass preserve_rng_state=False");
         return -1;
     }
     return 0;
@@ -436,6 +439,7 @@ replay_traverse(replay_state *r, visitproc visit, void *arg)
 {
     Py_VISIT(r->cpu_rng);
     Py_VISIT(r->device_module);
+    Py_VISIT(r->uninitialized_module);
     Py_VISIT(r->device_indices);
     Py_VISIT(r->device_rngs);
     Py_VISIT(r->autocast);
@@ -449,6 +453,7 @@ replay_clear(replay_state *r)
 {
     Py_CLEAR(r->cpu_rng);
     Py_CLEAR(r->device_module);
+    Py_CLEAR(r->uninitialized_module);
     Py_CLEAR(r->device_indices);
     Py_CLEAR(r->device_rngs);
     Py_CLEAR(r->autocast);

@@ -21,6 +21,9 @@ typedef struct {
     PyObject *autocast_cache;   /* bool */
     PyObject *device_context;   /* torch.utils._device.DeviceContext, or NULL */
     int device_was_initialized; /* accelerator initialized before the forward */
+    PyObject *uninitialized_module; /* the region's accelerator module (its inputs'
+                                     * device type) when not yet initialized: the
+                                     * forward must not initialize it; else NULL */
 } replay_state;
 
 typedef struct {
