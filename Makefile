@@ -87,7 +87,7 @@ $(PY):
 # `pip install torch` would pull a multi-GB CUDA build.
 install: $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q pytest numpy setuptools wheel
+	$(PY) -m pip install -q pytest numpy setuptools wheel transformers
 	$(PY) -m pip install -q --no-build-isolation -e .
 
 demo: install

@@ -13,18 +13,20 @@ from typing import Any, Dict
 
 import torch  # noqa: F401  (the C core looks torch up at import)
 
-from matepoint._C import checkpoint, is_recomputing
+from matepoint import _compile
+from matepoint._C import _reserve_pool, checkpoint, is_recomputing
 from matepoint._C import empty_pool as _empty_pool
 from matepoint._C import pool_stats as _pool_stats
-from matepoint._C import _reserve_pool
 from matepoint._allocator import (empty_cache, install_allocator, memory_report, memory_stats,
                                   reset_peak_memory_stats)
+from matepoint._enable import disable, enable
 from matepoint._options import Options, settings as _settings
 from matepoint._planner import Plan, PlanError, PlannedBlock, auto_checkpoint, plan
 from matepoint._sequential import checkpoint_sequential
 
-__all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "set_options", "options",
-           "Options", "pool_stats", "empty_pool", "reserve_pool", "install_allocator", "memory_stats",
+__all__ = ["checkpoint", "checkpoint_sequential", "enable", "disable", "is_recomputing",
+           "set_options", "options", "Options", "pool_stats", "empty_pool", "reserve_pool",
+           "install_allocator", "memory_stats",
            "reset_peak_memory_stats", "empty_cache", "memory_report", "plan", "auto_checkpoint",
            "Plan", "PlanError", "PlannedBlock"]
 __version__ = "0.1.0"
@@ -101,3 +103,4 @@ class _Module(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Module
+_compile.install()
