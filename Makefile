@@ -25,7 +25,9 @@ SANITIZER_PRELOAD = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -pr
 sanitize: install
 	CFLAGS="$(SANITIZE) -fno-omit-frame-pointer" LDFLAGS="$(SANITIZE)" MATEPOINT_DEBUG=1 \
 	  $(PY) setup.py -q build_ext --build-lib $(ASAN_BUILD) --build-temp $(ASAN_BUILD)-tmp
+	rm -rf $(ASAN_BUILD)/matepoint/bench $(ASAN_BUILD)/matepoint/bench.py
 	cp matepoint/*.py $(ASAN_BUILD)/matepoint/
+	cp -r matepoint/bench $(ASAN_BUILD)/matepoint/bench
 	cd $(ASAN_BUILD) && LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 \
 	  $(abspath $(PY)) -c "import matepoint._C as c; assert '$(ASAN_BUILD)' in c.__file__, c.__file__" && \
 	  LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 MATEPOINT_SANITIZED=1 \

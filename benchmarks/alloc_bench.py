@@ -27,8 +27,9 @@ Op = Tuple[str, int, int]   # ("alloc" | "free", allocation id, size)
 
 def record_trace(depth: int, hidden: int, seq: int, batch: int) -> List[Op]:
     import matepoint
-    from matepoint.bench import build_stack
-    blocks = build_stack(depth, hidden, max(1, hidden // 64), torch.bfloat16, "cuda")
+    from matepoint.bench.cases.stack import build_blocks
+    size = {"hidden": hidden, "heads": max(1, hidden // 64), "dtype": "bfloat16"}
+    blocks = build_blocks(depth, size, torch.device("cuda"))
     x = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)

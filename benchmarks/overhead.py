@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from matepoint.bench import measure_overhead
+from matepoint.bench.overhead import measure_overhead
 
 log = logging.getLogger("matepoint.bench.overhead")
 

@@ -1,0 +1,3 @@
+from matepoint.bench.cli import main
+
+main()

@@ -1,0 +1,142 @@
+"""Runs one (case, mode, depth) in a process of its own and measures it:
+first and steady step times, peak memory, pinned host memory, and the
+gradients against a reference run of the same case."""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+
+from matepoint.bench import modes
+from matepoint.bench.cases import CASES
+from matepoint.bench.workload import Workload
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _device_used_bytes() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def _gradient_errors(parameters: List[torch.nn.Parameter], path: str) -> Dict[str, Any]:
+    """Norm-wise relative error of each parameter's gradient against the
+    reference's, the largest of them, and whether all are bit-identical."""
+    reference = torch.load(path)
+    if len(reference) != len(parameters):
+        raise RuntimeError(f"reference has {len(reference)} gradients, this run {len(parameters)}")
+    worst, exact = 0.0, True
+    for p, ref in zip(parameters, reference):
+        got = p.grad.detach().cpu()
+        exact = exact and torch.equal(got, ref)
+        diff = (got.double() - ref.double()).norm().item()
+        worst = max(worst, diff / max(ref.double().norm().item(), 1e-30))
+    return {"grad_rel_err": worst, "grads_exact": exact}
+
+
+def _measure(work: Workload, mode: str, steps: int, cuda: bool) -> Dict[str, Any]:
+    import matepoint
+    from matepoint._meter import PeakMeter
+    # gradients exist before each step, as the planner's budget assumes
+    for p in work.parameters:
+        p.grad = torch.zeros_like(p)
+    times: List[float] = []
+    losses: List[float] = []
+    device_peak, allocations_after_first = 0, 0
+    if cuda:  # peaks count the steps, not building or planning
+        _synchronize()
+        if mode == "matepoint+alloc":
+            matepoint.reset_peak_memory_stats()
+        else:
+            torch.cuda.reset_peak_memory_stats()
+    meter = PeakMeter(torch.device("cuda")) if cuda else None
+    with meter if meter is not None else modes.step_context("none"):
+        for step in range(steps):
+            for p in work.parameters:
+                p.grad.zero_()
+            _synchronize()
+            begun = time.perf_counter()
+            with modes.step_context(mode):
+                loss = work.run_step()
+            _synchronize()
+            times.append(time.perf_counter() - begun)
+            losses.append(float(loss))
+            if cuda:
+                device_peak = max(device_peak, _device_used_bytes())
+            if work.optimizer is not None:
+                work.optimizer.step()
+            if step == 0:
+                allocations_after_first = matepoint.pool_stats()["host_allocations"]
+    steady = times[1:] or times
+    result: Dict[str, Any] = {
+        "first_step_ms": times[0] * 1e3,
+        "step_ms": statistics.median(steady) * 1e3,
+        "step_ms_all": [t * 1e3 for t in steady],
+        "losses": losses,
+    }
+    if modes.uses_matepoint(mode):
+        stats = matepoint.pool_stats()
+        result["pinned_host_bytes"] = stats["bytes_reserved"]
+        result["host_allocations_after_first_step"] = stats["host_allocations"] - allocations_after_first
+        result["peak_device_bytes_in_flight"] = stats["peak_device_bytes_in_flight"]
+    if cuda:
+        result["device_used_bytes"] = device_peak
+        result["activation_peak_bytes"] = meter.peak_bytes
+        if mode == "matepoint+alloc":
+            stats = matepoint.memory_stats()
+            result["peak_allocated_bytes"] = stats["peak_allocated_bytes"]
+        else:
+            result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        host_stats = getattr(torch.cuda, "host_memory_stats", None)
+        if mode == "torch+save_on_cpu" and host_stats is not None:
+            result["pinned_host_bytes"] = host_stats().get("reserved_bytes.current")
+    return result
+
+
+def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """One mode of one case at one depth, in this process."""
+    import matepoint
+    case, mode = CASES[spec["case"]], spec["mode"]
+    cuda = torch.cuda.is_available()
+    modes.prepare(mode)
+    torch.manual_seed(0)
+    work = case.build(spec, mode, torch.device("cuda" if cuda else "cpu"))
+    result: Dict[str, Any] = {"case": spec["case"], "mode": mode, "depth": spec["depth"],
+                              "round": spec["round"], "status": "ok", **work.extra}
+    if modes.uses_matepoint(mode) and work.reserve is not None:
+        begun = time.perf_counter()
+        matepoint.reserve_pool(*work.reserve)
+        result["reserve_pool_ms"] = (time.perf_counter() - begun) * 1e3
+    result.update(_measure(work, mode, spec["steps"], cuda))
+    if spec.get("write_reference"):
+        torch.save([p.grad.detach().cpu() for p in work.parameters], spec["reference"])
+        result["grad_rel_err"], result["grads_exact"] = 0.0, True
+    elif spec.get("reference"):
+        result.update(_gradient_errors(work.parameters, spec["reference"]))
+    return result
+
+
+def spawn(spec: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    """run_child in a fresh process, so peaks are its own and an
+    out-of-memory is recorded as OOM while the sweep goes on."""
+    command = [sys.executable, "-m", "matepoint.bench", "--child", json.dumps(spec)]
+    base = {"case": spec["case"], "mode": spec["mode"], "depth": spec["depth"],
+            "round": spec["round"]}
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**base, "status": "timeout"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    oom = "out of memory" in proc.stderr.lower()
+    return {**base, "status": "OOM" if oom else "error",
+            "error": proc.stderr.strip().splitlines()[-3:] if proc.stderr else []}
