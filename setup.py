@@ -3,6 +3,7 @@ import os
 from glob import glob
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
 
 
 def c_flags() -> list[str]:
@@ -30,8 +31,20 @@ allocator = Extension(
     "matepoint._alloc",
     sources=sorted(glob("csrc/alloc/*.c")) + ["csrc/cuda/cudart.c"],
     include_dirs=["csrc"],
-    extra_compile_args=c_flags(),
+    # torch.OutOfMemoryError is thrown (oom_raise.cpp) through these frames
+    extra_compile_args=c_flags() + ["-fexceptions"],
     libraries=["dl", "pthread"],
 )
 
-setup(ext_modules=[extension, allocator])
+class build_py_with_oom_unit(build_py):
+    """Ships the C++ unit that raises torch.OutOfMemoryError inside the
+    package: it is compiled at run time against the torch in use
+    (matepoint/_oom.py), since pip's isolated build has no torch."""
+
+    def run(self) -> None:
+        super().run()
+        self.copy_file("csrc/alloc/oom_raise.cpp",
+                       os.path.join(self.build_lib, "matepoint", "oom_raise.cpp"))
+
+
+setup(ext_modules=[extension, allocator], cmdclass={"build_py": build_py_with_oom_unit})

@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from matepoint import _C
+from matepoint import _C, _oom
 
 _PHASES = {0: "other", 1: "forward", 2: "recompute"}
 # optional hooks torch's CUDAPluggableAllocator lets us register, by entry point
@@ -36,6 +36,9 @@ def install_allocator() -> None:
     Call it at program start, before anything touches CUDA memory. Under it,
     torch.cuda.memory_allocated()/memory_stats() raise (torch cannot see
     inside a pluggable allocator): use matepoint.memory_stats() instead.
+    Running out of memory raises torch.OutOfMemoryError as under torch's
+    allocator; the first call compiles the small C++ unit that raises it
+    (see matepoint/_oom.py), which takes a few seconds once.
     Calling it again once installed does nothing.
     """
     global _installed
@@ -50,6 +53,7 @@ def install_allocator() -> None:
     path = allocator_path()
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "matepoint_malloc", "matepoint_free")
     library = ctypes.CDLL(path)
+    _oom.attach_oom_handler(library)
     for setter, entry in _HOOKS.items():
         register = getattr(pluggable._allocator, setter, None)
         if register is not None:

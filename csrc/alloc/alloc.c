@@ -560,7 +560,8 @@ record_oom(allocator *a, device_state *dev, uint64_t size)
     pthread_mutex_lock(&a->oom_lock);
     a->last_oom = (alloc_oom_info){.requested = size, .device = dev->index,
                                    .reserved = dev->stats.reserved_bytes,
-                                   .allocated = dev->stats.allocated_bytes};
+                                   .allocated = dev->stats.allocated_bytes,
+                                   .limit = dev->limit};
     pthread_mutex_unlock(&a->oom_lock);
 }
 

@@ -59,6 +59,7 @@ typedef struct {
     uint64_t requested;         /* bytes asked for by the failing call */
     int device;
     uint64_t reserved, allocated;
+    uint64_t limit;             /* the device's cap on reserved bytes, 0: none */
 } alloc_oom_info;
 
 typedef struct allocator allocator;

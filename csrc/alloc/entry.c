@@ -4,7 +4,15 @@
  *
  * One allocator serves the process. It is created on first use under a
  * pthread_once and is thread-safe itself; the current tag is per thread.
- * MATEPOINT_ALLOC_BACKEND=host selects the host backend (tests). */
+ * MATEPOINT_ALLOC_BACKEND=host selects the host backend (tests), whose
+ * "device" holds MATEPOINT_ALLOC_HOST_CAPACITY bytes (0 or unset: no cap).
+ *
+ * Out of memory (after the allocator released its cache and retried)
+ * calls the handler install_allocator() registered, which throws torch's
+ * c10::OutOfMemoryError (oom_raise.cpp): the exception unwinds through
+ * matepoint_malloc, so this file is built with -fexceptions and holds no
+ * lock or resource while calling it. Without a handler the process stops
+ * with the same message, as returning NULL to torch would crash later. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* posix_memalign in alloc_host.h users */
 #endif
@@ -14,6 +22,7 @@
 #include "cuda/cudart.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,12 +39,18 @@ static pthread_once_t create_once = PTHREAD_ONCE_INIT;
 /* Tag of allocations made by this thread (checkpoint sets it). */
 static _Thread_local uint64_t current_tag;
 
+/* Set by install_allocator() before torch's first allocation, read by any
+ * thread that runs out of memory; atomic, so no lock is needed. */
+typedef void (*oom_handler)(const char *message);
+static _Atomic(oom_handler) raise_oom;
+
 static void
 create(void)
 {
     const char *backend = getenv("MATEPOINT_ALLOC_BACKEND");
     if (backend != NULL && strcmp(backend, "host") == 0) {
-        alloc_host_init(&host_ctx, 0);
+        const char *capacity = getenv("MATEPOINT_ALLOC_HOST_CAPACITY");
+        alloc_host_init(&host_ctx, capacity ? strtoull(capacity, NULL, 0) : 0);
         instance = alloc_create(alloc_host_backend(&host_ctx), HOST_DEVICES);
         return;
     }
@@ -57,18 +72,81 @@ get_allocator(void)
     return instance;
 }
 
+/* Free and total bytes of `device` as the backend sees them; 0 if unknown. */
+static void
+device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    *free_bytes = *total_bytes = 0;
+    if (runtime == NULL) {
+        pthread_mutex_lock(&host_ctx.lock);
+        *total_bytes = host_ctx.capacity_bytes;
+        *free_bytes = host_ctx.capacity_bytes - host_ctx.live_bytes;
+        pthread_mutex_unlock(&host_ctx.lock);
+        return;
+    }
+    int previous = 0;
+    size_t free_now = 0, total = 0;
+    if (runtime->get_device(&previous) != CUDART_SUCCESS ||
+        runtime->set_device(device) != CUDART_SUCCESS)
+        return;
+    if (runtime->mem_get_info(&free_now, &total) == CUDART_SUCCESS) {
+        *free_bytes = free_now;
+        *total_bytes = total;
+    }
+    (void)runtime->set_device(previous);
+}
+
+/* "1.50 GiB" and the like, as torch writes sizes. */
+static void
+format_bytes(char *out, size_t n, uint64_t bytes)
+{
+    static const char *const units[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+    double value = (double)bytes;
+    int unit = 0;
+    while (value >= 1024.0 && unit < 4) {
+        value /= 1024.0;
+        unit++;
+    }
+    snprintf(out, n, unit == 0 ? "%.0f %s" : "%.2f %s", value, units[unit]);
+}
+
+static void
+oom_message(char *out, size_t n, allocator *a, size_t size, int device)
+{
+    alloc_oom_info oom = a ? alloc_last_oom(a) : (alloc_oom_info){0};
+    uint64_t free_bytes, total_bytes;
+    char request[32], allocated[32], reserved[32], free_text[32], total[32], cap[96] = "";
+    device_memory(device, &free_bytes, &total_bytes);
+    format_bytes(request, sizeof(request), size);
+    format_bytes(allocated, sizeof(allocated), oom.allocated);
+    format_bytes(reserved, sizeof(reserved), oom.reserved);
+    format_bytes(free_text, sizeof(free_text), free_bytes);
+    format_bytes(total, sizeof(total), total_bytes);
+    if (oom.limit != 0) {
+        char limit[32];
+        format_bytes(limit, sizeof(limit), oom.limit);
+        snprintf(cap, sizeof(cap), " (capped at %s by the memory fraction)", limit);
+    }
+    snprintf(out, n,
+             "CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of %s of "
+             "which %s is free. matepoint's allocator holds %s allocated and %s reserved%s. "
+             "Free tensors or call matepoint.empty_cache(), reduce the batch or sequence, or "
+             "checkpoint (and offload) more blocks.",
+             request, device, total, free_text, allocated, reserved, cap);
+}
+
 /* torch does not check the pointer it gets back: returning NULL would
- * surface later as an illegal memory access far from its cause. Stop here
- * with the numbers instead. */
+ * surface later as an illegal memory access far from its cause. Raise
+ * torch's exception through the handler, or stop here with the numbers. */
 static void
 out_of_memory(allocator *a, size_t size, int device)
 {
-    alloc_oom_info oom = a ? alloc_last_oom(a) : (alloc_oom_info){0};
-    fprintf(stderr,
-            "matepoint allocator: CUDA out of memory: could not allocate %zu bytes on device %d "
-            "(matepoint reserved %llu bytes, %llu allocated). Reduce the batch or sequence "
-            "size, checkpoint more blocks, or call matepoint.empty_cache().\n",
-            size, device, (unsigned long long)oom.reserved, (unsigned long long)oom.allocated);
+    char message[512];
+    oom_message(message, sizeof(message), a, size, device);
+    oom_handler handler = atomic_load(&raise_oom);
+    if (handler != NULL)
+        handler(message);  /* throws through this frame; does not return */
+    fprintf(stderr, "matepoint allocator: %s\n", message);
     fflush(stderr);
     abort();
 }
@@ -117,20 +195,25 @@ matepoint_record_stream(void *ptr, void *stream)
         fprintf(stderr, "matepoint allocator: record_stream on unknown pointer %p\n", ptr);
 }
 
+/* torch.cuda.set_per_process_memory_fraction: caps what the allocator
+ * reserves on `device` at that fraction of its total memory. */
 EXPORT void
 matepoint_set_memory_fraction(double fraction, int device)
 {
     allocator *a = get_allocator();
-    size_t free_bytes = 0, total_bytes = 0;
-    if (a == NULL || runtime == NULL || fraction <= 0.0 || fraction > 1.0)
+    uint64_t free_bytes, total_bytes;
+    if (a == NULL || fraction <= 0.0 || fraction > 1.0)
         return;
-    int previous = 0;
-    if (runtime->get_device(&previous) != CUDART_SUCCESS || runtime->set_device(device) != CUDART_SUCCESS)
-        return;
-    int status = runtime->mem_get_info(&free_bytes, &total_bytes);
-    (void)runtime->set_device(previous);
-    if (status == CUDART_SUCCESS)
+    device_memory(device, &free_bytes, &total_bytes);
+    if (total_bytes != 0)
         alloc_set_limit(a, device, (uint64_t)(fraction * (double)total_bytes));
+}
+
+/* install_allocator(): the function that raises torch.OutOfMemoryError. */
+EXPORT void
+matepoint_alloc_set_oom_handler(oom_handler handler)
+{
+    atomic_store(&raise_oom, handler);
 }
 
 /* ---- C API for matepoint._C ----------------------------------------------- */
