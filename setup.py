@@ -43,8 +43,11 @@ class build_py_with_oom_unit(build_py):
 
     def run(self) -> None:
         super().run()
-        self.copy_file("csrc/alloc/oom_raise.cpp",
-                       os.path.join(self.build_lib, "matepoint", "oom_raise.cpp"))
+        if getattr(self, "editable_mode", False):
+            return  # an editable install finds it in csrc/ (matepoint/_oom.py)
+        target = os.path.join(self.build_lib, "matepoint")
+        self.mkpath(target)
+        self.copy_file("csrc/alloc/oom_raise.cpp", os.path.join(target, "oom_raise.cpp"))
 
 
 setup(ext_modules=[extension, allocator], cmdclass={"build_py": build_py_with_oom_unit})

@@ -174,3 +174,33 @@ def test_fsdp2_fully_shard_with_checkpoint() -> None:
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert "fsdp2 ok" in result.stdout
+
+
+def test_offloaded_inputs_stay_within_the_window_while_the_cpu_runs_ahead(cuda_offload) -> None:
+    """Each block sleeps on the GPU, so the CPU queues the whole forward long
+    before the GPU gets there; device memory must not follow the CPU."""
+    window, depth, numel = 2, 32, 16 << 20          # 64 MiB inputs
+    matepoint.set_options(offload_window=window)
+
+    def slow_block(t: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(2_000_000)
+        return t * 1.0001 + 1.0
+
+    x = torch.randn(numel, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    h = x
+    for _ in range(depth):
+        h = matepoint.checkpoint(slow_block, h)
+    forward_done = torch.cuda.Event()
+    forward_done.record()
+    assert not forward_done.query(), "the GPU kept up: this test shows nothing"
+    peak = torch.cuda.max_memory_allocated() - base
+    in_flight = matepoint.pool_stats()["device_bytes_in_flight"]
+    h.sum().backward()
+    torch.cuda.synchronize()
+    one_input = numel * 4
+    assert peak <= (window + 3) * one_input, f"{peak / one_input:.1f} inputs held"
+    assert in_flight <= window * one_input
+    assert torch.allclose(x.grad, torch.full_like(x, 1.0001 ** depth))
