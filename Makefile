@@ -28,6 +28,7 @@ sanitize: install
 	rm -rf $(ASAN_BUILD)/matepoint/bench $(ASAN_BUILD)/matepoint/bench.py
 	cp matepoint/*.py $(ASAN_BUILD)/matepoint/
 	cp -r matepoint/bench $(ASAN_BUILD)/matepoint/bench
+	cp csrc/alloc/oom_raise.cpp $(ASAN_BUILD)/matepoint/
 	cd $(ASAN_BUILD) && LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 \
 	  $(abspath $(PY)) -c "import matepoint._C as c; assert '$(ASAN_BUILD)' in c.__file__, c.__file__" && \
 	  LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 MATEPOINT_SANITIZED=1 \

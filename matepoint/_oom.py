@@ -59,13 +59,14 @@ def build_library(source: str, name: str) -> str:
     # build beside the target, then rename: ranks of one job may race here
     handle, partial = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(handle)
-    command = compiler + ["-std=c++17", "-O2", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                          "-I", include, source, "-L", lib, "-lc10", f"-Wl,-rpath,{lib}",
-                          "-o", partial]
+    command = compiler + ["-std=c++17", "-O2", "-shared", "-fPIC",
+                          f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", include, source,
+                          "-L", lib, "-lc10", f"-Wl,-rpath,{lib}", "-o", partial]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {os.path.basename(source)} failed:\n{done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"compiling {os.path.basename(source)} failed:\n{done.stderr[-2000:]}")
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

@@ -136,7 +136,7 @@ CUDA_SCRIPT = textwrap.dedent("""
     matepoint.install_allocator()
 
     def recompute_tags(blocks, **kwargs):
-        """Recompute-tagged rows of the regions these steps create."""
+        # recompute-tagged rows of the regions these steps create
         seen = {r["region"] for r in matepoint.memory_stats()["tags"]}
         x = torch.randn(64, 512, device="cuda")
         for step in range(2):

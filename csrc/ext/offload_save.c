@@ -51,8 +51,9 @@ static PyObject *
 offload_span(mp_state *st, PyObject *module, input_info *first, uint64_t lo, uint64_t hi)
 {
     offload_engine *engine = st->engine;
-    offload_device *device = first->device_index < 0 ? &engine->cpu
-                                                     : offload_engine_cuda_device(engine, first->device_index);
+    offload_device *device = first->device_index < 0
+                                 ? &engine->cpu
+                                 : offload_engine_cuda_device(engine, first->device_index);
     if (device == NULL || offload_engine_ensure_pool(engine) < 0)
         return NULL;
     StorageCopy *copy = storage_copy_new(st, module, device, first->device_obj, hi - lo);
@@ -93,7 +94,8 @@ offload_storages(mp_state *st, PyObject *module, input_info *infos, Py_ssize_t n
         }
         uint64_t lo = infos[i].byte_offset, hi = lo + infos[i].byte_extent;
         for (Py_ssize_t j = i + 1; j < n; j++) {
-            if (infos[j].storage && inspect_same_storage(&infos[i], &infos[j]) && infos[j].byte_extent) {
+            if (infos[j].storage && infos[j].byte_extent &&
+                inspect_same_storage(&infos[i], &infos[j])) {
                 lo = infos[j].byte_offset < lo ? infos[j].byte_offset : lo;
                 uint64_t end = infos[j].byte_offset + infos[j].byte_extent;
                 hi = end > hi ? end : hi;
@@ -109,7 +111,8 @@ offload_storages(mp_state *st, PyObject *module, input_info *infos, Py_ssize_t n
         Py_ssize_t index = copy == Py_None ? STAYS : PyList_GET_SIZE(copies) - 1;
         Py_DECREF(copy);
         for (Py_ssize_t j = i; j < n; j++) {
-            if (infos[j].storage && infos[j].byte_extent && inspect_same_storage(&infos[i], &infos[j])) {
+            if (infos[j].storage && infos[j].byte_extent &&
+                inspect_same_storage(&infos[i], &infos[j])) {
                 infos[j].copy_index = index;
                 infos[j].byte_offset -= lo;
             }

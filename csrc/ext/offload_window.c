@@ -52,10 +52,10 @@ release_source(offload_engine *engine, StorageCopy *copy, int force)
     return 1;
 }
 
-/* Releases the sources of the window's copies that `should_release`
- * selects (forced) or that completed. The copies kept move to a fresh list,
- * so no slot of the old one is released twice; releasing may run code that
- * comes back here, so the old list is held meanwhile. */
+/* Releases the sources of the window's copies that completed, and of those
+ * of regions before `force_below_region` in stream order. The copies kept
+ * move to a fresh list, so no slot of the old one is released twice;
+ * releasing may run code that comes back here, so the old list is held. */
 static int
 sweep(offload_engine *engine, offload_device *device, uint64_t force_below_region)
 {

@@ -156,7 +156,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                  overhead["plain"])
         payload["held_bytes"] = held = held_for_backward()
         log.info("CPU memory held for backward by a 16-block MLP: %.1f MiB without checkpoints, "
-                 "%.1f MiB with matepoint", held["none"] / report.MIB, held["matepoint"] / report.MIB)
+                 "%.1f MiB with matepoint", held["none"] / report.MIB,
+                 held["matepoint"] / report.MIB)
     with tempfile.TemporaryDirectory(prefix="matepoint-bench-") as folder:
         payload["rows"] = run_cases(args, cuda, folder)
     payload["summary"] = summary = report.summarize(payload["rows"])

@@ -85,7 +85,8 @@ def _measure(work: Workload, mode: str, steps: int, cuda: bool) -> Dict[str, Any
     if modes.uses_matepoint(mode):
         stats = matepoint.pool_stats()
         result["pinned_host_bytes"] = stats["bytes_reserved"]
-        result["host_allocations_after_first_step"] = stats["host_allocations"] - allocations_after_first
+        result["host_allocations_after_first_step"] = (stats["host_allocations"]
+                                                       - allocations_after_first)
         result["peak_device_bytes_in_flight"] = stats["peak_device_bytes_in_flight"]
     if cuda:
         result["device_used_bytes"] = device_peak
