@@ -37,10 +37,15 @@ def _register_with_dynamo() -> None:
     def traced_instead(function: Any, *args: Any, **kwargs: Any) -> Any:
         return run_eagerly(function, *args, **kwargs)
 
+    torch._dynamo.substitute_in_graph(_C.checkpoint, skip_signature_check=True)(traced_instead)
+
+
+def _register_or_log() -> None:
+    # never break the user's import of torch._dynamo: without the stand-in
+    # the graph still breaks at a checkpoint, only with Dynamo's warning
     try:
-        torch._dynamo.substitute_in_graph(_C.checkpoint, skip_signature_check=True)(traced_instead)
-    except (AttributeError, TypeError, ValueError) as error:
-        # an older Dynamo: the graph still breaks, only with its warning
+        _register_with_dynamo()
+    except Exception as error:  # noqa: BLE001 (any failure leaves the old behaviour)
         log.debug("matepoint: cannot mark checkpoint for torch.compile: %s", error)
 
 
@@ -59,7 +64,7 @@ class _AfterDynamoImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             execute(module)
-            _register_with_dynamo()
+            _register_or_log()
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -68,6 +73,6 @@ class _AfterDynamoImport(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Marks matepoint.checkpoint for Dynamo now or once Dynamo is imported."""
     if _DYNAMO in sys.modules:
-        _register_with_dynamo()
+        _register_or_log()
     elif not any(isinstance(finder, _AfterDynamoImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterDynamoImport())
