@@ -13,6 +13,7 @@ from matepoint._meter import copy_bandwidth
 def probe(megabytes: int = 256) -> Dict[str, float]:
     """Pinned host<->device bandwidth in GB/s (median of five copies each way)."""
     measured = copy_bandwidth(torch.device("cuda"), megabytes << 20)
+    torch.cuda.empty_cache()  # the runs that follow, in other processes, get the memory
     return {"h2d_GBps": measured.h2d / 1e9, "d2h_GBps": measured.d2h / 1e9}
 
 
