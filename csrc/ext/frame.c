@@ -1,15 +1,13 @@
 #include "frame.h"
+#include "bn_guard.h"
 #include "compat.h"
 #include "hooks.h"
 
 #include <string.h>
 
-/* Per-thread recompute bookkeeping. Thread-local, so it needs no lock: each
- * thread only ever sees its own recomputes. `recompute_bn_modules` borrows
- * the innermost recompute's list of BatchNorm modules whose running
- * statistics were switched off. */
+/* Per-thread recompute depth. Thread-local, so it needs no lock: each
+ * thread only ever sees its own recomputes. */
 static _Thread_local int recompute_depth;
-static _Thread_local PyObject *recompute_bn_modules;
 
 int
 frame_is_recomputing(void)
@@ -368,114 +366,6 @@ set_grad_enabled(mp_state *st, PyObject *flag)
     return done ? 0 : -1;
 }
 
-/* Registers the BatchNorm guard for the duration of a recompute. */
-static PyObject *
-register_bn_guard(mp_state *st)
-{
-    return PyObject_CallOneArg(st->register_pre_hook, st->bn_guard_hook);
-}
-
-static const char *const bn_buffer_names[] = {"running_mean", "running_var",
-                                              "num_batches_tracked"};
-#define BN_BUFFERS 3
-
-/* Puts the original statistics buffers back: entries are
- * (module, running_mean, running_var, num_batches_tracked). */
-static int
-restore_bn_buffers(PyObject *entry)
-{
-    PyObject *module = PyTuple_GET_ITEM(entry, 0);
-    int result = 0;
-    for (int i = 0; i < BN_BUFFERS; i++) {
-        if (PyObject_SetAttrString(module, bn_buffer_names[i], PyTuple_GET_ITEM(entry, i + 1)) < 0)
-            result = -1;
-    }
-    return result;
-}
-
-static int
-release_bn_guard(mp_state *st, PyObject *handle, PyObject *bn_modules)
-{
-    int result = 0;
-    PyObject *pending = mp_take_exception();
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(bn_modules); i++) {
-        if (restore_bn_buffers(PyList_GET_ITEM(bn_modules, i)) < 0)
-            result = -1;
-    }
-    PyObject *done = PyObject_CallMethodNoArgs(handle, st->str_remove);
-    if (done == NULL)
-        result = -1;
-    Py_XDECREF(done);
-    if (result < 0)
-        mp_chain_exception(pending);
-    else if (pending != NULL)
-        mp_restore_exception(pending);
-    return result;
-}
-
-static int
-bn_already_guarded(PyObject *module)
-{
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(recompute_bn_modules); i++) {
-        if (PyTuple_GET_ITEM(PyList_GET_ITEM(recompute_bn_modules, i), 0) == module)
-            return 1;
-    }
-    return 0;
-}
-
-/* Gives `module` throw-away copies of its statistics buffers, so the
- * recompute computes exactly what the forward did (same saved tensors, same
- * batch statistics) while the real running averages move once per step. */
-static int
-swap_in_bn_copies(PyObject *module)
-{
-    PyObject *entry = PyTuple_New(1 + BN_BUFFERS);
-    if (entry == NULL)
-        return -1;
-    PyTuple_SET_ITEM(entry, 0, Py_NewRef(module));
-    for (int i = 0; i < BN_BUFFERS; i++) {
-        PyObject *buffer = PyObject_GetAttrString(module, bn_buffer_names[i]);
-        if (buffer == NULL) {
-            Py_DECREF(entry);
-            return -1;
-        }
-        PyTuple_SET_ITEM(entry, i + 1, buffer);
-    }
-    int result = PyList_Append(recompute_bn_modules, entry);
-    for (int i = 0; result == 0 && i < BN_BUFFERS; i++) {
-        PyObject *buffer = PyTuple_GET_ITEM(entry, i + 1);
-        if (buffer == Py_None)
-            continue;
-        PyObject *copy = PyObject_CallMethod(buffer, "clone", NULL);
-        result = copy ? PyObject_SetAttrString(module, bn_buffer_names[i], copy) : -1;
-        Py_XDECREF(copy);
-    }
-    Py_DECREF(entry);
-    return result;
-}
-
-PyObject *
-frame_batchnorm_guard(PyObject *module_obj, PyObject *const *args, Py_ssize_t nargs)
-{
-    mp_state *st = PyModule_GetState(module_obj);
-    if (recompute_depth == 0 || nargs < 1 || recompute_bn_modules == NULL)
-        Py_RETURN_NONE;
-    PyObject *module = args[0];
-    int is_bn = PyObject_IsInstance(module, st->batchnorm_type);
-    if (is_bn <= 0)
-        return is_bn < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *training = PyObject_GetAttr(module, st->str_training);
-    PyObject *tracking = training ? PyObject_GetAttr(module, st->str_track_running_stats) : NULL;
-    int guard = tracking && PyObject_IsTrue(training) == 1 && PyObject_IsTrue(tracking) == 1;
-    Py_XDECREF(training);
-    Py_XDECREF(tracking);
-    if (tracking == NULL)
-        return NULL;
-    if (guard && !bn_already_guarded(module) && swap_in_bn_copies(module) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
 /* Runs the region again under the recompute hook, with the forward's RNG,
  * autocast and device context, grad mode on, BatchNorm statistics frozen. */
 static int
@@ -483,7 +373,7 @@ frame_recompute(Frame *frame, PyObject *gid)
 {
     mp_state *st = frame->st;
     PyObject *args = NULL, *kwargs = NULL, *bn_handle = NULL, *grad_was = NULL;
-    PyObject *bn_modules = NULL, *outer_bn_modules = recompute_bn_modules;
+    PyObject *bn_modules = NULL, *outer_bn_modules;
     replay_undo undo;
     int result = -1, hooks_pushed = 0, replayed = 0;
 
@@ -514,17 +404,17 @@ frame_recompute(Frame *frame, PyObject *gid)
     if (replay_enter(st, &frame->replay, frame->recompute_context, &undo) < 0)
         goto done;
     replayed = 1;
-    bn_handle = register_bn_guard(st);
+    bn_handle = bn_guard_register(st);
     if (bn_handle == NULL)
         goto done;
 
     recompute_depth++;
-    recompute_bn_modules = bn_modules;
+    outer_bn_modules = bn_guard_enter(bn_modules);
     uint64_t outer_tag =
         alloc_link_tag(&st->alloc, alloc_region_tag(frame->region_id, TAG_RECOMPUTE));
     PyObject *out = PyObject_Call(frame->function, args, kwargs);
     alloc_link_tag(&st->alloc, outer_tag);
-    recompute_bn_modules = outer_bn_modules;
+    bn_guard_leave(outer_bn_modules);
     recompute_depth--;
     Py_XDECREF(out);
     if (out != NULL || PyErr_ExceptionMatches(st->stop_recompute)) {
@@ -532,7 +422,7 @@ frame_recompute(Frame *frame, PyObject *gid)
         result = 0;
     }
 done:
-    if (bn_handle != NULL && release_bn_guard(st, bn_handle, bn_modules) < 0)
+    if (bn_handle != NULL && bn_guard_release(st, bn_handle, bn_modules) < 0)
         result = -1;
     if (replayed && replay_exit(st, &frame->replay, &undo) < 0)
         result = -1;

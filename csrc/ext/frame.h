@@ -67,7 +67,5 @@ void frame_drop_unneeded_inputs(Frame *frame);
 
 /* Per-thread recompute depth: > 0 while a region is being recomputed. */
 int frame_is_recomputing(void);
-/* forward pre-hook that keeps BatchNorm statistics from updating twice */
-PyObject *frame_batchnorm_guard(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

@@ -1,5 +1,6 @@
 /* matepoint._C: module definition, multi-phase init and module state. */
 #include "alloc_link.h"
+#include "bn_guard.h"
 #include "checkpoint.h"
 #include "compat.h"
 #include "frame.h"
