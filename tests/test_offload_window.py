@@ -181,3 +181,31 @@ def test_offload_window_option_is_checked():
     with pytest.raises(ValueError, match="offload_window must be positive"):
         matepoint.set_options(offload_window=0)
     assert matepoint.options.offload_window == 2
+
+
+def test_threads_share_one_device_window(simulated):
+    """Replicas in threads (as DataParallel runs them) offload to the same
+    device: each one's regions may release the others' inputs, in stream
+    order, and every gradient stays exact."""
+    _C._sim_set_progress(1)
+    models = [MLP(WIDTH, 6) for _ in range(4)]
+    inputs = [torch.randn(BATCH, WIDTH) for _ in models]
+    expected = [train_step(m, x, no_checkpoint)[1] for m, x in zip(models, inputs)]
+    barrier, results, errors = threading.Barrier(len(models)), {}, []
+
+    def worker(index: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(3):
+                results[index] = train_step(models[index], inputs[index], watched(2))[1]
+        except BaseException as error:  # noqa: BLE001 (re-raised below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(models))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for index, grads in enumerate(expected):
+        assert_bitwise_equal(results[index], grads)
