@@ -53,7 +53,7 @@ def _family(family: str, gpu_layers: int) -> types.SimpleNamespace:
             return {"width": 32, "heads": 4, "seq": 32, "batch": 2, "vocab": 128,
                     "dtype": "float32"}
         return {"width": 1024, "heads": 16, "seq": 1024, "batch": 8 if family == "gpt2" else 4,
-                "vocab": 32000, "dtype": args.dtype}
+                "vocab": 50257 if family == "gpt2" else 32000, "dtype": args.dtype}
 
     def depths(args: argparse.Namespace, cuda: bool) -> List[int]:
         return [gpu_layers if cuda else 2]
