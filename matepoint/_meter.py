@@ -147,13 +147,15 @@ def _warm_up_host_sampler() -> None:
 
 class PeakMeter:
     """``with PeakMeter(device) as m: ...``; then ``m.peak_bytes`` is the most
-    memory in use on ``device`` above what was in use at entry."""
+    memory in use on ``device`` above what was in use at entry, and on CUDA
+    ``m.peak_allocated_bytes`` that most in all (the allocator's peak)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         if self.device.type == "cpu" and not host_meter_available():
             raise RuntimeError("measuring CPU memory needs glibc's mallinfo2 (Linux, glibc 2.33+)")
         self.peak_bytes = 0
+        self.peak_allocated_bytes = 0
         self._base = 0
         self._sampler: Optional[_HostSampler] = None
         self._gc_was_enabled = False
@@ -186,7 +188,8 @@ class PeakMeter:
                 gc.enable()
             return
         torch.cuda.synchronize(self.device)
-        self._sample(_cuda_allocated(self.device, peak=True))
+        self.peak_allocated_bytes = _cuda_allocated(self.device, peak=True)
+        self._sample(self.peak_allocated_bytes)
 
 
 def _cuda_allocated(device: torch.device, reset_peak: bool = False, peak: bool = False) -> int:

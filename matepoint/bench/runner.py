@@ -52,12 +52,7 @@ def _measure(work: Workload, mode: str, steps: int, cuda: bool) -> Dict[str, Any
     times: List[float] = []
     losses: List[float] = []
     device_peak, allocations_after_first = 0, 0
-    if cuda:  # peaks count the steps, not building or planning
-        _synchronize()
-        if mode == "matepoint+alloc":
-            matepoint.reset_peak_memory_stats()
-        else:
-            torch.cuda.reset_peak_memory_stats()
+    # the meter's peaks count the steps, not building or planning
     meter = PeakMeter(torch.device("cuda")) if cuda else None
     with meter if meter is not None else contextlib.nullcontext():
         for step in range(steps):
@@ -92,11 +87,7 @@ def _measure(work: Workload, mode: str, steps: int, cuda: bool) -> Dict[str, Any
     if cuda:
         result["device_used_bytes"] = device_peak
         result["activation_peak_bytes"] = meter.peak_bytes
-        if mode == "matepoint+alloc":
-            stats = matepoint.memory_stats()
-            result["peak_allocated_bytes"] = stats["peak_allocated_bytes"]
-        else:
-            result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        result["peak_allocated_bytes"] = meter.peak_allocated_bytes
         host_stats = getattr(torch.cuda, "host_memory_stats", None)
         if mode == "torch+save_on_cpu" and host_stats is not None:
             result["pinned_host_bytes"] = host_stats().get("reserved_bytes.current")
