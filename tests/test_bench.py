@@ -65,6 +65,7 @@ def test_bench_rejects_bad_arguments() -> None:
     for argv, message in ((["--modes", "fast"], "unknown modes"),
                           (["--cases", "tiny"], "unknown cases"),
                           (["--batch", "0"], "--batch must be positive"),
+                          (["--repeats", "0"], "--repeats must be positive"),
                           (["--steps", "1"], "--steps must be at least 2")):
         result = subprocess.run([sys.executable, "-m", "matepoint.bench", *argv],
                                 capture_output=True, text=True, timeout=120)

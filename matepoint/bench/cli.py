@@ -73,6 +73,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for name in ("hidden", "heads", "seq", "batch", "steps", "latent_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be positive")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is reported apart)")
     for option, known in (("modes", MODES), ("cases", list(CASES))):
@@ -106,7 +108,7 @@ def run_cases(args: argparse.Namespace, cuda: bool, folder: str) -> List[Dict[st
         for name, depth, size, modes in plan:
             order = modes if round_index % 2 == 0 else list(reversed(modes))
             reference = os.path.join(folder, f"{name}-{depth}.pt")
-            have_reference = round_index > 0 and os.path.exists(reference)
+            have_reference = False
             for mode in order:
                 spec = {"case": name, "mode": mode, "depth": depth, "size": size,
                         "round": round_index, "steps": args.steps, "budget_gib": args.budget_gib}
