@@ -59,8 +59,8 @@ release_source(offload_engine *engine, StorageCopy *copy, int force)
 static int
 sweep(offload_engine *engine, offload_device *device, uint64_t force_below_region)
 {
-    if (device->in_flight == NULL)
-        return 0;
+    if (device->in_flight == NULL || PyList_GET_SIZE(device->in_flight) == 0)
+        return 0;  /* every recompute sweeps: the common case costs nothing */
     PyObject *kept = PyList_New(0);
     if (kept == NULL)
         return -1;
