@@ -38,7 +38,7 @@ def install_allocator() -> None:
     inside a pluggable allocator): use matepoint.memory_stats() instead.
     Running out of memory raises torch.OutOfMemoryError as under torch's
     allocator; the first call compiles the small C++ unit that raises it
-    (see matepoint/_oom.py), which takes a few seconds once.
+    (see matepoint/_oom.py), which takes about a second, once.
     Calling it again once installed does nothing.
     """
     global _installed

@@ -91,13 +91,18 @@ def test_too_small_a_budget_names_the_smallest_feasible(offload) -> None:
     model, x = chain(4, 64), torch.randn(32, 64)
     with pytest.raises(matepoint.PlanError, match="smallest budget any plan meets is") as caught:
         matepoint.plan(model, x, budget_bytes=1024, unit_bytes=1024, repeats=1)
+    assert caught.value.smallest_budget_bytes > 1024
+    # the rest on one set of profiles: two profilings measure peaks a little apart
+    profiles = matepoint.plan(model, x, budget_bytes=16 << 20, unit_bytes=1024,
+                              repeats=1).profiles
+    with pytest.raises(matepoint.PlanError) as caught:
+        solve(profiles, 1024, 1024, True)
     smallest = caught.value.smallest_budget_bytes
     assert smallest > 1024
-    plan = solve(matepoint.plan(model, x, budget_bytes=smallest, unit_bytes=1024,
-                                repeats=1).profiles, smallest, 1024, True)
+    plan = solve(profiles, smallest, 1024, True)
     assert plan.predicted_peak_bytes <= smallest
     with pytest.raises(matepoint.PlanError):
-        solve(plan.profiles, smallest - 1024, 1024, True)
+        solve(profiles, smallest - 1024, 1024, True)
 
 
 def test_solve_trades_time_for_memory() -> None:
