@@ -11,29 +11,16 @@
 static cudart runtime;
 static const cudart *loaded;
 static char load_error[256];
+static char origin[1024];                   /* the file the table came from */
 static pthread_once_t load_once = PTHREAD_ONCE_INIT;
 
+/* torch's CUDA libraries: dlsym through one of them finds the libcudart
+ * torch itself links, whatever else the process loaded */
+static const char *const torch_libraries[] = {"libc10_cuda.so", "libtorch_cuda.so"};
 static const char *const library_names[] = {
     "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so",
 };
-
-static void *
-open_runtime(void)
-{
-    size_t n = sizeof(library_names) / sizeof(library_names[0]);
-    /* torch's own copy first, so there is a single runtime in the process */
-    for (size_t i = 0; i < n; i++) {
-        void *handle = dlopen(library_names[i], RTLD_NOW | RTLD_NOLOAD);
-        if (handle != NULL)
-            return handle;
-    }
-    for (size_t i = 0; i < n; i++) {
-        void *handle = dlopen(library_names[i], RTLD_NOW | RTLD_LOCAL);
-        if (handle != NULL)
-            return handle;
-    }
-    return NULL;
-}
+#define COUNT(array) (sizeof(array) / sizeof((array)[0]))
 
 static int
 resolve(void *handle, void **slot, const char *name)
@@ -44,14 +31,10 @@ resolve(void *handle, void **slot, const char *name)
     return *slot != NULL;
 }
 
-static void
-load(void)
+/* Fills `runtime` from `handle`; 1 when every entry point was found. */
+static int
+resolve_all(void *handle)
 {
-    void *handle = open_runtime();
-    if (handle == NULL) {
-        snprintf(load_error, sizeof(load_error), "no CUDA runtime library (libcudart) found");
-        return;
-    }
     struct { void **slot; const char *name; } symbols[] = {
         {(void **)&runtime.get_device_count, "cudaGetDeviceCount"},
         {(void **)&runtime.get_device, "cudaGetDevice"},
@@ -61,6 +44,7 @@ load(void)
         {(void **)&runtime.stream_create, "cudaStreamCreateWithFlags"},
         {(void **)&runtime.stream_destroy, "cudaStreamDestroy"},
         {(void **)&runtime.stream_wait_event, "cudaStreamWaitEvent"},
+        {(void **)&runtime.stream_synchronize, "cudaStreamSynchronize"},
         {(void **)&runtime.event_create, "cudaEventCreateWithFlags"},
         {(void **)&runtime.event_destroy, "cudaEventDestroy"},
         {(void **)&runtime.event_record, "cudaEventRecord"},
@@ -74,11 +58,40 @@ load(void)
         {(void **)&runtime.device_synchronize, "cudaDeviceSynchronize"},
         {(void **)&runtime.get_last_error, "cudaGetLastError"},
     };
-    for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
+    for (size_t i = 0; i < COUNT(symbols); i++) {
         if (!resolve(handle, symbols[i].slot, symbols[i].name))
-            return;
+            return 0;
     }
-    loaded = &runtime;
+    Dl_info info;
+    if (dladdr((void *)runtime.get_device, &info) != 0 && info.dli_fname != NULL)
+        snprintf(origin, sizeof(origin), "%s", info.dli_fname);
+    return 1;
+}
+
+/* Tries `names` in turn (only those already loaded when `flags` has
+ * RTLD_NOLOAD); 1 once one provides the whole runtime. */
+static int
+load_from(const char *const *names, size_t n, int flags)
+{
+    for (size_t i = 0; i < n; i++) {
+        void *handle = dlopen(names[i], flags);
+        if (handle == NULL)
+            continue;
+        if (resolve_all(handle))
+            return 1;
+        dlclose(handle);
+    }
+    return 0;
+}
+
+static void
+load(void)
+{
+    snprintf(load_error, sizeof(load_error), "no CUDA runtime library (libcudart) found");
+    if (load_from(torch_libraries, COUNT(torch_libraries), RTLD_NOW | RTLD_NOLOAD) ||
+        load_from(library_names, COUNT(library_names), RTLD_NOW | RTLD_NOLOAD) ||
+        load_from(library_names, COUNT(library_names), RTLD_NOW | RTLD_LOCAL))
+        loaded = &runtime;
 }
 
 const cudart *
@@ -93,4 +106,11 @@ cudart_error(void)
 {
     pthread_once(&load_once, load);
     return loaded ? "" : load_error;
+}
+
+const char *
+cudart_origin(void)
+{
+    pthread_once(&load_once, load);
+    return origin;
 }

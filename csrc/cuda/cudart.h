@@ -1,8 +1,11 @@
 /* The few CUDA runtime entry points matepoint's extension needs, loaded at
  * run time with dlopen so the module builds and imports without CUDA.
  *
- * cudart_load() returns the process-wide table, loading it on first use; it
- * prefers the libcudart torch already loaded (one runtime in the process).
+ * cudart_load() returns the process-wide table, loading it on first use. It
+ * resolves the runtime through torch's own CUDA libraries when they are
+ * loaded (libtorch_cuda, libc10_cuda: the libcudart they link), so the
+ * process has one runtime even where several libcudart versions are loaded;
+ * else a libcudart already loaded, else one found by name.
  * It returns NULL when no runtime can be found; cudart_error() then says
  * why. The table is immutable once loaded; loading is serialized by a
  * pthread_once. Handles are the runtime's own (cudaStream_t, cudaEvent_t)
@@ -13,9 +16,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* CUDA's own values (tests/c/cudart_abi.cpp checks them against its headers) */
 enum {
     CUDART_SUCCESS = 0,
+    CUDART_ERROR_INVALID_VALUE = 1,
     CUDART_ERROR_MEMORY_ALLOCATION = 2,
+    CUDART_ERROR_INVALID_DEVICE = 101,
+    CUDART_ERROR_INVALID_HANDLE = 400,
     CUDART_ERROR_NOT_READY = 600,
     CUDART_MEMCPY_HOST_TO_DEVICE = 1,
     CUDART_MEMCPY_DEVICE_TO_HOST = 2,
@@ -33,6 +40,7 @@ typedef struct cudart {
     int (*stream_create)(void **stream, unsigned flags);
     int (*stream_destroy)(void *stream);
     int (*stream_wait_event)(void *stream, void *event, unsigned flags);
+    int (*stream_synchronize)(void *stream);
     int (*event_create)(void **event, unsigned flags);
     int (*event_destroy)(void *event);
     int (*event_record)(void *event, void *stream);
@@ -49,5 +57,7 @@ typedef struct cudart {
 
 const cudart *cudart_load(void);
 const char *cudart_error(void);
+/* The path of the library the loaded table came from ("" when none). */
+const char *cudart_origin(void);
 
 #endif
