@@ -4,6 +4,9 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 export MATEPOINT_WERROR ?= 1
+# a test build: the simulated GPU and _C's test controls (a plain
+# `pip install .` ships neither; tests/test_build.py checks that)
+export MATEPOINT_TESTING ?= 1
 
 CC      ?= cc
 SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all
@@ -13,7 +16,7 @@ export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
            build/ctest/test_cudart_sim
 
-.PHONY: test ctest fuzz valgrind sanitize install demo bench gpu-check clean
+.PHONY: test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
 
 test: ctest fuzz valgrind install sanitize
 	$(PY) -m pytest -q tests
@@ -35,9 +38,35 @@ sanitize: install
 	  PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 \
 	  $(abspath $(PY)) -m pytest -v --capture=sys -p no:cacheprovider $(CURDIR)/tests
 
-# C unit tests under AddressSanitizer and UBSan
-ctest: $(CTESTS)
+# C unit tests under AddressSanitizer and UBSan, the runtime loader's
+# choice among several libcudart, and the runtime table's ABI
+ctest: $(CTESTS) build/ctest/test_cudart_load abi-check
 	@for t in $(CTESTS); do $$t || exit 1; done
+	build/ctest/test_cudart_load build/ctest/fake
+
+FAKE := build/ctest/fake
+build/ctest/test_cudart_load: tests/c/test_cudart_load.c tests/c/fake_cudart.c tests/c/fake_torch_cuda.c csrc/cuda/cudart.c csrc/cuda/cudart.h
+	@mkdir -p $(FAKE)
+	$(CC) -shared -fPIC -DFAKE_VERSION=12 -Wl,-soname,libcudart.so.12 -o $(FAKE)/libcudart.so.12 tests/c/fake_cudart.c
+	$(CC) -shared -fPIC -DFAKE_VERSION=13 -Wl,-soname,libcudart.so.13 -o $(FAKE)/libcudart.so.13 tests/c/fake_cudart.c
+	$(CC) -shared -fPIC -Wl,-soname,libc10_cuda.so -o $(FAKE)/libc10_cuda.so tests/c/fake_torch_cuda.c \
+	  $(abspath $(FAKE))/libcudart.so.12 -Wl,-rpath,$(abspath $(FAKE))
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_load.c csrc/cuda/cudart.c -ldl -lpthread
+
+# csrc/cuda/cudart.h declares CUDA's entry points by hand (no CUDA headers
+# at build time): checked against the toolkit's own declarations where the
+# toolkit is installed ($$CUDA_HOME, else beside the nvcc on PATH).
+NVCC_INCLUDE = $(shell nvcc --dryrun -E -x cu /dev/null 2>&1 | \
+  sed -n 's/.*INCLUDES="-I\([^"]*\)".*/\1/p' | head -n 1)
+CUDA_INCLUDE = $(firstword $(wildcard $(CUDA_HOME)/include/cuda_runtime_api.h) \
+  $(if $(NVCC_INCLUDE),$(wildcard $(NVCC_INCLUDE)/cuda_runtime_api.h)))
+abi-check:
+ifeq ($(CUDA_INCLUDE),)
+	@echo "abi-check skipped: no CUDA toolkit headers (cuda_runtime_api.h) found"
+else
+	$(CXX) -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Icsrc -I$(dir $(CUDA_INCLUDE)) tests/c/cudart_abi.cpp
+	@echo "abi-check: csrc/cuda/cudart.h matches $(CUDA_INCLUDE)"
+endif
 
 build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool.h
 	@mkdir -p $(@D)

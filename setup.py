@@ -6,8 +6,16 @@ from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 
+# MATEPOINT_TESTING=1 builds the test controls and the simulated GPU into
+# both libraries (csrc/testing, csrc/cuda/cudart_sim.c); a plain build ships
+# neither.
+TESTING = os.environ.get("MATEPOINT_TESTING") == "1"
+
+
 def c_flags() -> list[str]:
     flags = ["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden"]
+    if TESTING:
+        flags.append("-DMATEPOINT_TESTING=1")
     if os.environ.get("MATEPOINT_WERROR") == "1":
         flags.append("-Werror")
     if os.environ.get("MATEPOINT_DEBUG") == "1":
@@ -18,7 +26,8 @@ def c_flags() -> list[str]:
 extension = Extension(
     "matepoint._C",
     sources=sorted(glob("csrc/ext/*.c")) + sorted(glob("csrc/pool/*.c"))
-    + sorted(glob("csrc/planner/*.c")) + ["csrc/cuda/cudart.c", "csrc/cuda/cudart_sim.c"],
+    + sorted(glob("csrc/planner/*.c")) + ["csrc/cuda/cudart.c"]
+    + (sorted(glob("csrc/testing/*.c")) + ["csrc/cuda/cudart_sim.c"] if TESTING else []),
     include_dirs=["csrc"],
     extra_compile_args=c_flags(),
     libraries=["dl", "pthread"],

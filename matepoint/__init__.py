@@ -36,7 +36,7 @@ def set_options(**changes: Any) -> Options:
     """Change matepoint's settings; returns the new ``matepoint.options``.
 
     Accepts offload, pipeline, prefetch_depth, offload_window,
-    min_offload_bytes, pool_limit_bytes and offload_cpu. An unknown name raises TypeError, a
+    min_offload_bytes and pool_limit_bytes. An unknown name raises TypeError, a
     bad value TypeError or ValueError, and nothing changes then.
     """
     return _settings.update(**changes)

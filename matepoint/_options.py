@@ -25,7 +25,6 @@ class Options:
     min_offload_bytes: smaller tensors stay on the device.
     pool_limit_bytes: cap on pinned host memory (None: no cap); past it,
         offloads use pageable memory.
-    offload_cpu: test mode; CPU tensors go through the host pool too.
     """
 
     offload: bool = True
@@ -34,7 +33,6 @@ class Options:
     offload_window: int = 2
     min_offload_bytes: int = 1 << 20
     pool_limit_bytes: Optional[int] = None
-    offload_cpu: bool = False
 
 
 _FIELDS = {field.name: field for field in dataclasses.fields(Options)}
@@ -89,7 +87,7 @@ class _Settings:
     def apply(self, options: Options) -> None:
         _C._configure(options.offload, options.pipeline, options.prefetch_depth,
                       options.min_offload_bytes, options.pool_limit_bytes or 0,
-                      options.offload_cpu, options.offload_window)
+                      options.offload_window)
         self.current = options
 
     def update(self, **changes: Any) -> Options:

@@ -26,18 +26,65 @@ def _no_hooks_left_behind():
     assert after == before, "a saved-tensor hook was left installed"
 
 
-@pytest.fixture
-def offload():
-    """offload_cpu on, every tensor eligible; the pool starts empty and ends empty."""
+def _on_simulated_gpu(progress: int, device_memory: bool = True):
+    """The offload engine over the simulated GPU (tests/sim.py), every tensor
+    eligible; the pool, the windows and the GPU's queues end empty, no CUDA
+    error is left, and every stream and event is given back. Without
+    device_memory, tensors keep torch's own CPU allocator (all on device 0)."""
     import gc
     import matepoint
+    from matepoint import _C
+    import sim
+    sim.require_test_build()
     saved = matepoint.options
-    matepoint.set_options(offload_cpu=True, min_offload_bytes=0)
-    matepoint.empty_pool()
-    yield
-    gc.collect()
-    assert matepoint.pool_stats()["bytes_in_use"] == 0, "a pool buffer outlived its graph"
-    matepoint.set_options(**{name: getattr(saved, name) for name in saved.__dataclass_fields__})
+    matepoint.set_options(min_offload_bytes=0)
+    _C._simulate_cuda(True)
+    _C._sim_set_progress(progress)
+    launch_errors = _C._sim_stats()["launch_errors"]
+    try:
+        with sim.device_memory(device_memory) as allocator:
+            yield
+            gc.collect()
+            stats = matepoint.pool_stats()
+            assert stats["bytes_in_use"] == 0, "a pool buffer outlived its graph"
+            assert stats["device_bytes_in_flight"] == 0, stats
+            assert _C._offload_copies() == []
+            sim.assert_no_cuda_error()
+            assert _C._sim_stats()["launch_errors"] == launch_errors, \
+                "a kernel launch found a CUDA error left behind (torch would raise)"
+            sim.finish()
+            if allocator is not None:
+                allocator.matepoint_reset()   # the allocator's events of pending frees go too
+    finally:
+        _C._sim_set_progress(0)
+        _C._simulate_cuda(False)
+        matepoint.set_options(**{name: getattr(saved, name) for name in saved.__dataclass_fields__})
+    counts = _C._sim_stats()
+    assert counts["streams_live"] == sim.long_lived_streams(), counts
+    assert counts["events_live"] == 0, counts
+    assert counts["host_bytes_live"] == 0 and counts["ops_queued"] == 0, counts
+
+
+@pytest.fixture
+def offload():
+    """Offload on a simulated GPU that keeps up with the CPU."""
+    import sim
+    yield from _on_simulated_gpu(sim.EVERYTHING)
+
+
+@pytest.fixture
+def offload_heap_memory():
+    """Offload on a simulated GPU that keeps up, tensors in the C heap (where
+    the planner's host meter sees them)."""
+    import sim
+    yield from _on_simulated_gpu(sim.EVERYTHING, device_memory=False)
+
+
+@pytest.fixture
+def simulated():
+    """Offload on a simulated GPU that runs nothing until something waits
+    for it: as far behind the CPU as CUDA allows."""
+    yield from _on_simulated_gpu(0)
 
 
 class MLP(nn.Module):

@@ -1,4 +1,4 @@
-"""The offload path, run on the CPU with offload_cpu=True."""
+"""The offload path on a simulated GPU that keeps up with the CPU (tests/sim.py)."""
 import copy
 import warnings
 import weakref
@@ -297,9 +297,9 @@ def test_set_options_validates() -> None:
 
 def test_environment_variables() -> None:
     opts = options_from_env({"MATEPOINT_PIPELINE": "off", "MATEPOINT_PREFETCH_DEPTH": "3",
-                             "MATEPOINT_MIN_OFFLOAD_BYTES": "0x100", "MATEPOINT_OFFLOAD_CPU": "1"})
-    assert (opts.pipeline, opts.prefetch_depth, opts.min_offload_bytes, opts.offload_cpu) == \
-        (False, 3, 256, True)
+                             "MATEPOINT_MIN_OFFLOAD_BYTES": "0x100", "MATEPOINT_OFFLOAD_WINDOW": "4"})
+    assert (opts.pipeline, opts.prefetch_depth, opts.min_offload_bytes, opts.offload_window) == \
+        (False, 3, 256, 4)
     with pytest.raises(ValueError, match="MATEPOINT_PIPELINE='maybe'"):
         options_from_env({"MATEPOINT_PIPELINE": "maybe"})
     with pytest.raises(ValueError, match="MATEPOINT_PREFETCH_DEPTH='-2'"):

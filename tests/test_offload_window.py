@@ -1,9 +1,7 @@
 """The offload engine's CUDA path (streams, events, in-flight window,
-release, prefetch) on the simulated CUDA runtime: copies complete only when
-the test lets them, so the CPU runs ahead of the "GPU" as on a real one.
-
-CPU tensors stand for device tensors here; the compute stream is the CPU
-itself, so a wait queued on it runs the copy it waits for (cudart_sim.h)."""
+release, prefetch) on the simulated GPU (tests/sim.py): its work runs only
+when something waits for it, so the CPU runs ahead of the "GPU" as on a
+real one."""
 from __future__ import annotations
 
 import gc
@@ -22,33 +20,17 @@ WIDTH, BATCH, DEPTH = 64, 32, 12
 INPUT_BYTES = WIDTH * BATCH * 4
 
 
-@pytest.fixture
-def simulated(offload):
-    _C._simulate_cuda(True)
-    _C._sim_set_progress(0)
-    yield
-    _C._sim_set_progress(0)
-    gc.collect()
-    stats = matepoint.pool_stats()
-    assert stats["bytes_in_use"] == 0 and stats["device_bytes_in_flight"] == 0
-    assert _C._offload_copies() == []
-    _C._simulate_cuda(False)
-    sim = _C._sim_stats()
-    assert sim["streams_live"] == 0 and sim["events_live"] == 0, sim
-    assert sim["host_bytes_live"] == 0 and sim["ops_queued"] == 0, sim
-
-
 def check_invariants(window: int) -> None:
-    """No source released before its copy completed; held sources only of
-    the last `window` regions."""
+    """Held sources only of the last `window` regions. (A source dropped
+    before its copy completed is legal when dropped in stream order; done
+    out of order, the poisoned memory shows in the gradients.)"""
+    in_flight = matepoint.pool_stats()["device_bytes_in_flight"]   # polls first
     rows = _C._offload_copies()
-    for region, nbytes, held, done in rows:
-        assert held or done, f"region {region}: source dropped while its copy out ran"
-    held_regions = {region for region, _, held, _ in rows if held}
+    held_regions = {region for region, _, held, _, _ in rows if held}
     if held_regions:
         assert max(held_regions) - min(held_regions) < window, held_regions
-    held_bytes = sum(nbytes for _, nbytes, held, _ in rows if held)
-    assert held_bytes == matepoint.pool_stats()["device_bytes_in_flight"]
+    held_bytes = sum(nbytes for _, nbytes, held, _, _ in rows if held)
+    assert held_bytes == in_flight
     assert held_bytes <= window * INPUT_BYTES
 
 

@@ -72,7 +72,7 @@ def test_plan_apply_and_auto_checkpoint_give_the_same_gradients(offload) -> None
 
 
 @pytest.mark.skipif(not host_meter_available(), reason="needs glibc's mallinfo2")
-def test_measured_peak_stays_within_the_prediction(offload) -> None:
+def test_measured_peak_stays_within_the_prediction(offload_heap_memory) -> None:
     model, x = chain(8, 256), torch.randn(512, 256)
     seen = set()
     for budget_mib in (48, 30, 20, 12, 10):

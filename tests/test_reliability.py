@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import matepoint
+import sim
 from conftest import MLP, Transformer, assert_bitwise_equal, no_checkpoint, train_step
 
 
@@ -69,7 +70,11 @@ DDP_SCRIPT = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist, torch.nn as nn
     import matepoint
     rank, world, port, offload, out = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3] == "1", sys.argv[4]
-    matepoint.set_options(offload_cpu=offload, min_offload_bytes=0)
+    if offload:
+        from matepoint import _C
+        _C._simulate_cuda(True)
+        _C._sim_set_progress(1 << 62)
+    matepoint.set_options(min_offload_bytes=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
@@ -106,6 +111,8 @@ def free_port() -> int:
 
 @pytest.mark.parametrize("offload_mode", ["0", "1"])
 def test_ddp_two_processes_match_full_batch(tmp_path, offload_mode: str) -> None:
+    if offload_mode == "1":
+        sim.require_test_build()
     port = str(free_port())
     out = str(tmp_path / "grads.pt")
     procs = [subprocess.Popen([sys.executable, "-c", DDP_SCRIPT, str(rank), port, offload_mode, out],
@@ -198,7 +205,9 @@ def test_many_iterations_keep_memory_flat(offload) -> None:
 
 EXIT_SCRIPT = textwrap.dedent("""
     import torch, matepoint
-    matepoint.set_options(offload_cpu=True, min_offload_bytes=0)
+    from matepoint import _C
+    _C._simulate_cuda(True)
+    matepoint.set_options(min_offload_bytes=0)
     x = torch.randn(1 << 16, requires_grad=True)
     outs = [matepoint.checkpoint(lambda t: t.sin().exp(), x * k) for k in range(8)]
     assert matepoint.pool_stats()["bytes_in_use"] > 0
@@ -207,9 +216,9 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 
 def test_interpreter_exit_with_buffers_held_is_clean() -> None:
-    env = dict(os.environ, MATEPOINT_OFFLOAD_CPU="1")
+    sim.require_test_build()
     result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
-                            timeout=120, env=env)
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     assert "exiting with buffers held" in result.stdout
     assert "Error" not in result.stderr and "Traceback" not in result.stderr

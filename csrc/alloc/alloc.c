@@ -606,8 +606,12 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
         return NULL;
     }
     account_malloc(dev, b, size, tag);
+    void *ptr = (void *)b->ptr;
+    uint64_t bytes = b->size;
     pthread_mutex_unlock(&dev->lock);
-    return (void *)b->ptr;
+    if (a->backend.on_handout != NULL)
+        a->backend.on_handout(a->backend.ctx, device, stream, ptr, bytes);
+    return ptr;
 }
 
 /* Records an event on each extra stream the block was used on. */

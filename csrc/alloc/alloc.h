@@ -37,6 +37,9 @@ typedef struct {
     void (*event_free)(void *ctx, void *event);
     /* waits for all work on the device (a fallback when no event can be made) */
     void (*device_synchronize)(void *ctx, int device);
+    /* optional: a block of `bytes` at `ptr` is handed out on `stream` (called
+     * without the allocator's lock, right before alloc_malloc returns it) */
+    void (*on_handout)(void *ctx, int device, void *stream, void *ptr, uint64_t bytes);
     void *ctx;
 } alloc_backend;
 

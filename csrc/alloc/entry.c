@@ -44,9 +44,61 @@ static _Thread_local uint64_t current_tag;
 typedef void (*oom_handler)(const char *message);
 static _Atomic(oom_handler) raise_oom;
 
+#ifdef MATEPOINT_TESTING
+/* Test builds: a runtime table and a hand-out hook given before first use
+ * (matepoint_alloc_use_runtime), read by create() under `create_once`. */
+typedef void (*handout_fn)(int device, void *stream, void *ptr, uint64_t bytes);
+static const cudart *test_runtime;
+static handout_fn test_handout;
+static _Atomic int created;
+
+static void
+test_on_handout(void *ctx, int device, void *stream, void *ptr, uint64_t bytes)
+{
+    (void)ctx;
+    test_handout(device, stream, ptr, bytes);
+}
+
+/* The allocator runs its CUDA backend over `rt` (the simulated GPU), and
+ * `handout` sees every block handed out. -1 once the allocator exists. */
+EXPORT int
+matepoint_alloc_use_runtime(const cudart *rt, handout_fn handout)
+{
+    if (atomic_load(&created))
+        return -1;
+    test_runtime = rt;
+    test_handout = handout;
+    return 0;
+}
+
+static int
+create_over_test_runtime(void)
+{
+    atomic_store(&created, 1);
+    if (test_runtime == NULL)
+        return 0;
+    runtime = test_runtime;
+    alloc_backend backend = alloc_cuda_backend(runtime);
+    backend.on_handout = test_on_handout;
+    int count = 0;
+    if (runtime->get_device_count(&count) != CUDART_SUCCESS || count <= 0)
+        count = 1;
+    instance = alloc_create(backend, count);
+    return 1;
+}
+#else
+static int
+create_over_test_runtime(void)
+{
+    return 0;
+}
+#endif
+
 static void
 create(void)
 {
+    if (create_over_test_runtime())
+        return;
     const char *backend = getenv("MATEPOINT_ALLOC_BACKEND");
     if (backend != NULL && strcmp(backend, "host") == 0) {
         const char *capacity = getenv("MATEPOINT_ALLOC_HOST_CAPACITY");

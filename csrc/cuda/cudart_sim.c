@@ -7,11 +7,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define HOST_HEADER 64  /* keeps handed-out memory 64-byte aligned */
+#define HOST_ALIGN 64
 
 typedef struct {
     uint64_t recorded;          /* generation of the last record queued */
     uint64_t completed;         /* generation of the last record that ran */
+    int device;                 /* current when the event was created */
     int refs;                   /* the caller's handle plus queued operations */
 } sim_event;
 
@@ -30,28 +31,52 @@ typedef struct {
 typedef struct sim_stream {
     sim_op *ops;
     size_t head, count, cap;    /* queued operations are ops[head .. head + count) */
+    int device;
+    int created;                /* 0 for the legacy streams, which live forever */
     int destroyed;              /* freed once its queue ran dry */
     struct sim_stream *next;
 } sim_stream;
+
+/* Memory handed out: device memory (device >= 0) or pinned host memory. */
+typedef struct sim_range {
+    char *base;
+    size_t bytes;
+    int device;
+    struct sim_range *next;
+} sim_range;
+
+typedef struct {
+    uint64_t skip, count;
+    int status;
+} sim_failure;
 
 /* The whole simulation. Process-wide because the runtime table it stands
  * for is; every access holds `lock`. */
 static struct {
     pthread_mutex_t lock;
-    sim_stream *streams;
+    sim_stream legacy[CUDART_SIM_DEVICES];
+    sim_stream *streams;        /* every stream with queued work or a live handle */
+    sim_range *ranges;
     uint64_t next_order;
     uint64_t progress_per_call;
+    sim_failure failures[SIM_ENTRY_COUNT];
     cudart_sim_stats stats;
 } sim = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
-static char compute_stream_marker;
+/* What CUDA keeps per host thread. */
+static _Thread_local int current_device;
+static _Thread_local int last_error;
+static _Thread_local void *current_streams[CUDART_SIM_DEVICES];
 
-static int
-is_compute(void *stream)
-{
-    /* the legacy default stream (NULL) is the compute stream too */
-    return stream == NULL || stream == &compute_stream_marker;
-}
+static const char *const entry_names[SIM_ENTRY_COUNT] = {
+    "cudaGetDeviceCount", "cudaGetDevice", "cudaSetDevice", "cudaHostAlloc", "cudaFreeHost",
+    "cudaStreamCreateWithFlags", "cudaStreamDestroy", "cudaStreamWaitEvent",
+    "cudaStreamSynchronize", "cudaEventCreateWithFlags", "cudaEventDestroy", "cudaEventRecord",
+    "cudaEventQuery", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMalloc", "cudaFree",
+    "cudaMemGetInfo", "cudaDeviceSynchronize", "cudaGetLastError",
+};
+
+/* ---- queues ------------------------------------------------------------------ */
 
 static int
 event_done(const sim_event *event)
@@ -101,8 +126,39 @@ stream_unlink_and_free(sim_stream *stream)
             break;
         }
     }
+    sim.stats.streams_live--;
     free(stream->ops);
     free(stream);
+}
+
+static sim_stream *
+first_stream(void)
+{
+    return &sim.legacy[0];
+}
+
+/* Streams are walked as legacy[0..n) followed by the created list. */
+static sim_stream *
+next_stream(sim_stream *s)
+{
+    if (s >= sim.legacy && s < sim.legacy + CUDART_SIM_DEVICES - 1)
+        return s + 1;
+    if (s == &sim.legacy[CUDART_SIM_DEVICES - 1])
+        return sim.streams;
+    return s->next;
+}
+
+/* Runs the head operation of `stream`, which must be runnable. */
+static void
+pop_and_run_locked(sim_stream *stream)
+{
+    sim_op op = stream->ops[stream->head];
+    stream->head++;
+    stream->count--;
+    sim.stats.ops_queued--;
+    if (stream->count == 0 && stream->destroyed)
+        stream_unlink_and_free(stream);
+    op_run(&op);
 }
 
 /* Runs the oldest runnable head operation of any stream; 0 if none. */
@@ -110,22 +166,14 @@ static int
 run_one_locked(void)
 {
     sim_stream *oldest = NULL;
-    for (sim_stream *s = sim.streams; s != NULL; s = s->next) {
+    for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
         if (s->count > 0 && op_runnable(&s->ops[s->head]) &&
             (oldest == NULL || s->ops[s->head].order < oldest->ops[oldest->head].order))
             oldest = s;
     }
     if (oldest == NULL)
         return 0;
-    sim_op op = oldest->ops[oldest->head];
-    oldest->head++;
-    oldest->count--;
-    sim.stats.ops_queued--;
-    if (oldest->count == 0 && oldest->destroyed) {
-        sim.stats.streams_live--;
-        stream_unlink_and_free(oldest);
-    }
-    op_run(&op);
+    pop_and_run_locked(oldest);
     return 1;
 }
 
@@ -138,15 +186,71 @@ advance_locked(uint64_t ops)
     return ran;
 }
 
-/* Runs streams until `event` reached `generation`. */
+/* The queued record that completes `generation` of `event`, and its stream. */
+static sim_stream *
+find_record_locked(const sim_event *event, uint64_t generation, uint64_t *order)
+{
+    for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
+        for (size_t i = s->head; i < s->head + s->count; i++) {
+            if (s->ops[i].kind == OP_RECORD && s->ops[i].event == event &&
+                s->ops[i].generation == generation) {
+                *order = s->ops[i].order;
+                return s;
+            }
+        }
+    }
+    return NULL;
+}
+
+static int run_stream_until_locked(sim_stream *stream, uint64_t order, int depth);
+
+/* Runs only what `generation` of `event` needs: its record's stream up to
+ * the record, and recursively what that waits for. The least a GPU must do,
+ * so everything else stays as late as CUDA allows. */
+static int
+complete_locked(sim_event *event, uint64_t generation, int depth)
+{
+    if (event->completed >= generation)
+        return CUDART_SUCCESS;
+    uint64_t order;
+    sim_stream *stream = find_record_locked(event, generation, &order);
+    if (stream == NULL || depth > 64)
+        return CUDART_SIM_DEADLOCK;
+    return run_stream_until_locked(stream, order, depth + 1);
+}
+
+/* Runs `stream`'s operations queued up to `order` (all of them: UINT64_MAX). */
+static int
+run_stream_until_locked(sim_stream *stream, uint64_t order, int depth)
+{
+    while (stream->count > 0 && stream->ops[stream->head].order <= order) {
+        sim_op *head = &stream->ops[stream->head];
+        if (!op_runnable(head)) {
+            int status = complete_locked(head->event, head->generation, depth);
+            if (status != CUDART_SUCCESS)
+                return status;
+            continue;
+        }
+        int last = stream->count == 1;
+        pop_and_run_locked(stream);   /* may free a destroyed stream */
+        if (last)
+            break;
+    }
+    return CUDART_SUCCESS;
+}
+
+/* Runs what `event` reaching `generation` needs. */
 static int
 run_until_locked(sim_event *event, uint64_t generation)
 {
-    while (event->completed < generation) {
-        if (!run_one_locked())
-            return CUDART_SIM_DEADLOCK;
-    }
-    return CUDART_SUCCESS;
+    return complete_locked(event, generation, 0);
+}
+
+/* Runs what `stream`'s queued work needs, and that work. */
+static int
+drain_locked(sim_stream *stream)
+{
+    return run_stream_until_locked(stream, UINT64_MAX, 0);
 }
 
 static int
@@ -171,107 +275,240 @@ push_locked(sim_stream *stream, sim_op op)
     return CUDART_SUCCESS;
 }
 
-/* Every entry point: take the lock and let the "GPU" make its progress. */
+/* ---- devices, handles, memory ranges ---------------------------------------------- */
+
 static void
-enter(void)
+use_device(int device)
+{
+    sim.stats.has_context[device] = 1;
+}
+
+/* NULL is the legacy stream of the thread's current device; a handle must
+ * be a live created stream. */
+static sim_stream *
+resolve(void *handle)
+{
+    if (handle == NULL)
+        return &sim.legacy[current_device];
+    for (sim_stream *s = sim.streams; s != NULL; s = s->next) {
+        if (s == handle && !s->destroyed)
+            return s;
+    }
+    return NULL;
+}
+
+static int
+add_range(void *base, size_t bytes, int device)
+{
+    sim_range *range = malloc(sizeof(*range));
+    if (range == NULL)
+        return -1;
+    *range = (sim_range){.base = base, .bytes = bytes, .device = device, .next = sim.ranges};
+    sim.ranges = range;
+    return 0;
+}
+
+static sim_range *
+find_range(const void *ptr)
+{
+    for (sim_range *r = sim.ranges; r != NULL; r = r->next) {
+        if ((const char *)ptr >= r->base && (const char *)ptr < r->base + r->bytes)
+            return r;
+    }
+    return NULL;
+}
+
+/* Removes the range starting at `base`; its record, or -1 if none. */
+static int
+take_range(void *base, sim_range *out)
+{
+    for (sim_range **link = &sim.ranges; *link != NULL; link = &(*link)->next) {
+        if ((*link)->base == base) {
+            sim_range *found = *link;
+            *out = *found;
+            *link = found->next;
+            free(found);
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* ---- entry and exit of every runtime call ------------------------------------------ */
+
+/* Takes the lock, counts the call, lets the "GPU" make its progress and
+ * says whether an injected failure applies (its status, else success). */
+static int
+enter(cudart_sim_entry entry)
 {
     pthread_mutex_lock(&sim.lock);
+    sim.stats.calls[entry]++;
     advance_locked(sim.progress_per_call);
+    sim_failure *failure = &sim.failures[entry];
+    if (failure->skip > 0) {
+        failure->skip--;
+        return CUDART_SUCCESS;
+    }
+    if (failure->count == 0)
+        return CUDART_SUCCESS;
+    failure->count--;
+    return failure->status;
 }
 
 static int
 leave(int status)
 {
     pthread_mutex_unlock(&sim.lock);
+    if (status != CUDART_SUCCESS)
+        last_error = status;
     return status;
 }
 
-/* ---- the runtime table ------------------------------------------------ */
+/* ---- the runtime table ------------------------------------------------------------ */
 
 static int
 sim_get_device_count(int *count)
 {
-    *count = 1;
-    return CUDART_SUCCESS;
+    int status = enter(SIM_GET_DEVICE_COUNT);
+    if (status == CUDART_SUCCESS)
+        *count = CUDART_SIM_DEVICES;
+    return leave(status);
 }
 
 static int
 sim_get_device(int *device)
 {
-    *device = 0;
-    return CUDART_SUCCESS;
+    int status = enter(SIM_GET_DEVICE);
+    if (status == CUDART_SUCCESS)
+        *device = current_device;
+    return leave(status);
 }
 
 static int
 sim_set_device(int device)
 {
-    return device == 0 ? CUDART_SUCCESS : 101; /* cudaErrorInvalidDevice */
+    int status = enter(SIM_SET_DEVICE);
+    if (status == CUDART_SUCCESS && (device < 0 || device >= CUDART_SIM_DEVICES))
+        status = CUDART_ERROR_INVALID_DEVICE;
+    if (status == CUDART_SUCCESS) {
+        /* since CUDA 12 setting a device initializes its primary context */
+        current_device = device;
+        use_device(device);
+    }
+    return leave(status);
+}
+
+static int
+aligned_alloc_range(void **ptr, size_t bytes, int device)
+{
+    void *base = NULL;
+    if (posix_memalign(&base, HOST_ALIGN, bytes ? bytes : 1) != 0)
+        return CUDART_ERROR_MEMORY_ALLOCATION;
+    if (add_range(base, bytes ? bytes : 1, device) < 0) {
+        free(base);
+        return CUDART_ERROR_MEMORY_ALLOCATION;
+    }
+    *ptr = base;
+    return CUDART_SUCCESS;
 }
 
 static int
 sim_host_alloc(void **ptr, size_t bytes, unsigned flags)
 {
     (void)flags;
-    void *base = NULL;
-    if (bytes > SIZE_MAX - HOST_HEADER || posix_memalign(&base, HOST_HEADER, bytes + HOST_HEADER))
-        return CUDART_ERROR_MEMORY_ALLOCATION;
-    memcpy(base, &bytes, sizeof(bytes));
-    *ptr = (char *)base + HOST_HEADER;
-    pthread_mutex_lock(&sim.lock);
-    sim.stats.host_bytes_live += bytes;
-    return leave(CUDART_SUCCESS);
+    int status = enter(SIM_HOST_ALLOC);
+    if (status == CUDART_SUCCESS)
+        status = aligned_alloc_range(ptr, bytes, -1);
+    if (status == CUDART_SUCCESS) {
+        use_device(current_device);  /* pinning happens in the current context */
+        sim.stats.host_bytes_live += bytes;
+    }
+    return leave(status);
 }
 
 static int
 sim_free_host(void *ptr)
 {
-    if (ptr == NULL)
-        return CUDART_SUCCESS;
-    char *base = (char *)ptr - HOST_HEADER;
-    size_t bytes;
-    memcpy(&bytes, base, sizeof(bytes));
-    pthread_mutex_lock(&sim.lock);
-    sim.stats.host_bytes_live -= bytes;
-    pthread_mutex_unlock(&sim.lock);
-    free(base);
-    return CUDART_SUCCESS;
+    int status = enter(SIM_FREE_HOST);
+    sim_range range;
+    if (status == CUDART_SUCCESS && ptr != NULL) {
+        if (take_range(ptr, &range) < 0 || range.device != -1) {
+            status = CUDART_ERROR_INVALID_VALUE;
+        } else {
+            /* cudaFreeHost synchronizes the device */
+            advance_locked(UINT64_MAX);
+            sim.stats.host_bytes_live -= range.bytes;
+            free(ptr);
+        }
+    }
+    return leave(status);
 }
 
 static int
 sim_malloc(void **ptr, size_t bytes)
 {
-    return sim_host_alloc(ptr, bytes, 0);
+    int status = enter(SIM_MALLOC);
+    if (status == CUDART_SUCCESS)
+        status = aligned_alloc_range(ptr, bytes, current_device);
+    if (status == CUDART_SUCCESS) {
+        use_device(current_device);
+        sim.stats.device_bytes_live[current_device] += bytes;
+    }
+    return leave(status);
+}
+
+static int
+sim_free(void *ptr)
+{
+    int status = enter(SIM_FREE);
+    sim_range range;
+    if (status == CUDART_SUCCESS && ptr != NULL) {
+        if (take_range(ptr, &range) < 0 || range.device < 0) {
+            status = CUDART_ERROR_INVALID_VALUE;
+        } else {
+            /* cudaFree synchronizes the device */
+            advance_locked(UINT64_MAX);
+            sim.stats.device_bytes_live[range.device] -= range.bytes;
+            free(ptr);
+        }
+    }
+    return leave(status);
 }
 
 static int
 sim_stream_create(void **stream, unsigned flags)
 {
     (void)flags;
-    sim_stream *created = calloc(1, sizeof(*created));
-    if (created == NULL)
-        return CUDART_ERROR_MEMORY_ALLOCATION;
-    enter();
-    created->next = sim.streams;
-    sim.streams = created;
-    sim.stats.streams_live++;
-    *stream = created;
-    return leave(CUDART_SUCCESS);
+    int status = enter(SIM_STREAM_CREATE);
+    sim_stream *created = status == CUDART_SUCCESS ? calloc(1, sizeof(*created)) : NULL;
+    if (status == CUDART_SUCCESS && created == NULL)
+        status = CUDART_ERROR_MEMORY_ALLOCATION;
+    if (status == CUDART_SUCCESS) {
+        created->device = current_device;
+        created->created = 1;
+        created->next = sim.streams;
+        sim.streams = created;
+        sim.stats.streams_live++;
+        use_device(current_device);
+        *stream = created;
+    }
+    return leave(status);
 }
 
 static int
 sim_stream_destroy(void *stream)
 {
-    if (is_compute(stream))
-        return 1; /* cudaErrorInvalidValue */
-    sim_stream *s = stream;
-    enter();
-    /* as in CUDA, queued work still runs; the stream goes once it has */
-    s->destroyed = 1;
-    if (s->count == 0) {
-        sim.stats.streams_live--;
-        stream_unlink_and_free(s);
+    int status = enter(SIM_STREAM_DESTROY);
+    sim_stream *s = stream == NULL ? NULL : resolve(stream);
+    if (status == CUDART_SUCCESS && s == NULL)
+        status = CUDART_ERROR_INVALID_HANDLE;
+    if (status == CUDART_SUCCESS) {
+        /* as in CUDA, queued work still runs; the stream goes once it has */
+        s->destroyed = 1;
+        if (s->count == 0)
+            stream_unlink_and_free(s);
     }
-    return leave(CUDART_SUCCESS);
+    return leave(status);
 }
 
 static int
@@ -279,17 +516,29 @@ sim_stream_wait_event(void *stream, void *event_handle, unsigned flags)
 {
     (void)flags;
     sim_event *event = event_handle;
-    enter();
-    uint64_t generation = event->recorded;
-    if (is_compute(stream))
-        return leave(run_until_locked(event, generation));
-    if (event->completed >= generation)
-        return leave(CUDART_SUCCESS);
+    int status = enter(SIM_STREAM_WAIT_EVENT);
+    sim_stream *s = resolve(stream);
+    if (status == CUDART_SUCCESS && s == NULL)
+        status = CUDART_ERROR_INVALID_HANDLE;
+    if (status != CUDART_SUCCESS || event->completed >= event->recorded)
+        return leave(status);
     event->refs++;
-    int status = push_locked(stream, (sim_op){.kind = OP_WAIT, .event = event,
-                                              .generation = generation});
+    status = push_locked(s, (sim_op){.kind = OP_WAIT, .event = event,
+                                     .generation = event->recorded});
     if (status != CUDART_SUCCESS)
         event->refs--;
+    return leave(status);
+}
+
+static int
+sim_stream_synchronize(void *stream)
+{
+    int status = enter(SIM_STREAM_SYNCHRONIZE);
+    sim_stream *s = resolve(stream);
+    if (status == CUDART_SUCCESS && s == NULL)
+        status = CUDART_ERROR_INVALID_HANDLE;
+    if (status == CUDART_SUCCESS)
+        status = drain_locked(s);
     return leave(status);
 }
 
@@ -297,38 +546,44 @@ static int
 sim_event_create(void **event, unsigned flags)
 {
     (void)flags;
-    sim_event *created = calloc(1, sizeof(*created));
-    if (created == NULL)
-        return CUDART_ERROR_MEMORY_ALLOCATION;
-    created->refs = 1;
-    enter();
-    sim.stats.events_live++;
-    *event = created;
-    return leave(CUDART_SUCCESS);
+    int status = enter(SIM_EVENT_CREATE);
+    sim_event *created = status == CUDART_SUCCESS ? calloc(1, sizeof(*created)) : NULL;
+    if (status == CUDART_SUCCESS && created == NULL)
+        status = CUDART_ERROR_MEMORY_ALLOCATION;
+    if (status == CUDART_SUCCESS) {
+        created->refs = 1;
+        created->device = current_device;
+        use_device(current_device);
+        sim.stats.events_live++;
+        *event = created;
+    }
+    return leave(status);
 }
 
 static int
 sim_event_destroy(void *event)
 {
-    enter();
-    sim.stats.events_live--;
-    event_release(event);
-    return leave(CUDART_SUCCESS);
+    int status = enter(SIM_EVENT_DESTROY);
+    if (status == CUDART_SUCCESS) {
+        sim.stats.events_live--;
+        event_release(event);
+    }
+    return leave(status);
 }
 
 static int
 sim_event_record(void *event_handle, void *stream)
 {
     sim_event *event = event_handle;
-    enter();
+    int status = enter(SIM_EVENT_RECORD);
+    sim_stream *s = resolve(stream);
+    if (status == CUDART_SUCCESS && (s == NULL || s->device != event->device))
+        status = CUDART_ERROR_INVALID_HANDLE;   /* as CUDA: event and stream on one device */
+    if (status != CUDART_SUCCESS)
+        return leave(status);
     uint64_t generation = ++event->recorded;
-    if (is_compute(stream)) {
-        event->completed = generation;
-        return leave(CUDART_SUCCESS);
-    }
     event->refs++;
-    int status = push_locked(stream, (sim_op){.kind = OP_RECORD, .event = event,
-                                              .generation = generation});
+    status = push_locked(s, (sim_op){.kind = OP_RECORD, .event = event, .generation = generation});
     if (status != CUDART_SUCCESS) {
         event->refs--;
         event->recorded--;
@@ -339,57 +594,89 @@ sim_event_record(void *event_handle, void *stream)
 static int
 sim_event_query(void *event)
 {
-    enter();
-    return leave(event_done(event) ? CUDART_SUCCESS : CUDART_ERROR_NOT_READY);
+    int status = enter(SIM_EVENT_QUERY);
+    if (status == CUDART_SUCCESS && !event_done(event))
+        status = CUDART_ERROR_NOT_READY;
+    return leave(status);
 }
 
 static int
 sim_event_synchronize(void *event_handle)
 {
     sim_event *event = event_handle;
-    enter();
-    return leave(run_until_locked(event, event->recorded));
+    int status = enter(SIM_EVENT_SYNCHRONIZE);
+    if (status == CUDART_SUCCESS)
+        status = run_until_locked(event, event->recorded);
+    return leave(status);
+}
+
+/* Host memory not pinned by cudaHostAlloc: CUDA copies through it
+ * synchronously (a D2H returns once the copy completed). */
+static int
+touches_pageable(const void *dst, const void *src, int kind)
+{
+    const void *host = kind == CUDART_MEMCPY_DEVICE_TO_HOST ? dst
+                       : kind == CUDART_MEMCPY_HOST_TO_DEVICE ? src : NULL;
+    if (host == NULL)
+        return 0;
+    sim_range *range = find_range(host);
+    return range == NULL || range->device != -1;
 }
 
 static int
 sim_memcpy_async(void *dst, const void *src, size_t bytes, int kind, void *stream)
 {
-    (void)kind;
-    enter();
-    if (is_compute(stream)) {
-        memcpy(dst, src, bytes);
-        sim.stats.copies_run++;
-        return leave(CUDART_SUCCESS);
+    int status = enter(SIM_MEMCPY_ASYNC);
+    sim_stream *s = resolve(stream);
+    if (status == CUDART_SUCCESS && s == NULL)
+        status = CUDART_ERROR_INVALID_HANDLE;
+    if (status == CUDART_SUCCESS)
+        status = push_locked(s, (sim_op){.kind = OP_COPY, .dst = dst, .src = src,
+                                         .bytes = bytes});
+    if (status == CUDART_SUCCESS) {
+        use_device(s->device);
+        if (touches_pageable(dst, src, kind)) {
+            sim.stats.pageable_copies++;
+            status = drain_locked(s);
+        }
     }
-    return leave(push_locked(stream, (sim_op){.kind = OP_COPY, .dst = dst, .src = src,
-                                              .bytes = bytes}));
-}
-
-static int
-sim_free(void *ptr)
-{
-    return sim_free_host(ptr);
+    return leave(status);
 }
 
 static int
 sim_mem_get_info(size_t *free_bytes, size_t *total_bytes)
 {
-    *free_bytes = *total_bytes = (size_t)1 << 34;
-    return CUDART_SUCCESS;
+    int status = enter(SIM_MEM_GET_INFO);
+    if (status == CUDART_SUCCESS) {
+        use_device(current_device);
+        *total_bytes = (size_t)1 << 34;
+        *free_bytes = *total_bytes - sim.stats.device_bytes_live[current_device];
+    }
+    return leave(status);
 }
 
 static int
 sim_device_synchronize(void)
 {
-    enter();
-    advance_locked(UINT64_MAX);
-    return leave(sim.stats.ops_queued == 0 ? CUDART_SUCCESS : CUDART_SIM_DEADLOCK);
+    int status = enter(SIM_DEVICE_SYNCHRONIZE);
+    if (status == CUDART_SUCCESS)
+        status = drain_locked(&sim.legacy[current_device]);
+    for (sim_stream *s = sim.streams; status == CUDART_SUCCESS && s != NULL; s = s->next) {
+        if (s->device == current_device)
+            status = drain_locked(s);
+    }
+    return leave(status);
 }
 
 static int
 sim_get_last_error(void)
 {
-    return CUDART_SUCCESS;
+    pthread_mutex_lock(&sim.lock);
+    sim.stats.calls[SIM_GET_LAST_ERROR]++;
+    pthread_mutex_unlock(&sim.lock);
+    int status = last_error;
+    last_error = CUDART_SUCCESS;
+    return status;
 }
 
 static const char *
@@ -399,6 +686,9 @@ sim_get_error_string(int status)
     case CUDART_SUCCESS: return "no error (simulated)";
     case CUDART_ERROR_NOT_READY: return "device not ready (simulated)";
     case CUDART_ERROR_MEMORY_ALLOCATION: return "out of memory (simulated)";
+    case CUDART_ERROR_INVALID_VALUE: return "invalid argument (simulated)";
+    case CUDART_ERROR_INVALID_DEVICE: return "invalid device ordinal (simulated)";
+    case CUDART_ERROR_INVALID_HANDLE: return "invalid resource handle (simulated)";
     case CUDART_SIM_DEADLOCK: return "the awaited work can never run (simulated deadlock)";
     default: return "simulated CUDA error";
     }
@@ -413,6 +703,7 @@ static const cudart sim_table = {
     .stream_create = sim_stream_create,
     .stream_destroy = sim_stream_destroy,
     .stream_wait_event = sim_stream_wait_event,
+    .stream_synchronize = sim_stream_synchronize,
     .event_create = sim_event_create,
     .event_destroy = sim_event_destroy,
     .event_record = sim_event_record,
@@ -427,18 +718,22 @@ static const cudart sim_table = {
     .get_error_string = sim_get_error_string,
 };
 
-/* ---- test controls -------------------------------------------------------- */
+/* ---- test controls ---------------------------------------------------------------- */
 
 const cudart *
 cudart_sim(void)
 {
+    pthread_mutex_lock(&sim.lock);
+    for (int d = 0; d < CUDART_SIM_DEVICES; d++)
+        sim.legacy[d].device = d;
+    pthread_mutex_unlock(&sim.lock);
     return &sim_table;
 }
 
-void *
-cudart_sim_compute_stream(void)
+const char *
+cudart_sim_entry_name(int entry)
 {
-    return &compute_stream_marker;
+    return entry >= 0 && entry < SIM_ENTRY_COUNT ? entry_names[entry] : NULL;
 }
 
 uint64_t
@@ -455,6 +750,97 @@ cudart_sim_set_progress(uint64_t progress_per_call)
 {
     pthread_mutex_lock(&sim.lock);
     sim.progress_per_call = progress_per_call;
+    pthread_mutex_unlock(&sim.lock);
+}
+
+int
+cudart_sim_launch(int device, void *stream)
+{
+    if (device < 0 || device >= CUDART_SIM_DEVICES)
+        return CUDART_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim.lock);
+    sim_stream *s = stream == NULL ? &sim.legacy[device] : resolve(stream);
+    int status = s == NULL ? CUDART_ERROR_INVALID_HANDLE : drain_locked(s);
+    if (last_error != CUDART_SUCCESS) {
+        sim.stats.launch_errors++;
+        last_error = CUDART_SUCCESS;
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return status;
+}
+
+int
+cudart_sim_current_device(void)
+{
+    return current_device;
+}
+
+int
+cudart_sim_set_current_device(int device)
+{
+    if (device < 0 || device >= CUDART_SIM_DEVICES)
+        return CUDART_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim.lock);
+    current_device = device;
+    use_device(device);
+    pthread_mutex_unlock(&sim.lock);
+    return CUDART_SUCCESS;
+}
+
+void *
+cudart_sim_current_stream(int device)
+{
+    return device >= 0 && device < CUDART_SIM_DEVICES ? current_streams[device] : NULL;
+}
+
+void
+cudart_sim_set_current_stream(int device, void *stream)
+{
+    if (device >= 0 && device < CUDART_SIM_DEVICES)
+        current_streams[device] = stream;
+}
+
+int
+cudart_sim_stream_device(void *stream)
+{
+    pthread_mutex_lock(&sim.lock);
+    sim_stream *s = stream == NULL ? NULL : resolve(stream);
+    int device = s == NULL ? -1 : s->device;
+    pthread_mutex_unlock(&sim.lock);
+    return device;
+}
+
+int
+cudart_sim_device_of(const void *ptr)
+{
+    pthread_mutex_lock(&sim.lock);
+    sim_range *range = find_range(ptr);
+    int device = range == NULL ? -1 : range->device;
+    pthread_mutex_unlock(&sim.lock);
+    return device;
+}
+
+int
+cudart_sim_peek_last_error(void)
+{
+    return last_error;
+}
+
+void
+cudart_sim_fail(cudart_sim_entry entry, uint64_t skip, uint64_t count, int status)
+{
+    if ((int)entry < 0 || entry >= SIM_ENTRY_COUNT)
+        return;
+    pthread_mutex_lock(&sim.lock);
+    sim.failures[entry] = (sim_failure){.skip = skip, .count = count, .status = status};
+    pthread_mutex_unlock(&sim.lock);
+}
+
+void
+cudart_sim_forget_contexts(void)
+{
+    pthread_mutex_lock(&sim.lock);
+    memset(sim.stats.has_context, 0, sizeof(sim.stats.has_context));
     pthread_mutex_unlock(&sim.lock);
 }
 

@@ -1,17 +1,28 @@
 /* A simulated CUDA runtime behind the same table as the real one
- * (cudart.h), so the offload engine's stream, event and in-flight logic
- * runs in CI without a GPU, with copies that complete late on purpose.
+ * (cudart.h): the GPU timeline of the offload engine and the allocator,
+ * proven in CI without a GPU. Built only into test builds.
  *
- * Model: one device (index 0); "device memory" is host memory. Work queued
- * on a created stream (copies, event records, waits) runs only when the
- * test advances the simulation, when a caller blocks on it
- * (cudaEventSynchronize, cudaDeviceSynchronize), or `progress_per_call`
- * operations at every runtime call. The compute stream stands for torch's
- * current stream, whose kernels the CPU runs at once in the tests: work
- * queued there runs at once, so a wait queued on it first runs the other
- * streams until the awaited event completed. Everything else behaves as
- * CUDA documents it: in-order streams, an event completes when the work
- * queued before its last record has run, a wait captures that record.
+ * Model, as CUDA documents it:
+ * - CUDART_SIM_DEVICES devices, each with a legacy default stream; stream
+ *   handle NULL means the legacy stream of the calling thread's current
+ *   device (a per-thread setting, 0 in a new thread). Streams created are
+ *   non-blocking (torch and matepoint create no other kind).
+ * - Every operation queued on a stream (copies, event records, waits) runs
+ *   only when the test advances the simulation, when a caller blocks on it
+ *   (event or stream synchronization, a copy through pageable host memory),
+ *   when a CPU "kernel" launches on its stream (cudart_sim_launch), or
+ *   `progress_per_call` operations at every runtime call. Streams are in
+ *   order; an event completes when the work queued before its last record
+ *   has run; a wait captures the record it waits for. Nothing else orders
+ *   work: the "GPU" lags the CPU as far as a test likes.
+ * - An event belongs to the device current when it was created; recording
+ *   it on another device's stream fails as in CUDA.
+ * - Per-thread last error: every failing call sets it (cudaErrorNotReady
+ *   from a query too, as torch assumes); get_last_error returns and clears
+ *   it, cudart_sim_peek_last_error only reads it.
+ * - Using a device (memory, streams, events, cudaSetDevice) creates its
+ *   primary context; cudaGetDevice does not.
+ * - "Device" and pinned host memory are host memory, so tests can read it.
  *
  * Thread-safety: the simulation is process-wide state behind one mutex,
  * held while any of its functions runs (copies included); any thread may
@@ -22,22 +33,36 @@
 
 #include "cudart.h"
 
-enum { CUDART_SIM_DEADLOCK = 999 };
+enum { CUDART_SIM_DEADLOCK = 999, CUDART_SIM_DEVICES = 2 };
+
+/* The runtime entry points, for call counts and failure injection. */
+typedef enum {
+    SIM_GET_DEVICE_COUNT, SIM_GET_DEVICE, SIM_SET_DEVICE, SIM_HOST_ALLOC, SIM_FREE_HOST,
+    SIM_STREAM_CREATE, SIM_STREAM_DESTROY, SIM_STREAM_WAIT_EVENT, SIM_STREAM_SYNCHRONIZE,
+    SIM_EVENT_CREATE, SIM_EVENT_DESTROY, SIM_EVENT_RECORD, SIM_EVENT_QUERY,
+    SIM_EVENT_SYNCHRONIZE, SIM_MEMCPY_ASYNC, SIM_MALLOC, SIM_FREE, SIM_MEM_GET_INFO,
+    SIM_DEVICE_SYNCHRONIZE, SIM_GET_LAST_ERROR, SIM_ENTRY_COUNT
+} cudart_sim_entry;
 
 typedef struct {
-    uint64_t ops_queued;        /* operations waiting on created streams */
-    uint64_t ops_run;           /* operations run since the last reset */
+    uint64_t ops_queued;        /* operations waiting on streams */
+    uint64_t ops_run;           /* operations run so far */
     uint64_t copies_run;        /* of which copies */
-    uint64_t streams_live;
+    uint64_t pageable_copies;   /* copies that synchronized (pageable host memory) */
+    uint64_t launch_errors;     /* launches that found a last error (torch would raise) */
+    uint64_t streams_live;      /* created and not yet gone */
     uint64_t events_live;       /* created and not yet destroyed */
     uint64_t host_bytes_live;   /* pinned host memory handed out */
+    uint64_t device_bytes_live[CUDART_SIM_DEVICES];
+    int has_context[CUDART_SIM_DEVICES];
+    uint64_t calls[SIM_ENTRY_COUNT];
 } cudart_sim_stats;
 
 /* The runtime table (process-wide, like the real one). */
 const cudart *cudart_sim(void);
 
-/* The handle standing for torch's current stream. */
-void *cudart_sim_compute_stream(void);
+/* The CUDA name of an entry point ("cudaEventRecord"); NULL past the end. */
+const char *cudart_sim_entry_name(int entry);
 
 /* Runs up to `ops` queued operations, oldest runnable first; returns how
  * many ran. */
@@ -46,6 +71,40 @@ uint64_t cudart_sim_advance(uint64_t ops);
 /* Operations each runtime call runs before its own work (0: none, the GPU
  * is as far behind as the test likes). */
 void cudart_sim_set_progress(uint64_t progress_per_call);
+
+/* A CPU kernel launched on `stream` of `device` (NULL: its legacy stream):
+ * the CPU runs it at once, so everything queued there before must run
+ * first. Like torch after its launches, it then takes the calling thread's
+ * last error: one left there (a failure somebody recovered from without
+ * clearing it) is counted in launch_errors, where torch would raise.
+ * CUDART_SUCCESS, or CUDART_SIM_DEADLOCK. */
+int cudart_sim_launch(int device, void *stream);
+
+/* The calling thread's current device, read and set as cudaGetDevice and
+ * cudaSetDevice do, without counting a runtime call (test harness use). */
+int cudart_sim_current_device(void);
+int cudart_sim_set_current_device(int device);
+
+/* The calling thread's current stream of `device` as torch would report it
+ * (NULL: the legacy stream, the default), and setting it. */
+void *cudart_sim_current_stream(int device);
+void cudart_sim_set_current_stream(int device, void *stream);
+
+/* The device a created stream belongs to; -1 for NULL or a stale handle. */
+int cudart_sim_stream_device(void *stream);
+
+/* The device whose memory (cudaMalloc) holds `ptr`, else -1. */
+int cudart_sim_device_of(const void *ptr);
+
+/* The calling thread's last error, left in place. */
+int cudart_sim_peek_last_error(void);
+
+/* The next `skip` calls of `entry` run normally, the `count` after them
+ * fail with `status` (and set the last error) without doing anything. */
+void cudart_sim_fail(cudart_sim_entry entry, uint64_t skip, uint64_t count, int status);
+
+/* No device has a primary context, as in a new process. */
+void cudart_sim_forget_contexts(void);
 
 /* 1 when `event` (a handle from the table) has completed, else 0. */
 int cudart_sim_event_done(void *event);

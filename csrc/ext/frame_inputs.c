@@ -148,7 +148,7 @@ frame_restore_inputs(Frame *frame, PyObject **args_out, PyObject **kwargs_out)
             goto error;
         PyList_SET_ITEM(tensors, i, tensor);
     }
-    offload_group_end_restore(frame->offload_group);
+    offload_group_end_restore(st, frame->offload_group);
     *args_out = tree_unflatten(st, frame->args_template, tensors);
     if (*args_out == NULL)
         goto error;
@@ -160,7 +160,7 @@ frame_restore_inputs(Frame *frame, PyObject **args_out, PyObject **kwargs_out)
     Py_DECREF(tensors);
     return 0;
 error:
-    offload_group_end_restore(frame->offload_group);
+    offload_group_end_restore(st, frame->offload_group);
     Py_CLEAR(*args_out);
     Py_DECREF(tensors);
     return -1;

@@ -7,8 +7,14 @@
 #include "offload.h"
 #include "plan.h"
 #include "state.h"
-#include "testing.h"
 #include "tree.h"
+
+#ifdef MATEPOINT_TESTING
+#include "testing/testing.h"
+#define MATEPOINT_TEST_BUILD 1
+#else
+#define MATEPOINT_TEST_BUILD 0
+#endif
 
 #include <stddef.h>
 #include <string.h>
@@ -61,17 +67,17 @@ empty_pool(PyObject *module, PyObject *unused)
 }
 
 /* _configure(offload, pipeline, prefetch_depth, min_offload_bytes,
- *            pool_limit_bytes, offload_cpu, offload_window): values are validated by
+ *            pool_limit_bytes, offload_window): values are validated by
  * matepoint/_options.py; this only range-checks what C relies on. */
 static PyObject *
 configure(PyObject *module, PyObject *args)
 {
     mp_state *st = PyModule_GetState(module);
-    int enabled, pipeline, depth, offload_cpu, window;
+    int enabled, pipeline, depth, window;
     long long min_bytes;
     unsigned long long limit;
-    if (!PyArg_ParseTuple(args, "ppiLKpi:_configure", &enabled, &pipeline, &depth, &min_bytes,
-                          &limit, &offload_cpu, &window))
+    if (!PyArg_ParseTuple(args, "ppiLKi:_configure", &enabled, &pipeline, &depth, &min_bytes,
+                          &limit, &window))
         return NULL;
     if (depth < 0 || min_bytes < 0 || window < 1) {
         PyErr_SetString(PyExc_ValueError, "matepoint: prefetch_depth and min_offload_bytes "
@@ -81,22 +87,8 @@ configure(PyObject *module, PyObject *args)
     offload_options *opts = offload_engine_options(st->engine);
     *opts = (offload_options){.enabled = enabled, .pipeline = pipeline, .prefetch_depth = depth,
                               .min_offload_bytes = min_bytes, .pool_limit_bytes = limit,
-                              .offload_cpu = offload_cpu, .window = window};
+                              .window = window};
     offload_engine_apply_limit(st->engine);
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-fail_pool_acquires(PyObject *module, PyObject *arg)
-{
-    long count = PyLong_AsLong(arg);
-    if (count == -1 && PyErr_Occurred())
-        return NULL;
-    if (count < 0 || count > 1000000) {
-        PyErr_SetString(PyExc_ValueError, "matepoint: count out of range");
-        return NULL;
-    }
-    offload_fail_next_acquires(PyModule_GetState(module), (int)count);
     Py_RETURN_NONE;
 }
 
@@ -115,12 +107,6 @@ reserve_pool(PyObject *module, PyObject *args)
 
 static PyMethodDef module_methods[] = {
     {"_reserve_pool", reserve_pool, METH_VARARGS, NULL},
-    {"_simulate_cuda", testing_simulate_cuda, METH_O, NULL},
-    {"_sim_advance", testing_sim_advance, METH_O, NULL},
-    {"_sim_set_progress", testing_sim_set_progress, METH_O, NULL},
-    {"_sim_stats", testing_sim_stats, METH_NOARGS, NULL},
-    {"_offload_copies", testing_offload_copies, METH_NOARGS, NULL},
-    {"_fail_pool_acquires", fail_pool_acquires, METH_O, "Tests: refuse the next N offloads."},
     {"pool_stats", pool_stats, METH_NOARGS, "Counters of the pinned host pool, as a dict."},
     {"empty_pool", empty_pool, METH_NOARGS, "Free cached, unused host pool buffers."},
     {"_configure", configure, METH_VARARGS, NULL},
@@ -295,6 +281,12 @@ module_exec(PyObject *module)
     st->bn_guard_hook = PyCFunction_NewEx(&bn_guard_def, module, NULL);
     if (st->stop_recompute == NULL || st->unpack_hook == NULL || st->identity == NULL ||
         st->bn_guard_hook == NULL || st->offload_unpack == NULL)
+        return -1;
+#ifdef MATEPOINT_TESTING
+    if (testing_add_functions(module) < 0)
+        return -1;
+#endif
+    if (PyModule_AddIntConstant(module, "TEST_BUILD", MATEPOINT_TEST_BUILD) < 0)
         return -1;
     return PyModule_AddIntConstant(module, "HAS_SAVED_TENSOR", st->make_saved_tensor != NULL);
 }

@@ -6,9 +6,9 @@
  * that first waits on an event recorded on the producing stream; the source
  * storage stays referenced until the copy's event has completed. In
  * backward, host-to-device copies run on a per-device copy-in stream and the
- * compute stream waits on each copy's event before the data is used. With
- * offload_cpu, CPU tensors take the same path with plain memcpy, so the
- * bookkeeping is tested without a GPU.
+ * compute stream waits on each copy's event before the data is used. The
+ * GPU is reached through an offload runtime (offload_runtime.h); CI runs
+ * the same code over a simulated GPU.
  *
  * Inputs sharing a storage are copied once (the byte span the inputs
  * cover), and every input comes back as a view with its exact size, stride,
@@ -36,7 +36,6 @@ typedef struct {
     int window;                 /* regions whose copies out may be in flight (>= 1) */
     int64_t min_offload_bytes;  /* smaller tensors stay where they are */
     uint64_t pool_limit_bytes;  /* 0: no limit */
-    int offload_cpu;            /* test mode: CPU tensors go through the pool */
 } offload_options;
 
 typedef struct offload_engine offload_engine;
@@ -74,7 +73,7 @@ int offload_check_forward(mp_state *st, PyObject *records);
  * prefetch_ahead and the options allow, prefetch the ones before it.
  * After: release the group's staging tensors. */
 int offload_group_begin_restore(mp_state *st, PyObject *group, int prefetch_ahead);
-void offload_group_end_restore(PyObject *group);
+void offload_group_end_restore(mp_state *st, PyObject *group);
 
 /* Is `obj` an offload record (saved directly when torch lacks SavedTensor)? */
 int offload_is_record(mp_state *st, PyObject *obj);

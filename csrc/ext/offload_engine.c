@@ -1,7 +1,7 @@
 #include "offload_engine.h"
+#include "compat.h"
 #include "offload_window.h"
 #include "streams.h"
-#include "cuda/cudart_sim.h"
 
 offload_engine *
 offload_engine_of(PyObject *module)
@@ -19,7 +19,7 @@ offload_engine_new(void)
         .enabled = 1, .pipeline = 1, .prefetch_depth = 1, .window = 2,
         .min_offload_bytes = 1 << 20,
     };
-    engine->cpu.index = -1;
+    engine->runtime = &offload_runtime_torch;
     return engine;
 }
 
@@ -29,18 +29,69 @@ offload_engine_options(offload_engine *engine)
     return &engine->options;
 }
 
-/* Waits for the device's copies out and gives its streams back. */
+/* Waits for the device's copies out and gives its streams and events back. */
 static void
 device_free(offload_engine *engine, offload_device *device)
 {
     offload_window_drain(engine, device);
+    for (int i = 0; i < device->spare_count; i++)
+        (void)engine->rt->event_destroy(device->spare[i]);
+    PyMem_Free(device->spare);
+    if (device->ordering != NULL)
+        (void)engine->rt->event_destroy(device->ordering);
     (void)engine->rt->stream_destroy(device->copy_out);
     (void)engine->rt->stream_destroy(device->copy_in);
     PyMem_Free(device);
 }
 
+int
+offload_device_order(offload_engine *engine, offload_device *device, void *waiter,
+                     void *producer)
+{
+    const cudart *rt = engine->rt;
+    return streams_check(rt, rt->event_record(device->ordering, producer), "cudaEventRecord") ||
+                   streams_check(rt, rt->stream_wait_event(waiter, device->ordering, 0),
+                                 "cudaStreamWaitEvent")
+               ? -1 : 0;
+}
+
+int
+offload_device_record(offload_engine *engine, offload_device *device, void *stream,
+                      void **event)
+{
+    const cudart *rt = engine->rt;
+    *event = NULL;
+    void *taken = device->spare_count > 0 ? device->spare[--device->spare_count] : NULL;
+    if (taken == NULL &&
+        streams_check(rt, rt->event_create(&taken, CUDART_EVENT_DISABLE_TIMING),
+                      "cudaEventCreate"))
+        return -1;
+    if (streams_check(rt, rt->event_record(taken, stream), "cudaEventRecord")) {
+        offload_device_give_event(engine, device, taken);
+        return -1;
+    }
+    *event = taken;
+    return 0;
+}
+
+void
+offload_device_give_event(offload_engine *engine, offload_device *device, void *event)
+{
+    if (device->spare_count == device->spare_capacity) {
+        int capacity = device->spare_capacity ? 2 * device->spare_capacity : 16;
+        void **grown = PyMem_Realloc(device->spare, (size_t)capacity * sizeof(void *));
+        if (grown == NULL) {
+            (void)engine->rt->event_destroy(event);
+            return;
+        }
+        device->spare = grown;
+        device->spare_capacity = capacity;
+    }
+    device->spare[device->spare_count++] = event;
+}
+
 static void
-free_cuda_devices(offload_engine *engine)
+free_devices(offload_engine *engine)
 {
     for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
         if (engine->cuda[i] != NULL)
@@ -54,8 +105,7 @@ offload_engine_free(offload_engine *engine)
 {
     if (engine == NULL)
         return;
-    free_cuda_devices(engine);
-    Py_CLEAR(engine->cpu.in_flight);
+    free_devices(engine);
     /* buffers still held by live copies are the process's until exit */
     if (engine->pool != NULL && pool_get_stats(engine->pool).blocks_in_use == 0)
         pool_destroy(engine->pool);
@@ -73,20 +123,34 @@ offload_engine_apply_limit(offload_engine *engine)
 }
 
 static int
-cuda_device_count(const cudart *rt)
+device_count(const cudart *rt)
 {
     int count = 0;
-    return rt->get_device_count(&count) == CUDART_SUCCESS ? count : 0;
+    if (rt->get_device_count(&count) == CUDART_SUCCESS)
+        return count;
+    (void)rt->get_last_error();
+    return 0;
 }
 
-/* Pinned memory when a CUDA runtime with a device is present, else plain. */
+/* The runtime's table, loaded on first use. */
+static const cudart *
+engine_rt(offload_engine *engine)
+{
+    if (engine->rt == NULL)
+        engine->rt = engine->runtime->load();
+    return engine->rt;
+}
+
+/* Pinned memory when the runtime has a device, else plain host memory. */
 int
 offload_engine_ensure_pool(offload_engine *engine)
 {
     if (engine->pool != NULL)
         return 0;
-    const cudart *rt = engine->simulated ? engine->rt : cudart_load();
-    pool_backend backend = rt != NULL && cuda_device_count(rt) > 0
+    const cudart *rt = engine_rt(engine);
+    if (rt == NULL)
+        PyErr_Clear();   /* no GPU: a plain pool serves reserve_pool() */
+    pool_backend backend = rt != NULL && device_count(rt) > 0
                                ? pool_cuda_backend(rt)
                                : pool_host_backend(&engine->host_ctx);
     engine->pool = pool_create(backend, engine->options.pool_limit_bytes);
@@ -98,26 +162,24 @@ offload_engine_ensure_pool(offload_engine *engine)
 }
 
 offload_device *
-offload_engine_cuda_device(offload_engine *engine, int index)
+offload_engine_device(mp_state *st, int index)
 {
+    offload_engine *engine = st->engine;
     if (index < 0 || index >= MAX_CUDA_DEVICES) {
         PyErr_Format(PyExc_ValueError, "matepoint: CUDA device index %d out of range", index);
         return NULL;
     }
     if (engine->cuda[index] != NULL)
         return engine->cuda[index];
-    if (engine->rt == NULL && (engine->rt = cudart_load()) == NULL) {
-        PyErr_Format(PyExc_RuntimeError, "matepoint: cannot offload CUDA tensors: %s",
-                     cudart_error());
+    const cudart *rt = engine_rt(engine);
+    if (rt == NULL)
         return NULL;
-    }
-    const cudart *rt = engine->rt;
     offload_device *device = PyMem_Calloc(1, sizeof(*device));
     int previous;
     if (device == NULL)
         return (offload_device *)PyErr_NoMemory();
     device->index = index;
-    if (streams_enter_device(rt, index, &previous) < 0) {
+    if (offload_engine_enter_device(st, index, &previous) < 0) {
         PyMem_Free(device);
         return NULL;
     }
@@ -125,11 +187,15 @@ offload_engine_cuda_device(offload_engine *engine, int index)
         streams_check(rt, rt->stream_create(&device->copy_out, CUDART_STREAM_NON_BLOCKING),
                       "cudaStreamCreate") ||
         streams_check(rt, rt->stream_create(&device->copy_in, CUDART_STREAM_NON_BLOCKING),
-                      "cudaStreamCreate");
-    streams_leave_device(rt, previous);
+                      "cudaStreamCreate") ||
+        streams_check(rt, rt->event_create(&device->ordering, CUDART_EVENT_DISABLE_TIMING),
+                      "cudaEventCreate");
+    offload_engine_leave_device(st, index, previous);
     if (failed) {
         if (device->copy_out != NULL)
             (void)rt->stream_destroy(device->copy_out);
+        if (device->copy_in != NULL)
+            (void)rt->stream_destroy(device->copy_in);
         PyMem_Free(device);
         return NULL;
     }
@@ -140,20 +206,70 @@ offload_engine_cuda_device(offload_engine *engine, int index)
 int
 offload_engine_current_stream(mp_state *st, int index, void **stream)
 {
-    if (st->engine->simulated) {
-        *stream = cudart_sim_compute_stream();
-        return 0;
-    }
-    if (st->current_raw_stream == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "matepoint: this torch build has no CUDA streams");
+    return st->engine->runtime->current_stream(st, index, stream);
+}
+
+/* 1 when `device` has a context (asked once it is known to), 0 if not. */
+static int
+has_context(mp_state *st, int device)
+{
+    offload_engine *engine = st->engine;
+    uint64_t bit = device < 64 ? (uint64_t)1 << device : 0;
+    if (engine->devices_with_context & bit)
+        return 1;
+    int has = engine->runtime->has_context(st, device);
+    if (has > 0)
+        engine->devices_with_context |= bit;
+    return has;
+}
+
+int
+offload_engine_enter_device(mp_state *st, int index, int *previous)
+{
+    const cudart *rt = st->engine->rt;
+    if (streams_check(rt, rt->get_device(previous), "cudaGetDevice"))
+        return -1;
+    if (*previous != index && streams_check(rt, rt->set_device(index), "cudaSetDevice"))
+        return -1;
+    return 0;
+}
+
+void
+offload_engine_leave_device(mp_state *st, int index, int previous)
+{
+    if (previous == index)
+        return;
+    /* setting a device creates its context: a thread that started on a
+     * device it never used (0, in a new thread) stays on `index` instead.
+     * Runs on error paths too: a pending exception is kept. */
+    PyObject *pending = mp_take_exception();
+    int has = has_context(st, previous);
+    if (has < 0)
+        PyErr_WriteUnraisable(NULL);
+    if (has > 0 && st->engine->rt->set_device(previous) != CUDART_SUCCESS)
+        (void)st->engine->rt->get_last_error();
+    if (pending != NULL)
+        mp_restore_exception(pending);
+}
+
+int
+offload_engine_pinning_device(mp_state *st)
+{
+    const cudart *rt = st->engine->rt;
+    int current, count = device_count(rt);
+    if (rt->get_device(&current) != CUDART_SUCCESS) {
+        (void)rt->get_last_error();
         return -1;
     }
-    PyObject *raw = PyObject_CallFunction(st->current_raw_stream, "i", index);
-    if (raw == NULL)
-        return -1;
-    *stream = PyLong_AsVoidPtr(raw);
-    Py_DECREF(raw);
-    return PyErr_Occurred() ? -1 : 0;
+    for (int d = -1; d < count; d++) {
+        int candidate = d < 0 ? current : d;
+        int has = has_context(st, candidate);
+        if (has < 0)
+            return -1;
+        if (has)
+            return candidate;
+    }
+    return -1;
 }
 
 static int
@@ -163,12 +279,11 @@ has_live_copies(offload_engine *engine)
         if (engine->cuda[i] != NULL && engine->cuda[i]->first != NULL)
             return 1;
     }
-    return engine->cpu.first != NULL ||
-           (engine->pool != NULL && pool_get_stats(engine->pool).blocks_in_use > 0);
+    return engine->pool != NULL && pool_get_stats(engine->pool).blocks_in_use > 0;
 }
 
 int
-offload_engine_simulate(offload_engine *engine, int on)
+offload_engine_use_runtime(offload_engine *engine, const offload_runtime *runtime)
 {
     if (has_live_copies(engine)) {
         PyErr_SetString(PyExc_RuntimeError, "matepoint: cannot switch the CUDA runtime while "
@@ -176,13 +291,15 @@ offload_engine_simulate(offload_engine *engine, int on)
         return -1;
     }
     /* devices and pool belong to the runtime that made them */
-    free_cuda_devices(engine);
+    if (engine->rt != NULL)
+        free_devices(engine);
     if (engine->pool != NULL) {
         pool_destroy(engine->pool);
         engine->pool = NULL;
     }
-    engine->simulated = on;
-    engine->rt = on ? cudart_sim() : NULL;
+    engine->runtime = runtime;
+    engine->rt = NULL;
+    engine->devices_with_context = 0;
     engine->peak_device_bytes_in_flight = engine->device_bytes_in_flight;
     return 0;
 }
@@ -194,7 +311,7 @@ offload_pool_stats(mp_state *st)
 {
     offload_engine *engine = st->engine;
     pool_stats stats = {0};
-    if (offload_window_poll_all(engine) < 0)
+    if (offload_window_poll_all(st) < 0)
         return NULL;
     if (engine->pool != NULL)
         stats = pool_get_stats(engine->pool);
@@ -223,16 +340,26 @@ offload_reserve_pool(mp_state *st, uint64_t buffer_bytes, uint64_t count, uint64
     if (offload_engine_ensure_pool(engine) < 0)
         return -1;
     pool *p = engine->pool;
+    /* pinning runs in the current device's context: use one that exists,
+     * or every rank would create one on device 0 (a new thread's) */
+    int device = engine->rt != NULL && device_count(engine->rt) > 0
+                     ? offload_engine_pinning_device(st) : -1;
+    int previous = device;
+    if (PyErr_Occurred() ||
+        (device >= 0 && offload_engine_enter_device(st, device, &previous) < 0))
+        return -1;
     Py_BEGIN_ALLOW_THREADS
     *added = pool_reserve(p, buffer_bytes, count);
     Py_END_ALLOW_THREADS
+    if (device >= 0)
+        offload_engine_leave_device(st, device, previous);
     return 0;
 }
 
 int
 offload_empty_pool(mp_state *st)
 {
-    if (offload_window_poll_all(st->engine) < 0)
+    if (offload_window_poll_all(st) < 0)
         return -1;
     if (st->engine->pool != NULL)
         pool_empty(st->engine->pool);

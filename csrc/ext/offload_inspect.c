@@ -83,33 +83,52 @@ inspect_module_buffers(mp_state *st, PyObject *function)
     return list;
 }
 
+/* Only plain strided tensors have a byte span to copy: sparse, nested and
+ * mkldnn tensors stay where they are. */
+static int
+is_strided(mp_state *st, PyObject *tensor)
+{
+    PyObject *layout = PyObject_GetAttrString(tensor, "layout");
+    PyObject *strided = layout ? PyObject_GetAttrString(st->torch_module, "strided") : NULL;
+    int same = strided == NULL ? -1 : layout == strided;
+    Py_XDECREF(layout);
+    Py_XDECREF(strided);
+    if (same <= 0)
+        return same;
+    PyObject *nested = PyObject_GetAttrString(tensor, "is_nested");
+    int is_nested = nested == NULL ? -1 : PyObject_IsTrue(nested);
+    Py_XDECREF(nested);
+    return is_nested < 0 ? -1 : !is_nested;
+}
+
 int
-inspect_input(mp_state *st, PyObject *tensor, PyObject *buffers, int cuda_enabled,
+inspect_input(mp_state *st, PyObject *function, PyObject *tensor, PyObject **buffers,
               input_info *info)
 {
-    offload_options *opts = &st->engine->options;
+    offload_engine *engine = st->engine;
     info->copy_index = UNPLANNED;
-    if (!Py_IS_TYPE(tensor, (PyTypeObject *)st->tensor_class) || is_buffer_of(buffers, tensor))
+    if (!Py_IS_TYPE(tensor, (PyTypeObject *)st->tensor_class))
         return 0;
+    /* the device first: on a CPU-only run nothing else is asked */
+    info->device_obj = PyObject_GetAttr(tensor, st->str_device);
+    if (info->device_obj == NULL)
+        return -1;
+    int on_device = engine->runtime->tensor_device(st, tensor, info->device_obj,
+                                                   &info->device_index);
+    if (on_device <= 0)
+        return on_device;
+    if (*buffers == NULL && (*buffers = inspect_module_buffers(st, function)) == NULL)
+        return -1;
+    if (is_buffer_of(*buffers, tensor))
+        return 0;
+    int strided = is_strided(st, tensor);
+    if (strided <= 0)
+        return strided;
     int64_t nbytes;
     if (inspect_attr_int64(tensor, "nbytes", &nbytes) < 0)
         return -1;
-    if (nbytes < opts->min_offload_bytes)
+    if (nbytes < engine->options.min_offload_bytes)
         return 0;
-    info->device_obj = PyObject_GetAttr(tensor, st->str_device);
-    PyObject *type = info->device_obj ? PyObject_GetAttr(info->device_obj, st->str_type) : NULL;
-    if (type == NULL)
-        return -1;
-    int is_cpu = PyUnicode_Compare(type, st->str_cpu) == 0;
-    int is_cuda = PyUnicode_CompareWithASCIIString(type, "cuda") == 0;
-    Py_DECREF(type);
-    if (!((is_cuda && cuda_enabled) || (is_cpu && opts->offload_cpu)))
-        return 0;
-    int64_t index = -1;
-    if (is_cuda && inspect_attr_int64(info->device_obj, "index", &index) < 0)
-        return -1;
-    /* the simulated runtime's device 0 stands for the CPU in tests */
-    info->device_index = is_cpu && st->engine->simulated ? 0 : (int)index;
     int64_t ptr;
     info->dtype = PyObject_GetAttr(tensor, st->str_dtype);
     info->size = info->dtype ? PyObject_CallMethod(tensor, "size", NULL) : NULL;

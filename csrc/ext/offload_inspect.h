@@ -2,9 +2,10 @@
  * ones are eligible, where their bytes live, and how inputs that share a
  * storage are grouped into one copied span.
  *
- * An eligible input is a plain torch.Tensor (no subclass, no Parameter, no
- * buffer of the checkpointed module) of at least min_offload_bytes on a
- * CUDA device (or the CPU in the offload_cpu test mode). Its span is the
+ * An eligible input is a plain strided torch.Tensor (no subclass, no
+ * Parameter, no buffer of the checkpointed module, not sparse or nested)
+ * of at least min_offload_bytes in a device's memory (as the offload
+ * runtime tells: a CUDA tensor on a GPU). Its span is the
  * byte range of its storage that it reads: views, non-contiguous and
  * stride-0 tensors read less than their storage. input_info holds strong
  * references, released by input_info_clear. GIL held throughout. */
@@ -23,7 +24,7 @@ typedef struct {
     PyObject *storage;          /* the input's untyped storage */
     PyObject *device_obj;
     PyObject *dtype, *size, *stride;
-    int device_index;           /* -1: CPU */
+    int device_index;
     uintptr_t storage_ptr;
     uint64_t byte_offset, byte_extent;
     int64_t itemsize;
@@ -36,9 +37,11 @@ void input_info_clear(input_info *info);
  * an empty list. */
 PyObject *inspect_module_buffers(mp_state *st, PyObject *function);
 
-/* Fills `info` for an input worth offloading: 1 if so, 0 if it stays,
- * -1 on error. cuda_enabled: whether CUDA inputs may be offloaded. */
-int inspect_input(mp_state *st, PyObject *tensor, PyObject *buffers, int cuda_enabled,
+/* Fills `info` for an input of `function` worth offloading: 1 if so, 0 if
+ * it stays, -1 on error. *buffers caches the function's module buffers
+ * (inspect_module_buffers), looked up once an input lives on a device; the
+ * caller releases it. */
+int inspect_input(mp_state *st, PyObject *function, PyObject *tensor, PyObject **buffers,
                   input_info *info);
 
 /* Do two inspected inputs share one storage? */

@@ -2,23 +2,11 @@
  * prefetching the regions backward reaches next, and rebuilding each input
  * as a view of its span. */
 #include "offload.h"
+#include "compat.h"
 #include "errors.h"
 #include "offload_types.h"
 #include "offload_window.h"
 #include "streams.h"
-
-#include <string.h>
-
-static PyObject *
-empty_bytes(mp_state *st, uint64_t nbytes, PyObject *device_obj)
-{
-    PyObject *kwargs = Py_BuildValue("{sOsO}", "dtype", st->uint8_dtype, "device", device_obj);
-    PyObject *args = kwargs ? Py_BuildValue("((K))", (unsigned long long)nbytes) : NULL;
-    PyObject *tensor = args ? PyObject_Call(st->torch_empty, args, kwargs) : NULL;
-    Py_XDECREF(kwargs);
-    Py_XDECREF(args);
-    return tensor;
-}
 
 static int
 tensor_ptr(PyObject *tensor, void **ptr)
@@ -30,35 +18,54 @@ tensor_ptr(PyObject *tensor, void **ptr)
     return 0;
 }
 
-/* Host to device, on the copy-in stream (prefetch) or the current one. */
+/* Host to device into `dst`, on the copy-in stream (prefetch) or the
+ * current one, with the copy's device current. The destination came from
+ * the compute stream's allocator: the copy runs after its queued work,
+ * after the offload's own D2H if still pending, and after the previous copy
+ * back (the new event then covers both: the host buffer is free once it
+ * completed). Queued copies may write `dst` at any time: if the event
+ * cannot be recorded, the stream is drained before returning. */
 static int
 start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream)
 {
-    const cudart *rt = st->engine->rt;
+    offload_engine *engine = st->engine;
+    const cudart *rt = engine->rt;
     offload_device *device = copy->device;
-    void *compute, *stream;
+    void *compute, *stream, *done = NULL;
     int previous;
     if (offload_engine_current_stream(st, device->index, &compute) < 0 ||
-        streams_enter_device(rt, device->index, &previous) < 0)
+        offload_engine_enter_device(st, device->index, &previous) < 0)
         return -1;
     stream = on_copy_stream ? device->copy_in : compute;
-    /* the destination came from the compute stream's allocator: copy after
-     * its queued work, and after the offload's own D2H if still pending */
-    int failed = (on_copy_stream && streams_wait_stream(rt, stream, compute) < 0) ||
-                 (copy->d2h_done != NULL &&
+    /* the compute stream, when it is the producer that waited on the copy
+     * out, orders this copy after it already */
+    int after_d2h = copy->d2h_done == NULL || (copy->producer_waited && compute == copy->producer);
+    int failed = (on_copy_stream && offload_device_order(engine, device, stream, compute) < 0) ||
+                 (!after_d2h &&
                   streams_check(rt, rt->stream_wait_event(stream, copy->d2h_done, 0),
-                              "cudaStreamWaitEvent"));
-    if (!failed && copy->h2d_done != NULL) {
-        (void)rt->event_destroy(copy->h2d_done);
-        copy->h2d_done = NULL;
+                                "cudaStreamWaitEvent")) ||
+                 (copy->h2d_done != NULL &&
+                  streams_check(rt, rt->stream_wait_event(stream, copy->h2d_done, 0),
+                                "cudaStreamWaitEvent")) ||
+                 streams_check(rt, rt->memcpy_async(dst, copy->block.ptr, (size_t)copy->nbytes,
+                                                    CUDART_MEMCPY_HOST_TO_DEVICE, stream),
+                               "cudaMemcpyAsync (host to device)");
+    if (!failed && offload_device_record(engine, device, stream, &done) < 0) {
+        failed = 1;
+        Py_BEGIN_ALLOW_THREADS
+        if (rt->stream_synchronize(stream) != CUDART_SUCCESS)
+            (void)rt->get_last_error();
+        Py_END_ALLOW_THREADS
     }
-    failed = failed ||
-             streams_check(rt, rt->memcpy_async(dst, copy->block.ptr, (size_t)copy->nbytes,
-                                              CUDART_MEMCPY_HOST_TO_DEVICE, stream),
-                         "cudaMemcpyAsync (host to device)") ||
-             streams_record_new_event(rt, stream, &copy->h2d_done) < 0;
-    streams_leave_device(rt, previous);
-    return failed ? -1 : 0;
+    offload_engine_leave_device(st, device->index, previous);
+    if (failed)
+        return -1;
+    if (copy->h2d_done != NULL)
+        offload_device_give_event(engine, device, copy->h2d_done);
+    copy->h2d_done = done;
+    /* on the compute stream itself, what reads the span is queued after it */
+    copy->h2d_awaited = !on_copy_stream;
+    return 0;
 }
 
 /* Allocating the destination lets other threads run: the copy is held
@@ -69,13 +76,12 @@ fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
     if (copy->fetched != NULL)
         return 0;
     Py_INCREF(copy);
-    PyObject *fetched = empty_bytes(st, copy->nbytes, copy->device_obj);
+    PyObject *fetched = st->engine->runtime->empty_bytes(st, copy->device->index,
+                                                         copy->device_obj, copy->nbytes);
     void *dst;
     int failed = fetched == NULL || tensor_ptr(fetched, &dst) < 0;
     if (!failed && copy->fetched == NULL) {
-        failed = copy->device->index < 0
-                     ? (memcpy(dst, copy->block.ptr, (size_t)copy->nbytes), 0)
-                     : start_h2d(st, copy, dst, on_copy_stream);
+        failed = start_h2d(st, copy, dst, on_copy_stream) < 0;
         if (!failed) {
             copy->fetched = Py_NewRef(fetched);
             if (on_copy_stream)
@@ -87,6 +93,48 @@ fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
     Py_XDECREF(fetched);
     Py_DECREF(copy);
     return failed ? -1 : 0;
+}
+
+/* The compute stream of the copy's device waits for its last copy back,
+ * once: what reads the restored span is queued after that. */
+static int
+await_h2d(mp_state *st, StorageCopy *copy)
+{
+    if (copy->h2d_done == NULL || copy->h2d_awaited)
+        return 0;
+    const cudart *rt = st->engine->rt;
+    void *compute;
+    int index = copy->device->index, previous;
+    if (offload_engine_current_stream(st, index, &compute) < 0 ||
+        offload_engine_enter_device(st, index, &previous) < 0)
+        return -1;
+    int failed = streams_check(rt, rt->stream_wait_event(compute, copy->h2d_done, 0),
+                               "cudaStreamWaitEvent");
+    offload_engine_leave_device(st, index, previous);
+    copy->h2d_awaited = !failed;
+    return failed ? -1 : 0;
+}
+
+/* Drops the span copied back. Its memory returns to the compute stream's
+ * pool, so that stream must be ordered after the copy writing it first
+ * (not yet so when a restore failed before using it); failing that, the
+ * host waits for the copy. Keeps any pending exception. */
+static void
+drop_fetched(mp_state *st, StorageCopy *copy)
+{
+    if (copy->fetched == NULL)
+        return;
+    PyObject *pending = mp_take_exception();
+    if (await_h2d(st, copy) < 0) {
+        PyErr_Clear();
+        Py_BEGIN_ALLOW_THREADS
+        if (st->engine->rt->event_synchronize(copy->h2d_done) != CUDART_SUCCESS)
+            (void)st->engine->rt->get_last_error();
+        Py_END_ALLOW_THREADS
+    }
+    Py_CLEAR(copy->fetched);
+    if (pending != NULL)
+        mp_restore_exception(pending);
 }
 
 static int
@@ -107,7 +155,7 @@ offload_group_begin_restore(mp_state *st, PyObject *group_obj, int prefetch_ahea
     if (group == NULL || group->device == NULL)
         return 0;
     /* backward has begun on this device: nothing it copied out stays */
-    if (group->device->index >= 0 && offload_window_release_all(st->engine, group->device) < 0)
+    if (offload_window_release_all(st, group->device) < 0)
         return -1;
     if (fetch_group(st, group, 0) < 0)
         return -1;
@@ -133,13 +181,13 @@ offload_group_begin_restore(mp_state *st, PyObject *group_obj, int prefetch_ahea
 }
 
 void
-offload_group_end_restore(PyObject *group_obj)
+offload_group_end_restore(mp_state *st, PyObject *group_obj)
 {
     OffloadGroup *group = (OffloadGroup *)group_obj;
     if (group == NULL)
         return;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(group->copies); i++)
-        Py_CLEAR(((StorageCopy *)PyTuple_GET_ITEM(group->copies, i))->fetched);
+        drop_fetched(st, (StorageCopy *)PyTuple_GET_ITEM(group->copies, i));
 }
 
 int
@@ -202,16 +250,8 @@ offload_restore(mp_state *st, PyObject *record_obj)
     }
     if (copy != NULL) {
         /* fetched already by the group, unless unpacked on its own */
-        if (copy->fetched == NULL && fetch_copy(st, copy, 0) < 0)
+        if ((copy->fetched == NULL && fetch_copy(st, copy, 0) < 0) || await_h2d(st, copy) < 0)
             return NULL;
-        if (copy->device->index >= 0 && copy->h2d_done != NULL) {
-            const cudart *rt = st->engine->rt;
-            void *compute;
-            if (offload_engine_current_stream(st, copy->device->index, &compute) < 0 ||
-                streams_check(rt, rt->stream_wait_event(compute, copy->h2d_done, 0),
-                            "cudaStreamWaitEvent"))
-                return NULL;
-        }
     }
     PyObject *view = view_of_copy(st, record);
     return st->make_saved_tensor == NULL ? with_requires_grad(view, record->requires_grad) : view;

@@ -6,31 +6,7 @@
 #include "offload_window.h"
 #include "streams.h"
 
-#include <string.h>
-
 #define SPAN_ALIGN 16   /* largest element size: keeps every view offset whole */
-
-/* Device to host on the copy-out stream, after the producer's work. */
-static int
-start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
-{
-    offload_engine *engine = st->engine;
-    const cudart *rt = engine->rt;
-    offload_device *device = copy->device;
-    void *producer;
-    int previous;
-    if (offload_engine_current_stream(st, device->index, &producer) < 0 ||
-        streams_enter_device(rt, device->index, &previous) < 0)
-        return -1;
-    int failed = streams_wait_stream(rt, device->copy_out, producer) < 0 ||
-                 streams_check(rt, rt->memcpy_async(copy->block.ptr, (const void *)src,
-                                                    (size_t)copy->nbytes,
-                                                    CUDART_MEMCPY_DEVICE_TO_HOST, device->copy_out),
-                               "cudaMemcpyAsync (device to host)") ||
-                 streams_record_new_event(rt, device->copy_out, &copy->d2h_done) < 0;
-    streams_leave_device(rt, previous);
-    return failed ? -1 : offload_window_add(engine, device, copy, storage, producer);
-}
 
 static void
 warn_fallback_once(offload_engine *engine)
@@ -45,35 +21,70 @@ warn_fallback_once(offload_engine *engine)
         PyErr_WriteUnraisable(NULL);
 }
 
+/* Takes a pool buffer and queues the device-to-host copy of the span at
+ * `src` into it on the copy-out stream, after the producer's work, with
+ * the copy's device current (the producer may be its NULL stream; pinning
+ * then runs in that device's context, which exists: its tensor lives
+ * there). Once the copy is queued it may write the buffer at any time: if
+ * its completion event cannot be recorded, the stream is drained before
+ * the buffer can go back to the pool. 1 when started, 0 when the pool has
+ * no memory at all, -1 with an error. */
+static int
+start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
+{
+    offload_engine *engine = st->engine;
+    const cudart *rt = engine->rt;
+    offload_device *device = copy->device;
+    void *producer;
+    int previous;
+    if (engine->fail_next_acquires > 0) {
+        engine->fail_next_acquires--;
+        return 0;
+    }
+    if (offload_engine_current_stream(st, device->index, &producer) < 0 ||
+        offload_engine_enter_device(st, device->index, &previous) < 0)
+        return -1;
+    uint64_t fallbacks = pool_get_stats(engine->pool).fallbacks;
+    if (pool_acquire(engine->pool, copy->nbytes, &copy->block) < 0) {
+        offload_engine_leave_device(st, device->index, previous);
+        return 0;
+    }
+    int failed = offload_device_order(engine, device, device->copy_out, producer) < 0 ||
+                 streams_check(rt, rt->memcpy_async(copy->block.ptr, (const void *)src,
+                                                    (size_t)copy->nbytes,
+                                                    CUDART_MEMCPY_DEVICE_TO_HOST, device->copy_out),
+                               "cudaMemcpyAsync (device to host)");
+    if (!failed && offload_device_record(engine, device, device->copy_out, &copy->d2h_done) < 0) {
+        failed = 1;
+        Py_BEGIN_ALLOW_THREADS
+        if (rt->stream_synchronize(device->copy_out) != CUDART_SUCCESS)
+            (void)rt->get_last_error();
+        Py_END_ALLOW_THREADS
+    }
+    offload_engine_leave_device(st, device->index, previous);
+    if (pool_get_stats(engine->pool).fallbacks != fallbacks)
+        warn_fallback_once(engine);
+    if (failed || offload_window_add(engine, device, copy, storage, producer) < 0)
+        return -1;
+    return 1;
+}
+
 /* Copies one storage span out. Returns the copy, Py_None when the pool has
  * no memory at all (the inputs then stay on their device), NULL on error. */
 static PyObject *
 offload_span(mp_state *st, PyObject *module, input_info *first, uint64_t lo, uint64_t hi)
 {
     offload_engine *engine = st->engine;
-    offload_device *device = first->device_index < 0
-                                 ? &engine->cpu
-                                 : offload_engine_cuda_device(engine, first->device_index);
+    offload_device *device = offload_engine_device(st, first->device_index);
     if (device == NULL || offload_engine_ensure_pool(engine) < 0)
         return NULL;
     StorageCopy *copy = storage_copy_new(st, module, device, first->device_obj, hi - lo);
     if (copy == NULL)
         return NULL;
-    uint64_t fallbacks = pool_get_stats(engine->pool).fallbacks;
-    int refused = engine->fail_next_acquires > 0;
-    engine->fail_next_acquires -= refused;
-    if (refused || pool_acquire(engine->pool, hi - lo, &copy->block) < 0) {
+    int started = start_d2h(st, copy, first->storage_ptr + (uintptr_t)lo, first->storage);
+    if (started <= 0) {
         Py_DECREF(copy);
-        return Py_NewRef(Py_None);
-    }
-    if (pool_get_stats(engine->pool).fallbacks != fallbacks)
-        warn_fallback_once(engine);
-    uintptr_t src = first->storage_ptr + (uintptr_t)lo;
-    if (device->index < 0) {
-        memcpy(copy->block.ptr, (const void *)src, (size_t)(hi - lo));
-    } else if (start_d2h(st, copy, src, first->storage) < 0) {
-        Py_DECREF(copy);
-        return NULL;
+        return started < 0 ? NULL : Py_NewRef(Py_None);
     }
     return (PyObject *)copy;
 }
@@ -184,12 +195,12 @@ copied_to(PyObject *copies, offload_device *device)
 /* Closes the region on each device its copies went to: the window then
  * releases what it no longer allows, before the region's function runs. */
 static int
-end_regions(offload_engine *engine, PyObject *copies)
+end_regions(mp_state *st, PyObject *copies)
 {
     for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
-        offload_device *device = engine->cuda[i];
+        offload_device *device = st->engine->cuda[i];
         if (device != NULL && copied_to(copies, device) &&
-            offload_window_end_region(engine, device) < 0)
+            offload_window_end_region(st, device) < 0)
             return -1;
     }
     return 0;
@@ -216,13 +227,10 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
 {
     offload_options *opts = &st->engine->options;
     Py_ssize_t n = PyList_GET_SIZE(tensors);
-    int cuda_enabled = offload_override < 0 ? opts->enabled : offload_override;
+    int enabled = offload_override < 0 ? opts->enabled : offload_override;
     *group_out = *records_out = NULL;
-    if (n == 0 || offload_override == 0 || !(cuda_enabled || opts->offload_cpu))
+    if (n == 0 || !enabled)
         return 0;
-    int active = hooks_active(st);
-    if (active != 0)
-        return active < 0 ? -1 : 0;
     input_info *infos = PyMem_Calloc((size_t)n, sizeof(input_info));
     PyObject *buffers = NULL, *copies = NULL;
     int result = -1, candidates = 0;
@@ -230,11 +238,8 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
         PyErr_NoMemory();
         return -1;
     }
-    buffers = inspect_module_buffers(st, function);
-    if (buffers == NULL)
-        goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int eligible = inspect_input(st, PyList_GET_ITEM(tensors, i), buffers, cuda_enabled,
+        int eligible = inspect_input(st, function, PyList_GET_ITEM(tensors, i), &buffers,
                                      &infos[i]);
         if (eligible < 0)
             goto done;
@@ -242,8 +247,9 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
             input_info_clear(&infos[i]);
         candidates += eligible;
     }
-    result = 0;
-    if (candidates == 0)
+    int active = candidates > 0 ? hooks_active(st) : 0;
+    result = active < 0 ? -1 : 0;
+    if (candidates == 0 || active != 0)
         goto done;
     result = -1;
     copies = offload_storages(st, module, infos, n);
@@ -265,7 +271,7 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
         Py_CLEAR(*group_out);
         goto done;
     }
-    if (end_regions(st->engine, copies) < 0) {
+    if (end_regions(st, copies) < 0) {
         Py_CLEAR(*records_out);
         Py_CLEAR(*group_out);
         goto done;

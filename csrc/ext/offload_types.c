@@ -1,19 +1,6 @@
 #include "offload_types.h"
 #include "streams.h"
 
-static void
-wait_for_h2d(offload_engine *engine, StorageCopy *copy)
-{
-    if (copy->h2d_done == NULL)
-        return;
-    /* the host buffer may be read by the copy still: wait before reuse */
-    Py_BEGIN_ALLOW_THREADS
-    (void)engine->rt->event_synchronize(copy->h2d_done);
-    Py_END_ALLOW_THREADS
-    (void)engine->rt->event_destroy(copy->h2d_done);
-    copy->h2d_done = NULL;
-}
-
 static int
 storage_copy_traverse(StorageCopy *self, visitproc visit, void *arg)
 {
@@ -32,13 +19,20 @@ storage_copy_dealloc(StorageCopy *self)
     PyObject_GC_UnTrack(self);
     offload_engine *engine = self->module ? offload_engine_of(self->module) : NULL;
     if (engine != NULL) {
-        /* the copy out may still write the host buffer (a source released
-         * in stream order keeps its event): wait before the pool reuses it */
-        if (self->d2h_done != NULL) {
-            (void)engine->rt->event_synchronize(self->d2h_done);
-            (void)engine->rt->event_destroy(self->d2h_done);
+        /* the host buffer may still be read by a copy back or written by
+         * the copy out (a source released in stream order keeps its event):
+         * wait before the pool reuses it. A copy back was queued after the
+         * copy out, so waiting for it covers both. */
+        void *last = self->h2d_done != NULL ? self->h2d_done : self->d2h_done;
+        if (last != NULL) {
+            Py_BEGIN_ALLOW_THREADS
+            (void)engine->rt->event_synchronize(last);
+            Py_END_ALLOW_THREADS
         }
-        wait_for_h2d(engine, self);
+        if (self->h2d_done != NULL)
+            offload_device_give_event(engine, self->device, self->h2d_done);
+        if (self->d2h_done != NULL)
+            offload_device_give_event(engine, self->device, self->d2h_done);
         if (self->block.ptr != NULL)
             pool_release(engine->pool, &self->block);
     }
@@ -230,24 +224,25 @@ PyType_Spec offload_packer_spec = {
     .slots = offload_packer_slots,
 };
 
+/* The heap-type idiom: tp_alloc zero-fills, takes the reference to the type
+ * that tp_dealloc gives back, and tracks the object for the GC. */
+static PyObject *
+alloc_instance(PyTypeObject *type)
+{
+    return type->tp_alloc(type, 0);
+}
+
 StorageCopy *
 storage_copy_new(mp_state *st, PyObject *module, offload_device *device, PyObject *device_obj,
                  uint64_t nbytes)
 {
-    StorageCopy *copy = PyObject_GC_New(StorageCopy, st->storage_copy_type);
+    StorageCopy *copy = (StorageCopy *)alloc_instance(st->storage_copy_type);
     if (copy == NULL)
         return NULL;
-    Py_INCREF(st->storage_copy_type);
     copy->module = Py_NewRef(module);
     copy->device = device;
     copy->device_obj = Py_NewRef(device_obj);
     copy->nbytes = nbytes;
-    copy->block = (pool_block){0};
-    copy->source = copy->fetched = NULL;
-    copy->producer = NULL;
-    copy->region = 0;
-    copy->d2h_done = copy->h2d_done = NULL;
-    PyObject_GC_Track(copy);
     return copy;
 }
 
@@ -255,10 +250,9 @@ TensorRecord *
 record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group, PyObject *tensor,
            Py_ssize_t input_index)
 {
-    TensorRecord *record = PyObject_GC_New(TensorRecord, st->tensor_record_type);
+    TensorRecord *record = (TensorRecord *)alloc_instance(st->tensor_record_type);
     if (record == NULL)
         return NULL;
-    Py_INCREF(st->tensor_record_type);
     record->copy = info->copy_index >= 0
                        ? (StorageCopy *)Py_NewRef(PyList_GET_ITEM(copies, info->copy_index))
                        : NULL;
@@ -268,10 +262,7 @@ record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group, Py
     record->stride = Py_NewRef(info->stride);
     record->device_obj = Py_NewRef(info->device_obj);
     record->offset = info->itemsize ? (int64_t)info->byte_offset / info->itemsize : 0;
-    record->weak_source = record->version = NULL;
     record->input_index = input_index;
-    record->modified_in_forward = 0;
-    PyObject_GC_Track(record);
     record->weak_source = PyWeakref_NewRef(tensor, NULL);
     record->version = record->weak_source ? PyObject_GetAttr(tensor, st->str_version) : NULL;
     PyObject *requires_grad = record->version ? PyObject_GetAttrString(tensor, "requires_grad") : NULL;
@@ -287,23 +278,19 @@ record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group, Py
 PyObject *
 group_new(mp_state *st, PyObject *module, PyObject *copies)
 {
-    OffloadGroup *group = PyObject_GC_New(OffloadGroup, st->offload_group_type);
+    OffloadGroup *group = (OffloadGroup *)alloc_instance(st->offload_group_type);
     if (group == NULL)
         return NULL;
-    Py_INCREF(st->offload_group_type);
     group->module = Py_NewRef(module);
     group->copies = PyList_AsTuple(copies);
-    group->prev = group->next = NULL;
-    group->linked = 0;
     group->thread = PyThread_get_thread_ident();
-    group->device = PyTuple_GET_SIZE(group->copies) > 0
-                        ? ((StorageCopy *)PyTuple_GET_ITEM(group->copies, 0))->device
-                        : NULL;
-    PyObject_GC_Track(group);
     if (group->copies == NULL) {
         Py_DECREF(group);
         return NULL;
     }
+    group->device = PyTuple_GET_SIZE(group->copies) > 0
+                        ? ((StorageCopy *)PyTuple_GET_ITEM(group->copies, 0))->device
+                        : NULL;
     if (group->device != NULL)
         group_link(group);
     return (PyObject *)group;
@@ -312,13 +299,10 @@ group_new(mp_state *st, PyObject *module, PyObject *copies)
 PyObject *
 packer_new(mp_state *st, PyObject *records)
 {
-    OffloadPacker *packer = PyObject_GC_New(OffloadPacker, st->offload_packer_type);
+    OffloadPacker *packer = (OffloadPacker *)alloc_instance(st->offload_packer_type);
     if (packer == NULL)
         return NULL;
-    Py_INCREF(st->offload_packer_type);
     packer->records = Py_NewRef(records);
-    packer->next = 0;
-    PyObject_GC_Track(packer);
     return (PyObject *)packer;
 }
 

@@ -33,8 +33,10 @@ typedef struct {
     void *producer;             /* stream current when the copy was queued */
     uint64_t region;            /* the device's region count then (offload_window.h) */
     void *d2h_done;             /* cudaEvent_t until seen complete, else NULL */
+    int producer_waited;        /* the producer stream waits on d2h_done already */
     PyObject *fetched;          /* uint8 tensor holding the span again, or NULL */
-    void *h2d_done;
+    void *h2d_done;             /* the last copy back, until the copy goes */
+    int h2d_awaited;            /* the compute stream waits on h2d_done already */
 } StorageCopy;
 
 typedef struct {

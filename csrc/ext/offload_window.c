@@ -23,29 +23,45 @@ copy_completed(offload_engine *engine, StorageCopy *copy)
 {
     if (copy->d2h_done == NULL)
         return 1;
-    int status = engine->rt->event_query(copy->d2h_done);
-    if (status == CUDART_ERROR_NOT_READY)
-        return 0;
-    if (streams_check(engine->rt, status, "device-to-host copy") < 0)
-        return -1;
-    (void)engine->rt->event_destroy(copy->d2h_done);
-    copy->d2h_done = NULL;
-    return 1;
+    int done = streams_event_done(engine->rt, copy->d2h_done);
+    if (done == 1) {
+        offload_device_give_event(engine, copy->device, copy->d2h_done);
+        copy->d2h_done = NULL;
+    }
+    return done;
 }
 
-/* Drops a source: at once when its copy completed, else after ordering
- * its producing stream behind the copy (the invariant in the header).
- * `force` 0 only drops completed ones. Returns 1 if dropped, 0 if kept,
- * -1 on error (kept: the source may still be read). */
+/* The producing stream waits for the copy, on the copy's device (its
+ * NULL stream is that device's only while it is current), and the source
+ * is marked used by the producer (the header's invariant). */
 static int
-release_source(offload_engine *engine, StorageCopy *copy, int force)
+order_producer_after_copy(mp_state *st, StorageCopy *copy)
 {
-    int completed = copy_completed(engine, copy);
+    const cudart *rt = st->engine->rt;
+    int index = copy->device->index, previous;
+    if (offload_engine_enter_device(st, index, &previous) < 0)
+        return -1;
+    int failed = streams_check(rt, rt->stream_wait_event(copy->producer, copy->d2h_done, 0),
+                               "cudaStreamWaitEvent (release after the copy out)");
+    offload_engine_leave_device(st, index, previous);
+    if (failed)
+        return -1;
+    copy->producer_waited = 1;
+    return st->engine->runtime->record_stream(st, copy->source, index, copy->producer);
+}
+
+/* Drops a source: at once when its copy completed, else in stream order.
+ * `force` 0 only drops completed ones; `ask` 0 takes the copy as not
+ * completed without asking. Returns 1 if dropped, 0 if kept, -1 on error
+ * (kept: the source may still be read). */
+static int
+release_source(mp_state *st, StorageCopy *copy, int force, int ask)
+{
+    offload_engine *engine = st->engine;
+    int completed = ask ? copy_completed(engine, copy) : copy->d2h_done == NULL;
     if (completed < 0 || (!completed && !force))
         return completed;
-    if (!completed &&
-        streams_check(engine->rt, engine->rt->stream_wait_event(copy->producer, copy->d2h_done, 0),
-                      "cudaStreamWaitEvent (release after the copy out)") < 0)
+    if (!completed && order_producer_after_copy(st, copy) < 0)
         return -1;
     engine->device_bytes_in_flight -= copy->nbytes;
     Py_CLEAR(copy->source);
@@ -57,7 +73,7 @@ release_source(offload_engine *engine, StorageCopy *copy, int force)
  * move to a fresh list, so no slot of the old one is released twice;
  * releasing may run code that comes back here, so the old list is held. */
 static int
-sweep(offload_engine *engine, offload_device *device, uint64_t force_below_region)
+sweep(mp_state *st, offload_device *device, uint64_t force_below_region)
 {
     if (device->in_flight == NULL || PyList_GET_SIZE(device->in_flight) == 0)
         return 0;  /* every recompute sweeps: the common case costs nothing */
@@ -65,11 +81,18 @@ sweep(offload_engine *engine, offload_device *device, uint64_t force_below_regio
     if (kept == NULL)
         return -1;
     PyObject *list = Py_NewRef(device->in_flight);
-    int result = 0;
+    int result = 0, ask = 1;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(list, i);
+        /* the copy-out stream runs copies in the order of this list: once one
+         * has not completed, the later ones have not either (as torch's
+         * allocator stops at the first event not ready of a stream) */
+        int waiting = copy->d2h_done != NULL;
         int released = result < 0 ? 0
-                                  : release_source(engine, copy, copy->region < force_below_region);
+                                  : release_source(st, copy, copy->region < force_below_region,
+                                                   ask);
+        if (released == 0 && waiting)
+            ask = 0;
         if (released < 0)
             result = -1;
         if (released <= 0 && PyList_Append(kept, (PyObject *)copy) < 0) {
@@ -84,12 +107,13 @@ sweep(offload_engine *engine, offload_device *device, uint64_t force_below_regio
 }
 
 int
-offload_window_end_region(offload_engine *engine, offload_device *device)
+offload_window_end_region(mp_state *st, offload_device *device)
 {
+    offload_engine *engine = st->engine;
     uint64_t ended = device->regions++;
     uint64_t window = (uint64_t)engine->options.window;
     /* regions ended - window + 1 .. ended stay in flight */
-    if (sweep(engine, device, ended + 1 >= window ? ended + 1 - window : 0) < 0)
+    if (sweep(st, device, ended + 1 >= window ? ended + 1 - window : 0) < 0)
         return -1;
     /* the peak as the GPU sees it: what is held while a region's function runs */
     if (engine->device_bytes_in_flight > engine->peak_device_bytes_in_flight)
@@ -98,16 +122,16 @@ offload_window_end_region(offload_engine *engine, offload_device *device)
 }
 
 int
-offload_window_release_all(offload_engine *engine, offload_device *device)
+offload_window_release_all(mp_state *st, offload_device *device)
 {
-    return sweep(engine, device, UINT64_MAX);
+    return sweep(st, device, UINT64_MAX);
 }
 
 int
-offload_window_poll_all(offload_engine *engine)
+offload_window_poll_all(mp_state *st)
 {
     for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
-        if (engine->cuda[i] != NULL && sweep(engine, engine->cuda[i], 0) < 0)
+        if (st->engine->cuda[i] != NULL && sweep(st, st->engine->cuda[i], 0) < 0)
             return -1;
     }
     return 0;

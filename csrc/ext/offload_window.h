@@ -8,13 +8,17 @@
  *
  * Invariant: when region r has queued its copies, before its function
  * runs, no source of a region older than r - window + 1 is held. Such a
- * copy either completed (its event queried complete), or its producing
- * stream was made to wait on its completion event (cudaStreamWaitEvent, no
- * host synchronization) before the reference was dropped. The caching
- * allocator hands a freed block out again only to work queued later on the
- * stream it was allocated on, which now runs after the copy, so the memory
- * is reused on the GPU's timeline, never early; and device memory held by
- * offloaded inputs stays within `window` regions however far the CPU runs
+ * copy either completed (its event queried complete), or, before the
+ * reference was dropped, (1) its producing stream was made to wait on its
+ * completion event (cudaStreamWaitEvent with the copy's device current: a
+ * NULL stream is the current device's), and (2) the source was marked used
+ * by the producing stream (record_stream). A caching allocator hands a freed
+ * block out again at once only to work queued later on the stream that
+ * allocated it: when that is the producer, the work runs after the copy;
+ * when the input came from another stream, (2) keeps the block until the
+ * producer passed the copy. So memory is reused on the GPU's timeline,
+ * never early, and device memory held by offloaded inputs allocated on the
+ * producing stream stays within `window` regions however far the CPU runs
  * ahead of the GPU. The first restore of backward releases the rest the
  * same way. The completion event itself stays with the copy until it is
  * seen complete: restoring from the host buffer waits on it.
@@ -32,13 +36,13 @@ int offload_window_add(offload_engine *engine, offload_device *device, StorageCo
 
 /* Ends the device's current region and releases, in stream order, what
  * the window no longer allows. */
-int offload_window_end_region(offload_engine *engine, offload_device *device);
+int offload_window_end_region(mp_state *st, offload_device *device);
 
 /* Releases every source of the device in stream order (backward begins). */
-int offload_window_release_all(offload_engine *engine, offload_device *device);
+int offload_window_release_all(mp_state *st, offload_device *device);
 
 /* Lets copies that have completed drop their sources, on every device. */
-int offload_window_poll_all(offload_engine *engine);
+int offload_window_poll_all(mp_state *st);
 
 /* Blocks until every copy of the window completed and empties it (the
  * engine is going away or changes runtime). */

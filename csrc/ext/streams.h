@@ -2,8 +2,11 @@
  * (cuda/cudart.h: the real libcudart, or the simulated one of the tests).
  *
  * Every helper checks each runtime call's status and turns a failure into a
- * Python RuntimeError naming the call; they return 0 on success, -1 with
- * the error set. Callers hold the GIL (for the error), nothing else. */
+ * Python RuntimeError naming the call, clearing the runtime's per-thread
+ * last error (torch checks it after its kernel launches: a failure handled
+ * here must not surface there as a second, unrelated error). They return 0
+ * on success, -1 with the error set. Callers hold the GIL (for the error)
+ * and have made the streams' device current. */
 #ifndef MATEPOINT_EXT_STREAMS_H
 #define MATEPOINT_EXT_STREAMS_H
 
@@ -15,15 +18,8 @@
 /* 0 when status is success, else raises naming `what` and returns -1. */
 int streams_check(const cudart *rt, int status, const char *what);
 
-/* Makes `index` the current device; *previous receives the one to give
- * back to streams_leave_device. */
-int streams_enter_device(const cudart *rt, int index, int *previous);
-void streams_leave_device(const cudart *rt, int previous);
-
-/* Orders `waiter` after everything queued on `producer` so far. */
-int streams_wait_stream(const cudart *rt, void *waiter, void *producer);
-
-/* Creates an event and records it on `stream`; *event stays NULL on error. */
-int streams_record_new_event(const cudart *rt, void *stream, void **event);
+/* Has `event` completed? 1, 0, or -1 with an error. cudaErrorNotReady is
+ * an answer, not a failure: the last error it leaves is cleared. */
+int streams_event_done(const cudart *rt, void *event);
 
 #endif

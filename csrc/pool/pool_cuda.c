@@ -8,8 +8,14 @@ pinned_alloc(void *ctx, uint64_t bytes)
 {
     const cudart *rt = ctx;
     void *ptr = NULL;
-    if (bytes > SIZE_MAX || rt->host_alloc(&ptr, (size_t)bytes, CUDART_HOST_ALLOC_PORTABLE) != 0)
+    if (bytes > SIZE_MAX)
         return NULL;
+    if (rt->host_alloc(&ptr, (size_t)bytes, CUDART_HOST_ALLOC_PORTABLE) != CUDART_SUCCESS) {
+        /* the pool recovers (cache dropped, pageable memory): the failure
+         * must not stay as the last error torch checks after its kernels */
+        (void)rt->get_last_error();
+        return NULL;
+    }
     return ptr;
 }
 

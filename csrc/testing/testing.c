@@ -1,6 +1,9 @@
 #include "testing.h"
-#include "offload_types.h"
 #include "cuda/cudart_sim.h"
+#include "ext/offload_engine.h"
+#include "ext/offload_types.h"
+
+#include <string.h>
 
 static int
 count_arg(PyObject *arg, uint64_t *out)
@@ -12,17 +15,33 @@ count_arg(PyObject *arg, uint64_t *out)
     return 0;
 }
 
-PyObject *
-testing_simulate_cuda(PyObject *module, PyObject *on)
+static int
+device_arg(PyObject *arg, int *device)
+{
+    long value = PyLong_AsLong(arg);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (value < 0 || value >= CUDART_SIM_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "simulated GPU: no device %ld (it has %d)", value,
+                     CUDART_SIM_DEVICES);
+        return -1;
+    }
+    *device = (int)value;
+    return 0;
+}
+
+static PyObject *
+simulate_cuda(PyObject *module, PyObject *on)
 {
     int enable = PyObject_IsTrue(on);
-    if (enable < 0 || offload_engine_simulate(offload_engine_of(module), enable) < 0)
+    const offload_runtime *runtime = enable ? &offload_runtime_sim : &offload_runtime_torch;
+    if (enable < 0 || offload_engine_use_runtime(offload_engine_of(module), runtime) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
-PyObject *
-testing_sim_advance(PyObject *module, PyObject *ops)
+static PyObject *
+sim_advance(PyObject *module, PyObject *ops)
 {
     (void)module;
     uint64_t count;
@@ -31,8 +50,8 @@ testing_sim_advance(PyObject *module, PyObject *ops)
     return PyLong_FromUnsignedLongLong(cudart_sim_advance(count));
 }
 
-PyObject *
-testing_sim_set_progress(PyObject *module, PyObject *ops)
+static PyObject *
+sim_set_progress(PyObject *module, PyObject *ops)
 {
     (void)module;
     uint64_t count;
@@ -42,36 +61,225 @@ testing_sim_set_progress(PyObject *module, PyObject *ops)
     Py_RETURN_NONE;
 }
 
-PyObject *
-testing_sim_stats(PyObject *module, PyObject *unused)
+static PyObject *
+per_device_list(const uint64_t *values, const int *flags)
+{
+    PyObject *list = PyList_New(CUDART_SIM_DEVICES);
+    for (int d = 0; list != NULL && d < CUDART_SIM_DEVICES; d++) {
+        PyObject *item = values ? PyLong_FromUnsignedLongLong(values[d])
+                                : PyBool_FromLong(flags[d]);
+        if (item == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, d, item);
+    }
+    return list;
+}
+
+static PyObject *
+calls_dict(const cudart_sim_stats *s)
+{
+    PyObject *calls = PyDict_New();
+    for (int e = 0; calls != NULL && e < SIM_ENTRY_COUNT; e++) {
+        PyObject *count = PyLong_FromUnsignedLongLong(s->calls[e]);
+        if (count == NULL || PyDict_SetItemString(calls, cudart_sim_entry_name(e), count) < 0)
+            Py_CLEAR(calls);
+        Py_XDECREF(count);
+    }
+    return calls;
+}
+
+static PyObject *
+sim_stats(PyObject *module, PyObject *unused)
 {
     (void)module;
     (void)unused;
     cudart_sim_stats s = cudart_sim_get_stats();
-    return Py_BuildValue("{sKsKsKsKsKsK}", "ops_queued", (unsigned long long)s.ops_queued,
-                         "ops_run", (unsigned long long)s.ops_run, "copies_run",
-                         (unsigned long long)s.copies_run, "streams_live",
-                         (unsigned long long)s.streams_live, "events_live",
-                         (unsigned long long)s.events_live, "host_bytes_live",
-                         (unsigned long long)s.host_bytes_live);
+    return Py_BuildValue(
+        "{sKsKsKsKsKsKsKsKsNsNsN}", "ops_queued", (unsigned long long)s.ops_queued, "ops_run",
+        (unsigned long long)s.ops_run, "copies_run", (unsigned long long)s.copies_run,
+        "pageable_copies", (unsigned long long)s.pageable_copies, "launch_errors",
+        (unsigned long long)s.launch_errors, "streams_live",
+        (unsigned long long)s.streams_live, "events_live", (unsigned long long)s.events_live,
+        "host_bytes_live", (unsigned long long)s.host_bytes_live, "device_bytes_live",
+        per_device_list(s.device_bytes_live, NULL), "contexts",
+        per_device_list(NULL, s.has_context), "calls", calls_dict(&s));
+}
+
+static PyObject *
+sim_set_device(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    int device;
+    if (device_arg(arg, &device) < 0)
+        return NULL;
+    (void)cudart_sim_set_current_device(device);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+sim_get_device(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromLong(cudart_sim_current_device());
+}
+
+static PyObject *
+sim_stream_create(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    int device, previous = cudart_sim_current_device();
+    void *stream = NULL;
+    if (device_arg(arg, &device) < 0)
+        return NULL;
+    const cudart *rt = cudart_sim();
+    (void)cudart_sim_set_current_device(device);
+    int status = rt->stream_create(&stream, CUDART_STREAM_NON_BLOCKING);
+    (void)cudart_sim_set_current_device(previous);
+    if (status != CUDART_SUCCESS) {
+        (void)rt->get_last_error();
+        return PyErr_Format(PyExc_RuntimeError, "simulated GPU: stream creation failed (%d)",
+                            status);
+    }
+    return PyLong_FromVoidPtr(stream);
+}
+
+static PyObject *
+sim_stream_destroy(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    void *stream = PyLong_AsVoidPtr(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (cudart_sim()->stream_destroy(stream) != CUDART_SUCCESS) {
+        (void)cudart_sim()->get_last_error();
+        PyErr_SetString(PyExc_ValueError, "simulated GPU: no such stream");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+sim_set_stream(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *device_obj, *handle;
+    int device;
+    if (!PyArg_ParseTuple(args, "OO:_sim_set_stream", &device_obj, &handle) ||
+        device_arg(device_obj, &device) < 0)
+        return NULL;
+    void *stream = handle == Py_None ? NULL : PyLong_AsVoidPtr(handle);
+    if (PyErr_Occurred())
+        return NULL;
+    if (stream != NULL && cudart_sim_stream_device(stream) != device) {
+        PyErr_Format(PyExc_ValueError, "simulated GPU: that stream is not device %d's", device);
+        return NULL;
+    }
+    cudart_sim_set_current_stream(device, stream);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+sim_current_stream(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    int device;
+    if (device_arg(arg, &device) < 0)
+        return NULL;
+    void *stream = cudart_sim_current_stream(device);
+    return stream == NULL ? Py_NewRef(Py_None) : PyLong_FromVoidPtr(stream);
+}
+
+static PyObject *
+sim_launch(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *device_obj, *handle;
+    int device;
+    if (!PyArg_ParseTuple(args, "OO:_sim_launch", &device_obj, &handle) ||
+        device_arg(device_obj, &device) < 0)
+        return NULL;
+    void *stream = handle == Py_None ? NULL : PyLong_AsVoidPtr(handle);
+    if (PyErr_Occurred())
+        return NULL;
+    int status = cudart_sim_launch(device, stream);
+    if (status != CUDART_SUCCESS)
+        return PyErr_Format(PyExc_RuntimeError, "simulated GPU: launch failed (%d)", status);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+sim_peek_last_error(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromLong(cudart_sim_peek_last_error());
+}
+
+static PyObject *
+sim_fail(PyObject *module, PyObject *args)
+{
+    (void)module;
+    const char *name;
+    unsigned long long skip, count;
+    int status;
+    if (!PyArg_ParseTuple(args, "sKKi:_sim_fail", &name, &skip, &count, &status))
+        return NULL;
+    for (int e = 0; e < SIM_ENTRY_COUNT; e++) {
+        if (strcmp(cudart_sim_entry_name(e), name) == 0) {
+            cudart_sim_fail((cudart_sim_entry)e, skip, count, status);
+            Py_RETURN_NONE;
+        }
+    }
+    return PyErr_Format(PyExc_ValueError, "simulated GPU: no runtime call named %s", name);
+}
+
+static PyObject *
+sim_fail_fetches(PyObject *module, PyObject *args)
+{
+    (void)module;
+    unsigned long long skip, count;
+    if (!PyArg_ParseTuple(args, "KK:_sim_fail_fetches", &skip, &count))
+        return NULL;
+    sim_runtime_fail_fetches(skip, count);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+sim_forget_contexts(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    offload_engine_of(module)->devices_with_context = 0;
+    cudart_sim_forget_contexts();
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+sim_attach_allocator(PyObject *module, PyObject *path)
+{
+    (void)module;
+    if (sim_runtime_attach_allocator(path) < 0)
+        return NULL;
+    return PyLong_FromVoidPtr((void *)(uintptr_t)sim_runtime_where);
 }
 
 static int
 append_copy(offload_engine *engine, PyObject *list, StorageCopy *copy)
 {
-    int done = copy->d2h_done == NULL ||
-               engine->rt->event_query(copy->d2h_done) == CUDART_SUCCESS;
-    PyObject *row = Py_BuildValue("(KKOO)", (unsigned long long)copy->region,
+    int done = copy->d2h_done == NULL || cudart_sim_event_done(copy->d2h_done);
+    (void)engine;
+    PyObject *row = Py_BuildValue("(KKOOi)", (unsigned long long)copy->region,
                                   (unsigned long long)copy->nbytes,
                                   copy->source != NULL ? Py_True : Py_False,
-                                  done ? Py_True : Py_False);
+                                  done ? Py_True : Py_False, copy->device->index);
     int failed = row == NULL || PyList_Append(list, row) < 0;
     Py_XDECREF(row);
     return failed ? -1 : 0;
 }
 
-PyObject *
-testing_offload_copies(PyObject *module, PyObject *unused)
+static PyObject *
+offload_copies(PyObject *module, PyObject *unused)
 {
     (void)unused;
     offload_engine *engine = offload_engine_of(module);
@@ -90,4 +298,46 @@ testing_offload_copies(PyObject *module, PyObject *unused)
         }
     }
     return list;
+}
+
+static PyObject *
+fail_pool_acquires(PyObject *module, PyObject *arg)
+{
+    long count = PyLong_AsLong(arg);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    if (count < 0 || count > 1000000) {
+        PyErr_SetString(PyExc_ValueError, "matepoint: count out of range");
+        return NULL;
+    }
+    offload_fail_next_acquires(PyModule_GetState(module), (int)count);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef testing_methods[] = {
+    {"_simulate_cuda", simulate_cuda, METH_O, NULL},
+    {"_sim_advance", sim_advance, METH_O, NULL},
+    {"_sim_set_progress", sim_set_progress, METH_O, NULL},
+    {"_sim_stats", sim_stats, METH_NOARGS, NULL},
+    {"_sim_set_device", sim_set_device, METH_O, NULL},
+    {"_sim_get_device", sim_get_device, METH_NOARGS, NULL},
+    {"_sim_stream_create", sim_stream_create, METH_O, NULL},
+    {"_sim_stream_destroy", sim_stream_destroy, METH_O, NULL},
+    {"_sim_set_stream", sim_set_stream, METH_VARARGS, NULL},
+    {"_sim_current_stream", sim_current_stream, METH_O, NULL},
+    {"_sim_launch", sim_launch, METH_VARARGS, NULL},
+    {"_sim_peek_last_error", sim_peek_last_error, METH_NOARGS, NULL},
+    {"_sim_fail", sim_fail, METH_VARARGS, NULL},
+    {"_sim_fail_fetches", sim_fail_fetches, METH_VARARGS, NULL},
+    {"_sim_forget_contexts", sim_forget_contexts, METH_NOARGS, NULL},
+    {"_sim_attach_allocator", sim_attach_allocator, METH_O, NULL},
+    {"_offload_copies", offload_copies, METH_NOARGS, NULL},
+    {"_fail_pool_acquires", fail_pool_acquires, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+int
+testing_add_functions(PyObject *module)
+{
+    return PyModule_AddFunctions(module, testing_methods);
 }

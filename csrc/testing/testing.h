@@ -1,21 +1,46 @@
-/* matepoint._C's test controls (underscored, not for users): run the
- * offload engine over the simulated CUDA runtime, drive that runtime, and
- * look at the engine's copies. GIL held. */
-#ifndef MATEPOINT_EXT_TESTING_H
-#define MATEPOINT_EXT_TESTING_H
+/* matepoint._C's test controls, compiled only into test builds
+ * (MATEPOINT_TESTING=1 pip install .): run the offload engine over the
+ * simulated GPU (cuda/cudart_sim.h), drive that GPU, and look at the
+ * engine's copies. A plain build ships none of this. GIL held.
+ *
+ *   _simulate_cuda(on)              the engine runs over the simulated GPU (or torch's again)
+ *   _sim_advance(ops) -> ran        let the "GPU" run queued operations
+ *   _sim_set_progress(ops)          operations it runs at every runtime call
+ *   _sim_stats() -> dict            queues, live handles, contexts, calls per entry point
+ *   _sim_set_device(d) / _sim_get_device()    the thread's current device (cudaSetDevice)
+ *   _sim_stream_create(d) -> handle / _sim_stream_destroy(handle)
+ *   _sim_set_stream(d, handle) / _sim_current_stream(d)    torch's current stream of d
+ *   _sim_launch(d, handle)          a CPU kernel on that stream: it catches up first
+ *   _sim_peek_last_error() -> int   the thread's CUDA last error, left in place
+ *   _sim_fail(name, skip, count, status)   inject failures of a runtime call
+ *   _sim_fail_fetches(skip, count)  copies back that find no device memory (OOM)
+ *   _sim_forget_contexts()          no device has a context (as in a new process)
+ *   _sim_attach_allocator(path) -> where   matepoint's allocator library over the
+ *                                   simulated GPU; `where` (a C function address)
+ *                                   tells a CPU-allocator harness the device and stream
+ *   _offload_copies() -> list of (device, region, nbytes, source_held, copy_out_done)
+ *   _fail_pool_acquires(n)          the next n spans find no host memory at all */
+#ifndef MATEPOINT_TESTING_TESTING_H
+#define MATEPOINT_TESTING_TESTING_H
 
-#include "state.h"
+#include "ext/state.h"
+#include "ext/offload_runtime.h"
 
-/* _simulate_cuda(on: bool) */
-PyObject *testing_simulate_cuda(PyObject *module, PyObject *on);
-/* _sim_advance(ops: int) -> int: operations run */
-PyObject *testing_sim_advance(PyObject *module, PyObject *ops);
-/* _sim_set_progress(ops_per_call: int) */
-PyObject *testing_sim_set_progress(PyObject *module, PyObject *ops);
-/* _sim_stats() -> dict */
-PyObject *testing_sim_stats(PyObject *module, PyObject *unused);
-/* _offload_copies() -> list of (region, nbytes, source_held, copy_out_done)
- * for every live copy of every CUDA device, oldest group first */
-PyObject *testing_offload_copies(PyObject *module, PyObject *unused);
+int testing_add_functions(PyObject *module);
+
+/* The offload runtime over the simulated GPU (sim_runtime.c). */
+extern const offload_runtime offload_runtime_sim;
+
+/* Links matepoint's allocator library (at `path`) to the simulated GPU:
+ * its CUDA backend runs over the simulated table, and every block it hands
+ * out is poisoned after its stream caught up. 0, or -1 with an error. */
+int sim_runtime_attach_allocator(PyObject *path);
+
+/* The next `skip` copies back find device memory, the `count` after them
+ * raise torch.OutOfMemoryError. */
+void sim_runtime_fail_fetches(uint64_t skip, uint64_t count);
+
+/* Where the harness allocates: the thread's current device and stream. */
+void sim_runtime_where(int *device, void **stream);
 
 #endif

@@ -10,13 +10,16 @@ static const cudart *rt;
 static void
 test_copies_wait_for_the_test_and_run_in_order(void)
 {
-    void *stream, *done;
-    char src[2][8] = {"first", "second"}, dst[8] = "";
+    void *stream, *done, *pinned = NULL;
+    char src[2][8] = {"first", "second"};
+    CHECK(rt->host_alloc(&pinned, 8, CUDART_HOST_ALLOC_PORTABLE) == CUDART_SUCCESS);
+    char *dst = pinned;       /* pinned: pageable memory would copy at once */
+    dst[0] = '\0';
     CHECK(rt->stream_create(&stream, CUDART_STREAM_NON_BLOCKING) == CUDART_SUCCESS);
     CHECK(rt->event_create(&done, CUDART_EVENT_DISABLE_TIMING) == CUDART_SUCCESS);
     CHECK(rt->event_query(done) == CUDART_SUCCESS);          /* never recorded: complete */
-    rt->memcpy_async(dst, src[0], sizeof(dst), CUDART_MEMCPY_DEVICE_TO_HOST, stream);
-    rt->memcpy_async(dst, src[1], sizeof(dst), CUDART_MEMCPY_DEVICE_TO_HOST, stream);
+    rt->memcpy_async(dst, src[0], 8, CUDART_MEMCPY_DEVICE_TO_HOST, stream);
+    rt->memcpy_async(dst, src[1], 8, CUDART_MEMCPY_DEVICE_TO_HOST, stream);
     CHECK(rt->event_record(done, stream) == CUDART_SUCCESS);
     CHECK(rt->event_query(done) == CUDART_ERROR_NOT_READY);
     CHECK(dst[0] == '\0');                                   /* the "GPU" is behind */
@@ -26,6 +29,7 @@ test_copies_wait_for_the_test_and_run_in_order(void)
     CHECK(cudart_sim_get_stats().ops_queued == 0);
     rt->event_destroy(done);
     rt->stream_destroy(stream);
+    rt->free_host(pinned);
 }
 
 static void
@@ -52,24 +56,111 @@ test_a_wait_orders_one_stream_after_another(void)
 }
 
 static void
-test_the_compute_stream_runs_at_once(void)
+test_the_legacy_stream_lags_and_a_launch_runs_only_what_it_needs(void)
 {
-    void *side, *copied, *compute = cudart_sim_compute_stream();
-    char a[4] = "xyz", b[4] = "", c[4] = "";
+    void *side, *other, *copied;
+    char a[4] = "xyz", b[4] = "", c[4] = "", d[4] = "";
     rt->stream_create(&side, 0);
+    rt->stream_create(&other, 0);
     rt->event_create(&copied, 0);
-    rt->memcpy_async(c, a, 4, 0, compute);
-    CHECK(strcmp(c, "xyz") == 0);
+    rt->memcpy_async(d, a, 4, 0, other);                     /* unrelated, older */
     rt->memcpy_async(b, a, 4, 0, side);
     rt->event_record(copied, side);
-    CHECK(b[0] == '\0');
-    /* the CPU stands for the compute stream: waiting there runs the copy */
-    CHECK(rt->stream_wait_event(compute, copied, 0) == CUDART_SUCCESS);
-    CHECK(strcmp(b, "xyz") == 0 && rt->event_query(copied) == CUDART_SUCCESS);
-    rt->event_record(copied, compute);
-    CHECK(rt->event_query(copied) == CUDART_SUCCESS);
+    CHECK(rt->stream_wait_event(NULL, copied, 0) == CUDART_SUCCESS);   /* queued, not run */
+    rt->memcpy_async(c, b, 4, 0, NULL);
+    CHECK(b[0] == '\0' && c[0] == '\0');
+    /* a CPU kernel on the legacy stream: it and what it waits for run, nothing else */
+    CHECK(cudart_sim_launch(0, NULL) == CUDART_SUCCESS);
+    CHECK(strcmp(c, "xyz") == 0 && d[0] == '\0');
+    CHECK(rt->stream_synchronize(other) == CUDART_SUCCESS && strcmp(d, "xyz") == 0);
     rt->event_destroy(copied);
     rt->stream_destroy(side);
+    rt->stream_destroy(other);
+}
+
+static void
+test_devices_streams_events_and_the_last_error(void)
+{
+    void *on_zero, *on_one, *stream_one;
+    int device = -1;
+    CHECK(rt->get_device(&device) == CUDART_SUCCESS && device == 0);
+    rt->event_create(&on_zero, 0);
+    CHECK(rt->set_device(1) == CUDART_SUCCESS);
+    rt->event_create(&on_one, 0);
+    rt->stream_create(&stream_one, 0);
+    CHECK(cudart_sim_stream_device(stream_one) == 1);
+    /* NULL is the current device's legacy stream: now device 1's */
+    CHECK(rt->event_record(on_one, NULL) == CUDART_SUCCESS);
+    CHECK(rt->event_record(on_zero, NULL) != CUDART_SUCCESS);
+    CHECK(rt->event_record(on_zero, stream_one) != CUDART_SUCCESS);
+    CHECK(cudart_sim_peek_last_error() != CUDART_SUCCESS);
+    CHECK(rt->get_last_error() != CUDART_SUCCESS && rt->get_last_error() == CUDART_SUCCESS);
+    CHECK(rt->set_device(CUDART_SIM_DEVICES) != CUDART_SUCCESS);
+    (void)rt->get_last_error();
+    CHECK(rt->set_device(0) == CUDART_SUCCESS);
+    CHECK(rt->event_record(on_zero, NULL) == CUDART_SUCCESS);
+    CHECK(cudart_sim_launch(1, NULL) == CUDART_SUCCESS && cudart_sim_event_done(on_one));
+    CHECK(!cudart_sim_event_done(on_zero));
+    CHECK(rt->event_query(on_zero) == CUDART_ERROR_NOT_READY);
+    CHECK(rt->get_last_error() == CUDART_ERROR_NOT_READY);  /* as torch assumes */
+    CHECK(rt->event_synchronize(on_zero) == CUDART_SUCCESS);
+    rt->event_destroy(on_zero);
+    rt->event_destroy(on_one);
+    rt->stream_destroy(stream_one);
+}
+
+static void
+test_contexts_and_memory_ranges(void)
+{
+    void *device_memory = NULL, *pinned = NULL;
+    int device;
+    cudart_sim_forget_contexts();
+    CHECK(rt->get_device(&device) == CUDART_SUCCESS);
+    CHECK(!cudart_sim_get_stats().has_context[0]);          /* asking creates none */
+    CHECK(rt->set_device(1) == CUDART_SUCCESS && rt->malloc(&device_memory, 256) == 0);
+    CHECK(cudart_sim_get_stats().has_context[1] && !cudart_sim_get_stats().has_context[0]);
+    CHECK(cudart_sim_device_of((char *)device_memory + 255) == 1);
+    CHECK(rt->host_alloc(&pinned, 64, CUDART_HOST_ALLOC_PORTABLE) == 0);
+    CHECK(cudart_sim_device_of(pinned) == -1 && cudart_sim_device_of(&device) == -1);
+    CHECK(!cudart_sim_get_stats().has_context[0]);
+    CHECK(rt->free(device_memory) == 0 && rt->free_host(pinned) == 0);
+    CHECK(rt->free(pinned) != CUDART_SUCCESS);              /* not device memory (freed) */
+    (void)rt->get_last_error();
+    CHECK(rt->set_device(0) == CUDART_SUCCESS);
+}
+
+static void
+test_pageable_copies_synchronize_and_pinned_ones_do_not(void)
+{
+    void *stream, *pinned = NULL;
+    char pageable[8] = "", src[8] = "pinned";
+    rt->stream_create(&stream, 0);
+    rt->host_alloc(&pinned, 8, 0);
+    memset(pinned, 0, 8);
+    uint64_t before = cudart_sim_get_stats().pageable_copies;
+    rt->memcpy_async(pinned, src, 8, CUDART_MEMCPY_DEVICE_TO_HOST, stream);
+    CHECK(((char *)pinned)[0] == '\0');
+    rt->memcpy_async(pageable, src, 8, CUDART_MEMCPY_DEVICE_TO_HOST, stream);
+    CHECK(strcmp(pageable, "pinned") == 0 && strcmp(pinned, "pinned") == 0);
+    CHECK(cudart_sim_get_stats().pageable_copies == before + 1);
+    rt->free_host(pinned);
+    rt->stream_destroy(stream);
+}
+
+static void
+test_injected_failures(void)
+{
+    void *events[3] = {NULL, NULL, NULL};
+    cudart_sim_fail(SIM_EVENT_CREATE, 1, 1, CUDART_ERROR_MEMORY_ALLOCATION);
+    CHECK(rt->event_create(&events[0], 0) == CUDART_SUCCESS);
+    CHECK(rt->event_create(&events[1], 0) == CUDART_ERROR_MEMORY_ALLOCATION);
+    CHECK(events[1] == NULL);
+    CHECK(rt->event_create(&events[2], 0) == CUDART_SUCCESS);
+    CHECK(rt->get_last_error() == CUDART_ERROR_MEMORY_ALLOCATION);
+    CHECK(cudart_sim_get_stats().calls[SIM_EVENT_CREATE] >= 3);
+    CHECK(strcmp(cudart_sim_entry_name(SIM_EVENT_CREATE), "cudaEventCreateWithFlags") == 0);
+    rt->event_destroy(events[0]);
+    rt->event_destroy(events[2]);
 }
 
 static void
@@ -119,7 +210,6 @@ test_host_memory_is_counted(void)
     CHECK(cudart_sim_get_stats().host_bytes_live == before + 1000);
     rt->free_host(ptr);
     CHECK(cudart_sim_get_stats().host_bytes_live == before);
-    CHECK(rt->set_device(1) != CUDART_SUCCESS);
 }
 
 int
@@ -128,7 +218,11 @@ main(void)
     rt = cudart_sim();
     test_copies_wait_for_the_test_and_run_in_order();
     test_a_wait_orders_one_stream_after_another();
-    test_the_compute_stream_runs_at_once();
+    test_the_legacy_stream_lags_and_a_launch_runs_only_what_it_needs();
+    test_devices_streams_events_and_the_last_error();
+    test_contexts_and_memory_ranges();
+    test_pageable_copies_synchronize_and_pinned_ones_do_not();
+    test_injected_failures();
     test_destroyed_handles_finish_their_work();
     test_progress_per_call_lets_the_gpu_catch_up();
     test_host_memory_is_counted();

@@ -1,0 +1,41 @@
+/* Where the offload engine meets the GPU: the CUDA runtime table plus the
+ * few facts only torch knows (which device a tensor lives on, the current
+ * stream, record_stream, whether a device has a context yet).
+ *
+ * Two implementations: torch's, over the real libcudart
+ * (offload_runtime_torch.c), and in test builds the simulated GPU
+ * (csrc/testing/sim_runtime.c). The engine never learns which one it runs
+ * on. Every function is called with the GIL held and returns 0 on success,
+ * -1 with a Python error set. */
+#ifndef MATEPOINT_EXT_OFFLOAD_RUNTIME_H
+#define MATEPOINT_EXT_OFFLOAD_RUNTIME_H
+
+#include "state.h"
+#include "cuda/cudart.h"
+
+typedef struct offload_runtime {
+    const char *name;
+    /* The runtime table, loaded on first use; NULL with an error set. */
+    const cudart *(*load)(void);
+    /* The device whose memory `tensor` (of torch device `device_obj`)
+     * lives in: 1 with *index set when this runtime copies it, 0 when it
+     * stays where it is. */
+    int (*tensor_device)(mp_state *st, PyObject *tensor, PyObject *device_obj, int *index);
+    /* torch's current stream of `device` on this thread (NULL is the
+     * legacy stream of the *current* device: enter `device` to use it). */
+    int (*current_stream)(mp_state *st, int device, void **stream);
+    /* The memory of `storage` (on `device`) is used by the work queued on
+     * `stream` so far: whichever stream allocated it reuses it only after
+     * that work (torch's record_stream; nothing when `stream` allocated it). */
+    int (*record_stream)(mp_state *st, PyObject *storage, int device, void *stream);
+    /* 1 when `device` has its primary context already, 0 when using it
+     * would create one. */
+    int (*has_context)(mp_state *st, int device);
+    /* A new uint8 tensor of `nbytes` on `device` (torch device
+     * `device_obj`), allocated on its current stream. */
+    PyObject *(*empty_bytes)(mp_state *st, int device, PyObject *device_obj, uint64_t nbytes);
+} offload_runtime;
+
+extern const offload_runtime offload_runtime_torch;
+
+#endif

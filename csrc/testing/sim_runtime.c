@@ -1,0 +1,193 @@
+/* The offload runtime over the simulated GPU (cuda/cudart_sim.h).
+ *
+ * CPU tensors stand for device tensors. The device a tensor lives on is
+ * the one whose simulated memory holds it: with matepoint's allocator
+ * installed as torch's CPU allocator over the simulated GPU
+ * (sim_runtime_attach_allocator), every tensor has one; without it, the
+ * calling thread's current device. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* dlopen flags */
+#endif
+#include "testing.h"
+#include "cuda/cudart_sim.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef void (*handout_fn)(int device, void *stream, void *ptr, uint64_t bytes);
+
+/* The allocator library's entry points, set once by
+ * sim_runtime_attach_allocator with the GIL held and never changed. */
+static void (*allocator_record_stream)(void *ptr, void *stream);
+
+/* Copies back that find no device memory (sim_runtime_fail_fetches);
+ * guarded by the GIL. */
+static struct {
+    uint64_t skip, count;
+} failing_fetches;
+
+static const cudart *
+sim_load(void)
+{
+    return cudart_sim();
+}
+
+static int
+storage_ptr(PyObject *storage, void **ptr)
+{
+    PyObject *value = PyObject_CallMethod(storage, "data_ptr", NULL);
+    if (value == NULL)
+        return -1;
+    *ptr = PyLong_AsVoidPtr(value);
+    Py_DECREF(value);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int
+sim_tensor_device(mp_state *st, PyObject *tensor, PyObject *device_obj, int *index)
+{
+    PyObject *type = PyObject_GetAttr(device_obj, st->str_type);
+    if (type == NULL)
+        return -1;
+    int is_cpu = PyUnicode_Compare(type, st->str_cpu) == 0;
+    Py_DECREF(type);
+    if (!is_cpu)
+        return 0;
+    PyObject *storage = PyObject_CallMethod(tensor, "untyped_storage", NULL);
+    void *ptr = NULL;
+    int failed = storage == NULL || storage_ptr(storage, &ptr) < 0;
+    Py_XDECREF(storage);
+    if (failed)
+        return -1;
+    int device = cudart_sim_device_of(ptr);
+    *index = device >= 0 ? device : cudart_sim_current_device();
+    return 1;
+}
+
+static int
+sim_current_stream(mp_state *st, int device, void **stream)
+{
+    (void)st;
+    *stream = cudart_sim_current_stream(device);
+    return 0;
+}
+
+static int
+sim_record_stream(mp_state *st, PyObject *storage, int device, void *stream)
+{
+    (void)st;
+    (void)device;
+    void *ptr;
+    if (allocator_record_stream == NULL)
+        return 0;
+    if (storage_ptr(storage, &ptr) < 0)
+        return -1;
+    allocator_record_stream(ptr, stream);
+    return 0;
+}
+
+static int
+sim_has_context(mp_state *st, int device)
+{
+    (void)st;
+    return device >= 0 && device < CUDART_SIM_DEVICES &&
+           cudart_sim_get_stats().has_context[device];
+}
+
+/* torch.empty on the CPU with `device` current, so the allocator harness
+ * takes the memory from that device. */
+static PyObject *
+raise_out_of_memory(mp_state *st, uint64_t nbytes)
+{
+    PyObject *type = PyObject_GetAttrString(st->torch_module, "OutOfMemoryError");
+    if (type != NULL)
+        PyErr_Format(type, "simulated GPU: out of memory copying %llu bytes back",
+                     (unsigned long long)nbytes);
+    Py_XDECREF(type);
+    return NULL;
+}
+
+static PyObject *
+sim_empty_bytes(mp_state *st, int device, PyObject *device_obj, uint64_t nbytes)
+{
+    if (failing_fetches.skip > 0) {
+        failing_fetches.skip--;
+    } else if (failing_fetches.count > 0) {
+        failing_fetches.count--;
+        return raise_out_of_memory(st, nbytes);
+    }
+    int previous = cudart_sim_current_device();
+    if (cudart_sim_set_current_device(device) != CUDART_SUCCESS)
+        return PyErr_Format(PyExc_RuntimeError, "simulated GPU: no device %d", device);
+    PyObject *kwargs = Py_BuildValue("{sOsO}", "dtype", st->uint8_dtype, "device", device_obj);
+    PyObject *args = kwargs ? Py_BuildValue("((K))", (unsigned long long)nbytes) : NULL;
+    PyObject *tensor = args ? PyObject_Call(st->torch_empty, args, kwargs) : NULL;
+    Py_XDECREF(kwargs);
+    Py_XDECREF(args);
+    (void)cudart_sim_set_current_device(previous);
+    return tensor;
+}
+
+const offload_runtime offload_runtime_sim = {
+    .name = "simulated",
+    .load = sim_load,
+    .tensor_device = sim_tensor_device,
+    .current_stream = sim_current_stream,
+    .record_stream = sim_record_stream,
+    .has_context = sim_has_context,
+    .empty_bytes = sim_empty_bytes,
+};
+
+void
+sim_runtime_fail_fetches(uint64_t skip, uint64_t count)
+{
+    failing_fetches.skip = skip;
+    failing_fetches.count = count;
+}
+
+void
+sim_runtime_where(int *device, void **stream)
+{
+    *device = cudart_sim_current_device();
+    *stream = cudart_sim_current_stream(*device);
+}
+
+/* A block handed out is about to be used by a CPU kernel on `stream`: the
+ * stream catches up first, then the block is filled with NaN bytes, so a
+ * copy still reading or writing it is seen as wrong data. */
+static void
+handout(int device, void *stream, void *ptr, uint64_t bytes)
+{
+    int status = cudart_sim_launch(device, stream);
+    if (status != CUDART_SUCCESS)
+        fprintf(stderr, "simulated GPU: a kernel on device %d waits forever (%d)\n", device,
+                status);
+    memset(ptr, 0xff, (size_t)bytes);
+}
+
+int
+sim_runtime_attach_allocator(PyObject *path)
+{
+    const char *file = PyUnicode_AsUTF8(path);
+    if (file == NULL)
+        return -1;
+    void *library = dlopen(file, RTLD_NOW | RTLD_LOCAL);
+    int (*use_runtime)(const cudart *, handout_fn) =
+        library ? (int (*)(const cudart *, handout_fn))dlsym(library, "matepoint_alloc_use_runtime")
+                : NULL;
+    void (*record)(void *, void *) =
+        library ? (void (*)(void *, void *))dlsym(library, "matepoint_record_stream") : NULL;
+    if (use_runtime == NULL || record == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "matepoint: %s is not a test build of the allocator "
+                     "library (%s)", file, library ? "no test entry point" : dlerror());
+        return -1;
+    }
+    if (allocator_record_stream == NULL && use_runtime(cudart_sim(), handout) < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "matepoint: the allocator library was already in "
+                        "use in this process; attach it to the simulated GPU first");
+        return -1;
+    }
+    allocator_record_stream = record;
+    return 0;
+}

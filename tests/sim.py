@@ -1,0 +1,119 @@
+"""The simulated GPU of test builds (csrc/cuda/cudart_sim.h), for tests.
+
+CPU tensors stand for device tensors: matepoint's allocator library, running
+over the simulated runtime, replaces torch's CPU allocator, so every tensor
+lives in one simulated device's memory, is handed out on the thread's
+current stream of the thread's current device, is reused in stream order
+only, and is filled with NaN bytes when handed out (memory reused while a
+copy still reads or writes it shows up as wrong data). A CPU kernel runs the
+moment it is launched, so each allocation first lets its stream catch up:
+the "GPU" otherwise lags as far as a test likes."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from typing import Iterator, List, Optional, Tuple
+
+import pytest
+
+from matepoint import _C, _oom
+from matepoint._allocator import allocator_path
+
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c", "host_cpu_allocator.cpp")
+EVERYTHING = 1 << 62   # operations per call: a GPU that keeps up with the CPU
+
+_memory: Optional[Tuple[ctypes.CDLL, ctypes.CDLL, int]] = None
+_side_streams: List[int] = []
+
+
+# For scripts run in a subprocess: offload on a simulated GPU that keeps up.
+SCRIPT_OFFLOAD = ("from matepoint import _C as _sim_c; _sim_c._simulate_cuda(True); "
+                  "_sim_c._sim_set_progress(1 << 62)")
+
+
+def require_test_build() -> None:
+    """The simulated GPU exists only in test builds (MATEPOINT_TESTING=1)."""
+    if getattr(_C, "TEST_BUILD", 0):
+        return
+    message = "needs a test build: MATEPOINT_TESTING=1 pip install -e . (make test does)"
+    if os.environ.get("MATEPOINT_TESTING") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _attach() -> Tuple[ctypes.CDLL, ctypes.CDLL, int]:
+    """Once per process: the allocator library over the simulated GPU, its
+    out-of-memory handler, and the CPU-allocator harness."""
+    global _memory
+    if _memory is None:
+        path = allocator_path()
+        library = ctypes.CDLL(path)
+        where = _C._sim_attach_allocator(path)
+        assert _oom.attach_oom_handler(library), "the OOM unit could not be built"
+        harness = ctypes.CDLL(_oom.build_library(HARNESS, "host_cpu_allocator"))
+        _memory = (library, harness, where)
+    return _memory
+
+
+@contextlib.contextmanager
+def device_memory(enabled: bool = True) -> Iterator[Optional[ctypes.CDLL]]:
+    """torch's CPU tensors come from the simulated devices meanwhile (or,
+    not `enabled`, from torch's own allocator as before)."""
+    if not enabled:
+        yield None
+        return
+    library, harness, where = _attach()
+    pointer = ctypes.c_void_p
+    harness.matepoint_test_use_sim_cpu_allocator(
+        ctypes.cast(library.matepoint_malloc, pointer), ctypes.cast(library.matepoint_free, pointer),
+        pointer(where))
+    try:
+        yield library
+    finally:
+        harness.matepoint_test_restore_cpu_allocator()
+
+
+@contextlib.contextmanager
+def device(index: int) -> Iterator[None]:
+    """cudaSetDevice for the block (torch.cuda.device)."""
+    previous = _C._sim_get_device()
+    _C._sim_set_device(index)
+    try:
+        yield
+    finally:
+        _C._sim_set_device(previous)
+
+
+@contextlib.contextmanager
+def stream(index: int, handle: Optional[int]) -> Iterator[None]:
+    """torch.cuda.stream: `handle` is the current stream of device `index`."""
+    previous = _C._sim_current_stream(index)
+    _C._sim_set_stream(index, handle)
+    try:
+        yield
+    finally:
+        _C._sim_set_stream(index, previous)
+
+
+def side_streams() -> List[int]:
+    """Two streams of device 0 besides its legacy one, made once per process:
+    the allocator keys cached blocks by stream, and a destroyed handle's
+    address may come back as another stream's."""
+    if not _side_streams:
+        _side_streams.extend(_C._sim_stream_create(0) for _ in range(2))
+    return list(_side_streams)
+
+
+def long_lived_streams() -> int:
+    return len(_side_streams)
+
+
+def finish() -> None:
+    """Let the "GPU" run everything queued; nothing may wait forever."""
+    _C._sim_advance(EVERYTHING)
+    assert _C._sim_stats()["ops_queued"] == 0, "queued work waits forever"
+
+
+def assert_no_cuda_error() -> None:
+    assert _C._sim_peek_last_error() == 0, f"CUDA last error left: {_C._sim_peek_last_error()}"

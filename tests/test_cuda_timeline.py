@@ -1,0 +1,139 @@
+"""The GPU-timeline cases of tests/test_gpu_timeline.py on a real GPU, with
+the GPU held back (torch.cuda._sleep) so the CPU runs far ahead of it and
+every release and reuse happens while copies are still in flight.
+
+Skipped without CUDA (see conftest.py); two-GPU cases need two GPUs."""
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import matepoint
+
+pytestmark = pytest.mark.cuda
+
+WIDTH, BATCH, DEPTH = 1024, 256, 8
+SLEEP_CYCLES = 20_000_000   # about 10 ms per block on a current GPU
+
+
+@pytest.fixture
+def cuda_offload():
+    saved = matepoint.options
+    matepoint.set_options(offload=True, min_offload_bytes=1 << 16, offload_window=1)
+    yield
+    torch.cuda.synchronize()
+    gc.collect()
+    matepoint.set_options(**{n: getattr(saved, n) for n in saved.__dataclass_fields__})
+
+
+class Slow(nn.Module):
+    """A block the GPU is slow to run: the CPU queues far ahead of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return self.inner(x)
+
+
+def grads_of(blocks: nn.ModuleList, x: torch.Tensor, wrap, devices) -> list:
+    blocks.zero_grad(set_to_none=True)
+    leaf = x.detach().clone().requires_grad_(True)
+    h = leaf
+    for block, device in zip(blocks, devices):
+        h = wrap(block, h.to(device))
+    (h.float() ** 2).mean().backward()
+    torch.cuda.synchronize()
+    return [leaf.grad.cpu()] + [p.grad.cpu() for p in blocks.parameters()]
+
+
+def plain(fn, x):
+    return fn(x)
+
+
+def assert_exact(got: list, expected: list) -> None:
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_regions_alternating_between_two_gpus(cuda_offload) -> None:
+    torch.manual_seed(0)
+    devices = [f"cuda:{i % 2}" for i in range(DEPTH)]
+    blocks = nn.ModuleList(Slow().to(d) for d in devices)
+    x = torch.randn(BATCH, WIDTH, device="cuda:0")
+    expected = grads_of(blocks, x, plain, devices)
+    torch.cuda.set_device(0)
+    got = grads_of(blocks, x, matepoint.checkpoint, devices)
+    assert_exact(got, expected)
+
+
+def test_checkpoint_under_side_streams(cuda_offload) -> None:
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Slow() for _ in range(DEPTH)).cuda()
+    x = torch.randn(BATCH, WIDTH, device="cuda")
+    devices = ["cuda"] * DEPTH
+    expected = grads_of(blocks, x, plain, devices)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    calls = [0]
+
+    def alternate(fn, h):
+        stream = streams[calls[0] % 2]
+        calls[0] += 1
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = matepoint.checkpoint(fn, h)
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    got = grads_of(blocks, x, alternate, devices)
+    assert_exact(got, expected)
+
+
+def test_pageable_fallback_leaves_no_cuda_error(cuda_offload) -> None:
+    matepoint.set_options(pool_limit_bytes=1 << 16)   # smaller than one input: all pageable
+    matepoint.empty_pool()
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Slow() for _ in range(4)).cuda()
+    x = torch.randn(BATCH, WIDTH, device="cuda")
+    devices = ["cuda"] * 4
+    expected = grads_of(blocks, x, plain, devices)
+    with pytest.warns(RuntimeWarning, match="pageable"):
+        got = grads_of(blocks, x, matepoint.checkpoint, devices)
+    torch.cuda.synchronize()    # raises if a CUDA error was left behind
+    assert_exact(got, expected)
+    assert matepoint.pool_stats()["fallbacks"] >= 4
+
+
+def test_out_of_memory_in_backward_then_retry(cuda_offload) -> None:
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Slow() for _ in range(DEPTH)).cuda()
+    x = torch.randn(BATCH, WIDTH, device="cuda")
+    devices = ["cuda"] * DEPTH
+    expected = grads_of(blocks, x, plain, devices)
+    blocks.zero_grad(set_to_none=True)
+    leaf = x.detach().clone().requires_grad_(True)
+    h = leaf
+    for block in blocks:
+        h = matepoint.checkpoint(block, h)
+    loss = (h.float() ** 2).mean()
+    # hold nearly all free memory: backward's copies back run out of it
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(max(free - (8 << 20), 0), dtype=torch.uint8, device="cuda")
+    with pytest.raises(torch.OutOfMemoryError):
+        loss.backward(retain_graph=True)
+    del hog
+    fresh = [torch.full((BATCH, WIDTH), 7.0, device="cuda") for _ in range(32)]
+    torch.cuda.synchronize()
+    assert all(bool((t == 7.0).all()) for t in fresh), "a copy back overwrote fresh memory"
+    blocks.zero_grad(set_to_none=True)
+    leaf.grad = None
+    loss.backward()
+    torch.cuda.synchronize()
+    got = [leaf.grad.cpu()] + [p.grad.cpu() for p in blocks.parameters()]
+    assert_exact(got, expected)
