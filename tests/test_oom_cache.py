@@ -10,6 +10,7 @@ subprocess, with MATEPOINT_CACHE_DIR and TMPDIR under the test's folder."""
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -190,6 +191,16 @@ def test_key_follows_architecture_compiler_and_torch(tmp_path: Path,
     assert _oom.cache_key(SOURCE) != same_binary  # same path, another file
 
 
+def stop_sleeper(child: Path) -> None:
+    """Kills the hanging compiler's child if a failing run left it behind."""
+    if not child.exists():
+        return
+    pid = int(child.read_text())
+    command = Path(f"/proc/{pid}/cmdline")
+    if command.exists() and b"sleep" in command.read_bytes():
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_hanging_compiler_is_killed_and_not_retried(tmp_path: Path) -> None:
     calls, child = tmp_path / "calls", tmp_path / "child"
     # the compiler's own child holds the output pipe: killing the script
@@ -197,14 +208,16 @@ def test_hanging_compiler_is_killed_and_not_retried(tmp_path: Path) -> None:
     cxx = compiler_script(tmp_path / "cxx",
                           f'echo run >> "{calls}"\nsleep 600 &\necho $! > "{child}"\nwait\n')
     env = environment(tmp_path, CXX=str(cxx), MATEPOINT_BUILD_TIMEOUT="1")
-    first = run_python(ATTACH_SCRIPT, env)
+    try:
+        first = run_python(ATTACH_SCRIPT, env)
+        status = Path(f"/proc/{int(child.read_text())}/stat")
+        assert not status.exists() or status.read_text().split(")")[1].split()[0] in "ZX"
+    finally:
+        stop_sleeper(child)
     assert not first["attached"] and len(first["warnings"]) == 1, first
     warning = first["warnings"][0]
     assert "stop the process" in warning and "torch.OutOfMemoryError" in warning, warning
     assert "longer than 1 s and was killed" in warning and "MATEPOINT_BUILD_TIMEOUT" in warning
-    sleeper = int(child.read_text())
-    status = Path(f"/proc/{sleeper}/stat")
-    assert not status.exists() or status.read_text().split(")")[1].split()[0] in "ZX"
     markers = list((tmp_path / "cache").glob("oom_raise-*.failed"))
     assert len(markers) == 1 and "was killed" in markers[0].read_text()
     assert str(markers[0]) in warning and "MATEPOINT_BUILD_RETRY=1" in warning
@@ -214,7 +227,10 @@ def test_hanging_compiler_is_killed_and_not_retried(tmp_path: Path) -> None:
     assert str(markers[0]) in second["warnings"][0]
     assert calls.read_text().split() == ["run"]   # the compiler did not run again
 
-    run_python(ATTACH_SCRIPT, dict(env, MATEPOINT_BUILD_RETRY="1"))
+    try:
+        run_python(ATTACH_SCRIPT, dict(env, MATEPOINT_BUILD_RETRY="1"))
+    finally:
+        stop_sleeper(child)
     assert calls.read_text().split() == ["run", "run"]
 
 
