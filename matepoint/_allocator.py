@@ -30,7 +30,7 @@ def allocator_path() -> str:
     return matches[0]
 
 
-def install_allocator() -> None:
+def install_allocator() -> bool:
     """Make matepoint's allocator torch's CUDA allocator for this process.
 
     Call it at program start, before anything touches CUDA memory. Under it,
@@ -38,12 +38,19 @@ def install_allocator() -> None:
     inside a pluggable allocator): use matepoint.memory_stats() instead.
     Running out of memory raises torch.OutOfMemoryError as under torch's
     allocator; the first call compiles the small C++ unit that raises it
-    (see matepoint/_oom.py), which takes about a second, once.
-    Calling it again once installed does nothing.
+    (see matepoint/_oom.py), which takes about a second, once (then it is
+    cached; the compiler is stopped after MATEPOINT_BUILD_TIMEOUT seconds,
+    default 120).
+
+    Returns whether out of memory raises torch.OutOfMemoryError (also
+    ``matepoint.memory_stats()["oom_raises"]``). When it cannot (no C++
+    compiler, a failed or timed-out build), a RuntimeWarning at this call
+    says why: out of memory then stops the process. Calling it again once
+    installed does nothing and returns the same answer.
     """
     global _installed
     if _installed:
-        return
+        return _oom.handler_state().attached
     if not torch.cuda.is_available():
         raise RuntimeError("matepoint.install_allocator: CUDA is not available in this process")
     if torch.cuda.is_initialized():
@@ -53,7 +60,7 @@ def install_allocator() -> None:
     path = allocator_path()
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "matepoint_malloc", "matepoint_free")
     library = ctypes.CDLL(path)
-    _oom.attach_oom_handler(library)
+    raises = _oom.attach_oom_handler(library)
     for setter, entry in _HOOKS.items():
         register = getattr(pluggable._allocator, setter, None)
         if register is not None:
@@ -61,6 +68,7 @@ def install_allocator() -> None:
     torch.cuda.memory.change_current_allocator(pluggable)
     _C._attach_allocator(path)
     _installed = True
+    return raises
 
 
 def is_installed() -> bool:
@@ -80,13 +88,17 @@ def memory_stats(device: int = 0) -> Dict[str, Any]:
     allocated/reserved bytes (current and peak), requested bytes, counts of
     mallocs, frees, cache hits, device allocations and frees, OOM retries,
     and ``tags``: live and peak bytes per checkpointed region and phase
-    (region 0 is memory allocated outside any checkpoint).
+    (region 0 is memory allocated outside any checkpoint), and
+    ``oom_raises``: whether running out of memory raises
+    torch.OutOfMemoryError (False: it stops the process; install_allocator()
+    warned why).
     """
     per_device = _C._allocator_stats()
     if not 0 <= device < len(per_device):
         raise ValueError(f"matepoint.memory_stats: no device {device} (have {len(per_device)})")
     stats = dict(per_device[device])
     stats["tags"] = _tag_rows(stats["tags"])
+    stats["oom_raises"] = _oom.handler_state().attached
     return stats
 
 

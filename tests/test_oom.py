@@ -24,7 +24,8 @@ HOST_SCRIPT = textwrap.dedent("""
     lib = ctypes.CDLL(path)
     assert _oom.attach_oom_handler(lib)
     _C._attach_allocator(path)
-    harness = ctypes.CDLL(_oom.build_library(HARNESS, "host_cpu_allocator"))
+    assert matepoint.memory_stats()["oom_raises"]
+    harness = _oom.load_library(HARNESS, "host_cpu_allocator")
     harness.matepoint_test_use_as_cpu_allocator(
         ctypes.cast(lib.matepoint_malloc, ctypes.c_void_p),
         ctypes.cast(lib.matepoint_free, ctypes.c_void_p))
