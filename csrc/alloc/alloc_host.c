@@ -16,6 +16,8 @@ alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes)
     ctx->capacity_bytes = capacity_bytes;
     ctx->live_bytes = 0;
     atomic_store(&ctx->live_events, 0);
+    atomic_store(&ctx->events_recorded, 0);
+    atomic_store(&ctx->event_queries, 0);
     pthread_mutex_init(&ctx->lock, NULL);
 }
 
@@ -37,7 +39,9 @@ host_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
     alloc_host_ctx *host = ctx;
     (void)device;
     pthread_mutex_lock(&host->lock);
-    int refused = host->capacity_bytes != 0 && host->live_bytes + bytes > host->capacity_bytes;
+    /* live + bytes > capacity, without wrapping */
+    int refused = host->capacity_bytes != 0 && (bytes > host->capacity_bytes ||
+                                                host->live_bytes > host->capacity_bytes - bytes);
     if (!refused)
         host->live_bytes += bytes;
     pthread_mutex_unlock(&host->lock);
@@ -74,6 +78,7 @@ host_event_record(void *ctx, int device, void *stream, void **event)
     e->stream = stream;
     e->mark = stream ? atomic_load(&e->stream->submitted) : 0;
     atomic_fetch_add(&host->live_events, 1);
+    atomic_fetch_add(&host->events_recorded, 1);
     *event = e;
     return ALLOC_OK;
 }
@@ -81,8 +86,9 @@ host_event_record(void *ctx, int device, void *stream, void **event)
 static int
 host_event_query(void *ctx, void *event)
 {
+    alloc_host_ctx *host = ctx;
     host_event *e = event;
-    (void)ctx;
+    atomic_fetch_add(&host->event_queries, 1);
     return e->stream == NULL || atomic_load(&e->stream->completed) >= e->mark;
 }
 
