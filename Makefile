@@ -69,7 +69,7 @@ valgrind:
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_pool \
 	  tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c -lpthread
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_alloc \
-	  tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c -lpthread
+	  tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c -lpthread
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_planner \
 	  tests/c/test_planner.c csrc/planner/planner.c -lm
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_cudart_sim \
@@ -79,9 +79,9 @@ valgrind:
 	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
 
-build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc.h csrc/alloc/alloc_host.h
+build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c csrc/alloc/alloc.h csrc/alloc/alloc_host.h
 	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c -lpthread
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c -lpthread
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -1,8 +1,10 @@
 #define _GNU_SOURCE /* rand_r */
 /* Unit tests of the caching allocator (csrc/alloc) on its host backend. */
 #include "alloc/alloc.h"
+#include "alloc/alloc_cuda.h"
 #include "alloc/alloc_host.h"
 #include "check.h"
+#include "cuda/cudart.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -397,6 +399,115 @@ test_on_handout_hook_runs_after_the_lock(void)
     finish(a, &ctx);
 }
 
+/* ---- CUDA backend over a fake runtime that keeps a per-thread last error */
+
+static _Thread_local int fake_last_error;
+static int fake_events_pending, fake_fail_record;
+static char fake_memory[4][2 << 20];
+static int fake_segments, fake_events_live;
+
+static int
+fake_fail(int status)
+{
+    fake_last_error = status;
+    return status;
+}
+
+static int fake_get_device(int *device) { *device = 0; return CUDART_SUCCESS; }
+static int fake_set_device(int device) { (void)device; return CUDART_SUCCESS; }
+static int fake_free(void *ptr) { (void)ptr; fake_segments--; return CUDART_SUCCESS; }
+static int fake_synchronize(void) { fake_events_pending = 0; return CUDART_SUCCESS; }
+static int fake_get_last_error(void) { int e = fake_last_error; fake_last_error = 0; return e; }
+static const char *fake_error_string(int status) { (void)status; return "fake error"; }
+
+static int
+fake_malloc(void **ptr, size_t bytes)
+{
+    if (bytes > sizeof(fake_memory[0]) || fake_segments == 4)
+        return fake_fail(CUDART_ERROR_MEMORY_ALLOCATION);
+    *ptr = fake_memory[fake_segments++];
+    return CUDART_SUCCESS;
+}
+
+static int
+fake_event_create(void **event, unsigned flags)
+{
+    (void)flags;
+    fake_events_live++;
+    *event = malloc(1);
+    return CUDART_SUCCESS;
+}
+
+static int
+fake_event_destroy(void *event)
+{
+    fake_events_live--;
+    free(event);
+    return CUDART_SUCCESS;
+}
+
+static int
+fake_event_record(void *event, void *stream)
+{
+    (void)event;
+    (void)stream;
+    return fake_fail_record ? fake_fail(700) : CUDART_SUCCESS;
+}
+
+static int
+fake_event_query(void *event)
+{
+    (void)event;
+    return fake_events_pending ? fake_fail(CUDART_ERROR_NOT_READY) : CUDART_SUCCESS;
+}
+
+static int
+fake_event_synchronize(void *event)
+{
+    (void)event;
+    fake_events_pending = 0;
+    return CUDART_SUCCESS;
+}
+
+static const cudart fake_runtime = {
+    .get_device = fake_get_device, .set_device = fake_set_device, .malloc = fake_malloc,
+    .free = fake_free, .event_create = fake_event_create, .event_destroy = fake_event_destroy,
+    .event_record = fake_event_record, .event_query = fake_event_query,
+    .event_synchronize = fake_event_synchronize, .device_synchronize = fake_synchronize,
+    .get_last_error = fake_get_last_error, .get_error_string = fake_error_string,
+};
+
+/* Every failure the CUDA backend goes on from leaves no last error behind
+ * for torch's next launch check to raise. */
+static void
+test_cuda_backend_clears_recovered_errors(void)
+{
+    char s1, s2;
+    alloc_backend backend = alloc_cuda_backend(&fake_runtime);
+    CHECK(backend.on_handout == NULL);
+    allocator *a = alloc_create(backend, 1);
+    void *p = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, p, &s2) == 0);
+    alloc_free(a, p, 0);
+    fake_events_pending = 1;
+    void *q = alloc_malloc(a, 4096, 0, &s1, 0);     /* cudaEventQuery: not ready */
+    CHECK(q != NULL && q != p && fake_last_error == 0);
+    fake_fail_record = 1;                           /* cudaEventRecord fails at the free */
+    CHECK(alloc_record_stream(a, q, &s2) == 0);
+    alloc_free(a, q, 0);
+    CHECK(fake_last_error == 0 && fake_events_live == 1);
+    fake_fail_record = 0;
+    void *half[9];
+    for (int i = 0; i < 9; i++)                     /* 4 segments: cudaMalloc fails for the last */
+        half[i] = alloc_malloc(a, MiB, 0, &s1, 0);
+    CHECK(half[7] != NULL && half[8] == NULL && fake_last_error == 0);
+    CHECK(alloc_get_stats(a, 0).oom_retries == 1 && fake_events_live == 0);
+    for (int i = 0; i < 8; i++)
+        alloc_free(a, half[i], 0);
+    alloc_destroy(a);
+    CHECK(fake_segments == 0 && fake_events_live == 0 && fake_last_error == 0);
+}
+
 static void
 test_tags_are_exact(void)
 {
@@ -593,6 +704,7 @@ main(void)
     test_out_of_memory_releases_cache_then_fails_cleanly();
     test_huge_requests_are_out_of_memory();
     test_on_handout_hook_runs_after_the_lock();
+    test_cuda_backend_clears_recovered_errors();
     test_tags_are_exact();
     test_randomized_operations_keep_invariants();
     test_threads_stress();
