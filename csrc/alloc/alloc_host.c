@@ -3,6 +3,7 @@
 #endif
 #include "alloc_host.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 
 typedef struct {
@@ -47,7 +48,7 @@ host_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
     pthread_mutex_unlock(&host->lock);
     if (refused)
         return ALLOC_OUT_OF_MEMORY;
-    if (bytes > SIZE_MAX || posix_memalign(ptr, 512, (size_t)bytes) != 0) {
+    if (bytes > PTRDIFF_MAX || posix_memalign(ptr, 512, (size_t)bytes) != 0) {
         pthread_mutex_lock(&host->lock);
         host->live_bytes -= bytes;
         pthread_mutex_unlock(&host->lock);

@@ -5,12 +5,11 @@
 #include "alloc/alloc_host.h"
 #include "check.h"
 #include "cuda/cudart.h"
+#include "lock_probe.h"
 
-#include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define MiB (1ull << 20)
 
@@ -296,57 +295,6 @@ test_huge_requests_are_out_of_memory(void)
     CHECK(alloc_check(a, 0) == 0);
     alloc_free(a, small, 0);
     finish(a, &ctx);
-}
-
-/* Whether a lock is free right now, seen from another thread: runs `fn`
- * (which takes the lock) on a helper and waits up to 2 s for it. The
- * helper is joined by probe_join(), after the caller let the lock go. */
-typedef struct {
-    void (*fn)(void *);
-    void *arg;
-    pthread_t thread;
-    pthread_mutex_t lock;
-    pthread_cond_t finished;
-    int done;
-} lock_probe;
-
-static void *
-probe_main(void *arg)
-{
-    lock_probe *probe = arg;
-    probe->fn(probe->arg);
-    pthread_mutex_lock(&probe->lock);
-    probe->done = 1;
-    pthread_cond_signal(&probe->finished);
-    pthread_mutex_unlock(&probe->lock);
-    return NULL;
-}
-
-static int
-probe_lock_free(lock_probe *probe)
-{
-    struct timespec deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);
-    deadline.tv_sec += 2;
-    pthread_mutex_init(&probe->lock, NULL);
-    pthread_cond_init(&probe->finished, NULL);
-    probe->done = 0;
-    pthread_create(&probe->thread, NULL, probe_main, probe);
-    pthread_mutex_lock(&probe->lock);
-    int status = 0;
-    while (!probe->done && status != ETIMEDOUT)
-        status = pthread_cond_timedwait(&probe->finished, &probe->lock, &deadline);
-    int done = probe->done;
-    pthread_mutex_unlock(&probe->lock);
-    return done;
-}
-
-static void
-probe_join(lock_probe *probe)
-{
-    pthread_join(probe->thread, NULL);
-    pthread_cond_destroy(&probe->finished);
-    pthread_mutex_destroy(&probe->lock);
 }
 
 static struct {
