@@ -68,9 +68,9 @@ else
 	@echo "abi-check: csrc/cuda/cudart.h matches $(CUDA_INCLUDE)"
 endif
 
-build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool.h
+build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h tests/c/lock_probe.h csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c csrc/pool/pool.h
 	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c -lpthread
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c -lpthread
 
 build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h csrc/cuda/cudart_sim.c csrc/cuda/cudart_sim.h
 	@mkdir -p $(@D)
@@ -96,9 +96,9 @@ VALGRIND := valgrind -q --error-exitcode=1 --leak-check=full --errors-for-leak-k
 valgrind:
 	@mkdir -p build/valgrind
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_pool \
-	  tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c -lpthread
+	  tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c -lpthread
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_alloc \
-	  tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c -lpthread
+	  tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c -lpthread
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_planner \
 	  tests/c/test_planner.c csrc/planner/planner.c -lm
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_cudart_sim \
@@ -108,9 +108,9 @@ valgrind:
 	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
 
-build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc.h csrc/alloc/alloc_host.h
+build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h tests/c/lock_probe.h csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c csrc/alloc/alloc.h csrc/alloc/alloc_host.h
 	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c -lpthread
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c -lpthread
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -1,10 +1,22 @@
-"""Allocator benchmark (GPU): replay one training step's allocation trace.
+"""Allocator benchmarks: replay one training step's allocation trace.
 
-Records the device allocations of a forward+backward of the deep transformer
-stack with torch's memory history, then replays the same sequence of
-malloc/free (sizes and streams) through torch's native caching allocator and
-through matepoint's, each in a fresh process. Reports the median latency of
-malloc+free and peak reserved / peak allocated for both, side by side.
+GPU (default): records the device allocations of a forward+backward of the
+deep transformer stack with torch's memory history, then replays the same
+sequence of malloc/free (sizes and streams) through torch's native caching
+allocator and through matepoint's, each in a fresh process. Reports the
+median latency of malloc+free and peak reserved / peak allocated for both.
+
+Host (``--host``, no GPU needed): replays a synthetic multi-stream step (a
+compute stream plus side streams that allocate gathered parameters and
+reduce buffers used on the compute stream, as FSDP's all-gather and NCCL
+streams do) through matepoint's allocator on its host backend, with 1 and
+with 4 streams: the same sizes in the same order, only the streams (and the
+record_stream calls that come with them) differ. A small C driver
+(benchmarks/alloc_replay.c), compiled here against csrc/alloc, times the
+replay in thread CPU time (time descheduled on a shared machine is not
+counted), so no Python call is timed. Reports ns per malloc+free pair and
+the ratio 4-stream / 1-stream; ``--baseline REV`` builds the allocator of a git
+revision too and reports it beside.
 """
 from __future__ import annotations
 
@@ -12,6 +24,10 @@ import argparse
 import ctypes
 import json
 import logging
+import os
+import platform
+import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,16 +104,186 @@ def replay(ops: List[Op], backend: str) -> Dict[str, float]:
     return {"median_op_ns": statistics.median(steady), "reserved_over_allocated": peaks[0] / peaks[1]}
 
 
+# ---- host backend: synthetic multi-stream trace -------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALLOC_SOURCES = ("alloc.c", "alloc.h", "alloc_host.c", "alloc_host.h")
+
+
+def synthetic_step(depth: int, streams: int, seed: int = 0) -> List[str]:
+    """One forward+backward of a `depth`-layer stack as trace lines.
+
+    Per layer the compute stream (0) allocates temporaries and two saved
+    activations; a side stream allocates the gathered parameters (forward and
+    backward) and a gradient reduce buffer, used on the compute stream
+    (record_stream) and freed after the layer. The GPU catches up once per
+    layer ("c"). With one stream every allocation is on stream 0 and no
+    record_stream happens; the sizes and their order are the same.
+    """
+    rng = random.Random(seed)
+    lines: List[str] = []
+    next_id = 0
+
+    def alloc(size: int, stream: int) -> int:
+        nonlocal next_id
+        lines.append(f"a {next_id} {size} {stream}")
+        next_id += 1
+        return next_id - 1
+
+    def side(layer: int) -> int:
+        return 1 + layer % (streams - 1) if streams > 1 else 0
+
+    def used_on_compute(ident: int, stream: int) -> None:
+        if stream != 0:
+            lines.append(f"r {ident} 0")
+
+    def temporaries(count: int) -> None:
+        held = []
+        for _ in range(count):
+            size = rng.choice((512, 4096, 65536, 1 << 20, 3 << 20)) + rng.randrange(4096)
+            held.append(alloc(size, 0))
+            if len(held) > 2:
+                lines.append(f"f {held.pop(rng.randrange(len(held)))}")
+        lines.extend(f"f {ident}" for ident in held)
+
+    saved: List[List[int]] = []
+    param_bytes, act_bytes = 6 << 20, 2 << 20
+    for layer in range(depth):
+        stream = side(layer)
+        gathered = alloc(param_bytes, stream)
+        used_on_compute(gathered, stream)
+        temporaries(6)
+        saved.append([alloc(act_bytes, 0), alloc(act_bytes // 4 + rng.randrange(4096), 0)])
+        lines.append(f"f {gathered}")
+        lines.append("c")
+    for layer in reversed(range(depth)):
+        stream = side(layer)
+        gathered = alloc(param_bytes, stream)
+        used_on_compute(gathered, stream)
+        temporaries(8)
+        grad = alloc(param_bytes, 0)
+        reduced = alloc(param_bytes // 4, stream)
+        used_on_compute(reduced, stream)
+        lines.extend(f"f {ident}" for ident in saved.pop())
+        lines.append(f"f {gathered}")
+        lines.append(f"f {grad}")
+        lines.append(f"f {reduced}")
+        lines.append("c")
+    return lines
+
+
+def build_replay(workdir: str, revision: str = "") -> str:
+    """Compiles benchmarks/alloc_replay.c against csrc/alloc (of `revision`
+    when given, else the working tree); returns the executable's path."""
+    source_dir = os.path.join(workdir, revision or "tree", "alloc")
+    os.makedirs(source_dir, exist_ok=True)
+    for name in ALLOC_SOURCES:
+        target = os.path.join(source_dir, name)
+        if revision:
+            text = subprocess.run(["git", "-C", ROOT, "show", f"{revision}:csrc/alloc/{name}"],
+                                  capture_output=True, text=True, check=True).stdout
+            with open(target, "w") as handle:
+                handle.write(text)
+        else:
+            shutil.copy(os.path.join(ROOT, "csrc", "alloc", name), target)
+    binary = os.path.join(workdir, f"alloc_replay_{revision or 'tree'}")
+    cc = os.environ.get("CC", "cc")
+    subprocess.run([cc, "-std=c11", "-O2", "-DNDEBUG", "-I", os.path.dirname(source_dir), "-o",
+                    binary, os.path.join(ROOT, "benchmarks", "alloc_replay.c"),
+                    os.path.join(source_dir, "alloc.c"), os.path.join(source_dir, "alloc_host.c"),
+                    "-lpthread"], check=True)
+    return binary
+
+
+def run_replay(binary: str, trace: str, repeats: int) -> Dict[str, float]:
+    proc = subprocess.run([binary, trace, str(repeats)], capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout)
+
+
+def host_benchmark(depth: int, repeats: int, rounds: int, baseline: str) -> Dict[str, object]:
+    """Replays the synthetic step with 1 and 4 streams, interleaved over
+    `rounds`; the figure per configuration is the median over rounds of the
+    best pass (ns per malloc+free pair)."""
+    results: Dict[str, object] = {
+        "cpu": platform.processor() or platform.machine(), "machine": platform.node(),
+        "date": time.strftime("%Y-%m-%d"), "depth": depth, "repeats": repeats, "rounds": rounds,
+        "load_average_before": os.getloadavg()[0],
+    }
+    with open("/proc/cpuinfo") as handle:
+        names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+    if names:
+        results["cpu"] = f"{names[0]} ({len(names)} logical CPUs)"
+    with tempfile.TemporaryDirectory() as workdir:
+        builds = {"tree": build_replay(workdir)}
+        if baseline:
+            builds[baseline] = build_replay(workdir, baseline)
+        traces = {}
+        for streams in (1, 4):
+            traces[streams] = os.path.join(workdir, f"trace_{streams}.txt")
+            lines = synthetic_step(depth, streams)
+            with open(traces[streams], "w") as handle:
+                handle.write("\n".join(lines) + "\n")
+        samples: Dict[Tuple[str, int], List[Dict[str, float]]] = {}
+        for _ in range(rounds):
+            for name, binary in builds.items():
+                for streams, trace in traces.items():
+                    samples.setdefault((name, streams), []).append(
+                        run_replay(binary, trace, repeats))
+    for (name, streams), runs in samples.items():
+        entry = results.setdefault(name, {})
+        entry[f"{streams}_streams"] = {
+            "pair_ns": statistics.median(r["best_pair_ns"] for r in runs),
+            "pairs": runs[0]["pairs"], "segments": runs[0]["segments"],
+            "peak_reserved_over_allocated": runs[0]["peak_reserved_bytes"]
+            / runs[0]["peak_allocated_bytes"],
+        }
+        if streams == 4:
+            entry["ratio_4_over_1"] = entry["4_streams"]["pair_ns"] / entry["1_streams"]["pair_ns"]
+    return results
+
+
+def log_host(results: Dict[str, object]) -> None:
+    log.info("host backend, synthetic step (depth %d), %s, %s, load average %.1f before",
+             results["depth"], results["cpu"], results["date"], results["load_average_before"])
+    log.info("%-12s %8s %14s %10s %20s", "allocator", "streams", "ns per pair", "segments",
+             "reserved/allocated")
+    for name, entry in results.items():
+        if not isinstance(entry, dict):
+            continue
+        for streams in (1, 4):
+            r = entry[f"{streams}_streams"]
+            log.info("%-12s %8d %14.1f %10d %20.3f", name, streams, r["pair_ns"], r["segments"],
+                     r["peak_reserved_over_allocated"])
+        log.info("%-12s ratio 4-stream / 1-stream: %.3f", name, entry["ratio_4_over_1"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--depth", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--host", action="store_true",
+                        help="replay a synthetic 1- and 4-stream trace on the host backend (no GPU)")
+    parser.add_argument("--host-depth", type=int, default=48, help="layers of the synthetic step")
+    parser.add_argument("--repeats", type=int, default=30, help="host: timed passes per run")
+    parser.add_argument("--rounds", type=int, default=7, help="host: interleaved runs per case")
+    parser.add_argument("--baseline", default="", help="host: also build csrc/alloc of this git revision")
+    parser.add_argument("--json", help="host: write the results to this file")
     parser.add_argument("--replay", choices=["torch", "matepoint"], help=argparse.SUPPRESS)
     parser.add_argument("--trace", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.host:
+        for name in ("host_depth", "repeats", "rounds"):
+            if getattr(args, name) <= 0:
+                parser.error(f"--{name.replace('_', '-')} must be a positive integer")
+        results = host_benchmark(args.host_depth, args.repeats, args.rounds, args.baseline)
+        log_host(results)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(results, handle, indent=2)
+        return
     if not torch.cuda.is_available():
         log.info("alloc_bench needs a CUDA GPU")
         return

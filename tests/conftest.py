@@ -44,15 +44,15 @@ def _on_simulated_gpu(progress: int, device_memory: bool = True):
     try:
         with sim.device_memory(device_memory) as allocator:
             yield
+            sim.assert_no_cuda_error()
+            sim.finish()    # the GPU catches up eventually; then nothing may be held
             gc.collect()
             stats = matepoint.pool_stats()
             assert stats["bytes_in_use"] == 0, "a pool buffer outlived its graph"
             assert stats["device_bytes_in_flight"] == 0, stats
             assert _C._offload_copies() == []
-            sim.assert_no_cuda_error()
             assert _C._sim_stats()["launch_errors"] == launch_errors, \
                 "a kernel launch found a CUDA error left behind (torch would raise)"
-            sim.finish()
             if allocator is not None:
                 allocator.matepoint_reset()   # the allocator's events of pending frees go too
     finally:

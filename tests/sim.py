@@ -51,7 +51,7 @@ def _attach() -> Tuple[ctypes.CDLL, ctypes.CDLL, int]:
         library = ctypes.CDLL(path)
         where = _C._sim_attach_allocator(path)
         assert _oom.attach_oom_handler(library), "the OOM unit could not be built"
-        harness = ctypes.CDLL(_oom.build_library(HARNESS, "host_cpu_allocator"))
+        harness = _oom.load_library(HARNESS, "host_cpu_allocator")
         _memory = (library, harness, where)
     return _memory
 

@@ -204,3 +204,26 @@ def test_pinning_from_a_new_thread_creates_no_context_on_gpu_0(simulated):
         assert matepoint.pool_stats()["hits"] >= 2
     finally:
         _C._sim_set_device(0)
+
+
+def test_no_host_synchronization_with_the_gil_held(simulated):
+    """Pinning, freeing pinned buffers (cudaFreeHost), copies into pageable
+    memory and waits for copies in flight all make the host wait for the
+    GPU: never with the GIL held, which would stall every Python thread."""
+    before = dict(_C._sim_stats()["synchronized_under_gil"])
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    _, grads = train_step(model, x, matepoint.checkpoint)
+    matepoint.set_options(pool_limit_bytes=3 * INPUT_BYTES)   # drops cache, then pageable
+    with pytest.warns(RuntimeWarning, match="host synchronization"):
+        _, limited = train_step(model, x, matepoint.checkpoint)
+    matepoint.empty_pool()
+    hidden = torch.randn(BATCH, WIDTH, requires_grad=True) * 1.0
+    out = matepoint.checkpoint(nn.Linear(WIDTH, WIDTH), hidden)
+    del out, hidden                                              # dropped with copies in flight
+    after = _C._sim_stats()["synchronized_under_gil"]
+    assert {name: after[name] - before.get(name, 0) for name in after
+            if after[name] != before.get(name, 0)} == {}
+    assert_bitwise_equal(grads, expected)
+    assert_bitwise_equal(limited, expected)
+    assert _C._sim_stats()["pageable_copies"] > 0

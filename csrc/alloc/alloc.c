@@ -15,30 +15,52 @@
 
 typedef struct segment segment;
 typedef struct block block;
+typedef struct stream_state stream_state;
+typedef struct pending_event pending_event;
 
 struct block {
     uintptr_t ptr;
     uint64_t size, requested;
-    void *stream;                   /* last stream it was allocated on */
     segment *seg;
     block *prev, *next;             /* address neighbours inside the segment */
-    block *list_prev, *list_next;   /* free bucket or pending list */
+    block *list_prev, *list_next;   /* free bucket */
     block *map_next;                /* chain of the live-pointer table */
     uint64_t tag;
-    void *reuse_event;              /* on `stream`, recorded when another stream wants it */
-    void **events;                  /* pending: one per stream it was recorded on */
-    int n_events;
-    void **extra_streams;           /* streams from alloc_record_stream */
+    void **extra_streams;           /* streams from alloc_record_stream, recorded on at the free */
     int n_extra;
-    uint8_t allocated, pending, in_index;
+    int event_count;                /* events of its free not yet seen complete */
+    uint8_t allocated, in_index;
 };
 
+/* Blocks of a segment serve only the stream the segment was allocated on
+ * (torch's rule): reuse on that stream is ordered by the stream itself,
+ * so no event is needed, and no other stream ever waits on it. */
 struct segment {
     uintptr_t base;
     uint64_t size;
     int small;
+    stream_state *owner;
     block *first;
     segment *prev, *next;
+};
+
+/* An event recorded at a free on a stream that used the block. */
+struct pending_event {
+    void *event;
+    block *b;
+    pending_event *next;
+};
+
+/* One stream of a device: the free blocks of its segments, and the events
+ * frees recorded on it, oldest first. `stream` is a key only: nothing is
+ * recorded on it after the call that named it returned, so a stream
+ * destroyed since does no harm. Freed once it has neither. */
+struct stream_state {
+    void *stream;
+    block *buckets[2][BUCKETS];     /* [small][floor(log2 size)] */
+    uint64_t segments;
+    pending_event *head, *tail;
+    stream_state *next;
 };
 
 typedef struct {
@@ -49,8 +71,7 @@ typedef struct {
 typedef struct {
     pthread_mutex_t lock;
     int index;
-    block *buckets[2][BUCKETS];     /* [small][floor(log2 size)] */
-    block *pending;
+    stream_state *streams;          /* most recently allocated on first */
     segment *segments;
     block **map;                    /* live blocks by pointer */
     uint64_t map_size, map_count;
@@ -73,9 +94,12 @@ alloc_round_size(uint64_t size)
 {
     if (size < MIN_BLOCK)
         return MIN_BLOCK;
+    if (size > UINT64_MAX - (MIN_BLOCK - 1))
+        return 0;   /* rounding up would wrap to a tiny block */
     return (size + MIN_BLOCK - 1) & ~(uint64_t)(MIN_BLOCK - 1);
 }
 
+/* 0 when the segment size cannot be represented. */
 static uint64_t
 segment_size_for(uint64_t rounded)
 {
@@ -83,6 +107,8 @@ segment_size_for(uint64_t rounded)
         return SMALL_SEGMENT;
     if (rounded < MID_LIMIT)
         return LARGE_SEGMENT;
+    if (rounded > UINT64_MAX - (LARGE_ROUND - 1))
+        return 0;
     return (rounded + LARGE_ROUND - 1) & ~(uint64_t)(LARGE_ROUND - 1);
 }
 
@@ -117,23 +143,75 @@ list_remove(block **head, block *b)
 }
 
 static block **
-bucket_for(device_state *dev, block *b)
+bucket_for(block *b)
 {
-    return &dev->buckets[b->seg->small][bucket_of(b->size)];
+    return &b->seg->owner->buckets[b->seg->small][bucket_of(b->size)];
 }
 
 static void
-index_insert(device_state *dev, block *b)
+index_insert(block *b)
 {
-    list_push(bucket_for(dev, b), b);
+    list_push(bucket_for(b), b);
     b->in_index = 1;
 }
 
 static void
-index_remove(device_state *dev, block *b)
+index_remove(block *b)
 {
-    list_remove(bucket_for(dev, b), b);
+    list_remove(bucket_for(b), b);
     b->in_index = 0;
+}
+
+/* ---- streams --------------------------------------------------------------- */
+
+/* The state of `stream`, moved to the front: a device mostly allocates on
+ * one or two streams. NULL when the device has none for it. */
+static stream_state *
+stream_find(device_state *dev, void *stream)
+{
+    for (stream_state **link = &dev->streams; *link != NULL; link = &(*link)->next) {
+        stream_state *s = *link;
+        if (s->stream != stream)
+            continue;
+        *link = s->next;
+        s->next = dev->streams;
+        dev->streams = s;
+        return s;
+    }
+    return NULL;
+}
+
+/* The state of `stream`, made when missing; NULL without memory. */
+static stream_state *
+stream_get(device_state *dev, void *stream)
+{
+    stream_state *s = stream_find(dev, stream);
+    if (s == NULL && (s = calloc(1, sizeof(*s))) != NULL) {
+        s->stream = stream;
+        s->next = dev->streams;
+        dev->streams = s;
+    }
+    return s;
+}
+
+static int
+stream_unused(const stream_state *s)
+{
+    return s->segments == 0 && s->head == NULL;
+}
+
+static void
+stream_drop_if_unused(device_state *dev, stream_state *s)
+{
+    if (!stream_unused(s))
+        return;
+    for (stream_state **link = &dev->streams; *link != NULL; link = &(*link)->next) {
+        if (*link == s) {
+            *link = s->next;
+            free(s);
+            return;
+        }
+    }
 }
 
 /* ---- live-pointer table ---------------------------------------------------- */
@@ -263,27 +341,11 @@ tag_account(device_state *dev, uint64_t tag, uint64_t size, int allocate)
 
 /* ---- blocks and segments ------------------------------------------------- */
 
-static void
-drop_reuse_event(allocator *a, block *b)
-{
-    if (b->reuse_event != NULL) {
-        a->backend.event_free(a->backend.ctx, b->reuse_event);
-        b->reuse_event = NULL;
-    }
-}
-
-static int
-mergeable(const block *neighbour, const block *b)
-{
-    return neighbour != NULL && neighbour->in_index && neighbour->stream == b->stream;
-}
-
 /* Absorbs `victim`, the free block right after `b`, into `b`. */
 static void
-absorb_next(allocator *a, device_state *dev, block *b, block *victim)
+absorb_next(block *b, block *victim)
 {
-    index_remove(dev, victim);
-    drop_reuse_event(a, victim);
+    index_remove(victim);
     b->size += victim->size;
     b->next = victim->next;
     if (victim->next != NULL)
@@ -291,15 +353,13 @@ absorb_next(allocator *a, device_state *dev, block *b, block *victim)
     free(victim);
 }
 
-/* A block becomes free: merged with free neighbours of its stream, indexed. */
+/* A block becomes free: merged with its free neighbours, indexed. */
 static void
-insert_free(allocator *a, device_state *dev, block *b)
+insert_free(block *b)
 {
-    drop_reuse_event(a, b);
-    if (mergeable(b->prev, b)) {
+    if (b->prev != NULL && b->prev->in_index) {
         block *prev = b->prev;
-        index_remove(dev, prev);
-        drop_reuse_event(a, prev);
+        index_remove(prev);
         prev->size += b->size;
         prev->next = b->next;
         if (b->next != NULL)
@@ -307,21 +367,19 @@ insert_free(allocator *a, device_state *dev, block *b)
         free(b);
         b = prev;
     }
-    if (mergeable(b->next, b))
-        absorb_next(a, dev, b, b->next);
-    index_insert(dev, b);
+    if (b->next != NULL && b->next->in_index)
+        absorb_next(b, b->next);
+    index_insert(b);
 }
 
 /* Gives a segment whose blocks are all free back to the backend. Freeing
- * device memory waits for the device (cudaFree does), so blocks of several
- * streams may go together. */
+ * device memory waits for the device (cudaFree does), so no event is needed. */
 static void
 release_segment(allocator *a, device_state *dev, segment *seg)
 {
     for (block *b = seg->first, *next; b != NULL; b = next) {
         next = b->next;
-        index_remove(dev, b);
-        drop_reuse_event(a, b);
+        index_remove(b);
         if (b != seg->first)
             free(b);
     }
@@ -334,6 +392,8 @@ release_segment(allocator *a, device_state *dev, segment *seg)
         dev->segments = seg->next;
     if (seg->next != NULL)
         seg->next->prev = seg->prev;
+    seg->owner->segments--;
+    stream_drop_if_unused(dev, seg->owner);
     free(seg->first);
     free(seg);
 }
@@ -361,76 +421,64 @@ release_free_segments(allocator *a, device_state *dev)
     }
 }
 
-static int
-events_done(allocator *a, block *b, int wait)
+/* Retires the events frees recorded on one stream, oldest first, up to the
+ * first one not complete: later ones on the same stream cannot be complete
+ * before it, so querying them would only cost (torch's process_events).
+ * With `wait`, waits for each instead. A block whose last event completed
+ * returns to its stream's free blocks. Lock held. */
+static void
+retire_events(allocator *a, stream_state *s, int wait)
 {
-    for (int i = 0; i < b->n_events; i++) {
+    while (s->head != NULL) {
+        pending_event *e = s->head;
         if (wait)
-            a->backend.event_wait(a->backend.ctx, b->events[i]);
-        else if (a->backend.event_query(a->backend.ctx, b->events[i]) != 1)
-            return 0;
+            a->backend.event_wait(a->backend.ctx, e->event);
+        else if (a->backend.event_query(a->backend.ctx, e->event) != 1)
+            return;
+        s->head = e->next;
+        if (s->head == NULL)
+            s->tail = NULL;
+        a->backend.event_free(a->backend.ctx, e->event);
+        block *b = e->b;
+        free(e);
+        if (--b->event_count == 0)
+            insert_free(b);
     }
-    return 1;
 }
 
-/* Frees blocks whose cross-stream events completed (all of them if `wait`). */
+/* Retires completed events of every stream (all of them if `wait`) and
+ * forgets the streams left with nothing. Lock held. */
 static void
-free_events(allocator *a, block *b)
+process_events(allocator *a, device_state *dev, int wait)
 {
-    for (int i = 0; i < b->n_events; i++)
-        a->backend.event_free(a->backend.ctx, b->events[i]);
-    free(b->events);
-    b->events = NULL;
-    b->n_events = 0;
-}
-
-static void
-process_pending(allocator *a, device_state *dev, int wait)
-{
-    block *b = dev->pending;
-    while (b != NULL) {
-        block *next = b->list_next;
-        if (events_done(a, b, wait)) {
-            list_remove(&dev->pending, b);
-            free_events(a, b);
-            b->pending = 0;
-            insert_free(a, dev, b);
+    stream_state **link = &dev->streams;
+    while (*link != NULL) {
+        stream_state *s = *link;
+        retire_events(a, s, wait);
+        if (stream_unused(s)) {
+            *link = s->next;
+            free(s);
+        } else {
+            link = &s->next;
         }
-        b = next;
     }
 }
 
-/* A block freed on another stream may serve `stream` once an event recorded
- * on its old stream since the free has completed. The event is recorded
- * lazily, at the first such request: later than the free, so still safe. */
-static int
-usable_across_streams(allocator *a, device_state *dev, block *b)
-{
-    if (b->reuse_event == NULL &&
-        a->backend.event_record(a->backend.ctx, dev->index, b->stream, &b->reuse_event) != ALLOC_OK) {
-        b->reuse_event = NULL;
-        return 0;
-    }
-    return a->backend.event_query(a->backend.ctx, b->reuse_event) == 1;
-}
-
-/* Best fit among free blocks of the pool: same stream first. Lock held. */
+/* Best fit among the free blocks of `stream`'s segments. Lock held. */
 static block *
-find_free_block(allocator *a, device_state *dev, uint64_t size, int small, void *stream)
+find_free_block(device_state *dev, uint64_t size, int small, void *stream)
 {
-    for (int other_streams = 0; other_streams < 2; other_streams++) {
-        for (unsigned bucket = bucket_of(size); bucket < BUCKETS; bucket++) {
-            block *best = NULL;
-            for (block *b = dev->buckets[small][bucket]; b != NULL; b = b->list_next) {
-                if (b->size < size || (best != NULL && b->size >= best->size))
-                    continue;
-                if ((b->stream == stream) == !other_streams &&
-                    (!other_streams || usable_across_streams(a, dev, b)))
-                    best = b;
-            }
-            if (best != NULL)
-                return best;
+    stream_state *s = stream_find(dev, stream);
+    if (s == NULL)
+        return NULL;
+    for (unsigned bucket = bucket_of(size); bucket < BUCKETS; bucket++) {
+        block *best = NULL;
+        for (block *b = s->buckets[small][bucket]; b != NULL; b = b->list_next) {
+            if (b->size >= size && (best == NULL || b->size < best->size))
+                best = b;
         }
+        if (best != NULL)
+            return best;
     }
     return NULL;
 }
@@ -442,24 +490,21 @@ should_split(const block *b, uint64_t size)
     return b->seg->small ? remaining >= MIN_BLOCK : remaining > LARGE_SPLIT_MIN;
 }
 
-/* Takes `b` for a request of `size` bytes on `stream`, splitting off the
- * rest as a new free block. Lock held. 0, or -1 without memory. */
+/* Takes `b` for a request of `size` bytes, splitting off the rest as a new
+ * free block. Lock held. 0, or -1 without memory. */
 static int
-take_block(allocator *a, device_state *dev, block *b, uint64_t size, void *stream)
+take_block(block *b, uint64_t size)
 {
     if (b->in_index)
-        index_remove(dev, b);
-    drop_reuse_event(a, b);
-    b->stream = stream;
+        index_remove(b);
     if (should_split(b, size)) {
         block *rest = calloc(1, sizeof(*rest));
         if (rest == NULL) {
-            index_insert(dev, b);
+            index_insert(b);
             return -1;
         }
         rest->ptr = b->ptr + size;
         rest->size = b->size - size;
-        rest->stream = stream;
         rest->seg = b->seg;
         rest->prev = b;
         rest->next = b->next;
@@ -467,15 +512,16 @@ take_block(allocator *a, device_state *dev, block *b, uint64_t size, void *strea
             b->next->prev = rest;
         b->next = rest;
         b->size = size;
-        insert_free(a, dev, rest);
+        insert_free(rest);
     }
     return 0;
 }
 
+/* Overflow-safe: reserved + size <= limit. */
 static int
 within_limit(const device_state *dev, uint64_t size)
 {
-    return dev->limit == 0 || dev->stats.reserved_bytes + size <= dev->limit;
+    return dev->limit == 0 || (size <= dev->limit && dev->stats.reserved_bytes <= dev->limit - size);
 }
 
 static int
@@ -486,35 +532,43 @@ backend_segment(allocator *a, device_state *dev, uint64_t size, void **ptr)
     return a->backend.device_malloc(a->backend.ctx, dev->index, size, ptr);
 }
 
-/* A new segment holding one free block; on out-of-memory it waits for
- * pending frees, releases cached segments and tries once more. */
+/* A new segment of `stream` holding one free block; on out-of-memory it
+ * waits for pending frees, releases cached segments of every stream and
+ * tries once more. NULL when out of memory. */
 static block *
 new_segment(allocator *a, device_state *dev, uint64_t rounded, void *stream)
 {
     uint64_t size = segment_size_for(rounded);
     void *ptr = NULL;
+    if (size == 0)
+        return NULL;
     int status = backend_segment(a, dev, size, &ptr);
     if (status == ALLOC_OUT_OF_MEMORY) {
         dev->stats.oom_retries++;
-        process_pending(a, dev, 1);
+        process_events(a, dev, 1);
         release_free_segments(a, dev);
         status = backend_segment(a, dev, size, &ptr);
     }
     if (status != ALLOC_OK)
         return NULL;
-    segment *seg = calloc(1, sizeof(*seg));
+    /* after the retry, which may have forgotten this stream */
+    stream_state *owner = stream_get(dev, stream);
+    segment *seg = owner ? calloc(1, sizeof(*seg)) : NULL;
     block *b = seg ? calloc(1, sizeof(*b)) : NULL;
     if (b == NULL) {
         free(seg);
         a->backend.device_free(a->backend.ctx, dev->index, ptr, size);
+        if (owner != NULL)
+            stream_drop_if_unused(dev, owner);
         return NULL;
     }
     *seg = (segment){.base = (uintptr_t)ptr, .size = size, .small = rounded <= SMALL_REQUEST,
-                     .first = b, .next = dev->segments};
+                     .owner = owner, .first = b, .next = dev->segments};
     if (dev->segments != NULL)
         dev->segments->prev = seg;
     dev->segments = seg;
-    *b = (block){.ptr = (uintptr_t)ptr, .size = size, .stream = stream, .seg = seg};
+    owner->segments++;
+    *b = (block){.ptr = (uintptr_t)ptr, .size = size, .seg = seg};
     dev->stats.reserved_bytes += size;
     dev->stats.device_allocs++;
     if (dev->stats.reserved_bytes > dev->stats.peak_reserved_bytes)
@@ -589,18 +643,18 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     uint64_t rounded = alloc_round_size(size);
     int small = rounded <= SMALL_REQUEST;
     pthread_mutex_lock(&dev->lock);
-    process_pending(a, dev, 0);
-    block *b = find_free_block(a, dev, rounded, small, stream);
-    if (b != NULL) {
+    process_events(a, dev, 0);
+    block *b = NULL;
+    if (rounded != 0 && (b = find_free_block(dev, rounded, small, stream)) != NULL) {
         dev->stats.cache_hits++;
-    } else if ((b = new_segment(a, dev, rounded, stream)) == NULL) {
+    } else if (rounded == 0 || (b = new_segment(a, dev, rounded, stream)) == NULL) {
         record_oom(a, dev, size);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
     }
-    if (take_block(a, dev, b, rounded, stream) < 0 || map_insert(dev, b) < 0) {
+    if (take_block(b, rounded) < 0 || map_insert(dev, b) < 0) {
         if (!b->in_index)
-            insert_free(a, dev, b);
+            insert_free(b);
         record_oom(a, dev, size);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
@@ -614,18 +668,55 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     return ptr;
 }
 
-/* Records an event on each extra stream the block was used on. */
-static int
-record_pending_events(allocator *a, device_state *dev, block *b)
+static void
+free_event_chain(allocator *a, pending_event *e)
 {
-    b->events = calloc((size_t)b->n_extra, sizeof(void *));
-    if (b->events == NULL)
-        return -1;
+    while (e != NULL) {
+        pending_event *next = e->next;
+        if (e->event != NULL)
+            a->backend.event_free(a->backend.ctx, e->event);
+        free(e);
+        e = next;
+    }
+}
+
+/* Records an event on each extra stream the block was used on and queues
+ * it on that stream; the block returns to its free blocks once all
+ * completed (torch's insert_events). Everything that can fail happens
+ * before anything is queued: on -1 nothing was. */
+static int
+insert_events(allocator *a, device_state *dev, block *b)
+{
+    pending_event *made = NULL;
     for (int i = 0; i < b->n_extra; i++) {
-        if (a->backend.event_record(a->backend.ctx, dev->index, b->extra_streams[i],
-                                    &b->events[b->n_events]) != ALLOC_OK)
+        pending_event *e = calloc(1, sizeof(*e));
+        if (e == NULL || stream_get(dev, b->extra_streams[i]) == NULL) {
+            free(e);
+            free_event_chain(a, made);
             return -1;
-        b->n_events++;
+        }
+        e->b = b;
+        e->next = made;
+        made = e;
+        if (a->backend.event_record(a->backend.ctx, dev->index, b->extra_streams[i],
+                                    &e->event) != ALLOC_OK) {
+            e->event = NULL;
+            free_event_chain(a, made);
+            return -1;
+        }
+    }
+    /* `made` holds the streams' events in reverse order */
+    for (int i = b->n_extra - 1; i >= 0; i--) {
+        pending_event *e = made;
+        made = e->next;
+        e->next = NULL;
+        stream_state *s = stream_find(dev, b->extra_streams[i]);
+        if (s->tail != NULL)
+            s->tail->next = e;
+        else
+            s->head = e;
+        s->tail = e;
+        b->event_count++;
     }
     return 0;
 }
@@ -648,24 +739,15 @@ alloc_free(allocator *a, void *ptr, int device)
     dev->stats.requested_bytes -= b->requested;
     tag_account(dev, b->tag, b->size, 0);
     b->allocated = 0;
-    int deferred = 0;
-    if (b->n_extra > 0) {
-        deferred = record_pending_events(a, dev, b) == 0;
-        if (!deferred) {
-            /* no event for some stream: only a device-wide wait is safe */
-            a->backend.device_synchronize(a->backend.ctx, dev->index);
-            free_events(a, b);
-        }
-        free(b->extra_streams);
-        b->extra_streams = NULL;
-        b->n_extra = 0;
+    if (b->n_extra > 0 && insert_events(a, dev, b) < 0) {
+        /* no event for some stream: only a device-wide wait is safe */
+        a->backend.device_synchronize(a->backend.ctx, dev->index);
     }
-    if (deferred) {
-        b->pending = 1;
-        list_push(&dev->pending, b);
-    } else {
-        insert_free(a, dev, b);
-    }
+    free(b->extra_streams);
+    b->extra_streams = NULL;
+    b->n_extra = 0;
+    if (b->event_count == 0)
+        insert_free(b);
     pthread_mutex_unlock(&dev->lock);
     return 0;
 }
@@ -680,7 +762,8 @@ alloc_record_stream(allocator *a, void *ptr, void *stream)
         int result = -1;
         if (b != NULL) {
             result = 0;
-            int known = b->stream == stream;
+            /* uses on its own stream are ordered by the stream already */
+            int known = b->seg->owner->stream == stream;
             for (int i = 0; i < b->n_extra && !known; i++)
                 known = b->extra_streams[i] == stream;
             if (!known) {
@@ -706,7 +789,7 @@ alloc_empty_cache(allocator *a)
     for (int d = 0; d < a->device_count; d++) {
         device_state *dev = &a->devices[d];
         pthread_mutex_lock(&dev->lock);
-        process_pending(a, dev, 1);
+        process_events(a, dev, 1);
         release_free_segments(a, dev);
         pthread_mutex_unlock(&dev->lock);
     }
@@ -781,14 +864,6 @@ alloc_last_oom(allocator *a)
     return info;
 }
 
-static void
-free_block_struct(allocator *a, block *b)
-{
-    drop_reuse_event(a, b);
-    free_events(a, b);
-    free(b->extra_streams);
-    free(b);
-}
 
 void
 alloc_destroy(allocator *a)
@@ -803,9 +878,16 @@ alloc_destroy(allocator *a)
             next = seg->next;
             for (block *b = seg->first, *after; b != NULL; b = after) {
                 after = b->next;
-                free_block_struct(a, b);
+                free(b->extra_streams);
+                free(b);
             }
             free(seg);
+        }
+        /* empty_cache waited for every event: the streams hold none */
+        for (stream_state *s = dev->streams, *next; s != NULL; s = next) {
+            next = s->next;
+            free_event_chain(a, s->head);
+            free(s);
         }
         free(dev->map);
         free(dev->tags);
@@ -819,25 +901,39 @@ alloc_destroy(allocator *a)
 /* ---- invariants (tests) ------------------------------------------------------- */
 
 static int
-check_segment(device_state *dev, segment *seg, uint64_t *allocated, uint64_t *live)
+stream_known(device_state *dev, const stream_state *s)
+{
+    for (const stream_state *t = dev->streams; t != NULL; t = t->next) {
+        if (t == s)
+            return 1;
+    }
+    return 0;
+}
+
+static int
+check_segment(device_state *dev, segment *seg, uint64_t *allocated, uint64_t *live,
+              uint64_t *events)
 {
     uintptr_t expected = seg->base;
     uint64_t total = 0;
+    if (!stream_known(dev, seg->owner))
+        return -8;
     for (block *b = seg->first; b != NULL; b = b->next) {
         if (b->ptr != expected || b->seg != seg || (b->next && b->next->prev != b))
             return -1;
-        if (b->allocated + b->pending + b->in_index != 1)
+        if (b->allocated + (b->event_count > 0) + b->in_index != 1 || b->event_count < 0)
             return -2;   /* exactly one state */
+        *events += (uint64_t)b->event_count;
         if (b->allocated) {
             *allocated += b->size;
             (*live)++;
             if (map_find(dev, b->ptr) != b)
                 return -3;
         }
-        if (b->in_index && b->next && b->next->in_index && b->next->stream == b->stream)
+        if (b->in_index && b->next && b->next->in_index)
             return -4;   /* missed coalescing */
         if (b->in_index) {
-            block *found = dev->buckets[seg->small][bucket_of(b->size)];
+            block *found = *bucket_for(b);
             while (found != NULL && found != b)
                 found = found->list_next;
             if (found == NULL)
@@ -849,6 +945,25 @@ check_segment(device_state *dev, segment *seg, uint64_t *allocated, uint64_t *li
     return total == seg->size ? 0 : -6;
 }
 
+/* Segment counts per stream and queued events match the blocks'. */
+static int
+check_streams(device_state *dev, uint64_t events)
+{
+    for (stream_state *s = dev->streams; s != NULL; s = s->next) {
+        uint64_t segments = 0;
+        for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
+            segments += seg->owner == s;
+        if (segments != s->segments)
+            return -9;
+        for (pending_event *e = s->head; e != NULL; e = e->next) {
+            if (e->b->event_count <= 0 || (e->next == NULL && e != s->tail))
+                return -10;
+            events--;
+        }
+    }
+    return events == 0 ? 0 : -11;
+}
+
 int
 alloc_check(allocator *a, int device)
 {
@@ -856,16 +971,18 @@ alloc_check(allocator *a, int device)
     if (dev == NULL)
         return -1;
     pthread_mutex_lock(&dev->lock);
-    uint64_t allocated = 0, live = 0, reserved = 0;
+    uint64_t allocated = 0, live = 0, reserved = 0, events = 0;
     int result = 0;
     for (segment *seg = dev->segments; seg != NULL && result == 0; seg = seg->next) {
         reserved += seg->size;
-        result = check_segment(dev, seg, &allocated, &live);
+        result = check_segment(dev, seg, &allocated, &live, &events);
     }
     if (result == 0 && (allocated != dev->stats.allocated_bytes ||
                         reserved != dev->stats.reserved_bytes || live != dev->map_count ||
                         live != dev->stats.live_blocks))
         result = -7;
+    if (result == 0)
+        result = check_streams(dev, events);
     pthread_mutex_unlock(&dev->lock);
     return result;
 }

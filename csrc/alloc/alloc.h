@@ -6,11 +6,17 @@
  * share 2 MiB segments (the small pool); larger ones use the large pool
  * (20 MiB segments below 10 MiB, else the request rounded to 2 MiB).
  *
- * Reuse is stream-ordered: a block freed on stream S can be handed out again
- * on S at once; on another stream only once an event recorded on S after
- * the free has completed. Blocks used on more streams (alloc_record_stream)
- * wait for events on all of them. When the backend is out of memory the
- * allocator waits for pending events, releases cached segments and retries.
+ * Reuse is stream-ordered, as in torch's CUDACachingAllocator: a segment
+ * belongs to the stream it was allocated on, and its blocks are handed out
+ * again only on that stream, at once after a free (the stream orders the
+ * reuse behind the old work). A block used on more streams
+ * (alloc_record_stream) gets an event recorded on each of them at its
+ * free and returns to its stream's cache once all completed; every malloc
+ * queries those events per stream, oldest first, stopping at the first
+ * not complete. No other event is ever made. When the backend is out of
+ * memory the allocator waits for pending events, releases the cached
+ * segments of every stream (freeing device memory synchronizes the
+ * device) and retries: that is how memory moves between streams.
  *
  * Every allocation carries a tag (an opaque 64-bit region/phase id); live
  * and peak bytes are kept per tag.
@@ -37,8 +43,9 @@ typedef struct {
     void (*event_free)(void *ctx, void *event);
     /* waits for all work on the device (a fallback when no event can be made) */
     void (*device_synchronize)(void *ctx, int device);
-    /* optional: a block of `bytes` at `ptr` is handed out on `stream` (called
-     * without the allocator's lock, right before alloc_malloc returns it) */
+    /* optional, NULL: none. Told of each block alloc_malloc hands out,
+     * after the lock was released: `bytes` is the block's size, the request
+     * rounded up (more when a large block's small rest stayed attached) */
     void (*on_handout)(void *ctx, int device, void *stream, void *ptr, uint64_t bytes);
     void *ctx;
 } alloc_backend;
@@ -72,7 +79,8 @@ allocator *alloc_create(alloc_backend backend, int device_count);
 void alloc_destroy(allocator *a);
 
 /* NULL when out of memory (then alloc_last_oom() tells the numbers) or on a
- * backend error. Size 0 is valid and gives a distinct pointer. */
+ * backend error. Size 0 is valid and gives a distinct pointer; a size too
+ * large to round (alloc_round_size() == 0) is out of memory. */
 void *alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag);
 /* -1 when `ptr` is not a live allocation of `device`. */
 int alloc_free(allocator *a, void *ptr, int device);
@@ -92,7 +100,8 @@ alloc_oom_info alloc_last_oom(allocator *a);
 /* Checks internal invariants of `device` (tests); 0 when they hold. */
 int alloc_check(allocator *a, int device);
 
-/* Rounding applied to a request (tests and reports). */
+/* Rounding applied to a request (tests and reports); 0 when `size` is
+ * within 511 bytes of UINT64_MAX and cannot be rounded up. */
 uint64_t alloc_round_size(uint64_t size);
 
 #endif

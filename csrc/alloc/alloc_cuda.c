@@ -3,10 +3,13 @@
 
 #include <stdio.h>
 
-/* A CUDA failure the allocator cannot return: report it where it happened. */
+/* A CUDA failure the allocator goes on from: reported where it happened,
+ * and cleared from the thread's last error, which torch checks after its
+ * kernel launches and would raise far from here (as torch clears it). */
 static void
 report(const cudart *rt, int status, const char *what)
 {
+    (void)rt->get_last_error();
     fprintf(stderr, "matepoint allocator: %s failed: %s (CUDA error %d)\n", what,
             rt->get_error_string(status), status);
 }
@@ -29,8 +32,8 @@ enter_device(const cudart *rt, int device)
 static void
 leave_device(const cudart *rt, int device, int previous)
 {
-    if (previous >= 0 && previous != device)
-        (void)rt->set_device(previous);
+    if (previous >= 0 && previous != device && rt->set_device(previous) != CUDART_SUCCESS)
+        (void)rt->get_last_error();
 }
 
 static int
@@ -44,9 +47,10 @@ cuda_device_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
     leave_device(rt, device, previous);
     if (status == CUDART_SUCCESS)
         return ALLOC_OK;
-    (void)rt->get_last_error();
-    if (status == CUDART_ERROR_MEMORY_ALLOCATION)
+    if (status == CUDART_ERROR_MEMORY_ALLOCATION) {
+        (void)rt->get_last_error();   /* the allocator frees its cache and retries */
         return ALLOC_OUT_OF_MEMORY;
+    }
     report(rt, status, "cudaMalloc");
     return ALLOC_ERROR;
 }
@@ -93,10 +97,10 @@ cuda_event_query(void *ctx, void *event)
     int status = rt->event_query(event);
     if (status == CUDART_SUCCESS)
         return 1;
-    /* an answer, not a failure: torch checks the last error after kernels */
-    (void)rt->get_last_error();
-    if (status == CUDART_ERROR_NOT_READY)
+    if (status == CUDART_ERROR_NOT_READY) {
+        (void)rt->get_last_error();   /* not a failure: only a pending event */
         return 0;
+    }
     report(rt, status, "cudaEventQuery");
     return ALLOC_ERROR;
 }

@@ -1,7 +1,9 @@
 /* CUDA runtime backend of the allocator (csrc/cuda/cudart.h loads the
- * runtime). Device calls switch to the block's device and back. A failed
- * cudaMalloc's error is cleared, so torch's later error checks do not see
- * it. Thread-safety: stateless apart from the runtime table. */
+ * runtime). Device calls switch to the block's device and back. Every
+ * failure the allocator goes on from (a failed cudaMalloc, cudaErrorNotReady
+ * from cudaEventQuery, a failed record, free or switch) is cleared from the
+ * thread's last error, so torch's later error checks do not see it.
+ * Thread-safety: stateless apart from the runtime table. */
 #ifndef MATEPOINT_ALLOC_CUDA_H
 #define MATEPOINT_ALLOC_CUDA_H
 

@@ -3,6 +3,7 @@
 #endif
 #include "alloc_host.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 
 typedef struct {
@@ -16,6 +17,8 @@ alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes)
     ctx->capacity_bytes = capacity_bytes;
     ctx->live_bytes = 0;
     atomic_store(&ctx->live_events, 0);
+    atomic_store(&ctx->events_recorded, 0);
+    atomic_store(&ctx->event_queries, 0);
     pthread_mutex_init(&ctx->lock, NULL);
 }
 
@@ -37,13 +40,15 @@ host_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
     alloc_host_ctx *host = ctx;
     (void)device;
     pthread_mutex_lock(&host->lock);
-    int refused = host->capacity_bytes != 0 && host->live_bytes + bytes > host->capacity_bytes;
+    /* live + bytes > capacity, without wrapping */
+    int refused = host->capacity_bytes != 0 && (bytes > host->capacity_bytes ||
+                                                host->live_bytes > host->capacity_bytes - bytes);
     if (!refused)
         host->live_bytes += bytes;
     pthread_mutex_unlock(&host->lock);
     if (refused)
         return ALLOC_OUT_OF_MEMORY;
-    if (bytes > SIZE_MAX || posix_memalign(ptr, 512, (size_t)bytes) != 0) {
+    if (bytes > PTRDIFF_MAX || posix_memalign(ptr, 512, (size_t)bytes) != 0) {
         pthread_mutex_lock(&host->lock);
         host->live_bytes -= bytes;
         pthread_mutex_unlock(&host->lock);
@@ -74,6 +79,7 @@ host_event_record(void *ctx, int device, void *stream, void **event)
     e->stream = stream;
     e->mark = stream ? atomic_load(&e->stream->submitted) : 0;
     atomic_fetch_add(&host->live_events, 1);
+    atomic_fetch_add(&host->events_recorded, 1);
     *event = e;
     return ALLOC_OK;
 }
@@ -81,8 +87,9 @@ host_event_record(void *ctx, int device, void *stream, void **event)
 static int
 host_event_query(void *ctx, void *event)
 {
+    alloc_host_ctx *host = ctx;
     host_event *e = event;
-    (void)ctx;
+    atomic_fetch_add(&host->event_queries, 1);
     return e->stream == NULL || atomic_load(&e->stream->completed) >= e->mark;
 }
 

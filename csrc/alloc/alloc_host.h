@@ -22,6 +22,7 @@ typedef struct {
     uint64_t capacity_bytes;        /* 0: unlimited */
     uint64_t live_bytes;
     _Atomic int64_t live_events;
+    _Atomic uint64_t events_recorded, event_queries;    /* calls, for tests and benchmarks */
     pthread_mutex_t lock;
 } alloc_host_ctx;
 

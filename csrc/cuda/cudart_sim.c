@@ -60,6 +60,7 @@ static struct {
     uint64_t next_order;
     uint64_t progress_per_call;
     sim_failure failures[SIM_ENTRY_COUNT];
+    cudart_sim_observer sync_observer;
     cudart_sim_stats stats;
 } sim = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -334,6 +335,14 @@ take_range(void *base, sim_range *out)
     return -1;
 }
 
+/* The host now waits for the GPU. */
+static void
+note_sync_locked(cudart_sim_entry entry)
+{
+    if (sim.sync_observer != NULL)
+        sim.sync_observer(entry);
+}
+
 /* ---- entry and exit of every runtime call ------------------------------------------ */
 
 /* Takes the lock, counts the call, lets the "GPU" make its progress and
@@ -436,6 +445,7 @@ sim_free_host(void *ptr)
             status = CUDART_ERROR_INVALID_VALUE;
         } else {
             /* cudaFreeHost synchronizes the device */
+            note_sync_locked(SIM_FREE_HOST);
             advance_locked(UINT64_MAX);
             sim.stats.host_bytes_live -= range.bytes;
             free(ptr);
@@ -467,6 +477,7 @@ sim_free(void *ptr)
             status = CUDART_ERROR_INVALID_VALUE;
         } else {
             /* cudaFree synchronizes the device */
+            note_sync_locked(SIM_FREE);
             advance_locked(UINT64_MAX);
             sim.stats.device_bytes_live[range.device] -= range.bytes;
             free(ptr);
@@ -537,8 +548,10 @@ sim_stream_synchronize(void *stream)
     sim_stream *s = resolve(stream);
     if (status == CUDART_SUCCESS && s == NULL)
         status = CUDART_ERROR_INVALID_HANDLE;
-    if (status == CUDART_SUCCESS)
+    if (status == CUDART_SUCCESS) {
+        note_sync_locked(SIM_STREAM_SYNCHRONIZE);
         status = drain_locked(s);
+    }
     return leave(status);
 }
 
@@ -605,8 +618,10 @@ sim_event_synchronize(void *event_handle)
 {
     sim_event *event = event_handle;
     int status = enter(SIM_EVENT_SYNCHRONIZE);
-    if (status == CUDART_SUCCESS)
+    if (status == CUDART_SUCCESS) {
+        note_sync_locked(SIM_EVENT_SYNCHRONIZE);
         status = run_until_locked(event, event->recorded);
+    }
     return leave(status);
 }
 
@@ -637,6 +652,7 @@ sim_memcpy_async(void *dst, const void *src, size_t bytes, int kind, void *strea
         use_device(s->device);
         if (touches_pageable(dst, src, kind)) {
             sim.stats.pageable_copies++;
+            note_sync_locked(SIM_MEMCPY_ASYNC);
             status = drain_locked(s);
         }
     }
@@ -659,8 +675,10 @@ static int
 sim_device_synchronize(void)
 {
     int status = enter(SIM_DEVICE_SYNCHRONIZE);
-    if (status == CUDART_SUCCESS)
+    if (status == CUDART_SUCCESS) {
+        note_sync_locked(SIM_DEVICE_SYNCHRONIZE);
         status = drain_locked(&sim.legacy[current_device]);
+    }
     for (sim_stream *s = sim.streams; status == CUDART_SUCCESS && s != NULL; s = s->next) {
         if (s->device == current_device)
             status = drain_locked(s);
@@ -833,6 +851,14 @@ cudart_sim_fail(cudart_sim_entry entry, uint64_t skip, uint64_t count, int statu
         return;
     pthread_mutex_lock(&sim.lock);
     sim.failures[entry] = (sim_failure){.skip = skip, .count = count, .status = status};
+    pthread_mutex_unlock(&sim.lock);
+}
+
+void
+cudart_sim_set_sync_observer(cudart_sim_observer observer)
+{
+    pthread_mutex_lock(&sim.lock);
+    sim.sync_observer = observer;
     pthread_mutex_unlock(&sim.lock);
 }
 

@@ -103,6 +103,13 @@ int cudart_sim_peek_last_error(void);
  * fail with `status` (and set the last error) without doing anything. */
 void cudart_sim_fail(cudart_sim_entry entry, uint64_t skip, uint64_t count, int status);
 
+/* Called (on the calling thread, the simulation locked: it must not call
+ * back) by every call that makes the host wait for the GPU:
+ * cudaEventSynchronize, cudaStreamSynchronize, cudaDeviceSynchronize,
+ * cudaFree, cudaFreeHost and copies through pageable memory. NULL: none. */
+typedef void (*cudart_sim_observer)(cudart_sim_entry entry);
+void cudart_sim_set_sync_observer(cudart_sim_observer observer);
+
 /* No device has a primary context, as in a new process. */
 void cudart_sim_forget_contexts(void);
 

@@ -114,12 +114,29 @@ offload_engine_free(offload_engine *engine)
     PyMem_Free(engine);
 }
 
+/* Pool calls that may free pinned buffers (cudaFreeHost synchronizes the
+ * device) run without the GIL. */
 int
 offload_engine_apply_limit(offload_engine *engine)
 {
-    if (engine->pool != NULL)
-        pool_set_limit(engine->pool, engine->options.pool_limit_bytes);
+    pool *p = engine->pool;
+    uint64_t limit = engine->options.pool_limit_bytes;
+    if (p != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        pool_set_limit(p, limit);
+        Py_END_ALLOW_THREADS
+    }
     return 0;
+}
+
+static void
+destroy_pool(offload_engine *engine)
+{
+    pool *p = engine->pool;
+    engine->pool = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pool_destroy(p);
+    Py_END_ALLOW_THREADS
 }
 
 static int
@@ -293,13 +310,12 @@ offload_engine_use_runtime(offload_engine *engine, const offload_runtime *runtim
     /* devices and pool belong to the runtime that made them */
     if (engine->rt != NULL)
         free_devices(engine);
-    if (engine->pool != NULL) {
-        pool_destroy(engine->pool);
-        engine->pool = NULL;
-    }
+    if (engine->pool != NULL)
+        destroy_pool(engine);
     engine->runtime = runtime;
     engine->rt = NULL;
     engine->devices_with_context = 0;
+    engine->warned_fallback = 0;
     engine->peak_device_bytes_in_flight = engine->device_bytes_in_flight;
     return 0;
 }
@@ -361,7 +377,11 @@ offload_empty_pool(mp_state *st)
 {
     if (offload_window_poll_all(st) < 0)
         return -1;
-    if (st->engine->pool != NULL)
-        pool_empty(st->engine->pool);
+    pool *p = st->engine->pool;
+    if (p != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        pool_empty(p);
+        Py_END_ALLOW_THREADS
+    }
     return 0;
 }

@@ -47,9 +47,8 @@ start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream)
                  (copy->h2d_done != NULL &&
                   streams_check(rt, rt->stream_wait_event(stream, copy->h2d_done, 0),
                                 "cudaStreamWaitEvent")) ||
-                 streams_check(rt, rt->memcpy_async(dst, copy->block.ptr, (size_t)copy->nbytes,
-                                                    CUDART_MEMCPY_HOST_TO_DEVICE, stream),
-                               "cudaMemcpyAsync (host to device)");
+                 streams_memcpy(rt, dst, copy->block.ptr, (size_t)copy->nbytes,
+                                CUDART_MEMCPY_HOST_TO_DEVICE, stream, copy->block.fallback) < 0;
     if (!failed && offload_device_record(engine, device, stream, &done) < 0) {
         failed = 1;
         Py_BEGIN_ALLOW_THREADS

@@ -16,9 +16,27 @@ warn_fallback_once(offload_engine *engine)
     engine->warned_fallback = 1;
     if (PyErr_WarnEx(PyExc_RuntimeWarning,
                      "matepoint: the pinned host pool is at pool_limit_bytes or pinning failed; "
-                     "offloading into pageable memory, which copies more slowly",
+                     "offloading into pageable memory: each such copy waits for the GPU to "
+                     "reach it (a host synchronization) and copies more slowly; "
+                     "pool_stats()['fallbacks'] counts them",
                      1) < 0)
         PyErr_WriteUnraisable(NULL);
+}
+
+/* A pool buffer for the copy: a cached one with the GIL held, else one
+ * pinned (milliseconds, and the pool may drop its cache: cudaFreeHost
+ * synchronizes the device) with the GIL released. 0, or -1 when the pool
+ * has no memory at all. */
+static int
+acquire_buffer(offload_engine *engine, StorageCopy *copy)
+{
+    if (pool_acquire_cached(engine->pool, copy->nbytes, &copy->block) == 0)
+        return 0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = pool_acquire(engine->pool, copy->nbytes, &copy->block);
+    Py_END_ALLOW_THREADS
+    return status;
 }
 
 /* Takes a pool buffer and queues the device-to-host copy of the span at
@@ -44,16 +62,14 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
     if (offload_engine_current_stream(st, device->index, &producer) < 0 ||
         offload_engine_enter_device(st, device->index, &previous) < 0)
         return -1;
-    uint64_t fallbacks = pool_get_stats(engine->pool).fallbacks;
-    if (pool_acquire(engine->pool, copy->nbytes, &copy->block) < 0) {
+    if (acquire_buffer(engine, copy) < 0) {
         offload_engine_leave_device(st, device->index, previous);
         return 0;
     }
     int failed = offload_device_order(engine, device, device->copy_out, producer) < 0 ||
-                 streams_check(rt, rt->memcpy_async(copy->block.ptr, (const void *)src,
-                                                    (size_t)copy->nbytes,
-                                                    CUDART_MEMCPY_DEVICE_TO_HOST, device->copy_out),
-                               "cudaMemcpyAsync (device to host)");
+                 streams_memcpy(rt, copy->block.ptr, (const void *)src, (size_t)copy->nbytes,
+                                CUDART_MEMCPY_DEVICE_TO_HOST, device->copy_out,
+                                copy->block.fallback) < 0;
     if (!failed && offload_device_record(engine, device, device->copy_out, &copy->d2h_done) < 0) {
         failed = 1;
         Py_BEGIN_ALLOW_THREADS
@@ -62,7 +78,7 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
         Py_END_ALLOW_THREADS
     }
     offload_engine_leave_device(st, device->index, previous);
-    if (pool_get_stats(engine->pool).fallbacks != fallbacks)
+    if (copy->block.fallback)
         warn_fallback_once(engine);
     if (failed || offload_window_add(engine, device, copy, storage, producer) < 0)
         return -1;

@@ -144,8 +144,12 @@ offload_window_drain(offload_engine *engine, offload_device *device)
         return;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(device->in_flight); i++) {
         StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(device->in_flight, i);
-        if (copy->d2h_done != NULL)
-            (void)engine->rt->event_synchronize(copy->d2h_done);
+        void *done = copy->d2h_done;
+        if (done != NULL) {
+            Py_BEGIN_ALLOW_THREADS
+            (void)engine->rt->event_synchronize(done);
+            Py_END_ALLOW_THREADS
+        }
         engine->device_bytes_in_flight -= copy->nbytes;
         Py_CLEAR(copy->source);
     }

@@ -21,3 +21,20 @@ streams_event_done(const cudart *rt, void *event)
     }
     return streams_check(rt, status, "cudaEventQuery") < 0 ? -1 : 1;
 }
+
+int
+streams_memcpy(const cudart *rt, void *dst, const void *src, size_t bytes, int kind,
+               void *stream, int pageable)
+{
+    int status;
+    if (pageable) {
+        Py_BEGIN_ALLOW_THREADS
+        status = rt->memcpy_async(dst, src, bytes, kind, stream);
+        Py_END_ALLOW_THREADS
+    } else {
+        status = rt->memcpy_async(dst, src, bytes, kind, stream);
+    }
+    return streams_check(rt, status, kind == CUDART_MEMCPY_DEVICE_TO_HOST
+                                         ? "cudaMemcpyAsync (device to host)"
+                                         : "cudaMemcpyAsync (host to device)");
+}

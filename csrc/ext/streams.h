@@ -18,6 +18,12 @@
 /* 0 when status is success, else raises naming `what` and returns -1. */
 int streams_check(const cudart *rt, int status, const char *what);
 
+/* cudaMemcpyAsync. Through pageable host memory CUDA returns only once the
+ * copy ran (after the stream's earlier work): a host synchronization, so
+ * the GIL is released around it. */
+int streams_memcpy(const cudart *rt, void *dst, const void *src, size_t bytes, int kind,
+                   void *stream, int pageable);
+
 /* Has `event` completed? 1, 0, or -1 with an error. cudaErrorNotReady is
  * an answer, not a failure: the last error it leaves is cleared. */
 int streams_event_done(const cudart *rt, void *event);

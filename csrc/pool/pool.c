@@ -4,6 +4,7 @@
 #include "pool.h"
 
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #define POOL_ALIGN 256u
@@ -14,8 +15,13 @@
 #define POOL_SMALL_CLASSES (POOL_SMALL_LIMIT / POOL_ALIGN)
 #define POOL_CLASS_COUNT (POOL_SMALL_CLASSES + (64u - POOL_SMALL_LOG2) * CLASSES_PER_DOUBLING)
 
+/* The largest class: 15/8 of 2^63. A request past it has no class (its
+ * size would not fit in 64 bits). */
+#define POOL_MAX_CLASS ((uint64_t)15 << 60)
+
 typedef struct cached_buffer {
     void *ptr;
+    uint64_t size;
     struct cached_buffer *next;
 } cached_buffer;
 
@@ -33,6 +39,7 @@ floor_log2(uint64_t value)
     return 63u - (unsigned)__builtin_clzll(value);
 }
 
+/* Callers pass bytes <= POOL_MAX_CLASS. */
 static unsigned
 pool_class_index(uint64_t bytes)
 {
@@ -40,8 +47,7 @@ pool_class_index(uint64_t bytes)
         return bytes == 0 ? 0 : (unsigned)((bytes - 1) / POOL_ALIGN);
     /* round up to a multiple of 1/8 of the power of two below `bytes` */
     unsigned power = floor_log2(bytes);
-    uint64_t step = (uint64_t)1 << (power - 3);
-    uint64_t eighths = (bytes + step - 1) >> (power - 3);   /* 9..16 */
+    uint64_t eighths = ((bytes - 1) >> (power - 3)) + 1;   /* 9..16, no wrap */
     if (eighths == 16) {
         power++;
         eighths = 8;
@@ -64,7 +70,7 @@ pool_index_size(unsigned index)
 uint64_t
 pool_class_size(uint64_t bytes)
 {
-    return pool_index_size(pool_class_index(bytes));
+    return bytes > POOL_MAX_CLASS ? 0 : pool_index_size(pool_class_index(bytes));
 }
 
 pool *
@@ -82,21 +88,37 @@ pool_create(pool_backend backend, uint64_t limit_bytes)
     return p;
 }
 
-/* Frees every cached buffer back to the backend. Lock held. */
-static void
-drop_cache_locked(pool *p)
+/* Takes every cached buffer out of the cache and its bytes out of the
+ * reserved count; the caller frees them with free_detached() once it let
+ * the lock go (pinned memory is freed with cudaFreeHost, which waits for
+ * the device). Lock held. */
+static cached_buffer *
+detach_cache_locked(pool *p)
 {
+    cached_buffer *detached = NULL;
     for (unsigned i = 0; i < POOL_CLASS_COUNT; i++) {
-        uint64_t size = pool_index_size(i);
         cached_buffer *node = p->free_lists[i];
         p->free_lists[i] = NULL;
         while (node != NULL) {
             cached_buffer *next = node->next;
-            p->backend.free(p->backend.ctx, node->ptr, size);
-            p->stats.bytes_reserved -= size;
-            free(node);
+            p->stats.bytes_reserved -= node->size;
+            node->next = detached;
+            detached = node;
             node = next;
         }
+    }
+    return detached;
+}
+
+/* Gives detached buffers back to the backend. Lock not held. */
+static void
+free_detached(pool *p, cached_buffer *node)
+{
+    while (node != NULL) {
+        cached_buffer *next = node->next;
+        p->backend.free(p->backend.ctx, node->ptr, node->size);
+        free(node);
+        node = next;
     }
 }
 
@@ -104,8 +126,9 @@ void
 pool_empty(pool *p)
 {
     pthread_mutex_lock(&p->lock);
-    drop_cache_locked(p);
+    cached_buffer *detached = detach_cache_locked(p);
     pthread_mutex_unlock(&p->lock);
+    free_detached(p, detached);
 }
 
 void
@@ -130,65 +153,74 @@ take_cached_locked(pool *p, unsigned index, void **ptr)
     return 1;
 }
 
+/* reserved + size <= limit, without wrapping. */
 static int
 within_limit(const pool *p, uint64_t size)
 {
-    return p->limit_bytes == 0 || p->stats.bytes_reserved + size <= p->limit_bytes;
+    return p->limit_bytes == 0 ||
+           (size <= p->limit_bytes && p->stats.bytes_reserved <= p->limit_bytes - size);
 }
 
-/* A new backend buffer; when the limit or the backend refuses, the cache is
- * dropped once to make room and the request tried again. Lock held. */
-static void *
-allocate_locked(pool *p, uint64_t size)
+/* Counts `size` bytes as reserved when they fit under the limit, before the
+ * backend runs unlocked, so concurrent callers see the limit. Lock held. */
+static int
+claim_locked(pool *p, uint64_t size)
 {
-    for (int attempt = 0; attempt < 2; attempt++) {
-        if (within_limit(p, size)) {
-            void *ptr = p->backend.alloc(p->backend.ctx, size);
-            if (ptr != NULL) {
-                p->stats.host_allocations++;
-                p->stats.bytes_reserved += size;
-                return ptr;
-            }
-        }
-        drop_cache_locked(p);
-    }
-    return NULL;
+    if (!within_limit(p, size))
+        return 0;
+    p->stats.bytes_reserved += size;
+    return 1;
+}
+
+/* Calls the backend for a claimed buffer; gives the claim back when it
+ * fails. Lock not held. */
+static void *
+backend_alloc(pool *p, uint64_t size)
+{
+    void *ptr = p->backend.alloc(p->backend.ctx, size);
+    pthread_mutex_lock(&p->lock);
+    if (ptr != NULL)
+        p->stats.host_allocations++;
+    else
+        p->stats.bytes_reserved -= size;
+    pthread_mutex_unlock(&p->lock);
+    return ptr;
+}
+
+/* A new backend buffer; when the limit or the backend refuses, the cache
+ * is dropped once to make room and the request tried again. Every backend
+ * call runs with the lock released. */
+static void *
+allocate_new(pool *p, uint64_t size)
+{
+    pthread_mutex_lock(&p->lock);
+    int claimed = claim_locked(p, size);
+    pthread_mutex_unlock(&p->lock);
+    void *ptr = claimed ? backend_alloc(p, size) : NULL;
+    if (ptr != NULL)
+        return ptr;
+    pthread_mutex_lock(&p->lock);
+    cached_buffer *detached = detach_cache_locked(p);
+    claimed = claim_locked(p, size);
+    pthread_mutex_unlock(&p->lock);
+    free_detached(p, detached);
+    return claimed ? backend_alloc(p, size) : NULL;
 }
 
 static void *
 pageable_alloc(uint64_t size)
 {
     void *ptr = NULL;
-    if (size > SIZE_MAX || posix_memalign(&ptr, POOL_ALIGN, (size_t)size) != 0)
+    /* no object is larger than PTRDIFF_MAX: do not even ask */
+    if (size > PTRDIFF_MAX || posix_memalign(&ptr, POOL_ALIGN, (size_t)size) != 0)
         return NULL;
     return ptr;
 }
 
-int
-pool_acquire(pool *p, uint64_t bytes, pool_block *out)
+/* Hands `ptr` out as `out`. Lock held. */
+static void
+hand_out_locked(pool *p, pool_block *out, void *ptr, uint64_t size, uint64_t bytes, int fallback)
 {
-    unsigned index = pool_class_index(bytes);
-    uint64_t size = pool_index_size(index);
-    void *ptr = NULL;
-    int fallback = 0;
-
-    pthread_mutex_lock(&p->lock);
-    if (take_cached_locked(p, index, &ptr)) {
-        p->stats.hits++;
-    } else {
-        p->stats.misses++;
-        ptr = allocate_locked(p, size);
-        if (ptr == NULL) {
-            ptr = pageable_alloc(size);
-            fallback = ptr != NULL;
-        }
-    }
-    if (ptr == NULL) {
-        p->stats.failures++;
-        pthread_mutex_unlock(&p->lock);
-        *out = (pool_block){0};
-        return -1;
-    }
     *out = (pool_block){.ptr = ptr, .size = size, .requested = bytes, .fallback = (uint8_t)fallback};
     p->stats.fallbacks += (uint64_t)fallback;
     p->stats.bytes_in_use += size;
@@ -196,8 +228,49 @@ pool_acquire(pool *p, uint64_t bytes, pool_block *out)
     p->stats.blocks_in_use++;
     if (p->stats.bytes_in_use > p->stats.peak_bytes_in_use)
         p->stats.peak_bytes_in_use = p->stats.bytes_in_use;
+}
+
+int
+pool_acquire_cached(pool *p, uint64_t bytes, pool_block *out)
+{
+    void *ptr = NULL;
+    *out = (pool_block){0};
+    if (bytes > POOL_MAX_CLASS)
+        return -1;
+    unsigned index = pool_class_index(bytes);
+    pthread_mutex_lock(&p->lock);
+    int hit = take_cached_locked(p, index, &ptr);
+    if (hit) {
+        p->stats.hits++;
+        hand_out_locked(p, out, ptr, pool_index_size(index), bytes, 0);
+    }
     pthread_mutex_unlock(&p->lock);
-    return 0;
+    return hit ? 0 : -1;
+}
+
+int
+pool_acquire(pool *p, uint64_t bytes, pool_block *out)
+{
+    if (pool_acquire_cached(p, bytes, out) == 0)
+        return 0;
+    /* too large for any class: counted as a miss that got nothing */
+    uint64_t size = bytes > POOL_MAX_CLASS ? 0 : pool_class_size(bytes);
+    pthread_mutex_lock(&p->lock);
+    p->stats.misses++;
+    pthread_mutex_unlock(&p->lock);
+    void *ptr = size != 0 ? allocate_new(p, size) : NULL;
+    int fallback = 0;
+    if (ptr == NULL && size != 0) {
+        ptr = pageable_alloc(size);
+        fallback = ptr != NULL;
+    }
+    pthread_mutex_lock(&p->lock);
+    if (ptr == NULL)
+        p->stats.failures++;
+    else
+        hand_out_locked(p, out, ptr, size, bytes, fallback);
+    pthread_mutex_unlock(&p->lock);
+    return ptr == NULL ? -1 : 0;
 }
 
 void
@@ -210,25 +283,27 @@ pool_release(pool *p, pool_block *block)
     p->stats.bytes_in_use -= block->size;
     p->stats.bytes_requested -= block->requested;
     p->stats.blocks_in_use--;
-    if (block->fallback) {
-        free(block->ptr);
-    } else if (node == NULL) {
-        /* no memory for a cache entry: give the buffer back instead */
-        p->backend.free(p->backend.ctx, block->ptr, block->size);
-        p->stats.bytes_reserved -= block->size;
-    } else {
+    if (node != NULL) {
+        *node = (cached_buffer){.ptr = block->ptr, .size = block->size};
         unsigned index = pool_class_index(block->size);
-        node->ptr = block->ptr;
         node->next = p->free_lists[index];
         p->free_lists[index] = node;
+    } else if (!block->fallback) {
+        p->stats.bytes_reserved -= block->size;
     }
     pthread_mutex_unlock(&p->lock);
+    if (block->fallback)
+        free(block->ptr);
+    else if (node == NULL)   /* no memory for a cache entry: give the buffer back */
+        p->backend.free(p->backend.ctx, block->ptr, block->size);
     *block = (pool_block){0};
 }
 
 uint64_t
 pool_reserve(pool *p, uint64_t bytes, uint64_t count)
 {
+    if (bytes > POOL_MAX_CLASS)
+        return 0;
     unsigned index = pool_class_index(bytes);
     uint64_t size = pool_index_size(index);
     uint64_t added = 0;
@@ -236,22 +311,17 @@ pool_reserve(pool *p, uint64_t bytes, uint64_t count)
         cached_buffer *node = malloc(sizeof(*node));
         if (node == NULL)
             break;
-        /* claim the bytes first, so a concurrent acquire sees the limit */
         pthread_mutex_lock(&p->lock);
-        int fits = within_limit(p, size);
-        p->stats.bytes_reserved += fits ? size : 0;
+        int claimed = claim_locked(p, size);
         pthread_mutex_unlock(&p->lock);
         /* pinning takes milliseconds per buffer: not under the lock */
-        void *ptr = fits ? p->backend.alloc(p->backend.ctx, size) : NULL;
-        pthread_mutex_lock(&p->lock);
+        void *ptr = claimed ? backend_alloc(p, size) : NULL;
         if (ptr == NULL) {
-            p->stats.bytes_reserved -= fits ? size : 0;
-            pthread_mutex_unlock(&p->lock);
             free(node);
             break;
         }
-        p->stats.host_allocations++;
-        node->ptr = ptr;
+        *node = (cached_buffer){.ptr = ptr, .size = size};
+        pthread_mutex_lock(&p->lock);
         node->next = p->free_lists[index];
         p->free_lists[index] = node;
         pthread_mutex_unlock(&p->lock);
@@ -262,11 +332,13 @@ pool_reserve(pool *p, uint64_t bytes, uint64_t count)
 void
 pool_set_limit(pool *p, uint64_t limit_bytes)
 {
+    cached_buffer *detached = NULL;
     pthread_mutex_lock(&p->lock);
     p->limit_bytes = limit_bytes;
     if (limit_bytes != 0 && p->stats.bytes_reserved > limit_bytes)
-        drop_cache_locked(p);
+        detached = detach_cache_locked(p);
     pthread_mutex_unlock(&p->lock);
+    free_detached(p, detached);
 }
 
 pool_stats

@@ -12,10 +12,26 @@
  *
  * Ownership: the pool owns every buffer it made; a caller owns an acquired
  * block until it calls pool_release(). Thread-safety: every function may be
- * called from any thread; one mutex guards the pool. Units: bytes. */
+ * called from any thread; one mutex guards the pool. Units: bytes.
+ *
+ * Locks and the GIL: the pool never calls its backend with its mutex held.
+ * The CUDA backend's calls may synchronize the device (cudaFreeHost always
+ * does; cudaHostAlloc takes milliseconds), so a caller holding a lock of
+ * its own, such as the GIL, releases it around the functions that may call
+ * the backend: pool_acquire() on a miss, pool_release() when it cannot
+ * allocate a 24-byte cache entry, pool_reserve(), pool_empty(),
+ * pool_set_limit() when it lowers the limit below what is held, and
+ * pool_destroy(). pool_acquire_cached(), pool_get_stats(),
+ * pool_reset_peak() and the other pool_release() calls never call the
+ * backend: they are cheap enough to call with the GIL held, and
+ * pool_acquire_cached() then pool_acquire() without the GIL on its miss is
+ * the intended hot path. Dropping the cache takes its buffers out under the
+ * mutex and frees them after it was released: for that moment the reserved
+ * count is below what the backend holds. */
 #ifndef MATEPOINT_POOL_H
 #define MATEPOINT_POOL_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 
 typedef struct {
@@ -54,8 +70,13 @@ pool *pool_create(pool_backend backend, uint64_t limit_bytes);
 void pool_destroy(pool *p);
 
 /* 0 on success; -1 when neither the backend nor pageable memory could
- * serve it (the block is then zeroed). */
+ * serve it, or `bytes` is past the largest class (the block is then
+ * zeroed). May call the backend: see the note on locks above. */
 int pool_acquire(pool *p, uint64_t bytes, pool_block *out);
+/* 0 when a cached buffer of the class serves the request (a hit);
+ * -1 otherwise, counting nothing (then call pool_acquire()). Never calls
+ * the backend. */
+int pool_acquire_cached(pool *p, uint64_t bytes, pool_block *out);
 void pool_release(pool *p, pool_block *block);
 
 /* Allocates up to `count` buffers for requests of `bytes` into the cache
@@ -63,21 +84,22 @@ void pool_release(pool *p, pool_block *block);
  * returns how many it added (fewer when the limit or the backend refused).
  * The backend runs outside the lock. */
 uint64_t pool_reserve(pool *p, uint64_t bytes, uint64_t count);
-/* Frees every cached, unused buffer. */
+/* Frees every cached, unused buffer (after releasing the mutex). */
 void pool_empty(pool *p);
 void pool_set_limit(pool *p, uint64_t limit_bytes);
 pool_stats pool_get_stats(pool *p);
 void pool_reset_peak(pool *p);
 const char *pool_backend_name(pool *p);
 
-/* Size class of a request: the bytes a buffer for it reserves. */
+/* Size class of a request: the bytes a buffer for it reserves; 0 past the
+ * largest class (15 << 60 bytes), which no acquisition can serve. */
 uint64_t pool_class_size(uint64_t bytes);
 
 /* Backend over plain aligned host memory. capacity_bytes > 0 makes
  * allocations fail past that many live bytes (tests inject failures so). */
 typedef struct {
     uint64_t capacity_bytes;
-    uint64_t live_bytes;        /* guarded by the owning pool's mutex */
+    _Atomic uint64_t live_bytes;    /* the pool calls its backend unlocked */
 } pool_host_ctx;
 
 pool_backend pool_host_backend(pool_host_ctx *ctx);

@@ -11,8 +11,8 @@ pinned_alloc(void *ctx, uint64_t bytes)
     if (bytes > SIZE_MAX)
         return NULL;
     if (rt->host_alloc(&ptr, (size_t)bytes, CUDART_HOST_ALLOC_PORTABLE) != CUDART_SUCCESS) {
-        /* the pool recovers (cache dropped, pageable memory): the failure
-         * must not stay as the last error torch checks after its kernels */
+        /* the pool falls back to pageable memory: torch's next launch check
+         * must not see this failure as its own */
         (void)rt->get_last_error();
         return NULL;
     }
@@ -25,7 +25,8 @@ pinned_free(void *ctx, void *ptr, uint64_t bytes)
     const cudart *rt = ctx;
     (void)bytes;
     /* a failure here leaves nothing to undo; the pool forgets the buffer */
-    (void)rt->free_host(ptr);
+    if (rt->free_host(ptr) != CUDART_SUCCESS)
+        (void)rt->get_last_error();
 }
 
 pool_backend

@@ -5,19 +5,26 @@
 #endif
 #include "pool.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 
 static void *
 host_alloc(void *ctx, uint64_t bytes)
 {
     pool_host_ctx *host = ctx;
-    if (host->capacity_bytes != 0 && host->live_bytes + bytes > host->capacity_bytes)
-        return NULL;
+    uint64_t live = atomic_load(&host->live_bytes);
+    do {
+        /* live + bytes > capacity, without wrapping */
+        if (host->capacity_bytes != 0 &&
+            (bytes > host->capacity_bytes || live > host->capacity_bytes - bytes))
+            return NULL;
+    } while (!atomic_compare_exchange_weak(&host->live_bytes, &live, live + bytes));
     void *ptr = NULL;
     /* page alignment, as pinned memory has */
-    if (bytes > SIZE_MAX || posix_memalign(&ptr, 4096, (size_t)bytes) != 0)
+    if (bytes > PTRDIFF_MAX || posix_memalign(&ptr, 4096, (size_t)bytes) != 0) {
+        atomic_fetch_sub(&host->live_bytes, bytes);
         return NULL;
-    host->live_bytes += bytes;
+    }
     return ptr;
 }
 
@@ -25,7 +32,7 @@ static void
 host_free(void *ctx, void *ptr, uint64_t bytes)
 {
     pool_host_ctx *host = ctx;
-    host->live_bytes -= bytes;
+    atomic_fetch_sub(&host->live_bytes, bytes);
     free(ptr);
 }
 

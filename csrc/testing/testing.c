@@ -3,7 +3,19 @@
 #include "ext/offload_engine.h"
 #include "ext/offload_types.h"
 
+#include <stdatomic.h>
 #include <string.h>
+
+/* Host synchronizations made with the GIL held, per runtime entry point:
+ * written by any thread through the simulator's observer, hence atomic. */
+static _Atomic uint64_t synchronized_under_gil[SIM_ENTRY_COUNT];
+
+static void
+note_sync(cudart_sim_entry entry)
+{
+    if (PyGILState_Check())
+        atomic_fetch_add(&synchronized_under_gil[entry], 1);
+}
 
 static int
 count_arg(PyObject *arg, uint64_t *out)
@@ -77,11 +89,11 @@ per_device_list(const uint64_t *values, const int *flags)
 }
 
 static PyObject *
-calls_dict(const cudart_sim_stats *s)
+calls_dict(const uint64_t *counts)
 {
     PyObject *calls = PyDict_New();
     for (int e = 0; calls != NULL && e < SIM_ENTRY_COUNT; e++) {
-        PyObject *count = PyLong_FromUnsignedLongLong(s->calls[e]);
+        PyObject *count = PyLong_FromUnsignedLongLong(counts[e]);
         if (count == NULL || PyDict_SetItemString(calls, cudart_sim_entry_name(e), count) < 0)
             Py_CLEAR(calls);
         Py_XDECREF(count);
@@ -95,15 +107,19 @@ sim_stats(PyObject *module, PyObject *unused)
     (void)module;
     (void)unused;
     cudart_sim_stats s = cudart_sim_get_stats();
+    uint64_t under_gil[SIM_ENTRY_COUNT];
+    for (int e = 0; e < SIM_ENTRY_COUNT; e++)
+        under_gil[e] = atomic_load(&synchronized_under_gil[e]);
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsNsNsN}", "ops_queued", (unsigned long long)s.ops_queued, "ops_run",
+        "{sKsKsKsKsKsKsKsKsNsNsNsN}", "ops_queued", (unsigned long long)s.ops_queued, "ops_run",
         (unsigned long long)s.ops_run, "copies_run", (unsigned long long)s.copies_run,
         "pageable_copies", (unsigned long long)s.pageable_copies, "launch_errors",
         (unsigned long long)s.launch_errors, "streams_live",
         (unsigned long long)s.streams_live, "events_live", (unsigned long long)s.events_live,
         "host_bytes_live", (unsigned long long)s.host_bytes_live, "device_bytes_live",
         per_device_list(s.device_bytes_live, NULL), "contexts",
-        per_device_list(NULL, s.has_context), "calls", calls_dict(&s));
+        per_device_list(NULL, s.has_context), "calls", calls_dict(s.calls),
+        "synchronized_under_gil", calls_dict(under_gil));
 }
 
 static PyObject *
@@ -339,5 +355,6 @@ static PyMethodDef testing_methods[] = {
 int
 testing_add_functions(PyObject *module)
 {
+    cudart_sim_set_sync_observer(note_sync);
     return PyModule_AddFunctions(module, testing_methods);
 }

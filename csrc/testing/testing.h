@@ -6,7 +6,8 @@
  *   _simulate_cuda(on)              the engine runs over the simulated GPU (or torch's again)
  *   _sim_advance(ops) -> ran        let the "GPU" run queued operations
  *   _sim_set_progress(ops)          operations it runs at every runtime call
- *   _sim_stats() -> dict            queues, live handles, contexts, calls per entry point
+ *   _sim_stats() -> dict            queues, live handles, contexts, calls per entry point,
+ *                                   host synchronizations made with the GIL held
  *   _sim_set_device(d) / _sim_get_device()    the thread's current device (cudaSetDevice)
  *   _sim_stream_create(d) -> handle / _sim_stream_destroy(handle)
  *   _sim_set_stream(d, handle) / _sim_current_stream(d)    torch's current stream of d

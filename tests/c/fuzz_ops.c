@@ -53,18 +53,27 @@ check_pattern(const slot *s)
             "block contents changed while it was live");
 }
 
+/* One size in 16 is past anything a device or host holds: near UINT64_MAX
+ * (or, where `past_2_63`, just past 2^63), where rounding must fail, not
+ * wrap to a small block. */
 static uint64_t
-size_from(const uint8_t *data)
+size_from(const uint8_t *data, int past_2_63)
 {
     static const uint64_t scales[] = {1, 512, 4096, 65536, 1 << 20, 3 << 20, 12 << 20, 0};
+    if ((data[1] & 0xf0) == 0xf0) {
+        uint64_t offset = (uint64_t)(data[0] >> 1) * 4093;
+        return past_2_63 && (data[0] & 1) ? ((uint64_t)1 << 63) + offset : UINT64_MAX - offset;
+    }
     return scales[data[0] & 7] * (1 + (data[1] & 3)) + (uint64_t)(data[0] >> 3);
 }
+
+#define ALLOC_CAPACITY (256ull << 20)
 
 static void
 run_allocator(const uint8_t *data, size_t size)
 {
     alloc_host_ctx ctx;
-    alloc_host_init(&ctx, 256ull << 20);
+    alloc_host_init(&ctx, ALLOC_CAPACITY);
     allocator *a = alloc_create(alloc_host_backend(&ctx), 2);
     alloc_host_stream streams[3] = {{0}};
     slot slots[SLOTS] = {{0}};
@@ -76,9 +85,10 @@ run_allocator(const uint8_t *data, size_t size)
         case 0:
         case 1:
             if (s->ptr == NULL) {
-                uint64_t bytes = size_from(op + 1);
+                uint64_t bytes = size_from(op + 1, 1);
                 int device = op[2] & 1;
                 s->ptr = alloc_malloc(a, bytes, device, stream, op[2] >> 4);
+                require(s->ptr == NULL || bytes <= ALLOC_CAPACITY, "a huge request served");
                 if (s->ptr != NULL) {
                     *s = (slot){s->ptr, bytes, device, (unsigned char)(i & 0xff)};
                     fill_pattern(s);
@@ -133,8 +143,12 @@ run_pool(const uint8_t *data, size_t size)
         switch (data[i] % 4) {
         case 0:
         case 1:
-            if (b->ptr == NULL && pool_acquire(p, size_from(data + i + 1), b) == 0)
+            /* near UINT64_MAX only: the pool has no class for those, while
+             * 2^63 would try (and fail) a pageable allocation */
+            if (b->ptr == NULL && pool_acquire(p, size_from(data + i + 1, 0), b) == 0) {
+                require(b->size >= b->requested && b->size < (64u << 20), "pool block size");
                 memset(b->ptr, 0x5a, b->requested < 4096 ? b->requested : 4096);
+            }
             break;
         case 2:
             pool_release(p, b);

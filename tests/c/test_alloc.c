@@ -1,8 +1,11 @@
 #define _GNU_SOURCE /* rand_r */
 /* Unit tests of the caching allocator (csrc/alloc) on its host backend. */
 #include "alloc/alloc.h"
+#include "alloc/alloc_cuda.h"
 #include "alloc/alloc_host.h"
 #include "check.h"
+#include "cuda/cudart.h"
+#include "lock_probe.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -109,15 +112,106 @@ test_stream_ordered_reuse(void)
     alloc_host_submit(&s1);
     alloc_free(a, same, 0);
     void *other = alloc_malloc(a, 4096, 0, &s2, 0);
-    CHECK(other != p);                        /* s1 is still busy with it */
+    CHECK(other != p);                        /* p serves s1 only */
     CHECK(alloc_get_stats(a, 0).device_allocs == 2);
     alloc_host_submit(&s2);
     alloc_free(a, other, 0);
     alloc_host_complete(&s1);
-    void *reused = alloc_malloc(a, 4096, 0, &s3, 0);
-    CHECK(reused == p);                       /* s1 finished, s2 not: s3 gets p */
-    CHECK(alloc_get_stats(a, 0).device_allocs == 2);
-    alloc_free(a, reused, 0);
+    void *third = alloc_malloc(a, 4096, 0, &s3, 0);
+    CHECK(third != p && third != other);      /* even with s1 idle: torch's rule */
+    CHECK(alloc_get_stats(a, 0).device_allocs == 3);
+    /* a miss on another stream made no event and queried none */
+    CHECK(atomic_load(&ctx.events_recorded) == 0 && atomic_load(&ctx.event_queries) == 0);
+    CHECK(alloc_malloc(a, 4096, 0, &s1, 0) == p);
+    alloc_free(a, p, 0);
+    alloc_free(a, third, 0);
+    CHECK(alloc_check(a, 0) == 0);
+    finish(a, &ctx);
+}
+
+/* A cached block keeps no stream to record on later: a stream destroyed
+ * after its last free is never touched again (ASan sees a use). */
+static void
+test_destroyed_stream_is_never_used(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    alloc_host_stream *gone = calloc(1, sizeof(*gone));
+    allocator *a = make(&ctx, 0, 1);
+    void *p = alloc_malloc(a, 8192, 0, gone, 0);
+    alloc_host_submit(gone);
+    alloc_free(a, p, 0);
+    free(gone);
+    void *q = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(q != NULL && q != p);
+    CHECK(atomic_load(&ctx.events_recorded) == 0);
+    alloc_free(a, q, 0);
+    alloc_empty_cache(a);                     /* the dead stream's segment goes too */
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 0);
+    CHECK(alloc_check(a, 0) == 0);
+    finish(a, &ctx);
+}
+
+/* Events of one stream complete in order: a malloc queries each stream's
+ * oldest pending event and stops there (torch's process_events). */
+static void
+test_events_queried_per_stream_in_order(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0}, s2 = {0}, s3 = {0};
+    allocator *a = make(&ctx, 0, 1);
+    void *p[3], *q = alloc_malloc(a, 4096, 0, &s1, 0);
+    for (int i = 0; i < 3; i++) {
+        p[i] = alloc_malloc(a, 8192, 0, &s1, 0);
+        CHECK(alloc_record_stream(a, p[i], &s2) == 0);
+    }
+    CHECK(alloc_record_stream(a, q, &s1) == 0);   /* its own stream: no event needed */
+    CHECK(alloc_record_stream(a, q, &s3) == 0);
+    for (int i = 0; i < 3; i++) {
+        alloc_host_submit(&s2);               /* s2 reads p[i], then it is freed */
+        alloc_free(a, p[i], 0);
+    }
+    alloc_host_submit(&s3);
+    alloc_free(a, q, 0);
+    CHECK(atomic_load(&ctx.events_recorded) == 4);
+    CHECK(alloc_check(a, 0) == 0);
+    uint64_t queries = atomic_load(&ctx.event_queries);
+    void *x = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(x != p[0] && x != p[1] && x != p[2]);
+    CHECK(atomic_load(&ctx.event_queries) - queries == 2);   /* one per stream */
+    atomic_store(&s2.completed, 2);           /* s2 finished reading p[0] and p[1] */
+    alloc_host_complete(&s3);
+    queries = atomic_load(&ctx.event_queries);
+    void *y = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(atomic_load(&ctx.event_queries) - queries == 4);   /* 2 done + 1 not on s2, 1 on s3 */
+    /* from the blocks whose events completed (q, p[0], p[1], coalesced) */
+    CHECK((char *)y >= (char *)q && (char *)y < (char *)p[2]);
+    CHECK(alloc_check(a, 0) == 0);
+    alloc_host_complete(&s2);
+    alloc_free(a, x, 0);
+    alloc_free(a, y, 0);
+    CHECK(alloc_check(a, 0) == 0);
+    CHECK(atomic_load(&ctx.events_recorded) == 4);
+    finish(a, &ctx);
+}
+
+/* Memory cached for one stream reaches another through the out-of-memory
+ * path: pending events waited for, free segments released, retried. */
+static void
+test_out_of_memory_moves_memory_between_streams(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0}, s2 = {0}, s3 = {0};
+    allocator *a = make(&ctx, 2 * MiB, 1);
+    void *p = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, p, &s3) == 0);
+    alloc_host_submit(&s3);
+    alloc_free(a, p, 0);                      /* pending on s3 */
+    void *q = alloc_malloc(a, 4096, 0, &s2, 0);
+    alloc_stats s = alloc_get_stats(a, 0);
+    CHECK(q != NULL && s.oom_retries == 1 && s.device_frees == 1 && s.device_allocs == 2);
+    CHECK(atomic_load(&ctx.live_events) == 0);
+    alloc_free(a, q, 0);
     CHECK(alloc_check(a, 0) == 0);
     finish(a, &ctx);
 }
@@ -172,6 +266,194 @@ test_out_of_memory_releases_cache_then_fails_cleanly(void)
     alloc_set_limit(a, 0, 0);
     CHECK(alloc_check(a, 0) == 0);
     finish(a, &ctx);
+}
+
+/* Sizes near UINT64_MAX: rounding must not wrap to a small block. */
+static void
+test_huge_requests_are_out_of_memory(void)
+{
+    CHECK(alloc_round_size(UINT64_MAX) == 0 && alloc_round_size(UINT64_MAX - 510) == 0);
+    CHECK(alloc_round_size(UINT64_MAX - 511) == UINT64_MAX - 511);
+    CHECK(alloc_round_size((1ull << 63) + 1) == (1ull << 63) + 512);
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 64 * MiB, 1);
+    void *small = alloc_malloc(a, 100, 0, NULL, 0);
+    uint64_t huge[] = {UINT64_MAX, UINT64_MAX - 511, UINT64_MAX - 2 * MiB + 2,
+                       UINT64_MAX - 4 * MiB, 1ull << 63, 65 * MiB};
+    for (int i = 0; i < 6; i++) {
+        CHECK(alloc_malloc(a, huge[i], 0, NULL, 0) == NULL);
+        CHECK(alloc_malloc(a, huge[i], 0, NULL, 0) == NULL);
+        alloc_oom_info oom = alloc_last_oom(a);
+        CHECK(oom.requested == huge[i] && oom.allocated == 512 && oom.reserved == 2 * MiB);
+    }
+    alloc_stats s = alloc_get_stats(a, 0);
+    CHECK(s.ooms == 12 && s.live_blocks == 1 && s.allocated_bytes == 512 && s.mallocs == 1);
+    /* a limit near UINT64_MAX: reserved + segment must not wrap under it */
+    alloc_set_limit(a, 0, UINT64_MAX - MiB);
+    CHECK(alloc_malloc(a, UINT64_MAX - 4 * MiB, 0, NULL, 0) == NULL);
+    CHECK(ctx.live_bytes == 2 * MiB);
+    CHECK(alloc_check(a, 0) == 0);
+    alloc_free(a, small, 0);
+    finish(a, &ctx);
+}
+
+static struct {
+    allocator *a;
+    int calls, lock_free, device;
+    void *stream, *ptr;
+    uint64_t bytes;
+    lock_probe probe;
+} handout;
+
+static void
+read_stats_of_device0(void *a)
+{
+    (void)alloc_get_stats(a, 0);
+}
+
+static void
+record_handout(void *ctx, int device, void *stream, void *ptr, uint64_t bytes)
+{
+    (void)ctx;
+    if (handout.calls++ == 0)
+        handout.lock_free = probe_lock_free(&handout.probe);
+    handout.device = device;
+    handout.stream = stream;
+    handout.ptr = ptr;
+    handout.bytes = bytes;
+}
+
+static void
+test_on_handout_hook_runs_after_the_lock(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    alloc_host_init(&ctx, 64 * MiB);
+    alloc_backend backend = alloc_host_backend(&ctx);
+    CHECK(backend.on_handout == NULL);
+    backend.on_handout = record_handout;
+    allocator *a = alloc_create(backend, 2);
+    handout.probe = (lock_probe){.fn = read_stats_of_device0, .arg = a};
+    void *p = alloc_malloc(a, 1000, 0, &s1, 0);
+    probe_join(&handout.probe);
+    CHECK(handout.calls == 1 && handout.lock_free);
+    CHECK(handout.device == 0 && handout.stream == &s1 && handout.ptr == p && handout.bytes == 1024);
+    void *q = alloc_malloc(a, 3 * MiB + 1, 1, NULL, 0);
+    CHECK(handout.calls == 2 && handout.device == 1 && handout.stream == NULL);
+    CHECK(handout.ptr == q && handout.bytes == 3 * MiB + 512);
+    CHECK(alloc_malloc(a, UINT64_MAX, 0, NULL, 0) == NULL && handout.calls == 2);
+    alloc_free(a, p, 0);
+    alloc_free(a, q, 1);
+    finish(a, &ctx);
+}
+
+/* ---- CUDA backend over a fake runtime that keeps a per-thread last error */
+
+static _Thread_local int fake_last_error;
+static int fake_events_pending, fake_fail_record;
+static char fake_memory[4][2 << 20];
+static int fake_segments, fake_events_live;
+
+static int
+fake_fail(int status)
+{
+    fake_last_error = status;
+    return status;
+}
+
+static int fake_get_device(int *device) { *device = 0; return CUDART_SUCCESS; }
+static int fake_set_device(int device) { (void)device; return CUDART_SUCCESS; }
+static int fake_free(void *ptr) { (void)ptr; fake_segments--; return CUDART_SUCCESS; }
+static int fake_synchronize(void) { fake_events_pending = 0; return CUDART_SUCCESS; }
+static int fake_get_last_error(void) { int e = fake_last_error; fake_last_error = 0; return e; }
+static const char *fake_error_string(int status) { (void)status; return "fake error"; }
+
+static int
+fake_malloc(void **ptr, size_t bytes)
+{
+    if (bytes > sizeof(fake_memory[0]) || fake_segments == 4)
+        return fake_fail(CUDART_ERROR_MEMORY_ALLOCATION);
+    *ptr = fake_memory[fake_segments++];
+    return CUDART_SUCCESS;
+}
+
+static int
+fake_event_create(void **event, unsigned flags)
+{
+    (void)flags;
+    fake_events_live++;
+    *event = malloc(1);
+    return CUDART_SUCCESS;
+}
+
+static int
+fake_event_destroy(void *event)
+{
+    fake_events_live--;
+    free(event);
+    return CUDART_SUCCESS;
+}
+
+static int
+fake_event_record(void *event, void *stream)
+{
+    (void)event;
+    (void)stream;
+    return fake_fail_record ? fake_fail(700) : CUDART_SUCCESS;
+}
+
+static int
+fake_event_query(void *event)
+{
+    (void)event;
+    return fake_events_pending ? fake_fail(CUDART_ERROR_NOT_READY) : CUDART_SUCCESS;
+}
+
+static int
+fake_event_synchronize(void *event)
+{
+    (void)event;
+    fake_events_pending = 0;
+    return CUDART_SUCCESS;
+}
+
+static const cudart fake_runtime = {
+    .get_device = fake_get_device, .set_device = fake_set_device, .malloc = fake_malloc,
+    .free = fake_free, .event_create = fake_event_create, .event_destroy = fake_event_destroy,
+    .event_record = fake_event_record, .event_query = fake_event_query,
+    .event_synchronize = fake_event_synchronize, .device_synchronize = fake_synchronize,
+    .get_last_error = fake_get_last_error, .get_error_string = fake_error_string,
+};
+
+/* Every failure the CUDA backend goes on from leaves no last error behind
+ * for torch's next launch check to raise. */
+static void
+test_cuda_backend_clears_recovered_errors(void)
+{
+    char s1, s2;
+    alloc_backend backend = alloc_cuda_backend(&fake_runtime);
+    CHECK(backend.on_handout == NULL);
+    allocator *a = alloc_create(backend, 1);
+    void *p = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, p, &s2) == 0);
+    alloc_free(a, p, 0);
+    fake_events_pending = 1;
+    void *q = alloc_malloc(a, 4096, 0, &s1, 0);     /* cudaEventQuery: not ready */
+    CHECK(q != NULL && q != p && fake_last_error == 0);
+    fake_fail_record = 1;                           /* cudaEventRecord fails at the free */
+    CHECK(alloc_record_stream(a, q, &s2) == 0);
+    alloc_free(a, q, 0);
+    CHECK(fake_last_error == 0 && fake_events_live == 1);
+    fake_fail_record = 0;
+    void *half[9];
+    for (int i = 0; i < 9; i++)                     /* 4 segments: cudaMalloc fails for the last */
+        half[i] = alloc_malloc(a, MiB, 0, &s1, 0);
+    CHECK(half[7] != NULL && half[8] == NULL && fake_last_error == 0);
+    CHECK(alloc_get_stats(a, 0).oom_retries == 1 && fake_events_live == 0);
+    for (int i = 0; i < 8; i++)
+        alloc_free(a, half[i], 0);
+    alloc_destroy(a);
+    CHECK(fake_segments == 0 && fake_events_live == 0 && fake_last_error == 0);
 }
 
 static void
@@ -363,8 +645,14 @@ main(void)
     test_split_and_coalesce();
     test_large_pool_sizes();
     test_stream_ordered_reuse();
+    test_destroyed_stream_is_never_used();
+    test_events_queried_per_stream_in_order();
+    test_out_of_memory_moves_memory_between_streams();
     test_record_stream_defers_reuse();
     test_out_of_memory_releases_cache_then_fails_cleanly();
+    test_huge_requests_are_out_of_memory();
+    test_on_handout_hook_runs_after_the_lock();
+    test_cuda_backend_clears_recovered_errors();
     test_tags_are_exact();
     test_randomized_operations_keep_invariants();
     test_threads_stress();

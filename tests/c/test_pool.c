@@ -2,6 +2,8 @@
 /* Unit tests of the host pool (csrc/pool) on its host backend. */
 #include "pool/pool.h"
 #include "check.h"
+#include "cuda/cudart.h"
+#include "lock_probe.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -192,6 +194,173 @@ test_reserve_fills_the_cache_within_the_limit(void)
     CHECK(ctx.live_bytes == 0);
 }
 
+/* Sizes near UINT64_MAX: no class index past the table, no wrapped size. */
+static void
+test_huge_sizes_have_no_class(void)
+{
+    uint64_t largest = (uint64_t)15 << 60;
+    CHECK(pool_class_size(largest) == largest);
+    CHECK(pool_class_size(largest - 1) == largest);
+    CHECK(pool_class_size((1ull << 63) + 1) == (uint64_t)9 << 60);
+    CHECK(pool_class_size(largest + 1) == 0 && pool_class_size(UINT64_MAX) == 0);
+    pool_host_ctx ctx = {.capacity_bytes = 1 << 20};
+    pool *p = pool_create(pool_host_backend(&ctx), UINT64_MAX - 4096);
+    pool_block kept, block;
+    CHECK(pool_acquire(p, 4096, &kept) == 0 && !kept.fallback);
+    uint64_t huge[] = {UINT64_MAX, UINT64_MAX - 255, largest + 1, largest, 1ull << 63};
+    for (int i = 0; i < 5; i++) {
+        CHECK(pool_acquire(p, huge[i], &block) == -1 && block.ptr == NULL && block.size == 0);
+        CHECK(pool_acquire(p, huge[i], &block) == -1 && block.ptr == NULL);
+        CHECK(pool_reserve(p, huge[i], 1) == 0);
+    }
+    pool_stats stats = pool_get_stats(p);
+    CHECK(stats.failures == 10 && stats.misses == 11 && stats.blocks_in_use == 1);
+    CHECK(stats.bytes_in_use == 4096 && stats.bytes_reserved == 4096 && ctx.live_bytes == 4096);
+    pool_release(p, &kept);
+    pool_destroy(p);
+    CHECK(ctx.live_bytes == 0);
+}
+
+static void
+test_acquire_cached_never_allocates(void)
+{
+    pool_host_ctx ctx = {0};
+    pool *p = pool_create(pool_host_backend(&ctx), 0);
+    pool_block block;
+    CHECK(pool_acquire_cached(p, 5000, &block) == -1 && block.ptr == NULL);
+    pool_stats stats = pool_get_stats(p);
+    CHECK(stats.hits == 0 && stats.misses == 0 && stats.host_allocations == 0);
+    CHECK(pool_acquire(p, 5000, &block) == 0);
+    void *first = block.ptr;
+    pool_release(p, &block);
+    CHECK(pool_acquire_cached(p, 4700, &block) == 0 && block.ptr == first);
+    CHECK(block.requested == 4700 && block.size == pool_class_size(5000) && !block.fallback);
+    stats = pool_get_stats(p);
+    CHECK(stats.hits == 1 && stats.misses == 1 && stats.host_allocations == 1);
+    CHECK(stats.blocks_in_use == 1 && stats.bytes_requested == 4700);
+    CHECK(pool_acquire_cached(p, UINT64_MAX, &block) == -1 && block.ptr == NULL);
+    pool_block again = {.ptr = first, .size = pool_class_size(5000), .requested = 4700};
+    pool_release(p, &again);
+    pool_destroy(p);
+    CHECK(ctx.live_bytes == 0);
+}
+
+/* A backend that checks, at every call, that the pool's mutex is free: the
+ * CUDA backend's cudaFreeHost waits for the device. */
+static struct {
+    pool *p;
+    pool_host_ctx host;
+    pool_backend inner;
+    int calls, locked;
+    lock_probe probes[16];      /* joined once the test's pool calls returned */
+} watched;
+
+static void
+read_pool_stats(void *p)
+{
+    (void)pool_get_stats(p);
+}
+
+static void
+check_pool_unlocked(void)
+{
+    lock_probe *probe = &watched.probes[watched.calls++ % 16];
+    *probe = (lock_probe){.fn = read_pool_stats, .arg = watched.p};
+    watched.locked += !probe_lock_free(probe);
+}
+
+static void *
+watched_alloc(void *ctx, uint64_t bytes)
+{
+    (void)ctx;
+    check_pool_unlocked();
+    return watched.inner.alloc(watched.inner.ctx, bytes);
+}
+
+static void
+watched_free(void *ctx, void *ptr, uint64_t bytes)
+{
+    (void)ctx;
+    check_pool_unlocked();
+    watched.inner.free(watched.inner.ctx, ptr, bytes);
+}
+
+static void
+test_backend_never_runs_under_the_pool_lock(void)
+{
+    watched.host = (pool_host_ctx){0};
+    watched.inner = pool_host_backend(&watched.host);
+    pool_backend backend = {.alloc = watched_alloc, .free = watched_free, .name = "watched"};
+    uint64_t size = pool_class_size(100000);
+    pool *p = watched.p = pool_create(backend, 2 * size);
+    pool_block a, b;
+    CHECK(pool_acquire(p, 100000, &a) == 0);           /* miss: one alloc */
+    pool_release(p, &a);
+    CHECK(pool_acquire(p, 200000, &b) == 0 && !b.fallback);   /* at the limit: drops a's */
+    pool_release(p, &b);
+    CHECK(pool_reserve(p, 100000, 1) == 0);             /* the limit refuses before the backend */
+    pool_set_limit(p, 1);                                /* below what is held: drops the cache */
+    CHECK(pool_get_stats(p).bytes_reserved == 0 && watched.host.live_bytes == 0);
+    pool_set_limit(p, 0);
+    CHECK(pool_reserve(p, 100000, 2) == 2);
+    pool_empty(p);
+    for (int i = 0; i < watched.calls && i < 16; i++)
+        probe_join(&watched.probes[i]);
+    pool_destroy(p);
+    CHECK(watched.calls == 8 && watched.locked == 0);
+    CHECK(watched.host.live_bytes == 0);
+}
+
+/* ---- pinned backend over a fake runtime with a per-thread last error ---- */
+
+static _Thread_local int fake_last_error;
+static int fake_pinned_live;
+
+static int
+fake_host_alloc(void **ptr, size_t bytes, unsigned flags)
+{
+    (void)flags;
+    if (bytes > (1u << 20)) {
+        fake_last_error = CUDART_ERROR_MEMORY_ALLOCATION;
+        return CUDART_ERROR_MEMORY_ALLOCATION;
+    }
+    fake_pinned_live++;
+    *ptr = malloc(bytes);
+    return CUDART_SUCCESS;
+}
+
+static int
+fake_free_host(void *ptr)
+{
+    fake_pinned_live--;
+    free(ptr);
+    return CUDART_SUCCESS;
+}
+
+static int
+fake_get_last_error(void)
+{
+    int error = fake_last_error;
+    fake_last_error = 0;
+    return error;
+}
+
+static void
+test_failed_pinning_leaves_no_cuda_error(void)
+{
+    static const cudart runtime = {.host_alloc = fake_host_alloc, .free_host = fake_free_host,
+                                   .get_last_error = fake_get_last_error};
+    pool *p = pool_create(pool_cuda_backend(&runtime), 0);
+    pool_block pinned, pageable;
+    CHECK(pool_acquire(p, 4096, &pinned) == 0 && !pinned.fallback);
+    CHECK(pool_acquire(p, 2u << 20, &pageable) == 0 && pageable.fallback);
+    CHECK(fake_last_error == 0);            /* torch's next launch check sees nothing */
+    pool_release(p, &pageable);
+    pool_release(p, &pinned);
+    pool_destroy(p);
+    CHECK(fake_pinned_live == 0);
+}
+
 int
 main(void)
 {
@@ -202,5 +371,9 @@ main(void)
     test_backend_failure_drops_cache_then_falls_back();
     test_impossible_request_fails_cleanly();
     test_threads_share_the_pool_safely();
+    test_huge_sizes_have_no_class();
+    test_acquire_cached_never_allocates();
+    test_backend_never_runs_under_the_pool_lock();
+    test_failed_pinning_leaves_no_cuda_error();
     return check_report("test_pool");
 }
