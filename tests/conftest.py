@@ -152,6 +152,24 @@ def train_step(model: nn.Module, x: torch.Tensor, wrap: Callable, seed: int = 0
     return out.detach(), grads + [b.detach().clone() for b in model.buffers()]
 
 
+def run_in_thread(function: Callable[[], object]) -> None:
+    """Runs `function` on a new thread and re-raises what it raised."""
+    import threading
+    errors: list = []
+
+    def target() -> None:
+        try:
+            function()
+        except BaseException as error:  # noqa: BLE001 (re-raised below)
+            errors.append(error)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
 def assert_bitwise_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for index, (left, right) in enumerate(zip(a, b)):

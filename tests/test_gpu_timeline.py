@@ -8,8 +8,6 @@ whatever the engine frees or reuses too early shows up as wrong gradients
 (compared bit for bit with a run that does not offload) or wrong data."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 import torch.nn as nn
@@ -17,7 +15,7 @@ import torch.nn as nn
 import matepoint
 import sim
 from matepoint import _C
-from conftest import MLP, assert_bitwise_equal, no_checkpoint, train_step
+from conftest import MLP, assert_bitwise_equal, no_checkpoint, run_in_thread, train_step
 
 WIDTH, BATCH, DEPTH = 64, 32, 8
 INPUT_BYTES = WIDTH * BATCH * 4
@@ -183,18 +181,7 @@ def test_pinning_from_a_new_thread_creates_no_context_on_gpu_0(simulated):
     _C._sim_forget_contexts()
     _C._sim_set_device(1)           # torch.cuda.set_device(local_rank)
     try:
-        errors: list = []
-
-        def reserve() -> None:
-            try:
-                matepoint.reserve_pool(INPUT_BYTES, count=2)
-            except BaseException as error:  # noqa: BLE001 (re-raised below)
-                errors.append(error)
-
-        worker = threading.Thread(target=reserve)
-        worker.start()
-        worker.join()
-        assert not errors, errors
+        run_in_thread(lambda: matepoint.reserve_pool(INPUT_BYTES, count=2))
         assert _C._sim_stats()["contexts"] == [False, True]
         model, x = MLP(WIDTH, 4), torch.randn(BATCH, WIDTH)
         _, expected = train_step(model, x, no_checkpoint)

@@ -14,7 +14,7 @@ import torch.nn as nn
 import matepoint
 from matepoint import _C
 
-from conftest import MLP, assert_bitwise_equal, no_checkpoint, train_step
+from conftest import MLP, assert_bitwise_equal, no_checkpoint, run_in_thread, train_step
 
 WIDTH, BATCH, DEPTH = 64, 32, 12
 INPUT_BYTES = WIDTH * BATCH * 4
@@ -111,18 +111,7 @@ def test_backward_on_another_thread(simulated):
     torch.manual_seed(0)
     leaf = x.detach().clone().requires_grad_(True)
     out = model(leaf, matepoint.checkpoint)
-    errors: list = []
-
-    def run_backward() -> None:
-        try:
-            (out.float() ** 2).mean().backward()
-        except BaseException as error:  # noqa: BLE001 (re-raised below)
-            errors.append(error)
-
-    thread = threading.Thread(target=run_backward)
-    thread.start()
-    thread.join()
-    assert not errors, errors
+    run_in_thread(lambda: (out.float() ** 2).mean().backward())
     grads = [leaf.grad] + [p.grad for p in model.parameters()]
     assert_bitwise_equal(grads, expected[:len(grads)])
 

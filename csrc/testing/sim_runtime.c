@@ -120,11 +120,7 @@ sim_empty_bytes(mp_state *st, int device, PyObject *device_obj, uint64_t nbytes)
     int previous = cudart_sim_current_device();
     if (cudart_sim_set_current_device(device) != CUDART_SUCCESS)
         return PyErr_Format(PyExc_RuntimeError, "simulated GPU: no device %d", device);
-    PyObject *kwargs = Py_BuildValue("{sOsO}", "dtype", st->uint8_dtype, "device", device_obj);
-    PyObject *args = kwargs ? Py_BuildValue("((K))", (unsigned long long)nbytes) : NULL;
-    PyObject *tensor = args ? PyObject_Call(st->torch_empty, args, kwargs) : NULL;
-    Py_XDECREF(kwargs);
-    Py_XDECREF(args);
+    PyObject *tensor = offload_runtime_torch.empty_bytes(st, device, device_obj, nbytes);
     (void)cudart_sim_set_current_device(previous);
     return tensor;
 }
