@@ -239,6 +239,23 @@ holder_store(Holder *holder, PyObject *gid, PyObject *tensor)
     return PyDict_SetItem(holder->recomputed, gid, tensor);
 }
 
+/* What the recompute keeps of a saved tensor, as torch does: a tensor that
+ * requires grad is detached (the recomputed graph must not stay alive);
+ * any other is kept as the same object, so a frozen nn.Parameter, a buffer
+ * or a tensor carrying Python attributes comes back as itself. */
+static PyObject *
+recompute_keep(mp_state *st, PyObject *tensor)
+{
+    PyObject *flag = PyObject_GetAttr(tensor, st->str_requires_grad);
+    if (flag == NULL)
+        return NULL;
+    int requires_grad = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    if (requires_grad < 0)
+        return NULL;
+    return requires_grad ? PyObject_CallMethodNoArgs(tensor, st->str_detach) : Py_NewRef(tensor);
+}
+
 /* Recompute pack hook: files each recomputed tensor under its holder. */
 static PyObject *
 recompute_pack(RecomputeHook *self, PyObject *args, PyObject *kwargs)
@@ -249,7 +266,7 @@ recompute_pack(RecomputeHook *self, PyObject *args, PyObject *kwargs)
     (void)kwargs;
     if (!PyArg_UnpackTuple(args, "pack_hook", 1, 1, &tensor))
         return NULL;
-    PyObject *detached = PyObject_CallMethodNoArgs(tensor, st->str_detach);
+    PyObject *detached = recompute_keep(st, tensor);
     if (detached == NULL)
         return NULL;
     Py_ssize_t index = self->count++;
