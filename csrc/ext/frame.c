@@ -100,16 +100,15 @@ frame_pack(Frame *frame, PyObject *args, PyObject *kwargs)
     if (!PyArg_UnpackTuple(args, "pack_hook", 1, 1, &tensor) || frame_grow_holders(frame) < 0)
         return NULL;
     (void)kwargs;
-    Holder *holder = PyObject_GC_New(Holder, frame->st->holder_type);
+    /* tp_alloc zero-fills, tracks, and takes the reference to the type
+     * that holder_dealloc gives back */
+    PyTypeObject *type = frame->st->holder_type;
+    Holder *holder = (Holder *)type->tp_alloc(type, 0);
     if (holder == NULL)
         return NULL;
-    Py_INCREF(frame->st->holder_type);
-    holder->frame = (Frame *)Py_NewRef(frame);
     holder->index = frame->n_holders;
-    holder->meta = NULL;
-    holder->recomputed = NULL;
+    holder->frame = (Frame *)Py_NewRef(frame);
     frame->holders[frame->n_holders++] = holder;
-    PyObject_GC_Track(holder);
     if (frame->check_metadata) {
         holder->meta = tensor_metadata(frame->st, tensor);
         if (holder->meta == NULL) {
@@ -398,14 +397,13 @@ frame_recompute(Frame *frame, PyObject *gid)
         checkpoint_error(st, "matepoint.checkpoint: internal error: inputs were released");
         return -1;
     }
-    RecomputeHook *hook = PyObject_GC_New(RecomputeHook, st->recompute_hook_type);
+    /* tp_alloc zero-fills, tracks and takes the type reference */
+    PyTypeObject *type = st->recompute_hook_type;
+    RecomputeHook *hook = (RecomputeHook *)type->tp_alloc(type, 0);
     if (hook == NULL)
         return -1;
-    Py_INCREF(st->recompute_hook_type);
     hook->frame = (Frame *)Py_NewRef(frame);
     hook->gid = Py_NewRef(gid);
-    hook->count = 0;
-    PyObject_GC_Track(hook);
 
     if (frame_restore_inputs(frame, &args, &kwargs) < 0)
         goto done;
