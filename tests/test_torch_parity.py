@@ -110,3 +110,102 @@ def test_saved_tensor_requiring_grad_is_detached_like_torch() -> None:
     assert seen["matepoint"] == seen["torch"]
     assert seen["torch"][0] is False
     assert_bitwise_equal(grads["matepoint"], grads["torch"])
+
+
+# ---- the CheckpointErrors torch raises start with torch's sentence -------
+
+def first_sentence(message: str) -> str:
+    match = re.match(r"(.+?\.)(?=\s|$)", message, re.S)
+    assert match is not None, message
+    return match.group(1)
+
+
+def raised(wrap: Callable, case: Callable[[Callable], None]) -> str:
+    with pytest.raises(tc.CheckpointError) as info:
+        case(wrap)
+    return str(info.value)
+
+
+class ReadsSavedTwice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        ctx.save_for_backward(t)
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors
+        (t,) = ctx.saved_tensors
+        return grad * 2
+
+
+def unpacked_twice(wrap: Callable) -> None:
+    x = torch.randn(3, requires_grad=True)
+    wrap(lambda t: ReadsSavedTwice.apply(t.sin()), x).sum().backward()
+
+
+def overlapping_backwards_in_one_group(wrap: Callable) -> None:
+    x = torch.randn(3, requires_grad=True)
+    out = wrap(lambda t: t.sin().exp(), x)
+    with tc.GraphExecGroup():
+        torch.autograd.grad(out.sum(), x, retain_graph=True)
+        torch.autograd.grad(out.sum(), x)
+
+
+def changes_on_second_call(first: Callable, second: Callable, **kwargs) -> Callable:
+    def case(wrap: Callable) -> None:
+        calls = []
+
+        def fn(t):
+            calls.append(1)
+            return (first if len(calls) == 1 else second)(t)
+
+        wrap(fn, torch.randn(4, requires_grad=True), **kwargs).sum().backward()
+    return case
+
+
+CASES = {
+    "unpacked twice": (unpacked_twice, False),
+    "overlapping backwards under GraphExecGroup": (overlapping_backwards_in_one_group, False),
+    "fewer tensors in the recompute": (
+        changes_on_second_call(lambda t: t.sin().exp(), lambda t: t.sin() + 1), True),
+    "more tensors in the recompute": (
+        changes_on_second_call(lambda t: t.sin() + 1, lambda t: t.sin().exp(), early_stop=False),
+        True),
+    "different metadata": (
+        changes_on_second_call(lambda t: t.sin().exp(), lambda t: t[:2].sin().exp()), True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_checkpoint_error_starts_with_torchs_sentence(name: str) -> None:
+    case, debug_tip = CASES[name]
+    expected = raised(torch_checkpoint, case)
+    got = raised(matepoint.checkpoint, case)
+    assert first_sentence(got) == first_sentence(expected)
+    assert expected.startswith("torch.utils.checkpoint: ")
+    assert "matepoint.checkpoint: " in got, "matepoint's own detail is missing"
+    if debug_tip:
+        assert "`debug=True`" in expected and "`debug=True`" in got
+        assert "set_checkpoint_debug_enabled(True)" in got
+    # torch's whole report of the case comes before matepoint's detail
+    if "GraphExecGroup" in name:
+        overlap = re.search(r"Performing two backward calls.*?context\.", expected).group(0)
+        assert overlap in got and overlap not in raised(matepoint.checkpoint, unpacked_twice)
+
+
+def test_metadata_error_lists_every_tensor_like_torch() -> None:
+    case = changes_on_second_call(lambda t: t.sin().exp(), lambda t: t[:2].double().sin().exp(),
+                                  early_stop=False)
+    expected = raised(torch_checkpoint, case)
+    got = raised(matepoint.checkpoint, case)
+    entries = re.findall(r"tensor at position \d+:\nsaved metadata: .*\nrecomputed metadata: .*\n",
+                         expected)
+    assert len(entries) >= 2
+    assert got.startswith(first_sentence(expected) + "\n" + "".join(entries))
+
+
+def test_count_error_gives_torchs_counts() -> None:
+    case, _ = CASES["fewer tensors in the recompute"]
+    expected = raised(torch_checkpoint, case).split("\n")[:3]
+    assert raised(matepoint.checkpoint, case).split("\n")[:3] == expected
