@@ -209,3 +209,14 @@ def test_count_error_gives_torchs_counts() -> None:
     case, _ = CASES["fewer tensors in the recompute"]
     expected = raised(torch_checkpoint, case).split("\n")[:3]
     assert raised(matepoint.checkpoint, case).split("\n")[:3] == expected
+
+
+def test_bare_checkpoint_runs_non_reentrant_and_warns_nothing() -> None:
+    """torch warns when use_reentrant is left out; matepoint has one
+    implementation and, as its README says, does not."""
+    import warnings
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        matepoint.checkpoint(lambda t: t.sin().exp(), x).sum().backward()
+    assert torch.equal(x.grad, (x.sin().exp() * x.cos()).detach())
