@@ -21,6 +21,7 @@ from matepoint._allocator import (empty_cache, install_allocator, memory_report,
                                   reset_peak_memory_stats)
 from matepoint._enable import disable, enable
 from matepoint._options import Options, settings as _settings
+from matepoint._options import show_int as _show_int
 from matepoint._planner import Plan, PlanError, PlannedBlock, auto_checkpoint, plan
 from matepoint._sequential import checkpoint_sequential
 
@@ -66,13 +67,21 @@ def reserve_pool(buffer_bytes: int, count: int = 1) -> int:
     first step finds its buffers ready. The GIL is released meanwhile, so a
     background thread can do it. Returns how many buffers were added; raises
     MemoryError when ``pool_limit_bytes`` or the host refused some (the ones
-    pinned stay in the pool).
+    pinned stay in the pool). ``buffer_bytes`` is an int from 1 to 2**63 - 1,
+    ``count`` from 1 to 2**31 - 1, and their product at most 2**63 - 1.
     """
-    for name, value in (("buffer_bytes", buffer_bytes), ("count", count)):
+    # sizes stay within the pool's 64-bit arithmetic with room to round up;
+    # 2**31 - 1 buffers is far past any real request
+    for name, value, bits in (("buffer_bytes", buffer_bytes, 63), ("count", count, 31)):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"matepoint.reserve_pool: {name} must be an int, got {value!r}")
-        if value <= 0:
-            raise ValueError(f"matepoint.reserve_pool: {name} must be positive, got {value}")
+            raise TypeError(f"matepoint.reserve_pool: {name} must be an int from 1 to "
+                            f"2**{bits} - 1, got {value!r}")
+        if not 0 < value < 1 << bits:
+            raise ValueError(f"matepoint.reserve_pool: {name} must be an int from 1 to "
+                             f"2**{bits} - 1, got {_show_int(value)}")
+    if buffer_bytes * count > (1 << 63) - 1:
+        raise ValueError(f"matepoint.reserve_pool: buffer_bytes * count must be at most "
+                         f"2**63 - 1 bytes, got {buffer_bytes} * {count}")
     added = _reserve_pool(buffer_bytes, count)
     if added < count:
         raise MemoryError(

@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 import torch
 
 from matepoint import _C, _oom
+from matepoint._options import show_int
 
 _PHASES = {0: "other", 1: "forward", 2: "recompute"}
 # optional hooks torch's CUDAPluggableAllocator lets us register, by entry point
@@ -93,9 +94,16 @@ def memory_stats(device: int = 0) -> Dict[str, Any]:
     torch.OutOfMemoryError (False: it stops the process; install_allocator()
     warned why).
     """
+    accepted = "a CUDA device index (an int from 0 to the number of devices - 1)"
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"matepoint.memory_stats: device must be {accepted}, got {device!r}")
+    if not 0 <= device < 1 << 31:
+        raise ValueError(f"matepoint.memory_stats: device must be {accepted}, "
+                         f"got {show_int(device)}")
     per_device = _C._allocator_stats()
-    if not 0 <= device < len(per_device):
-        raise ValueError(f"matepoint.memory_stats: no device {device} (have {len(per_device)})")
+    if device >= len(per_device):
+        raise ValueError(f"matepoint.memory_stats: device must be an int from 0 to "
+                         f"{len(per_device) - 1} (the CUDA devices), got {show_int(device)}")
     stats = dict(per_device[device])
     stats["tags"] = _tag_rows(stats["tags"])
     stats["oom_raises"] = _oom.handler_state().attached

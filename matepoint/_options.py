@@ -34,10 +34,34 @@ class Options:
     min_offload_bytes: int = 1 << 20
     pool_limit_bytes: Optional[int] = None
 
+    def __post_init__(self) -> None:
+        for name in _FIELDS:
+            _check(name, getattr(self, name))
+
 
 _FIELDS = {field.name: field for field in dataclasses.fields(Options)}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+_INT_MAX = (1 << 31) - 1    # the C core keeps counts of checkpoints in an int
+_INT64_MAX = (1 << 63) - 1  # and byte sizes in 64 bits, with room for sums
+# accepted range of each integer option: (lowest, highest, its text)
+_RANGES = {
+    "prefetch_depth": (0, _INT_MAX, "2**31 - 1"),
+    "offload_window": (1, _INT_MAX, "2**31 - 1"),
+    "min_offload_bytes": (0, _INT64_MAX, "2**63 - 1"),
+    "pool_limit_bytes": (1, _INT64_MAX, "2**63 - 1"),
+}
+
+
+def show_int(value: int) -> str:
+    """``value`` for a message: huge ones by their size (str() refuses past
+    4300 digits)."""
+    return str(value) if value.bit_length() <= 256 else f"an int of {value.bit_length()} bits"
+
+
+def _accepted(name: str) -> str:
+    low, _, high_text = _RANGES[name]
+    return f"an int from {low} to {high_text}" + (", or None" if name == "pool_limit_bytes" else "")
 
 
 def _check(name: str, value: Any) -> Any:
@@ -49,9 +73,12 @@ def _check(name: str, value: Any) -> Any:
     if value is None and name == "pool_limit_bytes":
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"matepoint option {name} must be an int, got {value!r}")
-    if value < 0 or (name in ("pool_limit_bytes", "offload_window") and value == 0):
-        raise ValueError(f"matepoint option {name} must be positive, got {value}")
+        raise TypeError(f"matepoint option {name} must be {_accepted(name)}, got {value!r}")
+    low, high, _ = _RANGES[name]
+    if not low <= value <= high:
+        sign = "positive" if low > 0 else "positive or zero"
+        raise ValueError(f"matepoint option {name} must be {sign} ({_accepted(name)}), "
+                         f"got {show_int(value)}")
     return value
 
 
@@ -66,9 +93,13 @@ def _parse_env(name: str, text: str) -> Any:
     if name == "pool_limit_bytes" and lowered in {"", "none"}:
         return None
     try:
-        return _check(name, int(lowered, 0))
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{variable}={text!r}: expected a non-negative integer") from error
+        number = int(lowered, 0)
+    except ValueError:
+        raise ValueError(f"{variable}={text!r}: expected {_accepted(name)}") from None
+    try:
+        return _check(name, number)
+    except ValueError as error:
+        raise ValueError(f"{variable}={text!r}: {error}") from None
 
 
 def options_from_env(environ: Mapping[str, str]) -> Options:

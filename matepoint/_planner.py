@@ -13,6 +13,8 @@ import dataclasses
 import json
 import logging
 import math
+import numbers
+import os
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -22,13 +24,50 @@ import torch.nn as nn
 
 from matepoint import _C
 from matepoint._meter import PeakMeter, copy_bandwidth, host_meter_available, saved_tensor_bytes
-from matepoint._options import settings
+from matepoint._options import settings, show_int
 
 log = logging.getLogger("matepoint.planner")
 
 CHOICES = ("keep", "recompute", "offload")
 MIB = float(1 << 20)
+# byte counts stay within the solver's 64-bit arithmetic
+MAX_BYTES = (1 << 63) - 1
+MAX_REPEATS = 1_000_000
+MAX_FRONTIER_POINTS = 1 << 20
 Blocks = Union[nn.Sequential, nn.ModuleList, Sequence[Callable]]
+
+
+def _int_argument(where: str, name: str, value: Any, low: int, high: int = MAX_BYTES) -> int:
+    """``value`` if it is an int from ``low`` to ``high``; else a TypeError or
+    ValueError naming ``name`` and that range."""
+    high_text = "2**63 - 1" if high == MAX_BYTES else f"{high:_}"
+    message = f"{where}: {name}" if where else name
+    message += f" must be an int from {low} to {high_text}, not "
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(message + repr(value))
+    if not low <= value <= high:
+        raise ValueError(message + show_int(value))
+    return value
+
+
+def _show(value: Any) -> str:
+    return show_int(value) if isinstance(value, int) else repr(value)
+
+
+def _finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:   # an int beyond any float
+        return False
+
+
+def _path_argument(where: str, path: Any) -> Any:
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{where}: path must be a str, bytes or os.PathLike file name, "
+                        f"not {type(path).__name__}")
+    return path
 
 
 class PlanError(ValueError):
@@ -86,7 +125,7 @@ class Plan:
 
     def apply(self, blocks: Blocks) -> Blocks:
         """Wraps each block as planned: same container kind as ``blocks``."""
-        blocks_list = list(blocks)
+        blocks_list = _check_blocks(blocks)
         if len(blocks_list) != len(self.choices):
             raise ValueError(f"the plan is for {len(self.choices)} blocks, got {len(blocks_list)}")
         # only an offloaded block right after another prefetches it: what
@@ -106,6 +145,7 @@ class Plan:
         From the fastest plan down to the smallest, at most ``max_points``
         of them; each is exact under the planner's model.
         """
+        _int_argument("Plan.frontier", "max_points", max_points, 1, MAX_FRONTIER_POINTS)
         points = _C._plan_frontier(_units(self.profiles, self.unit_bytes), self.pipeline,
                                    max_points)
         return [(peak * self.unit_bytes, seconds) for seconds, peak in points]
@@ -134,30 +174,58 @@ class Plan:
 
     def save(self, path: str) -> None:
         """Writes the plan as JSON."""
+        _path_argument("Plan.save", path)
         with open(path, "w", encoding="utf-8") as file:
             json.dump(self.to_dict(), file, indent=1)
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        """Reads a plan written by :meth:`save`."""
+        """Reads a plan written by :meth:`save`; a file that is not one, or
+        whose fields are out of range, raises ValueError naming the field."""
+        _path_argument("Plan.load", path)
         with open(path, encoding="utf-8") as file:
-            data = json.load(file)
+            try:
+                data = json.load(file)
+            except ValueError as error:
+                raise ValueError(f"{path!r} is not a matepoint plan: {error}") from None
         if not isinstance(data, dict) or data.pop("format", None) != "matepoint-plan-1":
-            raise ValueError(f"{path} is not a matepoint plan")
+            raise ValueError(f"{path!r} is not a matepoint plan")
         try:
+            if not isinstance(data["profiles"], list) or \
+                    not all(isinstance(p, dict) for p in data["profiles"]):
+                raise TypeError("profiles must be a list of objects")
             data["profiles"] = [BlockProfile(**p) for p in data["profiles"]]
             plan = cls(**data)
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"{path} is not a matepoint plan: {error}") from None
-        unknown = set(plan.choices) - set(CHOICES)
-        if unknown or len(plan.choices) != len(plan.profiles):
-            raise ValueError(f"{path} is not a matepoint plan: bad choices {plan.choices}")
-        for i, profile in enumerate(plan.profiles):
-            values = dataclasses.astuple(profile)
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-                       for v in values):
-                raise ValueError(f"{path} is not a matepoint plan: block {i} has {values}")
+            _check_loaded(plan)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{path!r} is not a matepoint plan: {error}") from None
         return plan
+
+
+def _check_loaded(plan: Plan) -> None:
+    """Every field of a plan read from a file, in range (raises TypeError or
+    ValueError naming the field)."""
+    if not isinstance(plan.choices, list) or \
+            not all(isinstance(c, str) and c in CHOICES for c in plan.choices):
+        raise ValueError(f"choices must be a list of {CHOICES}, not {plan.choices!r}")
+    if len(plan.choices) != len(plan.profiles) or not plan.choices:
+        raise ValueError(f"bad choices {plan.choices}: need one per block "
+                         f"({len(plan.profiles)} profiles)")
+    _int_argument("", "budget_bytes", plan.budget_bytes, 1)
+    _int_argument("", "unit_bytes", plan.unit_bytes, 1)
+    _int_argument("", "predicted_peak_bytes", plan.predicted_peak_bytes, 0)
+    if not isinstance(plan.pipeline, bool):
+        raise TypeError(f"pipeline must be true or false, not {plan.pipeline!r}")
+    if not (_finite_number(plan.predicted_time_s) and plan.predicted_time_s >= 0):
+        raise ValueError(f"predicted_time_s must be a finite number >= 0, "
+                         f"not {_show(plan.predicted_time_s)}")
+    for i, profile in enumerate(plan.profiles):
+        values = dataclasses.astuple(profile)
+        sizes = values[3:]   # the byte counts; the first three are seconds
+        if not all(_finite_number(v) and v >= 0 for v in values) or \
+                not all(isinstance(v, int) and v <= MAX_BYTES for v in sizes):
+            raise ValueError(f"block {i} has {values}: times must be finite numbers >= 0 "
+                             f"and sizes ints from 0 to 2**63 - 1")
 
 
 class PlannedBlock(nn.Module):
@@ -167,8 +235,12 @@ class PlannedBlock(nn.Module):
 
     def __init__(self, block: Callable, choice: str, prefetch: bool = True) -> None:
         super().__init__()
-        if choice not in CHOICES:
+        if not callable(block):
+            raise TypeError(f"PlannedBlock: block must be callable, not {type(block).__name__}")
+        if not isinstance(choice, str) or choice not in CHOICES:
             raise ValueError(f"choice must be one of {CHOICES}, not {choice!r}")
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"PlannedBlock: prefetch must be a bool, not {prefetch!r}")
         self.block = block
         self.choice = choice
         self.prefetch = prefetch
@@ -201,12 +273,7 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
     feasible budget when no plan fits.
     """
     blocks_list = _check_blocks(blocks)
-    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be a positive int, not {budget_bytes!r}")
-    if unit_bytes is not None and (not isinstance(unit_bytes, int) or unit_bytes <= 0):
-        raise ValueError(f"unit_bytes must be a positive int, not {unit_bytes!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int, not {repeats!r}")
+    _check_plan_arguments(budget_bytes, unit_bytes, pipeline, bandwidth_bytes_per_s, repeats)
     device = _device_of(sample_inputs)
     options = settings.current
     if pipeline is None:
@@ -214,9 +281,30 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
     if options.prefetch_depth > 1:
         log.warning("matepoint.plan counts one prefetched input in backward; prefetch_depth=%d "
                     "holds more", options.prefetch_depth)
-    bandwidth = bandwidth_bytes_per_s or copy_bandwidth(device).d2h
+    bandwidth = bandwidth_bytes_per_s if bandwidth_bytes_per_s is not None \
+        else copy_bandwidth(device).d2h
     profiles = profile_blocks(blocks_list, sample_inputs, bandwidth, repeats)
     return solve(profiles, budget_bytes, unit_bytes or default_unit(budget_bytes), bool(pipeline))
+
+
+def _check_plan_arguments(budget_bytes: Any, unit_bytes: Any, pipeline: Any,
+                          bandwidth_bytes_per_s: Any, repeats: Any) -> None:
+    """TypeError or ValueError naming the first bad argument of plan()."""
+    _int_argument("matepoint.plan", "budget_bytes", budget_bytes, 1)
+    if unit_bytes is not None:
+        _int_argument("matepoint.plan", "unit_bytes", unit_bytes, 1)
+    if pipeline is not None and not isinstance(pipeline, bool):
+        raise TypeError(f"matepoint.plan: pipeline must be a bool or None, not {pipeline!r}")
+    if bandwidth_bytes_per_s is not None:
+        accepted = "a finite number of bytes per second above 0, or None to measure it"
+        if isinstance(bandwidth_bytes_per_s, bool) or \
+                not isinstance(bandwidth_bytes_per_s, numbers.Real):
+            raise TypeError(f"matepoint.plan: bandwidth_bytes_per_s must be {accepted}, "
+                            f"not {bandwidth_bytes_per_s!r}")
+        if not (_finite_number(bandwidth_bytes_per_s) and bandwidth_bytes_per_s > 0):
+            raise ValueError(f"matepoint.plan: bandwidth_bytes_per_s must be {accepted}, "
+                             f"not {_show(bandwidth_bytes_per_s)}")
+    _int_argument("matepoint.plan", "repeats", repeats, 1, MAX_REPEATS)
 
 
 def solve(profiles: List[BlockProfile], budget_bytes: int, unit_bytes: int,

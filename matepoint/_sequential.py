@@ -35,8 +35,15 @@ def checkpoint_sequential(
         raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
     if isinstance(functions, torch.nn.Sequential):
         functions = list(functions.children())
-    if not isinstance(segments, int) or segments < 1:
-        raise ValueError(f"checkpoint_sequential: segments must be a positive int, got {segments!r}")
+    if not isinstance(functions, (list, tuple)) or not all(map(callable, functions)):
+        raise TypeError("checkpoint_sequential: functions must be an nn.Sequential or a list of "
+                        f"callables, got {type(functions).__name__}")
+    accepted = f"an int from 1 to len(functions) = {len(functions)}"
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise TypeError(f"checkpoint_sequential: segments must be {accepted}, got {segments!r}")
+    if not 1 <= segments <= max(1, len(functions)):
+        raise ValueError(f"checkpoint_sequential: segments must be {accepted}, "
+                         f"got {segments if segments.bit_length() <= 256 else 'a huge int'}")
     segment_size = len(functions) // segments
     end = -1
     for start in range(0, segment_size * (segments - 1), segment_size):

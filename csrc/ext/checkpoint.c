@@ -4,8 +4,6 @@
 #include "hooks.h"
 #include "tree.h"
 
-#include <string.h>
-
 /* Keyword options of checkpoint(); everything else goes to the function. */
 typedef struct {
     PyObject *use_reentrant;
@@ -170,24 +168,17 @@ error:
 static Frame *
 frame_new(mp_state *st, PyObject *module, PyObject *function)
 {
-    Frame *frame = PyObject_GC_New(Frame, st->frame_type);
+    /* tp_alloc zero-fills every field (NULL objects, empty replay state),
+     * tracks the frame and takes the reference to the type that
+     * frame_dealloc gives back */
+    Frame *frame = (Frame *)st->frame_type->tp_alloc(st->frame_type, 0);
     if (frame == NULL)
         return NULL;
-    Py_INCREF(st->frame_type);
     frame->st = st;
     frame->module = Py_NewRef(module);
     frame->function = Py_NewRef(function);
-    frame->args_template = frame->kwargs_template = NULL;
-    frame->saved = frame->versions = frame->offload_group = frame->offload_records = NULL;
-    frame->recompute_context = frame->error_cb = frame->recomputed_gids = NULL;
-    memset(&frame->replay, 0, sizeof(frame->replay));
-    frame->holders = NULL;
-    frame->n_holders = frame->cap_holders = 0;
     frame->region_id = ++st->next_region_id;
-    frame->early_stop = frame->check_metadata = 0;
     frame->prefetch_ahead = 1;
-    frame->forward_completed = frame->ignore_saved_mismatch = 0;
-    PyObject_GC_Track(frame);
     return frame;
 }
 

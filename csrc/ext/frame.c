@@ -100,16 +100,15 @@ frame_pack(Frame *frame, PyObject *args, PyObject *kwargs)
     if (!PyArg_UnpackTuple(args, "pack_hook", 1, 1, &tensor) || frame_grow_holders(frame) < 0)
         return NULL;
     (void)kwargs;
-    Holder *holder = PyObject_GC_New(Holder, frame->st->holder_type);
+    /* tp_alloc zero-fills, tracks, and takes the reference to the type
+     * that holder_dealloc gives back */
+    PyTypeObject *type = frame->st->holder_type;
+    Holder *holder = (Holder *)type->tp_alloc(type, 0);
     if (holder == NULL)
         return NULL;
-    Py_INCREF(frame->st->holder_type);
-    holder->frame = (Frame *)Py_NewRef(frame);
     holder->index = frame->n_holders;
-    holder->meta = NULL;
-    holder->recomputed = NULL;
+    holder->frame = (Frame *)Py_NewRef(frame);
     frame->holders[frame->n_holders++] = holder;
-    PyObject_GC_Track(holder);
     if (frame->check_metadata) {
         holder->meta = tensor_metadata(frame->st, tensor);
         if (holder->meta == NULL) {
@@ -221,6 +220,16 @@ recompute_hook_dealloc(RecomputeHook *self)
     Py_DECREF(tp);
 }
 
+/* Where matepoint raises the CheckpointError torch raises for the same case,
+ * the message starts with torch's sentence (people search for it and test
+ * suites match it) and keeps torch's pointer to its debug mode, which
+ * matepoint.checkpoint honours too; matepoint's own detail follows. */
+#define DEBUG_TIP                                                                             \
+    "\nTip: To see a more detailed error message, either pass `debug=True` to\n"              \
+    "`matepoint.checkpoint(...)` or wrap the code block\n"                                     \
+    "with `with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):` to\n"              \
+    "enable checkpoint-debug mode globally.\n"
+
 static PyObject *
 checkpoint_error(mp_state *st, const char *message)
 {
@@ -239,6 +248,23 @@ holder_store(Holder *holder, PyObject *gid, PyObject *tensor)
     return PyDict_SetItem(holder->recomputed, gid, tensor);
 }
 
+/* What the recompute keeps of a saved tensor, as torch does: a tensor that
+ * requires grad is detached (the recomputed graph must not stay alive);
+ * any other is kept as the same object, so a frozen nn.Parameter, a buffer
+ * or a tensor carrying Python attributes comes back as itself. */
+static PyObject *
+recompute_keep(mp_state *st, PyObject *tensor)
+{
+    PyObject *flag = PyObject_GetAttr(tensor, st->str_requires_grad);
+    if (flag == NULL)
+        return NULL;
+    int requires_grad = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    if (requires_grad < 0)
+        return NULL;
+    return requires_grad ? PyObject_CallMethodNoArgs(tensor, st->str_detach) : Py_NewRef(tensor);
+}
+
 /* Recompute pack hook: files each recomputed tensor under its holder. */
 static PyObject *
 recompute_pack(RecomputeHook *self, PyObject *args, PyObject *kwargs)
@@ -249,7 +275,7 @@ recompute_pack(RecomputeHook *self, PyObject *args, PyObject *kwargs)
     (void)kwargs;
     if (!PyArg_UnpackTuple(args, "pack_hook", 1, 1, &tensor))
         return NULL;
-    PyObject *detached = PyObject_CallMethodNoArgs(tensor, st->str_detach);
+    PyObject *detached = recompute_keep(st, tensor);
     if (detached == NULL)
         return NULL;
     Py_ssize_t index = self->count++;
@@ -260,9 +286,11 @@ recompute_pack(RecomputeHook *self, PyObject *args, PyObject *kwargs)
             return detached;
         }
         Py_DECREF(detached);
-        return checkpoint_error(st, "matepoint.checkpoint: the recomputation saved more tensors "
+        return checkpoint_error(st, "torch.utils.checkpoint: trying to save more tensors during "
+                                    "recomputation than during the original forward pass.\n"
+                                    "matepoint.checkpoint: the recomputation saved more tensors "
                                     "than the original forward pass; the checkpointed function "
-                                    "must run the same operations both times.");
+                                    "must run the same operations both times.\n" DEBUG_TIP);
     }
     Holder *holder = frame->holders[index];
     if (holder != NULL && holder_store(holder, self->gid, detached) < 0) {
@@ -296,24 +324,75 @@ PyType_Spec recompute_hook_spec = {
 static PyObject *
 describe_metadata(PyObject *meta)
 {
-    return PyUnicode_FromFormat("shape=%R, dtype=%R, device=%R", PyTuple_GET_ITEM(meta, 0),
-                                PyTuple_GET_ITEM(meta, 1), PyTuple_GET_ITEM(meta, 2));
+    return PyUnicode_FromFormat("{'shape': %R, 'dtype': %R, 'device': %R}",
+                                PyTuple_GET_ITEM(meta, 0), PyTuple_GET_ITEM(meta, 1),
+                                PyTuple_GET_ITEM(meta, 2));
 }
 
+/* Appends torch's report of one tensor whose metadata changed. */
 static int
-report_metadata_mismatch(mp_state *st, Holder *holder, PyObject *now)
+append_mismatch(PyObject *report, Holder *holder, PyObject *now)
 {
     PyObject *before = describe_metadata(holder->meta);
     PyObject *after = before ? describe_metadata(now) : NULL;
-    if (after != NULL)
-        PyErr_Format(st->checkpoint_error,
-                     "matepoint.checkpoint: recomputed tensor at index %zd differs from the "
-                     "forward pass: saved %U, recomputed %U. The checkpointed function must be "
-                     "deterministic in shapes, dtypes and devices.",
-                     holder->index, before, after);
+    PyObject *entry = after ? PyUnicode_FromFormat("tensor at position %zd:\nsaved metadata: "
+                                                   "%U\nrecomputed metadata: %U\n",
+                                                   holder->index, before, after)
+                            : NULL;
+    int result = entry ? PyList_Append(report, entry) : -1;
     Py_XDECREF(before);
     Py_XDECREF(after);
-    return -1;
+    Py_XDECREF(entry);
+    return result;
+}
+
+/* Compares one holder's recomputed tensor with the forward's metadata;
+ * a difference is appended to `report`. */
+static int
+compare_metadata(mp_state *st, Holder *holder, PyObject *gid, PyObject *report)
+{
+    if (holder == NULL || holder->meta == NULL || holder->recomputed == NULL)
+        return 0;
+    PyObject *tensor = PyDict_GetItemWithError(holder->recomputed, gid);
+    if (tensor == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *now = tensor_metadata(st, tensor);
+    if (now == NULL)
+        return -1;
+    int same = PyObject_RichCompareBool(now, holder->meta, Py_EQ);
+    int result = same < 0 ? -1 : same ? 0 : append_mismatch(report, holder, now);
+    Py_DECREF(now);
+    return result;
+}
+
+/* Every tensor whose shape, dtype or device changed, in one error. */
+static int
+check_metadata(RecomputeHook *hook)
+{
+    Frame *frame = hook->frame;
+    mp_state *st = frame->st;
+    PyObject *report = PyList_New(0);
+    if (report == NULL)
+        return -1;
+    int result = 0;
+    for (Py_ssize_t i = 0; i < frame->n_holders && result == 0; i++)
+        result = compare_metadata(st, frame->holders[i], hook->gid, report);
+    if (result == 0 && PyList_GET_SIZE(report) > 0) {
+        PyObject *empty = PyUnicode_New(0, 0);
+        PyObject *joined = empty ? PyUnicode_Join(empty, report) : NULL;
+        if (joined != NULL)
+            PyErr_Format(st->checkpoint_error,
+                         "torch.utils.checkpoint: Recomputed values for the following tensors "
+                         "have different metadata than during the forward pass.\n%U"
+                         "matepoint.checkpoint: the checkpointed function must be deterministic "
+                         "in shapes, dtypes and devices.\n" DEBUG_TIP,
+                         joined);
+        Py_XDECREF(empty);
+        Py_XDECREF(joined);
+        result = -1;
+    }
+    Py_DECREF(report);
+    return result;
 }
 
 static int
@@ -325,37 +404,17 @@ check_recomputed(RecomputeHook *hook)
         return 0;
     if (hook->count != frame->n_holders) {
         PyErr_Format(st->checkpoint_error,
+                     "torch.utils.checkpoint: A different number of tensors was saved during "
+                     "the original forward and recomputation.\n"
+                     "Number of tensors saved during forward: %zd\n"
+                     "Number of tensors saved during recomputation: %zd.\n"
                      "matepoint.checkpoint: the forward pass saved %zd tensors but the "
                      "recomputation saved %zd; the checkpointed function must run the same "
-                     "operations both times.",
-                     frame->n_holders, hook->count);
+                     "operations both times.\n" DEBUG_TIP,
+                     frame->n_holders, hook->count, frame->n_holders, hook->count);
         return -1;
     }
-    if (!frame->check_metadata)
-        return 0;
-    for (Py_ssize_t i = 0; i < frame->n_holders; i++) {
-        Holder *holder = frame->holders[i];
-        if (holder == NULL || holder->meta == NULL || holder->recomputed == NULL)
-            continue;
-        PyObject *tensor = PyDict_GetItemWithError(holder->recomputed, hook->gid);
-        if (tensor == NULL) {
-            if (PyErr_Occurred())
-                return -1;
-            continue;
-        }
-        PyObject *now = tensor_metadata(st, tensor);
-        if (now == NULL)
-            return -1;
-        int same = PyObject_RichCompareBool(now, holder->meta, Py_EQ);
-        if (same != 1) {
-            if (same == 0)
-                report_metadata_mismatch(st, holder, now);
-            Py_DECREF(now);
-            return -1;
-        }
-        Py_DECREF(now);
-    }
-    return 0;
+    return frame->check_metadata ? check_metadata(hook) : 0;
 }
 
 static int
@@ -381,14 +440,13 @@ frame_recompute(Frame *frame, PyObject *gid)
         checkpoint_error(st, "matepoint.checkpoint: internal error: inputs were released");
         return -1;
     }
-    RecomputeHook *hook = PyObject_GC_New(RecomputeHook, st->recompute_hook_type);
+    /* tp_alloc zero-fills, tracks and takes the type reference */
+    PyTypeObject *type = st->recompute_hook_type;
+    RecomputeHook *hook = (RecomputeHook *)type->tp_alloc(type, 0);
     if (hook == NULL)
         return -1;
-    Py_INCREF(st->recompute_hook_type);
     hook->frame = (Frame *)Py_NewRef(frame);
     hook->gid = Py_NewRef(gid);
-    hook->count = 0;
-    PyObject_GC_Track(hook);
 
     if (frame_restore_inputs(frame, &args, &kwargs) < 0)
         goto done;
@@ -450,13 +508,20 @@ done:
 
 /* ---- unpack ------------------------------------------------------------- */
 
+/* The id recomputations are keyed by: the GraphExecGroup when one is
+ * active (*in_group set), else the backward pass. */
 static PyObject *
-current_graph_task(mp_state *st)
+current_graph_task(mp_state *st, int *in_group)
 {
+    *in_group = 0;
     if (st->graph_exec_group != NULL) {
         PyObject *group = PyObject_CallNoArgs(st->graph_exec_group);
-        if (group != Py_None)
+        if (group == NULL)
+            return NULL;
+        if (group != Py_None) {
+            *in_group = 1;
             return group;
+        }
         Py_DECREF(group);
     }
     PyObject *gid = PyObject_CallNoArgs(st->graph_task_id);
@@ -471,12 +536,29 @@ current_graph_task(mp_state *st)
     return gid;
 }
 
+static void
+unpacked_twice(mp_state *st, int in_group)
+{
+    PyErr_Format(st->checkpoint_error,
+                 "torch.utils.checkpoint: Unpack is being triggered for a tensor that was "
+                 "already unpacked once. %sIf you are calling ctx.saved_tensors in backward, make "
+                 "sure to do so only once.\n"
+                 "matepoint.checkpoint: a saved tensor of a checkpointed region was unpacked "
+                 "twice in %s (or its recomputation failed earlier in it).",
+                 in_group ? "Performing two backward calls that overlap (i.e. require the same "
+                            "saved activation in order to compute gradients) is not allowed "
+                            "while under the torch.utils.checkpoint.GraphExecGroup context. "
+                          : "",
+                 in_group ? "one GraphExecGroup" : "one backward pass");
+}
+
 static PyObject *
 unpack_holder(Holder *holder)
 {
     Frame *frame = holder->frame;
     mp_state *st = frame->st;
-    PyObject *gid = current_graph_task(st);
+    int in_group;
+    PyObject *gid = current_graph_task(st, &in_group);
     if (gid == NULL)
         return NULL;
     PyObject *result = NULL;
@@ -504,9 +586,7 @@ unpack_holder(Holder *holder)
         if (PyErr_Occurred())
             goto done;
     }
-    checkpoint_error(st, "matepoint.checkpoint: a saved tensor of a checkpointed region was "
-                         "unpacked twice in one backward pass (or its recomputation failed "
-                         "earlier). Access ctx.saved_tensors only once per backward.");
+    unpacked_twice(st, in_group);
 done:
     Py_DECREF(gid);
     return result;

@@ -85,10 +85,10 @@ PyType_Spec tree_node_spec = {
 static PyObject *
 slot_new(mp_state *st, Py_ssize_t index)
 {
-    TreeSlot *slot = PyObject_New(TreeSlot, st->slot_type);
+    /* tp_alloc takes the reference to the type that slot_dealloc gives back */
+    TreeSlot *slot = (TreeSlot *)st->slot_type->tp_alloc(st->slot_type, 0);
     if (slot == NULL)
         return NULL;
-    Py_INCREF(st->slot_type);
     slot->index = index;
     return (PyObject *)slot;
 }
@@ -97,18 +97,18 @@ slot_new(mp_state *st, Py_ssize_t index)
 static PyObject *
 node_new(mp_state *st, int kind, PyObject *type, PyObject *keys, PyObject *items)
 {
-    TreeNode *node = PyObject_GC_New(TreeNode, st->node_type);
+    /* tp_alloc tracks the node and takes the type reference node_dealloc
+     * gives back */
+    TreeNode *node = (TreeNode *)st->node_type->tp_alloc(st->node_type, 0);
     if (node == NULL) {
         Py_XDECREF(keys);
         Py_DECREF(items);
         return NULL;
     }
-    Py_INCREF(st->node_type);
     node->kind = kind;
     node->type = Py_XNewRef(type);
     node->keys = keys;
     node->items = items;
-    PyObject_GC_Track(node);
     return (PyObject *)node;
 }
 
