@@ -141,13 +141,6 @@ def test_no_type_reference_leaks_with_sparse_inputs() -> None:
         out.sum().backward()
         assert x.grad is not None
 
-    try:
-        run()
-    except RuntimeError as error:
-        if "sparse" not in str(error):
-            raise
-        pytest.xfail(f"sparse inputs raise in this build (offload inspection reads their "
-                     f"nbytes; fixed with the offload engine rewrite): {error}")
     growth = reference_growth(run)
     assert {name: n for name, n in growth.items() if n > 0} == {}
 
@@ -166,8 +159,6 @@ def test_core_types_do_not_leak_while_offloading(offload) -> None:
     assert {name: n for name, n in growth.items() if name not in OFFLOAD and n > 0} == {}
 
 
-@pytest.mark.xfail(strict=False, reason="offload_types.c constructors still take an extra type "
-                   "reference; fixed with the offload engine rewrite (issue 19, lead's part)")
 def test_offload_types_do_not_leak(offload) -> None:
     types = c_types()
     reached = {t.__name__ for t in reachable_types(offloaded_inputs)}
