@@ -77,8 +77,8 @@ def reserve_pool(buffer_bytes: int, count: int = 1) -> int:
             raise TypeError(f"matepoint.reserve_pool: {name} must be an int from 1 to "
                             f"2**{bits} - 1, got {value!r}")
         if not 0 < value < 1 << bits:
-            raise ValueError(f"matepoint.reserve_pool: {name} must be an int from 1 to "
-                             f"2**{bits} - 1, got {_show_int(value)}")
+            raise ValueError(f"matepoint.reserve_pool: {name} must be positive (an int from 1 "
+                             f"to 2**{bits} - 1), got {_show_int(value)}")
     if buffer_bytes * count > (1 << 63) - 1:
         raise ValueError(f"matepoint.reserve_pool: buffer_bytes * count must be at most "
                          f"2**63 - 1 bytes, got {buffer_bytes} * {count}")
