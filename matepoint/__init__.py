@@ -21,6 +21,8 @@ from matepoint._allocator import (empty_cache, install_allocator, memory_report,
                                   reset_peak_memory_stats)
 from matepoint._enable import disable, enable
 from matepoint._options import Options, settings as _settings
+from matepoint._patch import (TorchCheckpointPatch, patch_torch_checkpoint,
+                              torch_checkpoint_patched, unpatch_torch_checkpoint)
 from matepoint._planner import Plan, PlanError, PlannedBlock, auto_checkpoint, plan
 from matepoint._sequential import checkpoint_sequential
 
@@ -28,7 +30,8 @@ __all__ = ["checkpoint", "checkpoint_sequential", "enable", "disable", "is_recom
            "set_options", "options", "Options", "pool_stats", "empty_pool", "reserve_pool",
            "install_allocator", "memory_stats",
            "reset_peak_memory_stats", "empty_cache", "memory_report", "plan", "auto_checkpoint",
-           "Plan", "PlanError", "PlannedBlock"]
+           "Plan", "PlanError", "PlannedBlock", "patch_torch_checkpoint",
+           "unpatch_torch_checkpoint", "torch_checkpoint_patched", "TorchCheckpointPatch"]
 __version__ = "0.1.0"
 
 

@@ -88,9 +88,12 @@ def route_checkpoint(function: Any = None, *args: Any, **kwargs: Any) -> Any:
     return _checkpoint(function, *args, **kwargs)
 
 
-def route_checkpoint_sequential(*args: Any, **kwargs: Any) -> Any:
+def route_checkpoint_sequential(functions: Any, segments: Any, input: Any,
+                                use_reentrant: Optional[bool] = None, **kwargs: Any) -> Any:
     """What ``torch.utils.checkpoint.checkpoint_sequential`` runs while patched."""
-    return _checkpoint_sequential(*args, **kwargs)
+    if use_reentrant:
+        _warn_reentrant_once()
+    return _checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)
 
 
 def _parameters(code: types.CodeType) -> Tuple[str, str]:
@@ -120,12 +123,16 @@ def _parameters(code: types.CodeType) -> Tuple[str, str]:
     return ", ".join(params), ", ".join(call)
 
 
-def _trampoline(target: types.FunctionType, route: str) -> types.CodeType:
+_ROUTE = "matepoint: the route"  # placeholder constant, replaced by the route itself
+
+
+def _trampoline(target: types.FunctionType, route: Callable[..., Any]) -> types.CodeType:
     """Code with ``target``'s parameters (and free-variable count) calling ``route``.
 
     The function's own defaults apply, since they live on the function object.
-    The route is imported inside the body, so no name is added to torch's
-    globals; the free variables are only mentioned, as CPython requires a
+    The route is a constant of the code (compiled as a placeholder string, then
+    swapped), so no name is added to torch's globals and no lookup runs per
+    call; the free variables are only mentioned, as CPython requires a
     closure and a code object to agree on their number.
     """
     code = target.__code__
@@ -135,26 +142,32 @@ def _trampoline(target: types.FunctionType, route: str) -> types.CodeType:
     source = (f"def _factory({', '.join(free)}):\n"
               f"    def {code.co_name}({params}):\n"
               f"{mention}"
-              f"        from matepoint._patch import {route} as _matepoint_route\n"
-              f"        return _matepoint_route({call})\n"
+              f"        return {_ROUTE!r}({call})\n"
               f"    return {code.co_name}.__code__\n")
     namespace: Dict[str, Any] = {}
-    # a file name of its own: tracebacks must not show lines of this file
-    exec(compile(source, "<matepoint.patch_torch_checkpoint>", "exec"), namespace)  # noqa: S102 (source built above)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)  # "str is not callable": swapped below
+        # a file name of its own: tracebacks must not show lines of this file
+        exec(compile(source, "<matepoint.patch_torch_checkpoint>", "exec"),  # noqa: S102
+             namespace)
     made = namespace["_factory"](*([None] * len(free)))
-    names = {"co_name": code.co_name}
+    if made.co_consts.count(_ROUTE) != 1:
+        raise RuntimeError("matepoint.patch_torch_checkpoint: cannot build the trampoline")
+    changes: Dict[str, Any] = {
+        "co_name": code.co_name,
+        "co_consts": tuple(route if const == _ROUTE else const for const in made.co_consts)}
     if hasattr(code, "co_qualname"):  # Python 3.11 and newer
-        names["co_qualname"] = code.co_qualname
-    return made.replace(**names)
+        changes["co_qualname"] = code.co_qualname
+    return made.replace(**changes)
 
 
-def _targets() -> List[Tuple[types.FunctionType, str]]:
+def _targets() -> List[Tuple[types.FunctionType, Callable[..., Any]]]:
     """torch's function objects to patch, each with the route it gets."""
     import torch.utils.checkpoint as torch_checkpoint
 
-    found: List[Tuple[types.FunctionType, str]] = []
-    for name, route in (("checkpoint", "route_checkpoint"),
-                        ("checkpoint_sequential", "route_checkpoint_sequential")):
+    found: List[Tuple[types.FunctionType, Callable[..., Any]]] = []
+    for name, route in (("checkpoint", route_checkpoint),
+                        ("checkpoint_sequential", route_checkpoint_sequential)):
         function = getattr(torch_checkpoint, name)
         if not isinstance(function, types.FunctionType):
             raise TypeError(f"matepoint.patch_torch_checkpoint: torch.utils.checkpoint.{name} is "
