@@ -44,7 +44,7 @@ def test_selective_checkpointing_neither_warns_nor_differs(respect) -> None:
     expected = grads(fn, x, w)
     kwargs = {} if respect == "omitted" else {"respect_saved_tensors_hooks": respect}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # torch 2.14 warns when it takes matepoint's hooks for the user's
+        warnings.simplefilter("error")  # 2.14 warns on hooks it takes for the user's
         got = grads(lambda x, w: matepoint.checkpoint(fn, x, w, context_fn=selective, **kwargs),
                     x, w)
     assert torch.equal(expected[0], got[0])
