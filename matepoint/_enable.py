@@ -153,6 +153,8 @@ def _check_layers(model: nn.Module, args: Any) -> None:
     state = model.__dict__.get(_MARK)
     if state is None or state.warned or not model.training or not torch.is_grad_enabled():
         return
+    if torch.compiler.is_compiling():  # a constant for Dynamo: nothing of this gets traced
+        return
     for layer in state.layers:
         function = getattr(layer, "_gradient_checkpointing_func", None)
         if getattr(layer, "gradient_checkpointing", False) and not _is_matepoint(function):
