@@ -16,10 +16,26 @@ export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
            build/ctest/test_cudart_sim
 
-.PHONY: test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
+.PHONY: test test-214 ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
 
-test: ctest fuzz valgrind install sanitize
+test: ctest fuzz valgrind install sanitize test-214
 	$(PY) -m pytest -q tests
+
+# The Python tests once more on torch 2.14.1, the newest torch the disk
+# serves (its x86_64 CUDA build runs on the CPU; ~5.5 GB installed).
+VENV214 ?= .venv-214
+TORCH214 ?= torch==2.14.1
+test-214:
+	test -x $(VENV214)/bin/python || $(PYTHON) -m venv $(VENV214)
+	$(VENV214)/bin/python -c "import torch" 2>/dev/null || \
+	  $(VENV214)/bin/python -m pip install -q "$(TORCH214)"
+	@mkdir -p build
+	$(VENV214)/bin/python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
+	  > build/torch-214.txt
+	$(VENV214)/bin/python -m pip install -q -c build/torch-214.txt pytest numpy setuptools wheel \
+	  $(RECIPE_LIBRARIES) timm
+	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+	$(VENV214)/bin/python -m pytest -q tests
 
 # The whole Python suite once more against an ASan/UBSan build of the
 # extension (CPython and torch stay uninstrumented; leaks are left to ctest).
@@ -117,9 +133,15 @@ $(PY):
 
 # torch comes from the CPU wheel when the environment has none; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
+# libraries of the README's recipes (tests/test_recipes.py); pinned to the
+# installed torch so that none of them upgrades it. timm needs torchvision,
+# whose PyPI build does not import on the CPU build of torch: 2.14.1 only.
+RECIPE_LIBRARIES := transformers accelerate peft diffusers
 install: $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q pytest numpy setuptools wheel transformers
+	@mkdir -p build
+	$(PY) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > build/torch.txt
+	$(PY) -m pip install -q -c build/torch.txt pytest numpy setuptools wheel $(RECIPE_LIBRARIES)
 	$(PY) -m pip install -q --no-build-isolation -e .
 
 demo: install

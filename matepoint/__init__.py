@@ -19,9 +19,12 @@ from matepoint._C import empty_pool as _empty_pool
 from matepoint._C import pool_stats as _pool_stats
 from matepoint._allocator import (empty_cache, install_allocator, memory_report, memory_stats,
                                   reset_peak_memory_stats)
+from matepoint._composable import checkpoint_module, uncheckpoint_module
 from matepoint._enable import disable, enable
 from matepoint._options import Options, settings as _settings
 from matepoint._options import show_int as _show_int
+from matepoint._patch import (TorchCheckpointPatch, patch_torch_checkpoint,
+                              torch_checkpoint_patched, unpatch_torch_checkpoint)
 from matepoint._planner import Plan, PlanError, PlannedBlock, auto_checkpoint, plan
 from matepoint._sequential import checkpoint_sequential
 
@@ -29,7 +32,9 @@ __all__ = ["checkpoint", "checkpoint_sequential", "enable", "disable", "is_recom
            "set_options", "options", "Options", "pool_stats", "empty_pool", "reserve_pool",
            "install_allocator", "memory_stats",
            "reset_peak_memory_stats", "empty_cache", "memory_report", "plan", "auto_checkpoint",
-           "Plan", "PlanError", "PlannedBlock"]
+           "Plan", "PlanError", "PlannedBlock", "patch_torch_checkpoint",
+           "unpatch_torch_checkpoint", "torch_checkpoint_patched", "TorchCheckpointPatch",
+           "checkpoint_module", "uncheckpoint_module"]
 __version__ = "0.1.0"
 
 

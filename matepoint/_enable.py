@@ -4,18 +4,54 @@ convention: each layer that may be checkpointed has a boolean attribute
 calls ``self._gradient_checkpointing_func(layer_call, *args)``. transformers
 models (4.35 and newer) work this way; ``model.gradient_checkpointing_enable``
 hard-wires torch's checkpoint there, ``matepoint.enable`` puts matepoint's.
+
+The library turns its own checkpointing back on later, and not only when the
+user asks: ``Trainer.train()`` with ``gradient_checkpointing=True`` (or
+``activation_checkpointing=True``), PEFT's ``prepare_model_for_kbit_training``
+and many scripts call ``model.gradient_checkpointing_enable()`` /
+``activation_checkpointing_enable()``. Every one of those paths ends in
+``_set_gradient_checkpointing(enable=True, gradient_checkpointing_func=...)``,
+so ``enable`` wraps that method (on the class that defines it, once per
+process) and the wrapper swaps in matepoint's checkpoint for the models
+``enable`` marked, keeping the keyword arguments the caller asked for.
+Unmarked models, and marked ones after ``disable``, run the library's own
+code unchanged. The mark is a plain attribute, so ``copy.deepcopy`` and
+pickling carry it. Whatever sets a layer's checkpoint function by another
+route is caught at the next training forward: a warning names the function
+that replaced matepoint's.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, List
+import inspect
+import logging
+import sys
+import warnings
+from typing import Any, Callable, Dict, List, Optional
 
+import torch
 import torch.nn as nn
 
 from matepoint._C import checkpoint
 
 _CHECKPOINT_KEYWORDS = {"use_reentrant", "preserve_rng_state", "context_fn", "determinism_check",
-                        "debug", "early_stop", "matepoint_offload", "matepoint_prefetch"}
+                        "debug", "early_stop", "matepoint_offload", "matepoint_prefetch",
+                        "respect_saved_tensors_hooks"}
+log = logging.getLogger("matepoint")
+_SETTER = "_set_gradient_checkpointing"
+_MARK = "_matepoint_enabled"
+
+
+class _Enabled:
+    """What :func:`enable` left on a model: its function, layers and guard hook."""
+
+    __slots__ = ("function", "layers", "hook_id", "warned")
+
+    def __init__(self, function: functools.partial, layers: List[nn.Module]) -> None:
+        self.function = function
+        self.layers = layers
+        self.hook_id: Optional[int] = None
+        self.warned = False
 
 
 def _checkpointed_layers(model: nn.Module, action: str) -> List[nn.Module]:
@@ -34,6 +70,111 @@ def _checkpointed_layers(model: nn.Module, action: str) -> List[nn.Module]:
     return layers
 
 
+def _is_matepoint(function: Any) -> bool:
+    return isinstance(function, functools.partial) and function.func is checkpoint
+
+
+def _torch_checkpoint() -> Callable[..., Any]:
+    import torch.utils.checkpoint as torch_checkpoint
+
+    return torch_checkpoint.checkpoint
+
+
+def _caller_name() -> str:
+    """The function that called the setter (transformers: ``_activation_checkpointing_enable``)."""
+    code = sys._getframe(3).f_code  # past this, _matepoint_function and the wrapper
+    return f"{getattr(code, 'co_qualname', code.co_name)}()"
+
+
+def _matepoint_function(model: nn.Module, state: _Enabled, requested: Any) -> functools.partial:
+    """matepoint's checkpoint, with the keyword arguments ``requested`` carried."""
+    if _is_matepoint(requested):
+        return requested
+    keywords: Dict[str, Any] = {}
+    target = requested
+    if isinstance(requested, functools.partial):
+        keywords, target = dict(requested.keywords), requested.func
+    if target is not _torch_checkpoint():
+        message = (f"matepoint.enable({type(model).__name__}): {_caller_name()} asked for the "
+                   f"checkpoint function {requested!r}; matepoint.checkpoint runs instead. Call "
+                   f"matepoint.disable(model) first to use that one.")
+        if _library_made(model, target):
+            # the library's own default around torch's checkpoint: diffusers' closure calling
+            # it, transformers' offload=True (torch's under save_on_cpu; matepoint offloads
+            # checkpoint inputs itself)
+            log.info(message)
+        else:
+            warnings.warn(message, UserWarning, stacklevel=3)
+    return functools.partial(checkpoint, **{**state.function.keywords, **keywords})
+
+
+def _library_made(model: nn.Module, function: Any) -> bool:
+    """Whether ``function`` comes from the package that defines ``model``'s class."""
+    package = type(model).__module__.split(".")[0]
+    return getattr(function, "__module__", "").split(".")[0] == package
+
+
+def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (a class's ``_set_gradient_checkpointing``), routed for marked models."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _set_gradient_checkpointing(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = self.__dict__.get(_MARK)
+        if state is None or "gradient_checkpointing_func" not in signature.parameters:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments.get("enable", True):
+            bound.arguments["gradient_checkpointing_func"] = _matepoint_function(
+                self, state, bound.arguments["gradient_checkpointing_func"])
+        return original(*bound.args, **bound.kwargs)
+
+    _set_gradient_checkpointing._matepoint_original = original  # type: ignore[attr-defined]
+    return _set_gradient_checkpointing
+
+
+def _owners(model: nn.Module) -> List[nn.Module]:
+    """``model`` and its submodules whose class defines the library's setter."""
+    found = []
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            if _SETTER in cls.__dict__:
+                setter = cls.__dict__[_SETTER]
+                if not hasattr(setter, "_matepoint_original") and callable(setter):
+                    setattr(cls, _SETTER, _guarded(setter))
+                found.append(module)
+                break
+    return found
+
+
+def _check_layers(model: nn.Module, args: Any) -> None:
+    """Forward pre-hook: warn once when a layer's checkpoint function is no longer ours."""
+    state = model.__dict__.get(_MARK)
+    if state is None or state.warned or not model.training or not torch.is_grad_enabled():
+        return
+    if torch.compiler.is_compiling():  # a constant for Dynamo: nothing of this gets traced
+        return
+    for layer in state.layers:
+        function = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(layer, "gradient_checkpointing", False) and not _is_matepoint(function):
+            state.warned = True
+            warnings.warn(
+                f"matepoint.enable({type(model).__name__}): the {type(layer).__name__} layers "
+                f"now checkpoint with {function!r}, set after matepoint.enable by a call that "
+                f"bypassed {_SETTER}; call matepoint.enable(model) again to use matepoint",
+                UserWarning, stacklevel=4)  # past this hook and torch's two call frames
+            return
+
+
+def _unmark(model: nn.Module) -> None:
+    state = model.__dict__.get(_MARK)
+    if state is not None and state.hook_id is not None:
+        model._forward_pre_hooks.pop(state.hook_id, None)
+    for module in model.modules():
+        module.__dict__.pop(_MARK, None)
+
+
 def enable(model: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
     """Checkpoint ``model``'s layers with matepoint while it trains.
 
@@ -42,21 +183,36 @@ def enable(model: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
     convention). ``checkpoint_kwargs`` are those of :func:`matepoint.checkpoint`
     (``preserve_rng_state``, ``early_stop``, ``matepoint_offload``, ...).
     Layers checkpoint only in training mode, so ``model.eval()`` and
-    generation are untouched. Returns ``model``.
+    generation are untouched. A later ``model.gradient_checkpointing_enable()``
+    or ``activation_checkpointing_enable()``, direct or from ``Trainer`` or
+    PEFT, keeps matepoint (with the keyword arguments it passes, and its
+    ``every_n_layers``). Returns ``model``.
     """
     unknown = sorted(set(checkpoint_kwargs) - _CHECKPOINT_KEYWORDS)
     if unknown:
         raise TypeError(f"matepoint.enable: unknown checkpoint argument(s) {', '.join(unknown)}; "
                         f"known: {', '.join(sorted(_CHECKPOINT_KEYWORDS))}")
+    layers = _checkpointed_layers(model, "enable")
     function = functools.partial(checkpoint, **checkpoint_kwargs)
-    for layer in _checkpointed_layers(model, "enable"):
+    _unmark(model)
+    state = _Enabled(function, layers)
+    for owner in _owners(model):
+        owner.__dict__[_MARK] = state
+    model.__dict__[_MARK] = state
+    state.hook_id = model.register_forward_pre_hook(_check_layers).id
+    for layer in layers:
         layer._gradient_checkpointing_func = function
         layer.gradient_checkpointing = True
     return model
 
 
 def disable(model: nn.Module) -> nn.Module:
-    """Stop checkpointing ``model``'s layers (undoes :func:`enable`)."""
+    """Stop checkpointing ``model``'s layers (undoes :func:`enable`).
+
+    The library's own ``gradient_checkpointing_enable()`` then installs its
+    own checkpoint again.
+    """
     for layer in _checkpointed_layers(model, "disable"):
         layer.gradient_checkpointing = False
+    _unmark(model)
     return model

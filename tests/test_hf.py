@@ -1,6 +1,8 @@
 """matepoint.enable on Hugging Face transformers models built from a config
 (no download): gradients, train/eval switches, generation, errors."""
 import contextlib
+import functools
+import warnings
 
 import pytest
 import torch
@@ -140,3 +142,152 @@ def test_custom_modules_following_the_convention() -> None:
     matepoint.enable(model, context_fn=counter, early_stop=False)
     model(torch.randn(2, 8, requires_grad=True)).sum().backward()
     assert counter.calls == 2
+
+
+class Recomputes:
+    """Forward hook on every layer: counts the calls made by matepoint's recomputes."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.count = 0
+        for layer in model.modules():
+            if hasattr(layer, "gradient_checkpointing"):
+                for child in layer.children():
+                    child.register_forward_hook(self)
+
+    def __call__(self, *args) -> None:
+        self.count += matepoint.is_recomputing()
+
+
+def layers_of(model: nn.Module):
+    return [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+
+
+def library_enable(model: nn.Module, how: str, **kwargs) -> None:
+    if how == "activation":
+        model.activation_checkpointing_enable(**kwargs)
+    else:
+        with pytest.warns(FutureWarning) if hasattr(model, "activation_checkpointing_enable") \
+                else contextlib.nullcontext():
+            model.gradient_checkpointing_enable(**kwargs)
+
+
+@pytest.mark.parametrize("how", ["gradient", "activation"])
+def test_library_enable_after_enable_keeps_matepoint(how) -> None:
+    if how == "activation" and not hasattr(transformers.PreTrainedModel,
+                                           "activation_checkpointing_enable"):
+        pytest.skip("this transformers has no activation_checkpointing_enable")
+    reference = fresh(llama)
+    torch_checkpointing(reference)
+    expected = loss_and_grads(reference)
+    model = matepoint.enable(fresh(llama), early_stop=False)
+    key = "activation_checkpointing_kwargs" if how == "activation" else \
+        "gradient_checkpointing_kwargs"
+    library_enable(model, how, **{key: {"use_reentrant": True, "preserve_rng_state": True}})
+    functions = [layer._gradient_checkpointing_func for layer in layers_of(model)]
+    # matepoint's, with enable's keyword arguments and those of the later call
+    assert all(f.func is matepoint.checkpoint and f.keywords == {
+        "early_stop": False, "use_reentrant": True, "preserve_rng_state": True}
+        for f in functions)
+    counts = Recomputes(model)
+    got = loss_and_grads(model)
+    assert counts.count > 0
+    assert all(torch.equal(a, b) for a, b in zip(expected[0], got[0]))
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
+
+
+def test_every_n_layers_and_disable_restores_the_library() -> None:
+    if not hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"):
+        pytest.skip("this transformers has no every_n_layers")
+    model = matepoint.enable(fresh(llama))
+    model.activation_checkpointing_enable(every_n_layers=2)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False, True]
+    assert all(layer._gradient_checkpointing_func.func is matepoint.checkpoint
+               for layer in model.model.layers)
+    matepoint.disable(model)
+    assert not any(layer.gradient_checkpointing for layer in layers_of(model))
+    model.activation_checkpointing_enable()
+    import torch.utils.checkpoint as torch_checkpoint
+    assert all(layer._gradient_checkpointing_func.func is torch_checkpoint.checkpoint
+               for layer in model.model.layers)
+    counts = Recomputes(model)
+    loss_and_grads(model, steps=1)
+    assert counts.count == 0
+
+
+def test_the_mark_follows_deepcopy() -> None:
+    import copy
+    model = matepoint.enable(fresh(gpt2))
+    clone = copy.deepcopy(model)
+    library_enable(clone, "gradient")
+    assert all(layer._gradient_checkpointing_func.func is matepoint.checkpoint
+               for layer in layers_of(clone))
+    counts = Recomputes(clone)
+    loss_and_grads(clone, steps=1)
+    assert counts.count > 0
+
+
+def test_a_replacement_behind_its_back_is_named() -> None:
+    model = matepoint.enable(fresh(gpt2))
+    import torch.utils.checkpoint as torch_checkpoint
+    model.transformer.h[1]._gradient_checkpointing_func = functools.partial(
+        torch_checkpoint.checkpoint, use_reentrant=False)
+    ids = torch.randint(0, 97, (1, 8))
+    with pytest.warns(UserWarning, match=r"GPT2Block layers now checkpoint with functools.partial"
+                                         r"\(<function checkpoint at .*use_reentrant=False\), "
+                                         r"set after .*matepoint.enable\(model\) again"):
+        model(input_ids=ids, labels=ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")               # once per model
+        model(input_ids=ids, labels=ids)
+
+
+def test_a_foreign_checkpoint_function_is_replaced_with_a_warning() -> None:
+    model = matepoint.enable(fresh(gpt2))
+
+    def mine(function, *args, **kwargs):
+        raise AssertionError("not called")
+
+    with pytest.warns(UserWarning, match=r"enable\(GPT2LMHeadModel\): test_a_foreign_.*\(\) "
+                                         r"asked for the checkpoint function .*mine"):
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=mine)
+    assert all(layer._gradient_checkpointing_func.func is matepoint.checkpoint
+               for layer in layers_of(model))
+
+
+def trainer_run(model: nn.Module, **arguments):
+    import tempfile
+    ids = torch.randint(0, 97, (8, 16), generator=torch.Generator().manual_seed(4))
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ids)
+
+        def __getitem__(self, index):
+            return {"input_ids": ids[index], "labels": ids[index]}
+
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out, per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
+            report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+            dataloader_num_workers=0, seed=0, data_seed=0, **arguments)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Data())
+        trainer.train()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("argument", ["gradient_checkpointing", "activation_checkpointing"])
+def test_trainer_with_checkpointing_keeps_matepoint(argument) -> None:
+    pytest.importorskip("accelerate")
+    if argument not in transformers.TrainingArguments.__dataclass_fields__:
+        pytest.skip(f"this transformers has no TrainingArguments({argument}=...)")
+    context = pytest.warns(FutureWarning) if argument == "gradient_checkpointing" and \
+        "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__ \
+        else contextlib.nullcontext()
+    with context:
+        expected = trainer_run(fresh(gpt2), **{argument: True})     # torch's checkpoint
+    model = matepoint.enable(fresh(gpt2))
+    counts = Recomputes(model)
+    with context:
+        got = trainer_run(model, **{argument: True})
+    assert counts.count > 0
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))

@@ -14,11 +14,12 @@ typedef struct {
     PyObject *early_stop;
     PyObject *matepoint_offload;    /* matepoint's own: force offload of this region on/off */
     PyObject *matepoint_prefetch;   /* matepoint's own: may its recompute prefetch others */
+    PyObject *respect_saved_tensors_hooks; /* torch 2.14: selective checkpointing and user hooks */
 } checkpoint_options;
 
 static const char *const option_names[] = {
     "use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug",
-    "early_stop", "matepoint_offload", "matepoint_prefetch",
+    "early_stop", "matepoint_offload", "matepoint_prefetch", "respect_saved_tensors_hooks",
 };
 
 static PyObject **
@@ -26,12 +27,104 @@ option_slot(checkpoint_options *opts, PyObject *name)
 {
     PyObject **slots[] = {&opts->use_reentrant, &opts->preserve_rng_state, &opts->context_fn,
                           &opts->determinism_check, &opts->debug, &opts->early_stop,
-                          &opts->matepoint_offload, &opts->matepoint_prefetch};
+                          &opts->matepoint_offload, &opts->matepoint_prefetch,
+                          &opts->respect_saved_tensors_hooks};
     for (size_t i = 0; i < sizeof(slots) / sizeof(slots[0]); i++) {
         if (PyUnicode_CompareWithASCIIString(name, option_names[i]) == 0)
             return slots[i];
     }
     return NULL;
+}
+
+static Py_ssize_t
+code_count(PyObject *code, const char *name)
+{
+    PyObject *value = PyObject_GetAttrString(code, name);
+    Py_ssize_t count = value != NULL ? PyLong_AsSsize_t(value) : -1;
+    Py_XDECREF(value);
+    return count;
+}
+
+/* The keyword-only parameter names of `function`'s code, as a new set. */
+static PyObject *
+keyword_only_names(PyObject *function)
+{
+    PyObject *code = PyObject_GetAttrString(function, "__code__");
+    if (code == NULL)
+        return NULL;
+    PyObject *names = NULL, *varnames = PyObject_GetAttrString(code, "co_varnames");
+    Py_ssize_t first = code_count(code, "co_argcount");
+    Py_ssize_t count = code_count(code, "co_kwonlyargcount");
+    if (varnames == NULL || first < 0 || count < 0)
+        goto done;
+    if (!PyTuple_Check(varnames) || PyTuple_GET_SIZE(varnames) < first + count) {
+        PyErr_SetString(PyExc_TypeError, "matepoint: unexpected code object of torch's checkpoint");
+        goto done;
+    }
+    PyObject *slice = PyTuple_GetSlice(varnames, first, first + count);
+    names = slice ? PyFrozenSet_New(slice) : NULL;
+    Py_XDECREF(slice);
+done:
+    Py_XDECREF(varnames);
+    Py_DECREF(code);
+    return names;
+}
+
+/* The keyword-only parameters of the installed torch's checkpoint (borrowed,
+ * computed once): torch binds them itself, so they are never the function's. */
+static PyObject *
+torch_keywords(mp_state *st)
+{
+    if (st->torch_keywords != NULL)
+        return st->torch_keywords;
+    PyObject *function = PyDict_GetItemString(st->torch_checkpoint_dict, "checkpoint");
+    if (function == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "matepoint: torch.utils.checkpoint has no checkpoint");
+        return NULL;
+    }
+    PyObject *wrapped = PyUnicode_InternFromString("__wrapped__");
+    if (wrapped == NULL)
+        return NULL;
+    Py_INCREF(function);
+    /* torch._disable_dynamo wraps it: the parameters are those of the wrapped
+     * function (a bounded walk, in case a __wrapped__ chain loops) */
+    PyObject *inner;
+    int found = 0;
+    for (int depth = 0; depth < 16 && (found = mp_optional_attr(function, wrapped, &inner)) == 1;
+         depth++)
+        Py_SETREF(function, inner);
+    if (found >= 0)
+        st->torch_keywords = keyword_only_names(function);
+    Py_DECREF(function);
+    Py_DECREF(wrapped);
+    return st->torch_keywords;
+}
+
+/* A keyword torch's checkpoint takes but matepoint does not know (one a newer
+ * torch added) must not silently become an argument of the user's function. */
+static int
+reject_torch_keywords(mp_state *st, PyObject *fn_kwargs)
+{
+    PyObject *known = torch_keywords(st);
+    if (known == NULL)
+        return -1;
+    Py_ssize_t pos = 0;
+    PyObject *name, *value;
+    while (PyDict_Next(fn_kwargs, &pos, &name, &value)) {
+        int found = PySet_Contains(known, name);
+        if (found < 0)
+            return -1;
+        if (found) {
+            PyErr_Format(PyExc_TypeError,
+                         "matepoint.checkpoint: %R is an option of the installed "
+                         "torch.utils.checkpoint.checkpoint that this matepoint does not "
+                         "support; it is not passed on to the checkpointed function. "
+                         "Drop it, or upgrade matepoint",
+                         name);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 /* Splits keywords into checkpoint options (borrowed) and the function's
@@ -165,6 +258,54 @@ error:
     return -1;
 }
 
+static int
+check_respect_hooks(PyObject *value)
+{
+    if (value == NULL || value == Py_None || PyBool_Check(value))
+        return 0;
+    PyErr_Format(PyExc_TypeError,
+                 "matepoint.checkpoint: respect_saved_tensors_hooks must be None, True or False, "
+                 "got %R",
+                 value);
+    return -1;
+}
+
+/* respect_saved_tensors_hooks, with torch 2.14's meaning: whether the tensors
+ * selective checkpointing keeps go through the user's saved-tensor hooks
+ * around the region. torch hands it to its caching mode (the forward context
+ * of create_selective_checkpoint_contexts) by attribute, and so does this.
+ * Without selective checkpointing it has nothing to act on. An older torch's
+ * caching mode always bypasses the hooks, so True cannot be honoured there. */
+static int
+pass_respect_hooks(mp_state *st, PyObject *forward, PyObject *value)
+{
+    if (forward == NULL || value == NULL || value == Py_None)
+        return 0;
+    PyObject *name = PyUnicode_FromString("respect_saved_tensors_hooks");
+    if (name == NULL)
+        return -1;
+    PyObject *current;
+    int result = mp_optional_attr(forward, name, &current);
+    if (result == 1) {
+        Py_DECREF(current);
+        result = PyObject_SetAttr(forward, name, value);
+    } else if (result == 0 && value == Py_True) {
+        PyObject *sac = PyDict_GetItemString(st->torch_checkpoint_dict,
+                                             "_CachingTorchDispatchMode");
+        int selective = sac != NULL && PyType_Check(sac) ? PyObject_IsInstance(forward, sac) : 0;
+        result = selective;
+        if (selective == 1) {
+            PyErr_SetString(PyExc_ValueError,
+                            "matepoint.checkpoint: respect_saved_tensors_hooks=True needs torch "
+                            "2.14 or newer (this torch's selective checkpointing always bypasses "
+                            "saved-tensor hooks)");
+            result = -1;
+        }
+    }
+    Py_DECREF(name);
+    return result < 0 ? -1 : 0;
+}
+
 static Frame *
 frame_new(mp_state *st, PyObject *module, PyObject *function)
 {
@@ -257,6 +398,7 @@ checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObjec
     frame->prefetch_ahead = (char)prefetch_ahead;
     frame->early_stop = (char)global_override(st, "_enable_checkpoint_early_stop", early_stop);
     if (resolve_contexts(st, opts, &forward, &frame->recompute_context, &frame->error_cb) < 0 ||
+        pass_respect_hooks(st, forward, opts->respect_saved_tensors_hooks) < 0 ||
         frame_capture(frame, args, fn_kwargs, preserve_rng, offload_override) < 0)
         goto done;
     uint64_t outer_tag = alloc_link_tag(&st->alloc, alloc_region_tag(frame->region_id, TAG_FORWARD));
@@ -298,6 +440,10 @@ checkpoint_call(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyOb
     }
     if (split_keywords(args + nargs, kwnames, &opts, &fn_kwargs) < 0)
         return NULL;
+    if (fn_kwargs != NULL && reject_torch_keywords(st, fn_kwargs) < 0)
+        goto done;
+    if (check_respect_hooks(opts.respect_saved_tensors_hooks) < 0)
+        goto done;
     if (warn_reentrant_once(st, opts.use_reentrant) < 0)
         goto done;
     fn_args = PyTuple_New(nargs - 1);

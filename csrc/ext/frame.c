@@ -173,6 +173,7 @@ static PyType_Slot frame_slots[] = {
     {Py_tp_traverse, frame_traverse},
     {Py_tp_clear, frame_clear},
     {Py_tp_call, frame_pack},
+    {Py_tp_getset, hooks_internal_getset},
     {0, NULL},
 };
 
@@ -310,6 +311,7 @@ static PyType_Slot recompute_hook_slots[] = {
     {Py_tp_traverse, recompute_hook_traverse},
     {Py_tp_clear, recompute_hook_clear},
     {Py_tp_call, recompute_pack},
+    {Py_tp_getset, hooks_internal_getset},
     {0, NULL},
 };
 

@@ -12,5 +12,8 @@ int hooks_pop(mp_state *st);
 /* torch._C._autograd._make_saved_tensor(tensor, is_output=False): the
  * tensor packed by the hooks on top of the stack (new reference). */
 PyObject *hooks_save_tensor(mp_state *st, PyObject *tensor);
+/* `_checkpoint_internal` and `_user_hooks` of the pack-hook types, the
+ * attributes torch 2.14 reads to tell a checkpoint's hooks from the user's. */
+extern PyGetSetDef hooks_internal_getset[];
 
 #endif

@@ -51,6 +51,10 @@ typedef struct mp_state {
     PyObject *torch_empty;              /* torch.empty */
     PyObject *torch_empty_strided;      /* torch.empty_strided */
     PyObject *uint8_dtype;              /* torch.uint8 */
+    PyObject *current_user_hooks;  /* torch.utils.checkpoint._current_user_saved_tensors_hooks,
+                                      or NULL (torch before 2.14) */
+    PyObject *hooks_below;         /* dict: our pack hook on the stack -> user hooks under it */
+    PyObject *torch_keywords;      /* frozenset: keywords of torch's checkpoint, once needed */
 
     /* interned attribute names */
     PyObject *str_shape, *str_dtype, *str_device, *str_type, *str_index;

@@ -1,0 +1,179 @@
+"""matepoint.patch_torch_checkpoint: torch's checkpoint runs matepoint's for
+libraries imported before the patch and after it, and the undo is exact."""
+import importlib
+import inspect
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as torch_checkpoint
+
+import matepoint
+
+LIBRARY = textwrap.dedent("""
+    import functools
+    import torch
+    import torch.nn as nn
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+    import torch.utils.checkpoint as tuc
+
+    BOUND_AT_IMPORT = functools.partial(checkpoint, use_reentrant={reentrant})
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Tanh())
+
+        def forward(self, x):
+            return self.inner(x)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+            self.tail = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+
+        def forward(self, x):
+            x = checkpoint(self.blocks[0], x, use_reentrant={reentrant})   # name bound at import
+            x = tuc.checkpoint(self.blocks[1], x, use_reentrant={reentrant})  # attribute
+            x = BOUND_AT_IMPORT(self.blocks[2], x)                         # partial made earlier
+            x = self.blocks[3](x)
+            return checkpoint_sequential(self.tail, 2, x, use_reentrant={reentrant})
+""")
+
+
+def load(tmp_path, name, reentrant=False):
+    (tmp_path / f"{name}.py").write_text(LIBRARY.format(reentrant=reentrant))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
+
+
+def run(module, counter):
+    """Two steps; losses and the last gradients; matepoint's recomputes counted."""
+    torch.manual_seed(0)
+    model = module.Model()
+    for block in model.modules():
+        if isinstance(block, nn.Linear):
+            block.register_forward_hook(counter)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        optimizer.step()
+    return losses, [p.grad.clone() for p in model.parameters()]
+
+
+class Recomputes:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, *args) -> None:
+        self.count += matepoint.is_recomputing()
+
+
+def assert_same(a, b) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def originals():
+    return [(f, f.__code__) for f in (torch_checkpoint.checkpoint,
+                                      torch_checkpoint.checkpoint.__wrapped__,
+                                      torch_checkpoint.checkpoint_sequential)]
+
+
+def test_libraries_imported_before_and_after_the_patch(tmp_path) -> None:
+    before = load(tmp_path, "lib_before")
+    torch_counts = Recomputes()
+    expected = run(before, torch_counts)              # torch's own checkpointing
+    assert torch_counts.count == 0
+    saved = originals()
+    signatures = [inspect.signature(f) for f, _ in saved]
+    with matepoint.patch_torch_checkpoint() as patch:
+        assert matepoint.torch_checkpoint_patched() and patch.active
+        after = load(tmp_path, "lib_after")
+        for module in (before, after):
+            counts = Recomputes()
+            assert_same(expected, run(module, counts))
+            # blocks 0-2 (one Linear each) and the first segment of the tail, per step
+            assert counts.count == 2 * (3 + 1)
+        assert [inspect.signature(f) for f, _ in saved] == signatures
+    assert not matepoint.torch_checkpoint_patched()
+    assert all(f.__code__ is code for f, code in saved)
+    counts = Recomputes()
+    assert_same(expected, run(after, counts))         # after the undo: torch's again
+    assert counts.count == 0
+
+
+def test_use_reentrant_true_from_a_library_works_and_warns_once(tmp_path) -> None:
+    library = load(tmp_path, "lib_reentrant", reentrant=True)
+    expected = run(load(tmp_path, "lib_plain"), Recomputes())   # non-reentrant torch
+    matepoint._patch._warned_reentrant = False
+    with matepoint.patch_torch_checkpoint():
+        counts = Recomputes()
+        with pytest.warns(UserWarning, match=r"use_reentrant=True\) runs matepoint") as caught:
+            got = run(library, counts)
+    assert_same(expected, got)
+    assert counts.count == 8
+    assert len([w for w in caught if "use_reentrant" in str(w.message)]) == 1
+    assert caught[0].filename == str(tmp_path / "lib_reentrant.py")  # names the library's call
+
+
+def test_nesting_counts_and_unpatch_without_patch_is_an_error() -> None:
+    saved = originals()
+    outer = matepoint.patch_torch_checkpoint()
+    with matepoint.patch_torch_checkpoint() as inner:
+        pass
+    assert not inner.active and matepoint.torch_checkpoint_patched()
+    inner.undo()                                       # a second undo does nothing
+    assert matepoint.torch_checkpoint_patched()
+    matepoint.unpatch_torch_checkpoint()
+    assert not outer.active and not matepoint.torch_checkpoint_patched()
+    assert all(f.__code__ is code for f, code in saved)
+    with pytest.raises(RuntimeError, match="not patched"):
+        matepoint.unpatch_torch_checkpoint()
+
+
+def test_errors_and_no_grad_under_the_patch() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with matepoint.patch_torch_checkpoint():
+        with pytest.raises(ZeroDivisionError):
+            torch_checkpoint.checkpoint(lambda t: 1 / 0, x, use_reentrant=False)
+        with torch.no_grad():
+            assert torch.equal(torch_checkpoint.checkpoint(torch.sin, x, use_reentrant=False),
+                               torch.sin(x))
+        with pytest.raises(TypeError, match="function must be callable"):
+            torch_checkpoint.checkpoint(3, x, use_reentrant=False)
+    assert not matepoint.torch_checkpoint_patched()
+
+
+@pytest.mark.skipif(inspect.signature(torch_checkpoint.checkpoint).parameters["function"].default
+                    is inspect.Parameter.empty, reason="torch before 2.14 has no curried form")
+def test_curried_form_of_torch_214() -> None:
+    x = torch.randn(3, requires_grad=True)
+    seen = []
+
+    def fn(t, scale):
+        seen.append(matepoint.is_recomputing())
+        return t.sin() * scale
+
+    with matepoint.patch_torch_checkpoint():
+        wrapped = torch_checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=False)(fn)
+        wrapped(x, scale=2).sum().backward()
+        with pytest.raises(ValueError, match="Unexpected keyword arguments: bogus"):
+            torch_checkpoint.checkpoint(use_reentrant=False, bogus=1)
+    assert seen == [False, True]
+    assert torch.equal(x.grad, 2 * x.detach().cos())
+    assert wrapped.__name__ == "fn"
