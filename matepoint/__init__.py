@@ -13,7 +13,10 @@ from typing import Any, Dict
 
 import torch  # noqa: F401  (the C core looks torch up at import)
 
-from matepoint import _compile
+from matepoint._locate import locate_extension
+
+locate_extension(__path__)  # a source checkout without a built _C: see _locate.py
+from matepoint import _compile  # noqa: E402
 from matepoint._C import _reserve_pool, checkpoint, is_recomputing
 from matepoint._C import empty_pool as _empty_pool
 from matepoint._C import pool_stats as _pool_stats
