@@ -3,7 +3,13 @@
 ``from matepoint import checkpoint`` is a drop-in replacement for
 ``torch.utils.checkpoint.checkpoint`` (non-reentrant semantics) that also
 moves each checkpoint's inputs to pinned host memory after the forward pass
-and brings them back, prefetched, for the recompute in backward.
+and brings them back, prefetched, for the recompute in backward (on a GPU).
+
+Classes, each documented on its own page (``help(matepoint.Plan)``):
+``Plan`` (what :func:`plan` returns: a table, ``apply``, ``save``/``load``),
+``PlanError`` (no plan fits; names the smallest budget), ``PlannedBlock``
+(a block wrapped by ``Plan.apply``) and ``Options`` (the read-only type of
+``matepoint.options``; change it with :func:`set_options`).
 """
 from __future__ import annotations
 
@@ -28,19 +34,22 @@ from matepoint._planner import Plan, PlanError, PlannedBlock, auto_checkpoint, p
 from matepoint._sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "enable", "disable", "is_recomputing",
-           "set_options", "options", "Options", "pool_stats", "empty_pool", "reserve_pool",
+           "set_options", "options", "pool_stats", "empty_pool", "reserve_pool",
            "install_allocator", "memory_stats",
-           "reset_peak_memory_stats", "empty_cache", "memory_report", "plan", "auto_checkpoint",
-           "Plan", "PlanError", "PlannedBlock"]
+           "reset_peak_memory_stats", "empty_cache", "memory_report", "plan", "auto_checkpoint"]
+# The classes stay importable but out of __all__: help(matepoint) would print
+# their inherited dataclass, exception and nn.Module pages (1,500 lines with
+# PlannedBlock); the docstring above lists them.
 __version__ = "0.1.0"
 
 
 def set_options(**changes: Any) -> Options:
     """Change matepoint's settings; returns the new ``matepoint.options``.
 
-    Accepts offload, pipeline, prefetch_depth, offload_window,
-    min_offload_bytes, pool_limit_bytes and offload_cpu. An unknown name raises TypeError, a
-    bad value TypeError or ValueError, and nothing changes then.
+    ``**changes`` are option names with their new values: offload, pipeline,
+    prefetch_depth, offload_window, min_offload_bytes, pool_limit_bytes and
+    offload_cpu (see ``help(matepoint.Options)``). An unknown name raises
+    TypeError, a bad value TypeError or ValueError, and nothing changes then.
     """
     return _settings.update(**changes)
 
@@ -85,7 +94,8 @@ def reserve_pool(buffer_bytes: int, count: int = 1) -> int:
 
 
 def empty_pool() -> None:
-    """Free the cached, unused buffers of the host pool."""
+    """Free the cached, unused buffers of the host pool (buffers holding an
+    offloaded input stay)."""
     _empty_pool()
 
 

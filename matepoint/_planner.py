@@ -36,7 +36,8 @@ Blocks = Union[nn.Sequential, nn.ModuleList, Sequence[Callable]]
 
 
 class PlanError(ValueError):
-    """No plan fits the budget; ``smallest_budget_bytes`` says what would."""
+    """No plan fits the budget: ``budget_bytes`` was asked for,
+    ``smallest_budget_bytes`` is the smallest any plan meets."""
 
     def __init__(self, budget_bytes: int, smallest_budget_bytes: int) -> None:
         super().__init__(
@@ -196,9 +197,16 @@ class Plan:
 
 
 class PlannedBlock(nn.Module):
-    """One block run as its plan says: kept, checkpointed, or checkpointed
-    with its input offloaded; ``prefetch`` lets its recompute start bringing
-    back the input of the offloaded region before it."""
+    """One block run as its plan says; :meth:`Plan.apply` makes them.
+
+    Args:
+        block: the module or callable to run.
+        choice: ``"keep"`` (run as is), ``"recompute"`` (checkpointed, its
+            input kept on the device) or ``"offload"`` (checkpointed, its
+            input offloaded to host memory); anything else is a ValueError.
+        prefetch: whether its recompute may start bringing back the input of
+            the offloaded region before it.
+    """
 
     def __init__(self, block: Callable, choice: str, prefetch: bool = True) -> None:
         super().__init__()
@@ -209,6 +217,7 @@ class PlannedBlock(nn.Module):
         self.prefetch = prefetch
 
     def forward(self, *args: Any) -> Any:
+        """Runs the block on ``args`` as the choice says; returns its output."""
         if self.choice == "keep":
             return self.block(*args)
         return _C.checkpoint(self.block, *args, use_reentrant=False,
@@ -332,7 +341,9 @@ def auto_checkpoint(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
     """Plans ``blocks`` within ``budget_bytes`` and returns them wrapped.
 
     Shorthand for ``matepoint.plan(blocks, *sample_inputs,
-    budget_bytes=...).apply(blocks)``.
+    budget_bytes=...).apply(blocks)``; ``**plan_options`` are the other
+    keyword arguments of :func:`plan` (``unit_bytes``, ``pipeline``,
+    ``bandwidth_bytes_per_s``, ``repeats``).
     """
     return plan(blocks, *sample_inputs, budget_bytes=budget_bytes, **plan_options).apply(blocks)
 
