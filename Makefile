@@ -87,10 +87,14 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch comes from the CPU wheel when the environment has none; a bare
-# `pip install torch` would pull a multi-GB CUDA build.
+# `pip install torch` would pull a multi-GB CUDA build. numpy comes first and
+# torch is looked for without importing it: torch imported without numpy
+# warns "Failed to initialize NumPy".
 install: $(PY)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q pytest numpy setuptools wheel transformers
+	$(PY) -m pip install -q numpy
+	$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" || \
+	  $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q pytest setuptools wheel transformers
 	$(PY) -m pip install -q --no-build-isolation -e .
 
 demo: install
