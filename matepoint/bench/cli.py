@@ -107,7 +107,8 @@ def configuration(args: argparse.Namespace, cuda: bool) -> Dict[str, Any]:
             continue
         cases[name] = {"sizes": case.sizes(args, cuda), "depths": case.depths(args, cuda),
                        "modes": [m for m in case.MODES if m in wanted]}
-    return {"device": "cuda" if cuda else "cpu", "rounds": args.repeats, "steps": args.steps,
+    return {"device": "cuda" if cuda else "cpu", "cpu_threads": None if cuda else 1,
+            "rounds": args.repeats, "steps": args.steps,
             "budget_gib": args.budget_gib, "out": os.path.abspath(args.out), "cases": cases}
 
 

@@ -118,6 +118,10 @@ def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
     import matepoint
     case, mode = CASES[spec["case"]], spec["mode"]
     cuda = torch.cuda.is_available()
+    if not cuda:
+        # one thread, as the parent's overhead probe: two OpenMP threads on a
+        # busy 2-core machine stalled steps of a few ms to 2 s at random
+        torch.set_num_threads(1)
     modes.prepare(mode)
     torch.manual_seed(0)
     work = case.build(spec, mode, torch.device("cuda" if cuda else "cpu"))
