@@ -132,16 +132,21 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch comes from the CPU wheel when the environment has none; a bare
-# `pip install torch` would pull a multi-GB CUDA build.
-# libraries of the README's recipes (tests/test_recipes.py); pinned to the
-# installed torch so that none of them upgrades it. timm needs torchvision,
-# whose PyPI build does not import on the CPU build of torch: 2.14.1 only.
+# `pip install torch` would pull a multi-GB CUDA build. numpy comes first and
+# torch is looked for without importing it: torch imported without numpy
+# warns "Failed to initialize NumPy".
+# The libraries of the README's recipes (tests/test_recipes.py) are pinned to
+# the installed torch so that none of them upgrades it. timm needs
+# torchvision, whose PyPI build does not import on the CPU build of torch:
+# 2.14.1 only.
 RECIPE_LIBRARIES := transformers accelerate peft diffusers
 install: $(PY)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q numpy
+	$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" || \
+	  $(PY) -m pip install -q "$(TORCH)"
 	@mkdir -p build
 	$(PY) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > build/torch.txt
-	$(PY) -m pip install -q -c build/torch.txt pytest numpy setuptools wheel $(RECIPE_LIBRARIES)
+	$(PY) -m pip install -q -c build/torch.txt pytest setuptools wheel $(RECIPE_LIBRARIES)
 	$(PY) -m pip install -q --no-build-isolation -e .
 
 demo: install

@@ -3,7 +3,15 @@
 ``from matepoint import checkpoint`` is a drop-in replacement for
 ``torch.utils.checkpoint.checkpoint`` (non-reentrant semantics) that also
 moves each checkpoint's inputs to pinned host memory after the forward pass
-and brings them back, prefetched, for the recompute in backward.
+and brings them back, prefetched, for the recompute in backward (on a GPU).
+
+Classes, each documented on its own page (``help(matepoint.Plan)``):
+``Plan`` (what :func:`plan` returns: a table, ``apply``, ``save``/``load``),
+``PlanError`` (no plan fits; names the smallest budget), ``PlannedBlock``
+(a block wrapped by ``Plan.apply``), ``Options`` (the read-only type of
+``matepoint.options``; change it with :func:`set_options`) and
+``TorchCheckpointPatch`` (what :func:`patch_torch_checkpoint` returns: a
+context manager that undoes the patch).
 """
 from __future__ import annotations
 
@@ -13,7 +21,10 @@ from typing import Any, Dict
 
 import torch  # noqa: F401  (the C core looks torch up at import)
 
-from matepoint import _compile
+from matepoint._locate import locate_extension
+
+locate_extension(__path__)  # a source checkout without a built _C: see _locate.py
+from matepoint import _compile  # noqa: E402
 from matepoint._C import _reserve_pool, checkpoint, is_recomputing
 from matepoint._C import empty_pool as _empty_pool
 from matepoint._C import pool_stats as _pool_stats
@@ -29,20 +40,23 @@ from matepoint._planner import Plan, PlanError, PlannedBlock, auto_checkpoint, p
 from matepoint._sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "enable", "disable", "is_recomputing",
-           "set_options", "options", "Options", "pool_stats", "empty_pool", "reserve_pool",
+           "set_options", "options", "pool_stats", "empty_pool", "reserve_pool",
            "install_allocator", "memory_stats",
            "reset_peak_memory_stats", "empty_cache", "memory_report", "plan", "auto_checkpoint",
-           "Plan", "PlanError", "PlannedBlock", "patch_torch_checkpoint",
-           "unpatch_torch_checkpoint", "torch_checkpoint_patched", "TorchCheckpointPatch",
+           "patch_torch_checkpoint", "unpatch_torch_checkpoint", "torch_checkpoint_patched",
            "checkpoint_module", "uncheckpoint_module"]
+# The classes stay importable but out of __all__: help(matepoint) would print
+# their inherited dataclass, exception and nn.Module pages (1,500 lines with
+# PlannedBlock); the docstring above lists them.
 __version__ = "0.1.0"
 
 
 def set_options(**changes: Any) -> Options:
     """Change matepoint's settings; returns the new ``matepoint.options``.
 
-    Accepts offload, pipeline, prefetch_depth, offload_window,
-    min_offload_bytes and pool_limit_bytes. An unknown name raises TypeError, a
+    ``**changes`` are option names with their new values: offload, pipeline,
+    prefetch_depth, offload_window, min_offload_bytes and pool_limit_bytes
+    (see ``help(matepoint.Options)``). An unknown name raises TypeError, a
     bad value TypeError or ValueError, and nothing changes then.
     """
     return _settings.update(**changes)
@@ -96,7 +110,8 @@ def reserve_pool(buffer_bytes: int, count: int = 1) -> int:
 
 
 def empty_pool() -> None:
-    """Free the cached, unused buffers of the host pool."""
+    """Free the cached, unused buffers of the host pool (buffers holding an
+    offloaded input stay)."""
     _empty_pool()
 
 

@@ -121,8 +121,9 @@ def empty_cache() -> None:
 
 
 def memory_report(device: int = 0) -> str:
-    """A table of memory per checkpointed region: peak bytes in forward and
-    recompute, bytes still live, with totals first."""
+    """A table of memory per checkpointed region of CUDA device ``device``
+    (an index): peak bytes in forward and recompute, bytes still live, with
+    totals first. Needs :func:`install_allocator` first."""
     stats = memory_stats(device)
     mib = 1 << 20
     lines = [

@@ -34,6 +34,10 @@ MIB = float(1 << 20)
 MAX_BYTES = (1 << 63) - 1
 MAX_REPEATS = 1_000_000
 MAX_FRONTIER_POINTS = 1 << 20
+# Where no offload can run, each offload is given this copy time: any plan
+# with one costs more than every plan without, so the exact solver picks one
+# only when nothing else fits (and solve() then raises instead).
+_NO_OFFLOAD_COPY_S = 1e30
 Blocks = Union[nn.Sequential, nn.ModuleList, Sequence[Callable]]
 
 
@@ -71,7 +75,8 @@ def _path_argument(where: str, path: Any) -> Any:
 
 
 class PlanError(ValueError):
-    """No plan fits the budget; ``smallest_budget_bytes`` says what would."""
+    """No plan fits the budget: ``budget_bytes`` was asked for,
+    ``smallest_budget_bytes`` is the smallest any plan meets."""
 
     def __init__(self, budget_bytes: int, smallest_budget_bytes: int) -> None:
         super().__init__(
@@ -113,6 +118,17 @@ class Plan:
 
     ``str(plan)`` is a table; :meth:`apply` wraps blocks accordingly;
     :meth:`save` and :meth:`load` keep it as JSON so a run can reuse it.
+
+    Attributes:
+        choices: per block, ``"keep"``, ``"recompute"`` or ``"offload"``.
+        profiles: what each block measured (:class:`BlockProfile`).
+        budget_bytes: the activation budget it was planned for.
+        unit_bytes: the solver's memory quantum.
+        pipeline: whether backward prefetches offloaded inputs.
+        predicted_peak_bytes, predicted_time_s: the planner's prediction.
+        offload: whether offload was among the choices; False where none
+            can run (inputs not on a GPU, or the ``offload`` option off).
+        note: why offload was left out, or ``""``.
     """
 
     choices: List[str]
@@ -122,9 +138,20 @@ class Plan:
     pipeline: bool
     predicted_peak_bytes: int
     predicted_time_s: float
+    offload: bool = True
+    note: str = ""
 
     def apply(self, blocks: Blocks) -> Blocks:
-        """Wraps each block as planned: same container kind as ``blocks``."""
+        """Wraps each block as planned: same container kind as ``blocks``.
+
+        Args:
+            blocks: the blocks the plan was made for, in the same order (an
+                ``nn.Sequential``, an ``nn.ModuleList`` or a list of callables).
+
+        Returns:
+            The same kind of container holding one :class:`PlannedBlock` per
+            block. Raises ValueError when the number of blocks differs.
+        """
         blocks_list = _check_blocks(blocks)
         if len(blocks_list) != len(self.choices):
             raise ValueError(f"the plan is for {len(self.choices)} blocks, got {len(blocks_list)}")
@@ -143,18 +170,24 @@ class Plan:
         """(peak bytes, step seconds) of the fastest plan at each memory level.
 
         From the fastest plan down to the smallest, at most ``max_points``
-        of them; each is exact under the planner's model.
+        of them; each is exact under the planner's model. Plans with an
+        offload are left out when this plan could not offload.
+
+        Args:
+            max_points: the most points returned (a positive int).
         """
         _int_argument("Plan.frontier", "max_points", max_points, 1, MAX_FRONTIER_POINTS)
-        points = _C._plan_frontier(_units(self.profiles, self.unit_bytes), self.pipeline,
-                                   max_points)
-        return [(peak * self.unit_bytes, seconds) for seconds, peak in points]
+        points = _C._plan_frontier(_units(self.profiles, self.unit_bytes, self.offload),
+                                   self.pipeline, max_points)
+        return [(peak * self.unit_bytes, seconds) for seconds, peak in points
+                if seconds < _NO_OFFLOAD_COPY_S]
 
     def table(self) -> str:
         """The plan as a readable table, one row per block."""
         lines = [f"matepoint plan: budget {self.budget_bytes / MIB:.1f} MiB, predicted peak "
                  f"{self.predicted_peak_bytes / MIB:.1f} MiB, step {self.predicted_time_s * 1e3:.2f}"
-                 f" ms ({'pipelined' if self.pipeline else 'unpipelined'} copies)",
+                 f" ms ({'pipelined' if self.pipeline else 'unpipelined'} copies)"
+                 + (f"; {self.note}" if self.note else ""),
                  f"{'block':>5} {'choice':>9} {'held MiB':>9} {'input MiB':>9} "
                  f"{'act MiB':>9} {'time ms':>9}"]
         for i, (choice, p) in enumerate(zip(self.choices, self.profiles)):
@@ -168,20 +201,23 @@ class Plan:
         return self.table()
 
     def to_dict(self) -> Dict[str, Any]:
+        """The plan as plain JSON-ready values (what :meth:`save` writes),
+        with ``"format": "matepoint-plan-1"``."""
         data = dataclasses.asdict(self)
         data["format"] = "matepoint-plan-1"
         return data
 
     def save(self, path: str) -> None:
-        """Writes the plan as JSON."""
+        """Writes the plan as JSON to the file ``path`` (replacing it)."""
         _path_argument("Plan.save", path)
         with open(path, "w", encoding="utf-8") as file:
             json.dump(self.to_dict(), file, indent=1)
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        """Reads a plan written by :meth:`save`; a file that is not one, or
-        whose fields are out of range, raises ValueError naming the field."""
+        """Reads a plan written by :meth:`save` from the file ``path``; a file
+        that is not one, or whose fields are out of range, raises ValueError
+        naming the field."""
         _path_argument("Plan.load", path)
         with open(path, encoding="utf-8") as file:
             try:
@@ -229,9 +265,16 @@ def _check_loaded(plan: Plan) -> None:
 
 
 class PlannedBlock(nn.Module):
-    """One block run as its plan says: kept, checkpointed, or checkpointed
-    with its input offloaded; ``prefetch`` lets its recompute start bringing
-    back the input of the offloaded region before it."""
+    """One block run as its plan says; :meth:`Plan.apply` makes them.
+
+    Args:
+        block: the module or callable to run.
+        choice: ``"keep"`` (run as is), ``"recompute"`` (checkpointed, its
+            input kept on the device) or ``"offload"`` (checkpointed, its
+            input offloaded to host memory); anything else is a ValueError.
+        prefetch: whether its recompute may start bringing back the input of
+            the offloaded region before it.
+    """
 
     def __init__(self, block: Callable, choice: str, prefetch: bool = True) -> None:
         super().__init__()
@@ -246,6 +289,7 @@ class PlannedBlock(nn.Module):
         self.prefetch = prefetch
 
     def forward(self, *args: Any) -> Any:
+        """Runs the block on ``args`` as the choice says; returns its output."""
         if self.choice == "keep":
             return self.block(*args)
         return _C.checkpoint(self.block, *args, use_reentrant=False,
@@ -261,16 +305,36 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
          bandwidth_bytes_per_s: Optional[float] = None, repeats: int = 3) -> Plan:
     """Chooses keep / recompute / offload per block within ``budget_bytes``.
 
-    ``blocks`` run in order, each on the previous one's output (as
-    ``nn.Sequential`` does); ``sample_inputs`` are what the first receives,
-    with the batch you will train on. Each block is run ``repeats`` times to
-    time it. ``budget_bytes`` bounds the activation memory of a step (what
-    autograd keeps for backward, plus the recompute of one block), not
-    parameters, their gradients (counted as already allocated) or optimizer
-    state. ``unit_bytes`` is the solver's memory quantum (sizes are rounded
-    up to it); ``pipeline`` (whether backward prefetches) defaults to
-    matepoint's option. Raises :class:`PlanError` with the smallest
-    feasible budget when no plan fits.
+    Args:
+        blocks: run in order, each on the previous one's output (as
+            ``nn.Sequential`` does): an ``nn.Sequential``, an ``nn.ModuleList``
+            or a list of callables.
+        *sample_inputs: what the first block receives, with the batch you
+            will train on (profiling runs each block on them).
+        budget_bytes: bounds the activation memory of a step (what autograd
+            keeps for backward, plus the recompute of one block), not
+            parameters, their gradients (counted as already allocated) or
+            optimizer state. A positive int.
+        unit_bytes: the solver's memory quantum (sizes are rounded up to it);
+            default: a power of two keeping its tables near 100k units.
+        pipeline: whether backward prefetches offloaded inputs; default:
+            matepoint's ``pipeline`` option.
+        bandwidth_bytes_per_s: the device-host copy bandwidth; default:
+            measured once here.
+        repeats: how many times each block is run to time it.
+
+    Offload is planned only where it can run: when the sample inputs are
+    CUDA tensors (or CPU tensors standing for them on the simulated GPU of
+    test builds) and the ``offload`` option is on. Otherwise every block is kept or recomputed,
+    and the plan's ``note`` (also in its table) says why.
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        PlanError: no plan fits; it names the smallest feasible budget.
+        TypeError, ValueError: a bad argument, named in the message.
+        RuntimeError: a block failed while being profiled (names its index).
     """
     blocks_list = _check_blocks(blocks)
     _check_plan_arguments(budget_bytes, unit_bytes, pipeline, bandwidth_bytes_per_s, repeats)
@@ -278,13 +342,30 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
     options = settings.current
     if pipeline is None:
         pipeline = options.pipeline
-    if options.prefetch_depth > 1:
+    note = no_offload_reason(sample_inputs)
+    if note is None and options.prefetch_depth > 1:
         log.warning("matepoint.plan counts one prefetched input in backward; prefetch_depth=%d "
                     "holds more", options.prefetch_depth)
-    bandwidth = bandwidth_bytes_per_s if bandwidth_bytes_per_s is not None \
-        else copy_bandwidth(device).d2h
+    # without offload the copy time plays no part: no need to measure it
+    if bandwidth_bytes_per_s is not None:
+        bandwidth = bandwidth_bytes_per_s
+    else:
+        bandwidth = copy_bandwidth(device).d2h if note is None else math.inf
     profiles = profile_blocks(blocks_list, sample_inputs, bandwidth, repeats)
-    return solve(profiles, budget_bytes, unit_bytes or default_unit(budget_bytes), bool(pipeline))
+    return solve(profiles, budget_bytes, unit_bytes or default_unit(budget_bytes), bool(pipeline),
+                 offload=note is None, note=note or "")
+
+
+def no_offload_reason(sample_inputs: Tuple) -> Optional[str]:
+    """Why no input of a chain run on ``sample_inputs`` can be offloaded
+    under the current options, or None when offload can run."""
+    options = settings.current
+    if not options.offload:
+        return "offload not planned: matepoint's offload option is off"
+    devices = {t.device.type for t in _tensors_in(sample_inputs)}
+    if _C._offload_device_type() not in devices:
+        return "offload not planned: the inputs are not on a GPU (offload needs CUDA tensors)"
+    return None
 
 
 def _check_plan_arguments(budget_bytes: Any, unit_bytes: Any, pipeline: Any,
@@ -308,17 +389,28 @@ def _check_plan_arguments(budget_bytes: Any, unit_bytes: Any, pipeline: Any,
 
 
 def solve(profiles: List[BlockProfile], budget_bytes: int, unit_bytes: int,
-          pipeline: bool) -> Plan:
-    """The fastest plan for measured ``profiles`` within ``budget_bytes``."""
-    units = _units(profiles, unit_bytes)
+          pipeline: bool, offload: bool = True, note: str = "") -> Plan:
+    """The fastest plan for measured ``profiles`` within ``budget_bytes``.
+
+    Args:
+        profiles: one :class:`BlockProfile` per block, in order.
+        budget_bytes: the activation budget.
+        unit_bytes: the solver's memory quantum.
+        pipeline: whether backward prefetches offloaded inputs.
+        offload: False leaves offload out (only keep and recompute).
+        note: why offload was left out, for the plan's table.
+
+    Raises:
+        PlanError: no plan fits; it names the smallest feasible budget.
+    """
+    units = _units(profiles, unit_bytes, offload)
     budget_units = budget_bytes // unit_bytes
     solved = _C._plan_solve(units, budget_units, pipeline)
-    if solved is None:
-        smallest = _C._plan_min_budget(units, pipeline) * unit_bytes
-        raise PlanError(budget_bytes, smallest)
+    if solved is None or (not offload and CHOICES.index("offload") in solved[0]):
+        raise PlanError(budget_bytes, _smallest_budget(units, pipeline, offload) * unit_bytes)
     choices, seconds, peak_units = solved
     result = Plan([CHOICES[c] for c in choices], profiles, budget_bytes, unit_bytes, pipeline,
-                  peak_units * unit_bytes, seconds)
+                  peak_units * unit_bytes, seconds, offload, note)
     log.debug("%s", result)
     return result
 
@@ -338,7 +430,9 @@ def auto_checkpoint(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
     """Plans ``blocks`` within ``budget_bytes`` and returns them wrapped.
 
     Shorthand for ``matepoint.plan(blocks, *sample_inputs,
-    budget_bytes=...).apply(blocks)``.
+    budget_bytes=...).apply(blocks)``; ``**plan_options`` are the other
+    keyword arguments of :func:`plan` (``unit_bytes``, ``pipeline``,
+    ``bandwidth_bytes_per_s``, ``repeats``).
     """
     return plan(blocks, *sample_inputs, budget_bytes=budget_bytes, **plan_options).apply(blocks)
 
@@ -348,11 +442,35 @@ def default_unit(budget_bytes: int) -> int:
     return max(1024, 1 << max(0, math.ceil(math.log2(max(1, budget_bytes // 100_000)))))
 
 
-def _units(profiles: List[BlockProfile], unit_bytes: int) -> List[Tuple]:
+def _units(profiles: List[BlockProfile], unit_bytes: int, offload: bool = True) -> List[Tuple]:
     def up(nbytes: int) -> int:
         return -(-nbytes // unit_bytes)
-    return [(p.forward_s, p.backward_s, p.copy_s, up(p.input_bytes), up(p.activation_bytes),
+    return [(p.forward_s, p.backward_s, p.copy_s if offload else _NO_OFFLOAD_COPY_S,
+             up(p.input_bytes), up(p.activation_bytes),
              up(p.keep_work_bytes()), up(p.checkpoint_work_bytes())) for p in profiles]
+
+
+def _smallest_budget(units: List[Tuple], pipeline: bool, offload: bool) -> int:
+    """The smallest budget in units any plan meets; without offload, found
+    by bisection between the smallest with offload (a lower bound) and the
+    peak of recomputing every block (always a plan without offload)."""
+    low = _C._plan_min_budget(units, pipeline)
+    if offload:
+        return low
+    recompute = bytes([CHOICES.index("recompute")] * len(units))
+    high = _C._plan_evaluate(units, recompute, pipeline)[1]
+
+    def fits(budget: int) -> bool:
+        solved = _C._plan_solve(units, budget, pipeline)
+        return solved is not None and CHOICES.index("offload") not in solved[0]
+
+    while low < high:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def _check_blocks(blocks: Blocks) -> List[Callable]:

@@ -28,7 +28,17 @@ def checkpoint_sequential(
 
     Same as ``torch.utils.checkpoint.checkpoint_sequential``: every segment but
     the last is checkpointed, so only segment inputs are kept during forward.
-    ``preserve_rng_state`` is the only other keyword accepted.
+
+    Args:
+        functions: an ``nn.Sequential`` or a list of callables, run in order.
+        segments: how many chunks to split them into (a positive int).
+        input: what the first function receives.
+        use_reentrant: as in :func:`matepoint.checkpoint` (True warns once and
+            still runs the non-reentrant way).
+        **kwargs: only ``preserve_rng_state`` is accepted; any other raises
+            ValueError.
+
+    Returns the last function's output.
     """
     preserve = kwargs.pop("preserve_rng_state", True)
     if kwargs:

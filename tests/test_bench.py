@@ -1,22 +1,42 @@
 """The benchmark command users run first: its CPU configuration end to end,
 and the report's arithmetic on rows made up for the purpose."""
 import json
+import logging
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from matepoint.bench import report
+from matepoint._meter import host_meter_available
+from matepoint.bench import cli, report
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
+                              reason="the GPU sweep is exercised by gpu-check")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU sweep is exercised by gpu-check")
-def test_cpu_bench_writes_results_with_matching_gradients(tmp_path) -> None:
+def run_bench(tmp_path, *argv: str) -> dict:
     result = subprocess.run([sys.executable, "-m", "matepoint.bench", "--out", str(tmp_path),
-                             "--steps", "3"], capture_output=True, text=True, timeout=900)
+                             "--steps", "3", *argv], capture_output=True, text=True,
+                            timeout=900)
     assert result.returncode == 0, result.stderr
     assert "GPU memory, step time and PCIe numbers need a GPU" in result.stderr
-    payload = json.loads((tmp_path / "bench.json").read_text())
+    assert "first ms: the first step, reported apart" in result.stderr
+    return json.loads((tmp_path / "bench.json").read_text())
+
+
+@CPU_ONLY
+def test_cpu_bench_writes_results_with_matching_gradients(tmp_path) -> None:
+    payload = run_bench(tmp_path, "--repeats", "1")
+    # the configuration that ran: the CPU sizes, not the GPU defaults
+    config = payload["config"]
+    assert config["device"] == "cpu" and config["rounds"] == 1 and config["steps"] == 3
+    assert config["cases"]["stack"]["sizes"]["hidden"] == 64
+    assert config["cases"]["stack"]["depths"] == [4, 8]
+    assert config["cases"]["latent"]["depths"] == [6]
+    assert "matepoint+alloc" not in config["cases"]["stack"]["modes"]
+    assert config["out"] == str(tmp_path)
     summary = {(e["case"], e["depth"], e["mode"]): e for e in payload["summary"]}
     assert {mode for case, _, mode in summary if case == "stack"} == {
         "none", "torch", "matepoint", "matepoint-auto"}
@@ -35,6 +55,30 @@ def test_cpu_bench_writes_results_with_matching_gradients(tmp_path) -> None:
     assert all(e["predicted_peak_bytes"] <= e["budget_bytes"] for e in auto)
     assert payload["overhead_us"]["matepoint"] > 0
     assert payload["held_bytes"]["matepoint"] < payload["held_bytes"]["none"]
+    if host_meter_available():  # memory against torch's, from the heap meter
+        for (case, depth, mode), e in summary.items():
+            assert e["peak_allocated_bytes"] > 0 and e["memory_ratio"] > 0, e
+        assert summary[("stack", 8, "torch")]["memory_ratio"] == 1.0
+        assert summary[("stack", 8, "none")]["memory_ratio"] > 1.0
+
+
+@CPU_ONLY
+def test_cpu_bench_takes_several_rounds_by_default_with_a_noise_figure(tmp_path) -> None:
+    assert cli.parse_args([]).repeats == 3
+    payload = run_bench(tmp_path, "--cases", "latent", "--repeats", "2")
+    assert payload["config"]["rounds"] == 2
+    mine = {e["mode"]: e for e in payload["summary"]}["matepoint"]
+    assert mine["rounds"] == 2 and len(mine["step_ratios"]) == 2
+    assert mine["step_ratio_min"] == min(mine["step_ratios"])
+    assert mine["step_ratio_max"] == max(mine["step_ratios"])
+    assert isinstance(mine["noisy"], bool)
+
+
+def test_output_folder_defaults_under_the_current_directory(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = cli.parse_args([])
+    assert args.out == os.path.join("benchmarks", "out")
+    assert cli.configuration(args, cuda=False)["out"] == str(tmp_path / "benchmarks" / "out")
 
 
 def run(case, mode, round_index, step_ms, peak=None, **extra):
@@ -59,6 +103,31 @@ def test_ratios_are_taken_round_by_round_against_torch() -> None:
     assert summary["matepoint+alloc"]["status"] == "OOM"
     rows[2]["grad_rel_err"] = 0.5
     assert {e["mode"]: e for e in report.summarize(rows)}["matepoint"]["grads"] == "DIFFERS"
+
+
+def test_rounds_that_disagree_are_flagged(caplog) -> None:
+    def rows(*matepoint_ms):
+        out = []
+        for index, ms in enumerate(matepoint_ms):
+            out += [run("s", "torch", index, 10.0), run("s", "matepoint", index, ms)]
+        return out
+
+    def summary(*matepoint_ms):
+        return {e["mode"]: e for e in report.summarize(rows(*matepoint_ms))}["matepoint"]
+
+    steady = summary(8.0, 8.4, 7.9)
+    assert steady["noisy"] is False
+    assert (steady["step_ratio_min"], steady["step_ratio_max"]) == pytest.approx((0.79, 0.84))
+    assert summary(8.0, 12.0, 9.0)["noisy"] is True    # faster in two rounds, slower in one
+    assert summary(2.0, 6.0, 3.0)["noisy"] is True     # all faster, but by 1.7x to 5x
+    single = summary(8.0)
+    assert single["noisy"] is None and single["step_ratio"] == 0.8
+    with caplog.at_level(logging.INFO, logger="matepoint.bench"):
+        report.print_table([summary(8.0, 12.0, 9.0), steady, single], cuda=False)
+    lines = caplog.text.splitlines()
+    assert "0.80-1.20?" in caplog.text and "0.79-0.84 " in caplog.text
+    assert "1 round" in caplog.text
+    assert any("1 row(s) marked '?'" in line for line in lines)
 
 
 def test_bench_rejects_bad_arguments() -> None:

@@ -175,10 +175,11 @@ warn_reentrant_once(mp_state *st, PyObject *use_reentrant)
     if (reentrant <= 0 || st->warned_reentrant)
         return reentrant < 0 ? -1 : 0;
     st->warned_reentrant = 1;
+    /* stacklevel 1 is the Python frame that called checkpoint (a C function has none) */
     return PyErr_WarnEx(PyExc_UserWarning,
                         "matepoint.checkpoint: use_reentrant=True is accepted for compatibility, "
                         "but matepoint always uses the non-reentrant implementation.",
-                        2);
+                        1);
 }
 
 static int

@@ -41,20 +41,54 @@ identity(PyObject *module, PyObject *obj)
 }
 
 PyDoc_STRVAR(checkpoint_doc,
-"checkpoint(function, *args, use_reentrant=None, preserve_rng_state=True,\n"
-"           context_fn=None, determinism_check='default', debug=False,\n"
-"           early_stop=True, **kwargs)\n"
+"checkpoint($module, function, /, *args, use_reentrant=None,\n"
+"           preserve_rng_state=True, context_fn=None, determinism_check='default',\n"
+"           debug=False, early_stop=True, matepoint_offload=None,\n"
+"           matepoint_prefetch=True, **kwargs)\n"
 "--\n\n"
 "Run function(*args, **kwargs) without keeping its intermediate tensors.\n\n"
-"A drop-in replacement for torch.utils.checkpoint.checkpoint with the\n"
-"non-reentrant semantics: the region is recomputed during backward when its\n"
-"saved tensors are first needed.");
+"A drop-in replacement for torch.utils.checkpoint.checkpoint with its\n"
+"non-reentrant semantics: autograd keeps only the region's inputs, and the\n"
+"region is recomputed in backward when its saved tensors are first needed.\n"
+"Under torch.no_grad() it just calls function. Tensors may be nested in\n"
+"lists, tuples, dicts and namedtuples; the output may have any structure.\n\n"
+"function: any callable (a TypeError otherwise); args and the keywords not\n"
+"    listed here are passed to it.\n"
+"use_reentrant: accepted for drop-in compatibility. True still gives the\n"
+"    non-reentrant behaviour (same gradients, keyword arguments and\n"
+"    torch.autograd.grad work) and warns once per process.\n"
+"preserve_rng_state: replay the CPU and CUDA random state of the forward in\n"
+"    the recompute (dropout masks identical). False skips it.\n"
+"context_fn: a callable returning two context managers, entered around the\n"
+"    forward and around the recompute (as torch's).\n"
+"determinism_check: 'default' compares the shape, dtype and device of each\n"
+"    recomputed tensor with the forward's; 'none' skips it.\n"
+"debug: True records the operations of both passes to explain a mismatch.\n"
+"early_stop: stop the recompute once every saved tensor is recomputed.\n"
+"matepoint_offload: True or False forces this region's inputs to be\n"
+"    offloaded to host memory or not; None follows matepoint.options.\n"
+"    Offload acts on CUDA tensors only: on a CPU-only machine it does nothing.\n"
+"matepoint_prefetch: False stops this region's recompute from prefetching\n"
+"    the inputs of earlier offloaded regions.\n\n"
+"Returns what function returns. Raises TypeError for a non-callable\n"
+"function or a context_fn that returns no pair of context managers,\n"
+"ValueError for a bad determinism_check or debug=True with a context_fn,\n"
+"RuntimeError in backward when an input was changed in place after the\n"
+"forward, and torch.utils.checkpoint.CheckpointError when the recompute\n"
+"differs from the forward. Errors in function propagate unchanged.");
 
 static PyObject *
 pool_stats(PyObject *module, PyObject *unused)
 {
     (void)unused;
     return offload_pool_stats(PyModule_GetState(module));
+}
+
+static PyObject *
+offload_device_type_py(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    return PyUnicode_FromString(offload_device_type(PyModule_GetState(module)));
 }
 
 static PyObject *
@@ -105,23 +139,53 @@ reserve_pool(PyObject *module, PyObject *args)
     return PyLong_FromUnsignedLongLong(added);
 }
 
+/* Docstrings of module_methods; the first line is each function's signature. */
+PyDoc_STRVAR(reserve_pool_doc,
+"_reserve_pool($module, buffer_bytes, count, /)\n--\n\nAdd count host pool buffers of buffer_bytes bytes; returns how many were added.\nmatepoint.reserve_pool is the checked public entry.");
+PyDoc_STRVAR(pool_stats_doc,
+"pool_stats($module, /)\n--\n\nCounters of the pinned host pool, as a dict.");
+PyDoc_STRVAR(offload_device_type_doc,
+"_offload_device_type($module, /)\n--\n\ntorch's device type of the tensors offload moves: 'cuda' ('cpu' on the simulated GPU of test builds).");
+PyDoc_STRVAR(empty_pool_doc,
+"empty_pool($module, /)\n--\n\nFree cached, unused host pool buffers.");
+PyDoc_STRVAR(configure_doc,
+"_configure($module, offload, pipeline, prefetch_depth, min_offload_bytes,\n           pool_limit_bytes, offload_window, /)\n--\n\nApply matepoint.options (matepoint/_options.py validates the values).");
+PyDoc_STRVAR(attach_allocator_doc,
+"_attach_allocator($module, path, /)\n--\n\nLink to the allocator library at path, already loaded by torch.");
+PyDoc_STRVAR(allocator_stats_doc,
+"_allocator_stats($module, /)\n--\n\nPer device, the allocator's counters and per-tag bytes, as a list of dicts.");
+PyDoc_STRVAR(allocator_reset_peaks_doc,
+"_allocator_reset_peaks($module, /)\n--\n\nReset the allocator's peak counters on every device.");
+PyDoc_STRVAR(allocator_empty_cache_doc,
+"_allocator_empty_cache($module, /)\n--\n\nGive the allocator's cached, unused segments back to the device.");
+PyDoc_STRVAR(plan_solve_doc,
+"_plan_solve($module, blocks, budget_units, pipeline, /)\n--\n\nThe fastest plan within budget_units: (choices bytes, seconds, peak units), or None.\nblocks: (forward_s, backward_s, copy_s, input_units, activation_units,\nkeep_work_units, checkpoint_work_units) tuples.");
+PyDoc_STRVAR(plan_evaluate_doc,
+"_plan_evaluate($module, blocks, choices, pipeline, /)\n--\n\n(seconds, peak units) of the plan choices (bytes of 0 keep, 1 recompute, 2 offload).");
+PyDoc_STRVAR(plan_min_budget_doc,
+"_plan_min_budget($module, blocks, pipeline, /)\n--\n\nThe smallest budget in units that any plan of blocks fits in.");
+PyDoc_STRVAR(plan_frontier_doc,
+"_plan_frontier($module, blocks, pipeline, max_points, /)\n--\n\nUp to max_points (seconds, peak units) pairs, from the fastest plan to the smallest.");
+PyDoc_STRVAR(is_recomputing_doc,
+"is_recomputing($module, /)\n--\n\nTrue while this thread recomputes a checkpointed region.\n\nLets code inside a checkpointed function tell the recompute in backward\nfrom the forward pass (to skip logging or a side effect the second time).");
+
 static PyMethodDef module_methods[] = {
-    {"_reserve_pool", reserve_pool, METH_VARARGS, NULL},
-    {"pool_stats", pool_stats, METH_NOARGS, "Counters of the pinned host pool, as a dict."},
-    {"empty_pool", empty_pool, METH_NOARGS, "Free cached, unused host pool buffers."},
-    {"_configure", configure, METH_VARARGS, NULL},
-    {"_attach_allocator", alloc_link_attach, METH_O, NULL},
-    {"_allocator_stats", alloc_link_stats, METH_NOARGS, NULL},
-    {"_allocator_reset_peaks", alloc_link_reset_peaks, METH_NOARGS, NULL},
-    {"_allocator_empty_cache", alloc_link_empty_cache, METH_NOARGS, NULL},
+    {"_reserve_pool", reserve_pool, METH_VARARGS, reserve_pool_doc},
+    {"pool_stats", pool_stats, METH_NOARGS, pool_stats_doc},
+    {"empty_pool", empty_pool, METH_NOARGS, empty_pool_doc},
+    {"_offload_device_type", offload_device_type_py, METH_NOARGS, offload_device_type_doc},
+    {"_configure", configure, METH_VARARGS, configure_doc},
+    {"_attach_allocator", alloc_link_attach, METH_O, attach_allocator_doc},
+    {"_allocator_stats", alloc_link_stats, METH_NOARGS, allocator_stats_doc},
+    {"_allocator_reset_peaks", alloc_link_reset_peaks, METH_NOARGS, allocator_reset_peaks_doc},
+    {"_allocator_empty_cache", alloc_link_empty_cache, METH_NOARGS, allocator_empty_cache_doc},
     {"checkpoint", (PyCFunction)(void (*)(void))checkpoint_call,
      METH_FASTCALL | METH_KEYWORDS, checkpoint_doc},
-    {"_plan_solve", plan_solve_py, METH_VARARGS, NULL},
-    {"_plan_evaluate", plan_evaluate_py, METH_VARARGS, NULL},
-    {"_plan_min_budget", plan_min_budget_py, METH_VARARGS, NULL},
-    {"_plan_frontier", plan_frontier_py, METH_VARARGS, NULL},
-    {"is_recomputing", is_recomputing, METH_NOARGS,
-     "True while this thread recomputes a checkpointed region."},
+    {"_plan_solve", plan_solve_py, METH_VARARGS, plan_solve_doc},
+    {"_plan_evaluate", plan_evaluate_py, METH_VARARGS, plan_evaluate_doc},
+    {"_plan_min_budget", plan_min_budget_py, METH_VARARGS, plan_min_budget_doc},
+    {"_plan_frontier", plan_frontier_py, METH_VARARGS, plan_frontier_doc},
+    {"is_recomputing", is_recomputing, METH_NOARGS, is_recomputing_doc},
     {NULL, NULL, 0, NULL},
 };
 

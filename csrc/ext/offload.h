@@ -46,6 +46,10 @@ void offload_engine_free(offload_engine *engine);
 offload_options *offload_engine_options(offload_engine *engine);
 int offload_engine_apply_limit(offload_engine *engine);
 
+/* torch's device type of the tensors the engine moves ("cuda"; "cpu" on the
+ * simulated GPU of test builds). */
+const char *offload_device_type(mp_state *st);
+
 /* Python: dict of pool counters; drop cached buffers. */
 PyObject *offload_pool_stats(mp_state *st);
 int offload_empty_pool(mp_state *st);

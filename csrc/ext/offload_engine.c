@@ -320,6 +320,12 @@ offload_engine_use_runtime(offload_engine *engine, const offload_runtime *runtim
     return 0;
 }
 
+const char *
+offload_device_type(mp_state *st)
+{
+    return st->engine->runtime->device_type;
+}
+
 /* ---- pool API ------------------------------------------------------------------- */
 
 PyObject *

@@ -15,6 +15,7 @@
 
 typedef struct offload_runtime {
     const char *name;
+    const char *device_type;    /* torch's device type of the tensors it moves */
     /* The runtime table, loaded on first use; NULL with an error set. */
     const cudart *(*load)(void);
     /* The device whose memory `tensor` (of torch device `device_obj`)

@@ -119,6 +119,7 @@ torch_empty_bytes(mp_state *st, int device, PyObject *device_obj, uint64_t nbyte
 
 const offload_runtime offload_runtime_torch = {
     .name = "cuda",
+    .device_type = "cuda",
     .load = torch_load,
     .tensor_device = torch_tensor_device,
     .current_stream = torch_current_stream,

@@ -127,6 +127,7 @@ sim_empty_bytes(mp_state *st, int device, PyObject *device_obj, uint64_t nbytes)
 
 const offload_runtime offload_runtime_sim = {
     .name = "simulated",
+    .device_type = "cpu",
     .load = sim_load,
     .tensor_device = sim_tensor_device,
     .current_stream = sim_current_stream,

@@ -2,9 +2,12 @@
 
 ``python -m matepoint.bench`` (or ``matepoint-bench``) runs each case under
 each mode, every (case, depth, mode) in its own process, repeated over
---repeats rounds in alternating order, and prints a table that leads with
+--repeats rounds (3) in alternating order, and prints a table that leads with
 each mode's step time and peak memory as ratios to torch's checkpoint in
-the same round; JSON and a plot go to --out. Cases:
+the same round, the range of the per-round ratios (marked '?' where the
+rounds disagree more than the ratio can resolve) and the first step apart;
+bench.json (with the configuration that ran) and bench.png go to --out
+(default: benchmarks/out under the current directory). Cases:
 
   stack    transformer encoder blocks, swept over --depths (matepoint-auto:
            the planner's choice within --budget-gib)
@@ -18,7 +21,8 @@ matepoint-auto. Gradients are compared with the no-checkpoint run (or
 torch's checkpoint where that ran out of memory) by the largest norm-wise
 relative error over parameters, judged against torch's own error. On a GPU
 it also probes the host-device link and the offload throughput on a warm
-pool. Without a GPU it runs small CPU configurations and says so.
+pool. Without a GPU it runs small CPU configurations and says so; peak
+memory there is the C heap's, sampled during one extra step.
 """
 from __future__ import annotations
 
@@ -57,12 +61,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--latent-depth", type=int, default=0,
                         help="the latent case's depth (default: sized to the GPU)")
     parser.add_argument("--steps", type=int, default=6, help="steps per run, the first apart")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="rounds over all runs (default 3 on a GPU, 1 on the CPU)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds over all runs; the spread of their ratios is the noise "
+                             "figure (default 3)")
     parser.add_argument("--budget-gib", type=float, default=None,
                         help="matepoint-auto's activation budget (default: what checkpointing "
                              "every block needs)")
-    parser.add_argument("--out", default="benchmarks/out", help="folder for JSON and PNG")
+    parser.add_argument("--out", default=os.path.join("benchmarks", "out"),
+                        help="folder for bench.json and bench.png, created if missing "
+                             "(default: benchmarks/out under the current directory)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
     parser.add_argument("--gpu-check", action="store_true",
                         help="the size `make gpu-check` runs (finishes in minutes)")
@@ -73,7 +80,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for name in ("hidden", "heads", "seq", "batch", "steps", "latent_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.repeats is not None and args.repeats < 1:
+    if args.repeats < 1:
         parser.error("--repeats must be positive")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is reported apart)")
@@ -84,25 +91,36 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def run_cases(args: argparse.Namespace, cuda: bool, folder: str) -> List[Dict[str, Any]]:
-    """Every (case, depth, mode) once per round. Round 0 runs the modes in
-    order and gives each depth its reference gradients (the first of
-    none/torch that completes); later rounds alternate the order."""
-    rows: List[Dict[str, Any]] = []
+def configuration(args: argparse.Namespace, cuda: bool) -> Dict[str, Any]:
+    """What will run on this machine: rounds, steps, and per case its sizes,
+    depths and modes (on the CPU, its small sizes, not the GPU defaults)."""
     wanted = args.modes.split(",")
     if not cuda:  # the allocator is CUDA's; save_on_cpu moves nothing off a CPU
         wanted = [m for m in wanted if m not in ("matepoint+alloc", "torch+save_on_cpu")]
-    rounds = args.repeats or (3 if cuda else 1)
-    plan = []
+    cases: Dict[str, Any] = {}
     for name in args.cases.split(","):
         case = CASES[name]
         reason = case.unavailable()
         if reason:
             log.info("case %s skipped: %s", name, reason)
+            cases[name] = {"skipped": reason}
             continue
-        size = case.sizes(args, cuda)
-        for depth in case.depths(args, cuda):
-            plan.append((name, depth, size, [m for m in case.MODES if m in wanted]))
+        cases[name] = {"sizes": case.sizes(args, cuda), "depths": case.depths(args, cuda),
+                       "modes": [m for m in case.MODES if m in wanted]}
+    return {"device": "cuda" if cuda else "cpu", "cpu_threads": None if cuda else 1,
+            "rounds": args.repeats, "steps": args.steps,
+            "budget_gib": args.budget_gib, "out": os.path.abspath(args.out), "cases": cases}
+
+
+def run_cases(config: Dict[str, Any], timeout: float, folder: str) -> List[Dict[str, Any]]:
+    """Every (case, depth, mode) of ``config`` once per round. Round 0 runs
+    the modes in order and gives each depth its reference gradients (the
+    first of none/torch that completes); later rounds alternate the order."""
+    rows: List[Dict[str, Any]] = []
+    rounds = config["rounds"]
+    plan = [(name, depth, case["sizes"], case["modes"])
+            for name, case in config["cases"].items() if "skipped" not in case
+            for depth in case["depths"]]
     total, begun = rounds * sum(len(m) for *_, m in plan), time.time()
     for round_index in range(rounds):
         for name, depth, size, modes in plan:
@@ -111,13 +129,14 @@ def run_cases(args: argparse.Namespace, cuda: bool, folder: str) -> List[Dict[st
             have_reference = False
             for mode in order:
                 spec = {"case": name, "mode": mode, "depth": depth, "size": size,
-                        "round": round_index, "steps": args.steps, "budget_gib": args.budget_gib}
+                        "round": round_index, "steps": config["steps"],
+                        "budget_gib": config["budget_gib"]}
                 writes = round_index == 0 and not have_reference and mode in REFERENCE_MODES
                 if round_index == 0:
                     spec.update(reference=reference, write_reference=writes)
                 log.info("[%d/%d] round %d: %s at depth %d, %s (%.0f s so far)", len(rows) + 1,
                          total, round_index, name, depth, mode, time.time() - begun)
-                row = runner.spawn(spec, args.timeout)
+                row = runner.spawn(spec, timeout)
                 if writes and row["status"] == "ok":
                     have_reference, row["is_reference"] = True, True
                 rows.append(row)
@@ -141,7 +160,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(json.dumps(runner.run_child(json.loads(args.child))), flush=True)
         return
     cuda = torch.cuda.is_available()
-    payload: Dict[str, Any] = {"config": vars(args)}
+    payload: Dict[str, Any] = {"arguments": vars(args)}
     if cuda:
         payload["device"] = torch.cuda.get_device_name()
         payload["probe"] = link.probe()
@@ -160,8 +179,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         log.info("CPU memory held for backward by a 16-block MLP: %.1f MiB without checkpoints, "
                  "%.1f MiB with matepoint", held["none"] / report.MIB,
                  held["matepoint"] / report.MIB)
+    payload["config"] = config = configuration(args, cuda)
     with tempfile.TemporaryDirectory(prefix="matepoint-bench-") as folder:
-        payload["rows"] = run_cases(args, cuda, folder)
+        payload["rows"] = run_cases(config, args.timeout, folder)
     payload["summary"] = summary = report.summarize(payload["rows"])
     if cuda and "matepoint" in args.modes.split(","):
         payload["offload"] = offload = link.offload_throughput(payload["probe"]["d2h_GBps"])

@@ -1,6 +1,8 @@
 """From measured runs to what a user reads: each mode's step time and peak
-memory as ratios to torch's checkpoint in the same run, the spread over
-repeated rounds, and gradients judged against torch's own error."""
+memory as ratios to torch's checkpoint in the same round, the spread of
+those ratios over rounds (the noise figure, with a flag where the rounds
+disagree on whether a mode is faster or slower than torch), and gradients
+judged against torch's own error."""
 from __future__ import annotations
 
 import json
@@ -26,11 +28,31 @@ def _per_round(rows: List[Dict[str, Any]], case: str, depth: int, mode: str) -> 
             if (r["case"], r["depth"], r["mode"]) == (case, depth, mode)}
 
 
+def _ratios(mine: Dict[int, Dict], torch_runs: Dict[int, Dict], field: str) -> List[float]:
+    """mine / torch's per round, each round against its own."""
+    return [mine[k][field] / torch_runs[k][field] for k in sorted(mine)
+            if k in torch_runs and mine[k].get(field) and torch_runs[k].get(field)]
+
+
 def _ratio(mine: Dict[int, Dict], torch_runs: Dict[int, Dict], field: str) -> Optional[float]:
     """Median over rounds of mine / torch's, each round against its own."""
-    ratios = [mine[k][field] / torch_runs[k][field] for k in mine
-              if k in torch_runs and mine[k].get(field) and torch_runs[k].get(field)]
+    ratios = _ratios(mine, torch_runs, field)
     return statistics.median(ratios) if ratios else None
+
+
+def _noise(ratios: List[float]) -> Dict[str, Any]:
+    """The spread of per-round ratios, and whether it hides the answer.
+
+    ``noisy`` when the rounds disagree on which side of 1 (torch) the mode
+    lies, or spread over more than half the median: one more round could
+    then change the conclusion."""
+    if len(ratios) < 2:
+        return {"step_ratio_min": ratios[0] if ratios else None,
+                "step_ratio_max": ratios[0] if ratios else None, "noisy": None}
+    low, high, middle = min(ratios), max(ratios), statistics.median(ratios)
+    straddles = low < 1.0 < high
+    return {"step_ratio_min": low, "step_ratio_max": high,
+            "noisy": straddles or (high - low) > 0.5 * middle}
 
 
 def _gradients(first: Dict[str, Any], torch_first: Optional[Dict[str, Any]]) -> str:
@@ -73,9 +95,11 @@ def summarize(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         torch_runs = _per_round(rows, case, depth, "torch")
         medians = [r["step_ms"] for r in runs.values()]
         first = runs[min(runs)]
+        step_ratios = _ratios(runs, torch_runs, "step_ms")
         entry.update(status="ok", rounds=len(runs), step_ms=statistics.median(medians),
                      step_ms_min=min(medians), step_ms_max=max(medians),
-                     first_step_ms=first["first_step_ms"],
+                     first_step_ms=statistics.median(r["first_step_ms"] for r in runs.values()),
+                     step_ratios=step_ratios, **_noise(step_ratios),
                      step_ratio=_ratio(runs, torch_runs, "step_ms"),
                      memory_ratio=_ratio(runs, torch_runs, "peak_allocated_bytes"),
                      grads=_gradients(first, torch_runs.get(min(runs))),
@@ -97,25 +121,56 @@ def _cell(value: Optional[float], spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value / scale, spec)
 
 
+def _spread(e: Dict[str, Any]) -> str:
+    """The per-round ratios' range, '?' appended where it hides the answer."""
+    if e.get("step_ratio_min") is None or e.get("noisy") is None:
+        return "1 round"
+    return (f"{e['step_ratio_min']:.2f}-{e['step_ratio_max']:.2f}"
+            + ("?" if e["noisy"] else ""))
+
+
 def print_table(summary: List[Dict[str, Any]], cuda: bool) -> None:
+    """Logs one row per (case, depth, mode), then what the columns mean."""
     header = (f"{'case':<7} {'depth':>5} {'mode':<18} {'status':>7} {'step/torch':>10} "
-              f"{'mem/torch':>9} {'step ms':>9} {'min-max':>15} {'first ms':>9}")
+              f"{'rounds':>12} {'mem/torch':>9} {'step ms':>9} {'first ms':>9}")
     if cuda:
         header += f" {'alloc MiB':>10} {'device MiB':>10} {'pinned MiB':>10}"
+    else:
+        header += f" {'heap MiB':>9}"
     header += f" {'grads':>7} {'rel err':>8}"
     log.info(header)
     for e in summary:
         line = f"{e['case']:<7} {e['depth']:>5} {e['mode']:<18} {e['status']:>7}"
         if e["status"] == "ok":
-            spread = f"{e['step_ms_min']:.1f}-{e['step_ms_max']:.1f}"
-            line += (f" {_cell(e['step_ratio'], '.3f'):>10} {_cell(e['memory_ratio'], '.3f'):>9}"
-                     f" {e['step_ms']:>9.1f} {spread:>15} {e['first_step_ms']:>9.1f}")
+            line += (f" {_cell(e['step_ratio'], '.3f'):>10} {_spread(e):>12}"
+                     f" {_cell(e['memory_ratio'], '.3f'):>9}"
+                     f" {e['step_ms']:>9.1f} {e['first_step_ms']:>9.1f}")
             if cuda:
                 line += (f" {_cell(e.get('peak_allocated_bytes'), '.0f', MIB):>10}"
                          f" {_cell(e.get('device_used_bytes'), '.0f', MIB):>10}"
                          f" {_cell(e.get('pinned_host_bytes'), '.0f', MIB):>10}")
+            else:
+                line += f" {_cell(e.get('peak_allocated_bytes'), '.2f', MIB):>9}"
             line += f" {e['grads']:>7} {_cell(e['grad_rel_err'], '.1e'):>8}"
         log.info(line)
+    for note in LEGEND if not cuda else LEGEND[:2]:
+        log.info(note)
+    noisy = [e for e in summary if e.get("noisy")]
+    if noisy:
+        log.warning("%d row(s) marked '?': their rounds disagree by more than the ratio can "
+                    "resolve; run with more --repeats, on an idle machine", len(noisy))
+
+
+LEGEND = (
+    "step/torch, mem/torch: median over rounds of each round's ratio to torch's checkpoint "
+    "(run in the same round); rounds: the lowest-highest per-round step ratio, '?' where the "
+    "rounds disagree on which side of torch the mode lies or spread over half the median.",
+    "first ms: the first step, reported apart and left out of 'step ms': in every process it "
+    "includes one-time lazy initialisation (torch's kernels and autograd, allocator caches, "
+    "pinned buffers), far slower than later steps.",
+    "mem/torch and heap MiB on the CPU: the C heap's peak during one extra step, sampled "
+    "after every operation (matepoint._meter.PeakMeter), above what was in use before it.",
+)
 
 
 def write_json(folder: str, payload: Dict[str, Any]) -> str:
@@ -124,7 +179,7 @@ def write_json(folder: str, payload: Dict[str, Any]) -> str:
     payload.update(torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=2)
-    log.info("results written to %s", path)
+    log.info("results written to %s", os.path.abspath(path))
     return path
 
 

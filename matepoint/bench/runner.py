@@ -88,10 +88,29 @@ def _measure(work: Workload, mode: str, steps: int, cuda: bool) -> Dict[str, Any
         result["device_used_bytes"] = device_peak
         result["activation_peak_bytes"] = meter.peak_bytes
         result["peak_allocated_bytes"] = meter.peak_allocated_bytes
+    else:
+        result.update(_cpu_peak(work, mode))
         host_stats = getattr(torch.cuda, "host_memory_stats", None)
         if mode == "torch+save_on_cpu" and host_stats is not None:
             result["pinned_host_bytes"] = host_stats().get("reserved_bytes.current")
     return result
+
+
+def _cpu_peak(work: Workload, mode: str) -> Dict[str, Any]:
+    """The C heap's peak above the start of one more step, sampled after
+    every operation; a step of its own, since sampling slows the timed
+    steps. Every mode runs it (no optimizer step after it), so the
+    gradients compared afterwards are alike. Empty where the heap cannot be
+    read (no glibc mallinfo2, or AddressSanitizer's allocator)."""
+    from matepoint._meter import PeakMeter, host_meter_available
+    if not host_meter_available():
+        return {}
+    for p in work.parameters:
+        p.grad.zero_()
+    with PeakMeter(torch.device("cpu")) as meter:
+        with modes.step_context(mode):
+            work.run_step()
+    return {"peak_allocated_bytes": meter.peak_bytes, "activation_peak_bytes": meter.peak_bytes}
 
 
 def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -99,6 +118,10 @@ def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
     import matepoint
     case, mode = CASES[spec["case"]], spec["mode"]
     cuda = torch.cuda.is_available()
+    if not cuda:
+        # one thread, as the parent's overhead probe: two OpenMP threads on a
+        # busy 2-core machine stalled steps of a few ms to 2 s at random
+        torch.set_num_threads(1)
     modes.prepare(mode)
     torch.manual_seed(0)
     work = case.build(spec, mode, torch.device("cuda" if cuda else "cpu"))

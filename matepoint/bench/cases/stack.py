@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -44,14 +45,17 @@ def planned(blocks: List[nn.Module], x: torch.Tensor, budget_gib: Optional[float
     import matepoint
     from matepoint import _planner
     from matepoint._meter import copy_bandwidth
-    profiles = _planner.profile_blocks(blocks, (x,), copy_bandwidth(x.device).d2h, repeats=3)
+    note = _planner.no_offload_reason((x,))
+    bandwidth = copy_bandwidth(x.device).d2h if note is None else math.inf
+    profiles = _planner.profile_blocks(blocks, (x,), bandwidth, repeats=3)
     unit = 1 << 20 if x.is_cuda else 4096
     pipeline = matepoint.options.pipeline
     if budget_gib is None:  # what checkpointing every block needs
         budget, _ = _planner.predict(profiles, ["recompute"] * len(profiles), unit, pipeline)
     else:
         budget = int(budget_gib * (1 << 30))
-    plan = _planner.solve(profiles, budget, unit, pipeline)
+    plan = _planner.solve(profiles, budget, unit, pipeline, offload=note is None,
+                          note=note or "")
     log.info("%s", plan)
     return plan.apply(blocks), plan
 

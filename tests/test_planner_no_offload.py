@@ -1,0 +1,69 @@
+"""matepoint.plan never chooses an offload that cannot run: inputs not on a
+GPU (CPU tensors, no simulated GPU) or the offload option off. It keeps or recomputes
+every block and says so."""
+import pytest
+import torch
+import torch.nn as nn
+
+import matepoint
+from matepoint._planner import solve
+
+MIB = 1 << 20
+
+
+def chain(depth: int = 6, width: int = 128) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[
+        nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        for _ in range(depth)])
+
+
+def profiled(model, x, budget_bytes: int = 64 * MIB):
+    return matepoint.plan(model, x, budget_bytes=budget_bytes, repeats=1, unit_bytes=1024,
+                          bandwidth_bytes_per_s=1e9)
+
+
+def smallest(profiles, offload: bool) -> int:
+    with pytest.raises(matepoint.PlanError) as caught:
+        solve(profiles, 1024, 1024, True, offload=offload)
+    return caught.value.smallest_budget_bytes
+
+
+def test_plan_on_the_cpu_keeps_or_recomputes_and_says_why() -> None:
+    from matepoint import _C
+    assert _C._offload_device_type() == "cuda"
+    model, x = chain(), torch.randn(64, 128)
+    plan = profiled(model, x)
+    assert not plan.offload and "not on a GPU" in plan.note
+    assert plan.note in str(plan).splitlines()[0]
+    # the smallest budget without offload, and one a smaller budget needs offload for
+    least, least_with_offload = smallest(plan.profiles, False), smallest(plan.profiles, True)
+    assert least_with_offload < least
+    fitted = solve(plan.profiles, least, 1024, True, offload=False, note=plan.note)
+    assert "offload" not in fitted.choices and fitted.predicted_peak_bytes <= least
+    assert {"keep", "recompute"} <= set(fitted.choices)
+    assert all(seconds < 1e3 for _, seconds in fitted.frontier())
+    with pytest.raises(matepoint.PlanError):
+        solve(plan.profiles, least - 1024, 1024, True, offload=False)
+    # plan() itself, at a budget only an offload could meet: no offload chosen
+    budget = (least + least_with_offload) // 2
+    try:
+        tight = profiled(model, x, budget)
+    except matepoint.PlanError as error:
+        assert error.smallest_budget_bytes > budget
+    else:
+        assert "offload" not in tight.choices, tight
+
+
+def test_plan_with_the_offload_option_off_never_offloads(offload) -> None:
+    matepoint.set_options(offload=False)
+    plan = profiled(chain(), torch.randn(64, 128))
+    assert not plan.offload and "offload option is off" in plan.note
+
+
+def test_plan_offloads_where_it_can_run(offload) -> None:
+    model, x = chain(), torch.randn(64, 128)
+    plan = profiled(model, x)
+    assert plan.offload and plan.note == ""
+    budget = smallest(plan.profiles, True)
+    assert "offload" in solve(plan.profiles, budget, 1024, True).choices
