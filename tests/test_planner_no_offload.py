@@ -61,7 +61,7 @@ def test_plan_with_the_offload_option_off_never_offloads(offload) -> None:
     assert not plan.offload and "offload option is off" in plan.note
 
 
-def test_plan_offloads_where_it_can_run(offload) -> None:
+def test_plan_offloads_where_it_can_run(offload_heap_memory) -> None:
     model, x = chain(), torch.randn(64, 128)
     plan = profiled(model, x)
     assert plan.offload and plan.note == ""
