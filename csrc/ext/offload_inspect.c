@@ -9,6 +9,8 @@ input_info_clear(input_info *info)
     Py_CLEAR(info->dtype);
     Py_CLEAR(info->size);
     Py_CLEAR(info->stride);
+    Py_CLEAR(info->wrapper_type);
+    Py_CLEAR(info->wrapper_spec);
 }
 
 int
@@ -101,14 +103,75 @@ is_strided(mp_state *st, PyObject *tensor)
     return is_nested < 0 ? -1 : !is_nested;
 }
 
+/* A DTensor that is not a parameter: 1 with its local tensor (new
+ * reference) and its type and spec in `info`, 0 for anything else. Asked
+ * only of subclasses, and only once torch.distributed.tensor is imported
+ * (a DTensor cannot exist before). */
+static int
+unwrap_dtensor(PyObject *tensor, input_info *info, PyObject **local)
+{
+    PyObject *name = PyUnicode_FromString("torch.distributed.tensor");
+    PyObject *module = name ? PyImport_GetModule(name) : NULL;
+    Py_XDECREF(name);
+    if (module == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *dtensor = PyObject_GetAttrString(module, "DTensor");
+    Py_DECREF(module);
+    int is_dtensor = dtensor == NULL ? -1 : PyObject_IsInstance(tensor, dtensor);
+    Py_XDECREF(dtensor);
+    if (is_dtensor <= 0)
+        return is_dtensor;
+    PyObject *is_param = PyObject_GetAttrString(tensor, "_is_param");
+    if (is_param == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+    }
+    int parameter = is_param != NULL && PyObject_IsTrue(is_param) == 1;
+    Py_XDECREF(is_param);
+    if (parameter)
+        return 0;
+    *local = PyObject_GetAttrString(tensor, "_local_tensor");
+    info->wrapper_spec = *local ? PyObject_GetAttrString(tensor, "_spec") : NULL;
+    if (info->wrapper_spec == NULL)
+        return -1;
+    info->wrapper_type = Py_NewRef((PyObject *)Py_TYPE(tensor));
+    return 1;
+}
+
+static int inspect_plain(mp_state *st, PyObject *function, PyObject *tensor,
+                         PyObject **buffers, input_info *info);
+
 int
 inspect_input(mp_state *st, PyObject *function, PyObject *tensor, PyObject **buffers,
               input_info *info)
 {
-    offload_engine *engine = st->engine;
     info->copy_index = UNPLANNED;
-    if (!Py_IS_TYPE(tensor, (PyTypeObject *)st->tensor_class))
+    if (Py_IS_TYPE(tensor, (PyTypeObject *)st->tensor_class))
+        return inspect_plain(st, function, tensor, buffers, info);
+    if (PyObject_TypeCheck(tensor, (PyTypeObject *)st->parameter_type))
         return 0;
+    PyObject *local = NULL;
+    int wrapped = unwrap_dtensor(tensor, info, &local);
+    if (wrapped <= 0)
+        return wrapped;
+    if ((*buffers == NULL && (*buffers = inspect_module_buffers(st, function)) == NULL) ||
+        is_buffer_of(*buffers, tensor)) {
+        Py_DECREF(local);
+        return *buffers == NULL ? -1 : 0;
+    }
+    int eligible = Py_IS_TYPE(local, (PyTypeObject *)st->tensor_class)
+                       ? inspect_plain(st, function, local, buffers, info) : 0;
+    Py_DECREF(local);
+    return eligible;
+}
+
+/* inspect_input for a plain torch.Tensor. */
+static int
+inspect_plain(mp_state *st, PyObject *function, PyObject *tensor, PyObject **buffers,
+              input_info *info)
+{
+    offload_engine *engine = st->engine;
     /* the device first: on a CPU-only run nothing else is asked */
     info->device_obj = PyObject_GetAttr(tensor, st->str_device);
     if (info->device_obj == NULL)

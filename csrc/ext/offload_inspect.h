@@ -5,7 +5,10 @@
  * An eligible input is a plain strided torch.Tensor (no subclass, no
  * Parameter, no buffer of the checkpointed module, not sparse or nested)
  * of at least min_offload_bytes in a device's memory (as the offload
- * runtime tells: a CUDA tensor on a GPU). Its span is the
+ * runtime tells: a CUDA tensor on a GPU), or a DTensor (not a parameter)
+ * whose local tensor is one: the local tensor is copied, and the input
+ * comes back as a DTensor of the same spec (mesh, placements, shape). Its
+ * span is the
  * byte range of its storage that it reads: views, non-contiguous and
  * stride-0 tensors read less than their storage. input_info holds strong
  * references, released by input_info_clear. GIL held throughout. */
@@ -29,6 +32,8 @@ typedef struct {
     uint64_t byte_offset, byte_extent;
     int64_t itemsize;
     Py_ssize_t copy_index;      /* into the copies list, or one of the values above */
+    PyObject *wrapper_type;     /* a DTensor input: its type and spec, else NULL */
+    PyObject *wrapper_spec;
 } input_info;
 
 void input_info_clear(input_info *info);

@@ -236,6 +236,22 @@ with_requires_grad(PyObject *tensor, int requires_grad)
     return done;
 }
 
+/* A DTensor input: its local tensor, restored, under its spec again. */
+static PyObject *
+rewrap(TensorRecord *record, PyObject *local)
+{
+    if (local == NULL)
+        return NULL;
+    PyObject *args = PyTuple_Pack(2, local, record->wrapper_spec);
+    PyObject *kwargs = args ? Py_BuildValue("{sO}", "requires_grad",
+                                            record->requires_grad ? Py_True : Py_False) : NULL;
+    PyObject *wrapped = kwargs ? PyObject_Call(record->wrapper_type, args, kwargs) : NULL;
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_DECREF(local);
+    return wrapped;
+}
+
 PyObject *
 offload_restore(mp_state *st, PyObject *record_obj)
 {
@@ -253,6 +269,8 @@ offload_restore(mp_state *st, PyObject *record_obj)
             return NULL;
     }
     PyObject *view = view_of_copy(st, record);
+    if (record->wrapper_type != NULL)
+        return rewrap(record, view);
     return st->make_saved_tensor == NULL ? with_requires_grad(view, record->requires_grad) : view;
 }
 

@@ -70,6 +70,8 @@ tensor_record_traverse(TensorRecord *self, visitproc visit, void *arg)
     Py_VISIT(self->device_obj);
     Py_VISIT(self->weak_source);
     Py_VISIT(self->version);
+    Py_VISIT(self->wrapper_type);
+    Py_VISIT(self->wrapper_spec);
     return 0;
 }
 
@@ -84,6 +86,8 @@ tensor_record_clear(TensorRecord *self)
     Py_CLEAR(self->device_obj);
     Py_CLEAR(self->weak_source);
     Py_CLEAR(self->version);
+    Py_CLEAR(self->wrapper_type);
+    Py_CLEAR(self->wrapper_spec);
     return 0;
 }
 
@@ -261,6 +265,8 @@ record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group, Py
     record->size = Py_NewRef(info->size);
     record->stride = Py_NewRef(info->stride);
     record->device_obj = Py_NewRef(info->device_obj);
+    record->wrapper_type = Py_XNewRef(info->wrapper_type);
+    record->wrapper_spec = Py_XNewRef(info->wrapper_spec);
     record->offset = info->itemsize ? (int64_t)info->byte_offset / info->itemsize : 0;
     record->input_index = input_index;
     record->weak_source = PyWeakref_NewRef(tensor, NULL);

@@ -45,6 +45,8 @@ typedef struct {
     PyObject *group;
     PyObject *dtype, *size, *stride, *device_obj;
     int64_t offset;             /* elements from the start of the span */
+    PyObject *wrapper_type;     /* a DTensor input: rebuilt from its type and spec */
+    PyObject *wrapper_spec;
     /* in-place checks: torch skips its version check for hooked saved
      * tensors, so the record watches the input while it is alive */
     PyObject *weak_source;      /* weakref to the input */
