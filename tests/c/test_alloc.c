@@ -431,6 +431,9 @@ static void
 test_cuda_backend_clears_recovered_errors(void)
 {
     char s1, s2;
+    printf("test_alloc: a failing cudaEventRecord, on purpose: the allocator's report of it "
+           "below is expected\n");
+    fflush(stdout);
     alloc_backend backend = alloc_cuda_backend(&fake_runtime);
     CHECK(backend.on_handout == NULL);
     allocator *a = alloc_create(backend, 1);
