@@ -28,7 +28,7 @@ def run_bench(tmp_path, *argv: str) -> dict:
 
 @CPU_ONLY
 def test_cpu_bench_writes_results_with_matching_gradients(tmp_path) -> None:
-    payload = run_bench(tmp_path, "--repeats", "1")
+    payload = run_bench(tmp_path, "--repeats", "1", "--cases", "stack,latent,gpt2,llama")
     # the configuration that ran: the CPU sizes, not the GPU defaults
     config = payload["config"]
     assert config["device"] == "cpu" and config["rounds"] == 1 and config["steps"] == 3
@@ -79,6 +79,13 @@ def test_output_folder_defaults_under_the_current_directory(tmp_path, monkeypatc
     args = cli.parse_args([])
     assert args.out == os.path.join("benchmarks", "out")
     assert cli.configuration(args, cuda=False)["out"] == str(tmp_path / "benchmarks" / "out")
+
+
+def test_cpu_default_leaves_the_hugging_face_cases_out() -> None:
+    args = cli.parse_args([])
+    assert list(cli.configuration(args, cuda=False)["cases"]) == ["stack", "latent"]
+    named = cli.parse_args(["--cases", "gpt2"])
+    assert list(cli.configuration(named, cuda=False)["cases"]) == ["gpt2"]
 
 
 def run(case, mode, round_index, step_ms, peak=None, **extra):
