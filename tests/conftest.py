@@ -132,6 +132,21 @@ class CNN(nn.Module):
         return x
 
 
+class ReadsSavedTwice(torch.autograd.Function):
+    """Unpacks its saved tensor twice in backward (an error inside a checkpoint)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.save_for_backward(t)
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors
+        (t,) = ctx.saved_tensors
+        return grad * 2
+
+
 def no_checkpoint(fn: Callable, *args, **kwargs):
     return fn(*args, **kwargs)
 

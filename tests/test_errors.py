@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 
 import matepoint
+from conftest import ReadsSavedTwice
 
 
 def top_hooks():
@@ -142,19 +143,6 @@ def test_bad_context_fn() -> None:
     with pytest.raises(ValueError, match="debug=True is incompatible"):
         matepoint.checkpoint(torch.sin, x, debug=True, context_fn=lambda: (None, None))
     assert top_hooks() is None
-
-
-class ReadsSavedTwice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t):
-        ctx.save_for_backward(t)
-        return t * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.saved_tensors
-        (t,) = ctx.saved_tensors
-        return grad * 2
 
 
 def test_unpacking_a_saved_tensor_twice_is_an_error() -> None:

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as tc
 
 import matepoint
-from conftest import assert_bitwise_equal
+from conftest import ReadsSavedTwice, assert_bitwise_equal
 
 
 def torch_checkpoint(fn: Callable, *args, **kwargs):
@@ -124,19 +124,6 @@ def raised(wrap: Callable, case: Callable[[Callable], None]) -> str:
     with pytest.raises(tc.CheckpointError) as info:
         case(wrap)
     return str(info.value)
-
-
-class ReadsSavedTwice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t):
-        ctx.save_for_backward(t)
-        return t * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.saved_tensors
-        (t,) = ctx.saved_tensors
-        return grad * 2
 
 
 def unpacked_twice(wrap: Callable) -> None:
