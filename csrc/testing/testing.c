@@ -331,24 +331,63 @@ fail_pool_acquires(PyObject *module, PyObject *arg)
 }
 
 static PyMethodDef testing_methods[] = {
-    {"_simulate_cuda", simulate_cuda, METH_O, "_simulate_cuda($module, on, /)\n--\n\nRun the offload engine over the simulated GPU (on=True) or torch's CUDA again."},
-    {"_sim_advance", sim_advance, METH_O, "_sim_advance($module, ops, /)\n--\n\nLet the simulated GPU run up to ops queued operations; returns how many ran."},
-    {"_sim_set_progress", sim_set_progress, METH_O, "_sim_set_progress($module, ops, /)\n--\n\nOperations the simulated GPU runs at every runtime call."},
-    {"_sim_stats", sim_stats, METH_NOARGS, "_sim_stats($module, /)\n--\n\nCounters of the simulated GPU, as a dict."},
-    {"_sim_set_device", sim_set_device, METH_O, "_sim_set_device($module, device, /)\n--\n\nThe calling thread's current device (cudaSetDevice)."},
-    {"_sim_get_device", sim_get_device, METH_NOARGS, "_sim_get_device($module, /)\n--\n\nThe calling thread's current device."},
-    {"_sim_stream_create", sim_stream_create, METH_O, "_sim_stream_create($module, device, /)\n--\n\nA new stream of device; returns its handle."},
-    {"_sim_stream_destroy", sim_stream_destroy, METH_O, "_sim_stream_destroy($module, handle, /)\n--\n\nDestroy a stream made by _sim_stream_create."},
-    {"_sim_set_stream", sim_set_stream, METH_VARARGS, "_sim_set_stream($module, device, handle, /)\n--\n\ntorch's current stream of device on this thread (None: the legacy stream)."},
-    {"_sim_current_stream", sim_current_stream, METH_O, "_sim_current_stream($module, device, /)\n--\n\ntorch's current stream of device on this thread, None for the legacy one."},
-    {"_sim_launch", sim_launch, METH_VARARGS, "_sim_launch($module, device, handle, /)\n--\n\nA CPU kernel on that stream: the stream catches up first."},
-    {"_sim_peek_last_error", sim_peek_last_error, METH_NOARGS, "_sim_peek_last_error($module, /)\n--\n\nThe calling thread's CUDA last error, left in place."},
-    {"_sim_fail", sim_fail, METH_VARARGS, "_sim_fail($module, name, skip, count, status, /)\n--\n\nThe next skip calls of the runtime call name succeed, the count after them fail with status."},
-    {"_sim_fail_fetches", sim_fail_fetches, METH_VARARGS, "_sim_fail_fetches($module, skip, count, /)\n--\n\nThe next skip copies back find device memory, the count after them raise OutOfMemoryError."},
-    {"_sim_forget_contexts", sim_forget_contexts, METH_NOARGS, "_sim_forget_contexts($module, /)\n--\n\nNo device has a context, as in a new process."},
-    {"_sim_attach_allocator", sim_attach_allocator, METH_O, "_sim_attach_allocator($module, path, /)\n--\n\nRun the allocator library at path over the simulated GPU; returns the harness's placement function address."},
-    {"_offload_copies", offload_copies, METH_NOARGS, "_offload_copies($module, /)\n--\n\n(region, nbytes, source_held, copy_out_done, device) of every live copy."},
-    {"_fail_pool_acquires", fail_pool_acquires, METH_O, "_fail_pool_acquires($module, count, /)\n--\n\nThe next count spans find no host memory at all (0 <= count <= 1000000)."},
+    {"_simulate_cuda", simulate_cuda, METH_O,
+     "_simulate_cuda($module, on, /)\n--\n\n"
+     "Run the offload engine over the simulated GPU (on=True) or torch's CUDA again."},
+    {"_sim_advance", sim_advance, METH_O,
+     "_sim_advance($module, ops, /)\n--\n\n"
+     "Let the simulated GPU run up to ops queued operations; returns how many ran."},
+    {"_sim_set_progress", sim_set_progress, METH_O,
+     "_sim_set_progress($module, ops, /)\n--\n\n"
+     "Operations the simulated GPU runs at every runtime call."},
+    {"_sim_stats", sim_stats, METH_NOARGS,
+     "_sim_stats($module, /)\n--\n\n"
+     "Counters of the simulated GPU, as a dict."},
+    {"_sim_set_device", sim_set_device, METH_O,
+     "_sim_set_device($module, device, /)\n--\n\n"
+     "The calling thread's current device (cudaSetDevice)."},
+    {"_sim_get_device", sim_get_device, METH_NOARGS,
+     "_sim_get_device($module, /)\n--\n\n"
+     "The calling thread's current device."},
+    {"_sim_stream_create", sim_stream_create, METH_O,
+     "_sim_stream_create($module, device, /)\n--\n\n"
+     "A new stream of device; returns its handle."},
+    {"_sim_stream_destroy", sim_stream_destroy, METH_O,
+     "_sim_stream_destroy($module, handle, /)\n--\n\n"
+     "Destroy a stream made by _sim_stream_create."},
+    {"_sim_set_stream", sim_set_stream, METH_VARARGS,
+     "_sim_set_stream($module, device, handle, /)\n--\n\n"
+     "torch's current stream of device on this thread (None: the legacy stream)."},
+    {"_sim_current_stream", sim_current_stream, METH_O,
+     "_sim_current_stream($module, device, /)\n--\n\n"
+     "torch's current stream of device on this thread, None for the legacy one."},
+    {"_sim_launch", sim_launch, METH_VARARGS,
+     "_sim_launch($module, device, handle, /)\n--\n\n"
+     "A CPU kernel on that stream: the stream catches up first."},
+    {"_sim_peek_last_error", sim_peek_last_error, METH_NOARGS,
+     "_sim_peek_last_error($module, /)\n--\n\n"
+     "The calling thread's CUDA last error, left in place."},
+    {"_sim_fail", sim_fail, METH_VARARGS,
+     "_sim_fail($module, name, skip, count, status, /)\n--\n\n"
+     "The next skip calls of the runtime call name succeed, the count after them fail with "
+     "status."},
+    {"_sim_fail_fetches", sim_fail_fetches, METH_VARARGS,
+     "_sim_fail_fetches($module, skip, count, /)\n--\n\n"
+     "The next skip copies back find device memory, the count after them raise "
+     "OutOfMemoryError."},
+    {"_sim_forget_contexts", sim_forget_contexts, METH_NOARGS,
+     "_sim_forget_contexts($module, /)\n--\n\n"
+     "No device has a context, as in a new process."},
+    {"_sim_attach_allocator", sim_attach_allocator, METH_O,
+     "_sim_attach_allocator($module, path, /)\n--\n\n"
+     "Run the allocator library at path over the simulated GPU; returns the harness's "
+     "placement function address."},
+    {"_offload_copies", offload_copies, METH_NOARGS,
+     "_offload_copies($module, /)\n--\n\n"
+     "(region, nbytes, source_held, copy_out_done, device) of every live copy."},
+    {"_fail_pool_acquires", fail_pool_acquires, METH_O,
+     "_fail_pool_acquires($module, count, /)\n--\n\n"
+     "The next count spans find no host memory at all (0 <= count <= 1000000)."},
     {NULL, NULL, 0, NULL},
 };
 
