@@ -319,28 +319,36 @@ find_range(const void *ptr)
     return NULL;
 }
 
-/* Removes the range starting at `base`; its record, or -1 if none. */
-static int
-take_range(void *base, sim_range *out)
-{
-    for (sim_range **link = &sim.ranges; *link != NULL; link = &(*link)->next) {
-        if ((*link)->base == base) {
-            sim_range *found = *link;
-            *out = *found;
-            *link = found->next;
-            free(found);
-            return 0;
-        }
-    }
-    return -1;
-}
-
 /* The host now waits for the GPU. */
 static void
 note_sync_locked(cudart_sim_entry entry)
 {
     if (sim.sync_observer != NULL)
         sim.sync_observer(entry);
+}
+
+/* Frees what sim_host_alloc (pinned) or sim_malloc (device memory) handed
+ * out at `ptr`; anything else is refused and left alone. The host waits
+ * for the GPU, as cudaFreeHost and cudaFree do. */
+static int
+free_range_locked(void *ptr, int pinned, cudart_sim_entry entry)
+{
+    sim_range **link = &sim.ranges;
+    while (*link != NULL && (*link)->base != ptr)
+        link = &(*link)->next;
+    sim_range *range = *link;
+    if (range == NULL || (range->device == -1) != pinned)
+        return CUDART_ERROR_INVALID_VALUE;
+    note_sync_locked(entry);
+    advance_locked(UINT64_MAX);
+    if (pinned)
+        sim.stats.host_bytes_live -= range->bytes;
+    else
+        sim.stats.device_bytes_live[range->device] -= range->bytes;
+    *link = range->next;
+    free(range);
+    free(ptr);
+    return CUDART_SUCCESS;
 }
 
 /* ---- entry and exit of every runtime call ------------------------------------------ */
@@ -439,18 +447,8 @@ static int
 sim_free_host(void *ptr)
 {
     int status = enter(SIM_FREE_HOST);
-    sim_range range;
-    if (status == CUDART_SUCCESS && ptr != NULL) {
-        if (take_range(ptr, &range) < 0 || range.device != -1) {
-            status = CUDART_ERROR_INVALID_VALUE;
-        } else {
-            /* cudaFreeHost synchronizes the device */
-            note_sync_locked(SIM_FREE_HOST);
-            advance_locked(UINT64_MAX);
-            sim.stats.host_bytes_live -= range.bytes;
-            free(ptr);
-        }
-    }
+    if (status == CUDART_SUCCESS && ptr != NULL)
+        status = free_range_locked(ptr, 1, SIM_FREE_HOST);
     return leave(status);
 }
 
@@ -471,18 +469,8 @@ static int
 sim_free(void *ptr)
 {
     int status = enter(SIM_FREE);
-    sim_range range;
-    if (status == CUDART_SUCCESS && ptr != NULL) {
-        if (take_range(ptr, &range) < 0 || range.device < 0) {
-            status = CUDART_ERROR_INVALID_VALUE;
-        } else {
-            /* cudaFree synchronizes the device */
-            note_sync_locked(SIM_FREE);
-            advance_locked(UINT64_MAX);
-            sim.stats.device_bytes_live[range.device] -= range.bytes;
-            free(ptr);
-        }
-    }
+    if (status == CUDART_SUCCESS && ptr != NULL)
+        status = free_range_locked(ptr, 0, SIM_FREE);
     return leave(status);
 }
 

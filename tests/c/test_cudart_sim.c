@@ -123,8 +123,11 @@ test_contexts_and_memory_ranges(void)
     CHECK(rt->host_alloc(&pinned, 64, CUDART_HOST_ALLOC_PORTABLE) == 0);
     CHECK(cudart_sim_device_of(pinned) == -1 && cudart_sim_device_of(&device) == -1);
     CHECK(!cudart_sim_get_stats().has_context[0]);
+    /* the wrong free is refused and leaves the memory as it was */
+    CHECK(rt->free(pinned) != CUDART_SUCCESS && rt->free_host(device_memory) != CUDART_SUCCESS);
+    (void)rt->get_last_error();
     CHECK(rt->free(device_memory) == 0 && rt->free_host(pinned) == 0);
-    CHECK(rt->free(pinned) != CUDART_SUCCESS);              /* not device memory (freed) */
+    CHECK(rt->free(device_memory) != CUDART_SUCCESS);       /* freed already */
     (void)rt->get_last_error();
     CHECK(rt->set_device(0) == CUDART_SUCCESS);
 }
