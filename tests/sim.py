@@ -27,11 +27,6 @@ _memory: Optional[Tuple[ctypes.CDLL, ctypes.CDLL, int]] = None
 _side_streams: List[int] = []
 
 
-# For scripts run in a subprocess: offload on a simulated GPU that keeps up.
-SCRIPT_OFFLOAD = ("from matepoint import _C as _sim_c; _sim_c._simulate_cuda(True); "
-                  "_sim_c._sim_set_progress(1 << 62)")
-
-
 def require_test_build() -> None:
     """The simulated GPU exists only in test builds (MATEPOINT_TESTING=1)."""
     if getattr(_C, "TEST_BUILD", 0):

@@ -274,12 +274,16 @@ offload_engine_pinning_device(mp_state *st)
 {
     const cudart *rt = st->engine->rt;
     int current, count = device_count(rt);
+    if (count <= 0)
+        return -1;
     if (rt->get_device(&current) != CUDART_SUCCESS) {
         (void)rt->get_last_error();
         return -1;
     }
     for (int d = -1; d < count; d++) {
         int candidate = d < 0 ? current : d;
+        if (d == current)
+            continue;           /* asked first already */
         int has = has_context(st, candidate);
         if (has < 0)
             return -1;
@@ -364,8 +368,7 @@ offload_reserve_pool(mp_state *st, uint64_t buffer_bytes, uint64_t count, uint64
     pool *p = engine->pool;
     /* pinning runs in the current device's context: use one that exists,
      * or every rank would create one on device 0 (a new thread's) */
-    int device = engine->rt != NULL && device_count(engine->rt) > 0
-                     ? offload_engine_pinning_device(st) : -1;
+    int device = engine->rt != NULL ? offload_engine_pinning_device(st) : -1;
     int previous = device;
     if (PyErr_Occurred() ||
         (device >= 0 && offload_engine_enter_device(st, device, &previous) < 0))

@@ -87,11 +87,10 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region)
         /* the copy-out stream runs copies in the order of this list: once one
          * has not completed, the later ones have not either (as torch's
          * allocator stops at the first event not ready of a stream) */
-        int waiting = copy->d2h_done != NULL;
         int released = result < 0 ? 0
                                   : release_source(st, copy, copy->region < force_below_region,
                                                    ask);
-        if (released == 0 && waiting)
+        if (released == 0)          /* kept: its copy has not completed */
             ask = 0;
         if (released < 0)
             result = -1;
