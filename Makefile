@@ -10,7 +10,7 @@ export MATEPOINT_TESTING ?= 1
 
 CC      ?= cc
 SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all
-CTEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c $(SANITIZE)
+CTEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -DMATEPOINT_DEBUG=1 $(SANITIZE)
 # the failure tests ask for impossible sizes on purpose
 export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \

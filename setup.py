@@ -19,7 +19,7 @@ def c_flags() -> list[str]:
     if os.environ.get("MATEPOINT_WERROR") == "1":
         flags.append("-Werror")
     if os.environ.get("MATEPOINT_DEBUG") == "1":
-        flags += ["-O0", "-g"]
+        flags += ["-O0", "-g", "-DMATEPOINT_DEBUG=1"]
     return flags
 
 
