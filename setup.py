@@ -25,8 +25,8 @@ def c_flags() -> list[str]:
 
 extension = Extension(
     "matepoint._C",
-    sources=sorted(glob("csrc/ext/*.c")) + sorted(glob("csrc/pool/*.c"))
-    + sorted(glob("csrc/planner/*.c")) + ["csrc/cuda/cudart.c"]
+    sources=[c for folder in ("base", "offload", "checkpoint", "module", "pool", "planner")
+             for c in sorted(glob(f"csrc/{folder}/*.c"))] + ["csrc/cuda/cudart.c"]
     + (sorted(glob("csrc/testing/*.c")) + ["csrc/cuda/cudart_sim.c"] if TESTING else []),
     include_dirs=["csrc"],
     extra_compile_args=c_flags(),

@@ -1,7 +1,7 @@
 #include "testing.h"
 #include "cuda/cudart_sim.h"
-#include "ext/offload_engine.h"
-#include "ext/offload_types.h"
+#include "offload/offload_engine.h"
+#include "offload/offload_types.h"
 
 #include <stdatomic.h>
 #include <string.h>

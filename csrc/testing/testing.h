@@ -24,8 +24,8 @@
 #ifndef MATEPOINT_TESTING_TESTING_H
 #define MATEPOINT_TESTING_TESTING_H
 
-#include "ext/state.h"
-#include "ext/offload_runtime.h"
+#include "base/state.h"
+#include "offload/offload_runtime.h"
 
 int testing_add_functions(PyObject *module);
 

@@ -7,10 +7,10 @@
  * region; bn_guard_leave(outer); bn_guard_release(handle, list). The list
  * (owned by the caller) collects (module, buffers...) entries; the current
  * one is per thread. GIL held. */
-#ifndef MATEPOINT_EXT_BN_GUARD_H
-#define MATEPOINT_EXT_BN_GUARD_H
+#ifndef MATEPOINT_CHECKPOINT_BN_GUARD_H
+#define MATEPOINT_CHECKPOINT_BN_GUARD_H
 
-#include "state.h"
+#include "base/state.h"
 
 /* Registers the global forward pre-hook; returns its removable handle. */
 PyObject *bn_guard_register(mp_state *st);

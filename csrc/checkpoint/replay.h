@@ -7,10 +7,10 @@
  * records in `undo` how to put the caller's state back; replay_exit()
  * restores it and releases `undo` (it must run after a successful
  * replay_enter(), also when the recompute failed). All need the GIL. */
-#ifndef MATEPOINT_EXT_REPLAY_H
-#define MATEPOINT_EXT_REPLAY_H
+#ifndef MATEPOINT_CHECKPOINT_REPLAY_H
+#define MATEPOINT_CHECKPOINT_REPLAY_H
 
-#include "state.h"
+#include "base/state.h"
 
 typedef struct {
     PyObject *cpu_rng;          /* CPU generator state, or NULL when not preserved */

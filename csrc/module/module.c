@@ -1,13 +1,13 @@
 /* matepoint._C: module definition, multi-phase init and module state. */
-#include "alloc_link.h"
-#include "bn_guard.h"
-#include "checkpoint.h"
-#include "compat.h"
-#include "frame.h"
-#include "offload.h"
+#include "base/alloc_link.h"
+#include "checkpoint/bn_guard.h"
+#include "checkpoint/checkpoint.h"
+#include "base/compat.h"
+#include "checkpoint/frame.h"
+#include "offload/offload.h"
 #include "plan.h"
-#include "state.h"
-#include "tree.h"
+#include "base/state.h"
+#include "checkpoint/tree.h"
 
 #ifdef MATEPOINT_TESTING
 #include "testing/testing.h"

@@ -2,8 +2,8 @@
  * popping default pack/unpack hooks, and saving a tensor through them.
  * hooks_pop() keeps an exception already in flight (the pop error, if any,
  * is chained to it). All need the GIL. */
-#ifndef MATEPOINT_EXT_HOOKS_H
-#define MATEPOINT_EXT_HOOKS_H
+#ifndef MATEPOINT_BASE_HOOKS_H
+#define MATEPOINT_BASE_HOOKS_H
 
 #include "state.h"
 

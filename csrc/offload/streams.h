@@ -7,8 +7,8 @@
  * here must not surface there as a second, unrelated error). They return 0
  * on success, -1 with the error set. Callers hold the GIL (for the error)
  * and have made the streams' device current. */
-#ifndef MATEPOINT_EXT_STREAMS_H
-#define MATEPOINT_EXT_STREAMS_H
+#ifndef MATEPOINT_OFFLOAD_STREAMS_H
+#define MATEPOINT_OFFLOAD_STREAMS_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -24,10 +24,10 @@
  *   offload_types.c    the Python objects: copies, records, groups, packer
  *   offload_save.c     copying inputs out, building the records
  *   offload_restore.c  copying back, prefetch, views of the copies */
-#ifndef MATEPOINT_EXT_OFFLOAD_H
-#define MATEPOINT_EXT_OFFLOAD_H
+#ifndef MATEPOINT_OFFLOAD_OFFLOAD_H
+#define MATEPOINT_OFFLOAD_OFFLOAD_H
 
-#include "state.h"
+#include "base/state.h"
 
 typedef struct {
     int enabled;                /* offload CUDA inputs at all */

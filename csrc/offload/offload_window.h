@@ -24,8 +24,8 @@
  * seen complete: restoring from the host buffer waits on it.
  *
  * GIL held; the window is a Python list owned by the device. */
-#ifndef MATEPOINT_EXT_OFFLOAD_WINDOW_H
-#define MATEPOINT_EXT_OFFLOAD_WINDOW_H
+#ifndef MATEPOINT_OFFLOAD_OFFLOAD_WINDOW_H
+#define MATEPOINT_OFFLOAD_OFFLOAD_WINDOW_H
 
 #include "offload_types.h"
 

@@ -1,5 +1,5 @@
 #include "replay.h"
-#include "compat.h"
+#include "base/compat.h"
 
 int
 context_enter(mp_state *st, PyObject *cm)

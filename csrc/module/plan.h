@@ -1,8 +1,8 @@
 /* matepoint._C's planner functions (_plan_solve, _plan_evaluate,
  * _plan_min_budget, _plan_frontier): thin argument conversion around
  * planner/planner.h. Memory is counted in the caller's units. */
-#ifndef MATEPOINT_EXT_PLAN_H
-#define MATEPOINT_EXT_PLAN_H
+#ifndef MATEPOINT_MODULE_PLAN_H
+#define MATEPOINT_MODULE_PLAN_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

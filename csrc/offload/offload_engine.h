@@ -16,8 +16,8 @@
  *
  * Thread-safety: every field is guarded by the GIL; the pool has its own
  * lock. `runtime` and `rt` change only while no copy exists. */
-#ifndef MATEPOINT_EXT_OFFLOAD_ENGINE_H
-#define MATEPOINT_EXT_OFFLOAD_ENGINE_H
+#ifndef MATEPOINT_OFFLOAD_OFFLOAD_ENGINE_H
+#define MATEPOINT_OFFLOAD_OFFLOAD_ENGINE_H
 
 #include "offload.h"
 #include "offload_runtime.h"

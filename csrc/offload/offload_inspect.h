@@ -12,10 +12,10 @@
  * byte range of its storage that it reads: views, non-contiguous and
  * stride-0 tensors read less than their storage. input_info holds strong
  * references, released by input_info_clear. GIL held throughout. */
-#ifndef MATEPOINT_EXT_OFFLOAD_INSPECT_H
-#define MATEPOINT_EXT_OFFLOAD_INSPECT_H
+#ifndef MATEPOINT_OFFLOAD_OFFLOAD_INSPECT_H
+#define MATEPOINT_OFFLOAD_OFFLOAD_INSPECT_H
 
-#include "state.h"
+#include "base/state.h"
 
 /* copy_index values beside a real index into the list of copies */
 #define UNPLANNED (-1)

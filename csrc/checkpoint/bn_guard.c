@@ -1,5 +1,5 @@
 #include "bn_guard.h"
-#include "compat.h"
+#include "base/compat.h"
 
 /* The innermost recompute's list of BatchNorm modules whose statistics
  * buffers were swapped (borrowed from frame_recompute, NULL outside one).

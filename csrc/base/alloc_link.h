@@ -2,8 +2,8 @@
  * once install_allocator() loaded it: tags for checkpointed regions and the
  * statistics. Without the link every call here is a no-op (or returns
  * "not installed"). The function pointers are set once, with the GIL. */
-#ifndef MATEPOINT_EXT_ALLOC_LINK_H
-#define MATEPOINT_EXT_ALLOC_LINK_H
+#ifndef MATEPOINT_BASE_ALLOC_LINK_H
+#define MATEPOINT_BASE_ALLOC_LINK_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -7,10 +7,10 @@
  * (csrc/testing/sim_runtime.c). The engine never learns which one it runs
  * on. Every function is called with the GIL held and returns 0 on success,
  * -1 with a Python error set. */
-#ifndef MATEPOINT_EXT_OFFLOAD_RUNTIME_H
-#define MATEPOINT_EXT_OFFLOAD_RUNTIME_H
+#ifndef MATEPOINT_OFFLOAD_OFFLOAD_RUNTIME_H
+#define MATEPOINT_OFFLOAD_OFFLOAD_RUNTIME_H
 
-#include "state.h"
+#include "base/state.h"
 #include "cuda/cudart.h"
 
 typedef struct offload_runtime {

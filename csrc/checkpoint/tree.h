@@ -7,10 +7,10 @@
  * and tensors become numbered slots. tree_unflatten() turns a template and a
  * sequence of replacement tensors back into the structure (new reference).
  * Both need the GIL. */
-#ifndef MATEPOINT_EXT_TREE_H
-#define MATEPOINT_EXT_TREE_H
+#ifndef MATEPOINT_CHECKPOINT_TREE_H
+#define MATEPOINT_CHECKPOINT_TREE_H
 
-#include "state.h"
+#include "base/state.h"
 
 PyObject *tree_flatten(mp_state *st, PyObject *obj, PyObject *tensors);
 PyObject *tree_unflatten(mp_state *st, PyObject *templ, PyObject *tensors);

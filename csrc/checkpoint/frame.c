@@ -1,7 +1,7 @@
 #include "frame.h"
 #include "bn_guard.h"
-#include "compat.h"
-#include "hooks.h"
+#include "base/compat.h"
+#include "base/hooks.h"
 
 #include <string.h>
 

@@ -14,8 +14,8 @@
  * OffloadPacker: the pack hook that hands prepared records to SavedTensor.
  *
  * All of them are GC-tracked heap types of the module; GIL held throughout. */
-#ifndef MATEPOINT_EXT_OFFLOAD_TYPES_H
-#define MATEPOINT_EXT_OFFLOAD_TYPES_H
+#ifndef MATEPOINT_OFFLOAD_OFFLOAD_TYPES_H
+#define MATEPOINT_OFFLOAD_OFFLOAD_TYPES_H
 
 #include "offload_engine.h"
 #include "offload_inspect.h"

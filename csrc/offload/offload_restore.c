@@ -2,8 +2,8 @@
  * prefetching the regions backward reaches next, and rebuilding each input
  * as a view of its span. */
 #include "offload.h"
-#include "compat.h"
-#include "errors.h"
+#include "base/compat.h"
+#include "base/errors.h"
 #include "offload_types.h"
 #include "offload_window.h"
 #include "streams.h"

@@ -2,10 +2,10 @@
  * or offloaded) and rebuilding the call's arguments from them for a
  * recompute, with the in-place check. */
 #include "frame.h"
-#include "compat.h"
-#include "errors.h"
-#include "hooks.h"
-#include "offload.h"
+#include "base/compat.h"
+#include "base/errors.h"
+#include "base/hooks.h"
+#include "offload/offload.h"
 #include "tree.h"
 
 #include <string.h>

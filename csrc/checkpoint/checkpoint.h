@@ -1,10 +1,10 @@
 /* matepoint._C.checkpoint: the drop-in for torch.utils.checkpoint.checkpoint
  * with non-reentrant semantics. Needs the GIL; state per call lives in a
  * Frame (frame.h). */
-#ifndef MATEPOINT_EXT_CHECKPOINT_H
-#define MATEPOINT_EXT_CHECKPOINT_H
+#ifndef MATEPOINT_CHECKPOINT_CHECKPOINT_H
+#define MATEPOINT_CHECKPOINT_CHECKPOINT_H
 
-#include "state.h"
+#include "base/state.h"
 
 PyObject *checkpoint_call(PyObject *module, PyObject *const *args, Py_ssize_t nargsf,
                           PyObject *kwnames);

@@ -2,8 +2,8 @@
  * Both the frame (plain saved inputs) and the offload path (records of
  * offloaded inputs) detect an input changed in place; the message lives
  * here, below both, so neither has to include the other. GIL held. */
-#ifndef MATEPOINT_EXT_ERRORS_H
-#define MATEPOINT_EXT_ERRORS_H
+#ifndef MATEPOINT_BASE_ERRORS_H
+#define MATEPOINT_BASE_ERRORS_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -1,6 +1,6 @@
 /* Small helpers over CPython API differences between 3.9 and 3.13. */
-#ifndef MATEPOINT_EXT_COMPAT_H
-#define MATEPOINT_EXT_COMPAT_H
+#ifndef MATEPOINT_BASE_COMPAT_H
+#define MATEPOINT_BASE_COMPAT_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -8,10 +8,10 @@
  * Holders keep their frame alive; the frame points back at live holders
  * without owning them, so a holder released by autograd frees its
  * recomputed tensor at once. All of it runs with the GIL held. */
-#ifndef MATEPOINT_EXT_FRAME_H
-#define MATEPOINT_EXT_FRAME_H
+#ifndef MATEPOINT_CHECKPOINT_FRAME_H
+#define MATEPOINT_CHECKPOINT_FRAME_H
 
-#include "state.h"
+#include "base/state.h"
 #include "replay.h"
 
 typedef struct Holder Holder;

@@ -1,7 +1,7 @@
 #include "checkpoint.h"
-#include "compat.h"
+#include "base/compat.h"
 #include "frame.h"
-#include "hooks.h"
+#include "base/hooks.h"
 #include "tree.h"
 
 /* Keyword options of checkpoint(); everything else goes to the function. */

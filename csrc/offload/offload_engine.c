@@ -1,5 +1,5 @@
 #include "offload_engine.h"
-#include "compat.h"
+#include "base/compat.h"
 #include "offload_window.h"
 #include "streams.h"
 

@@ -5,8 +5,8 @@
  * and released in module_clear(). The struct is reached through the module
  * object or through a type created by PyType_FromModuleAndSpec; nothing in it
  * is a process-wide static. All access happens with the GIL held. */
-#ifndef MATEPOINT_EXT_STATE_H
-#define MATEPOINT_EXT_STATE_H
+#ifndef MATEPOINT_BASE_STATE_H
+#define MATEPOINT_BASE_STATE_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
