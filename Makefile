@@ -33,7 +33,7 @@ test-214:
 	$(VENV214)/bin/python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
 	  > build/torch-214.txt
 	$(VENV214)/bin/python -m pip install -q -c build/torch-214.txt pytest numpy setuptools wheel \
-	  $(RECIPE_LIBRARIES) timm
+	  $(RECIPE_LIBRARIES) timm torchtitan==0.2.0
 	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	$(VENV214)/bin/python -m pytest -q tests
 
