@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import matepoint
+from test_recipes import Recomputes, equal, train
 
 
 def _import_torchtitan():
@@ -30,7 +31,8 @@ def _import_torchtitan():
 ActivationCheckpoint, apply_ac, OP_SAC_SAVE_LIST, TransformerModelArgs, Transformer = (
     _import_torchtitan())
 LAYERS = 3
-STEPS = 2
+STEPS = 2  # test_recipes.train's SGD steps
+TOKENS = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
 # torchtitan's imports (torchdata) define TorchScript methods, which torch deprecates
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
 
@@ -45,38 +47,9 @@ def build(ac_config: ActivationCheckpoint) -> torch.nn.Module:
     return model
 
 
-class Recomputes:
-    """Counts the feed-forward calls that run inside matepoint's recomputes."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.count = 0
-        for module in model.modules():
-            if type(module).__name__ == "FeedForward":
-                module.register_forward_pre_hook(self)
-
-    def __call__(self, *args) -> None:
-        self.count += matepoint.is_recomputing()
-
-
-def train(model: torch.nn.Module):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for step in range(STEPS):
-        torch.manual_seed(100 + step)
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(tokens)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
-                                                 tokens[:, 1:].flatten())
-        loss.backward()
-        losses.append(loss.detach())
-        grads = [p.grad.clone() for p in model.parameters()]
-        optimizer.step()
-    return losses, grads
-
-
-def equal(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+def loss_fn(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
 @pytest.mark.parametrize("mode, option, checkpointed", [
@@ -91,11 +64,11 @@ def test_apply_ac_under_patch_torch_checkpoint(mode: str, option: str, checkpoin
         titan_ac._layer_sac_count = 0   # torchtitan's global counter of wrapped blocks
         return ActivationCheckpoint(mode=mode, selective_ac_option=option)
 
-    expected = train(build(config()))              # torchtitan with torch's checkpoint
+    expected = train(build(config()), TOKENS, loss_fn)   # torchtitan with torch's checkpoint
     model = build(config())
-    recomputes = Recomputes(model)
+    recomputes = Recomputes(m for m in model.modules() if type(m).__name__ == "FeedForward")
     with matepoint.patch_torch_checkpoint():       # the recipe
-        got = train(model)
+        got = train(model, TOKENS, loss_fn)
     assert recomputes.count == checkpointed * STEPS
     assert equal(expected[0], got[0])
     assert equal(expected[1], got[1])
