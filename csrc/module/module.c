@@ -5,6 +5,7 @@
 #include "base/compat.h"
 #include "checkpoint/frame.h"
 #include "offload/offload.h"
+#include "options.h"
 #include "plan.h"
 #include "base/state.h"
 #include "checkpoint/tree.h"
@@ -100,32 +101,6 @@ empty_pool(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* _configure(offload, pipeline, prefetch_depth, min_offload_bytes,
- *            pool_limit_bytes, offload_window): values are validated by
- * matepoint/_options.py; this only range-checks what C relies on. */
-static PyObject *
-configure(PyObject *module, PyObject *args)
-{
-    mp_state *st = PyModule_GetState(module);
-    int enabled, pipeline, depth, window;
-    long long min_bytes;
-    unsigned long long limit;
-    if (!PyArg_ParseTuple(args, "ppiLKi:_configure", &enabled, &pipeline, &depth, &min_bytes,
-                          &limit, &window))
-        return NULL;
-    if (depth < 0 || min_bytes < 0 || window < 1) {
-        PyErr_SetString(PyExc_ValueError, "matepoint: prefetch_depth and min_offload_bytes "
-                                          "must not be negative, offload_window at least 1");
-        return NULL;
-    }
-    offload_options *opts = offload_engine_options(st->engine);
-    *opts = (offload_options){.enabled = enabled, .pipeline = pipeline, .prefetch_depth = depth,
-                              .min_offload_bytes = min_bytes, .pool_limit_bytes = limit,
-                              .window = window};
-    offload_engine_apply_limit(st->engine);
-    Py_RETURN_NONE;
-}
-
 /* _reserve_pool(buffer_bytes, count) -> buffers added */
 static PyObject *
 reserve_pool(PyObject *module, PyObject *args)
@@ -149,7 +124,9 @@ PyDoc_STRVAR(offload_device_type_doc,
 PyDoc_STRVAR(empty_pool_doc,
 "empty_pool($module, /)\n--\n\nFree cached, unused host pool buffers.");
 PyDoc_STRVAR(configure_doc,
-"_configure($module, offload, pipeline, prefetch_depth, min_offload_bytes,\n           pool_limit_bytes, offload_window, /)\n--\n\nApply matepoint.options (matepoint/_options.py validates the values).");
+"_configure($module, /, **options)\n--\n\nCheck, then apply, the options given (names and ranges: OPTIONS); the others keep their values.");
+PyDoc_STRVAR(check_option_doc,
+"_check_option($module, name, value, /)\n--\n\nvalue when option name accepts it; else the TypeError or ValueError set_options raises.");
 PyDoc_STRVAR(attach_allocator_doc,
 "_attach_allocator($module, path, /)\n--\n\nLink to the allocator library at path, already loaded by torch.");
 PyDoc_STRVAR(allocator_stats_doc,
@@ -174,7 +151,10 @@ static PyMethodDef module_methods[] = {
     {"pool_stats", pool_stats, METH_NOARGS, pool_stats_doc},
     {"empty_pool", empty_pool, METH_NOARGS, empty_pool_doc},
     {"_offload_device_type", offload_device_type_py, METH_NOARGS, offload_device_type_doc},
-    {"_configure", configure, METH_VARARGS, configure_doc},
+    {"_configure", (PyCFunction)(void (*)(void))options_configure_py,
+     METH_VARARGS | METH_KEYWORDS, configure_doc},
+    {"_check_option", (PyCFunction)(void (*)(void))options_check_py, METH_FASTCALL,
+     check_option_doc},
     {"_attach_allocator", alloc_link_attach, METH_O, attach_allocator_doc},
     {"_allocator_stats", alloc_link_stats, METH_NOARGS, allocator_stats_doc},
     {"_allocator_reset_peaks", alloc_link_reset_peaks, METH_NOARGS, allocator_reset_peaks_doc},
@@ -340,6 +320,7 @@ module_exec(PyObject *module)
         PyErr_NoMemory();
         return -1;
     }
+    options_set_defaults(st);
     st->stop_recompute = PyErr_NewException("matepoint._C._StopRecomputation", NULL, NULL);
     st->unpack_hook = PyCFunction_NewEx(&unpack_def, module, NULL);
     st->identity = PyCFunction_NewEx(&identity_def, module, NULL);
@@ -352,7 +333,8 @@ module_exec(PyObject *module)
     if (testing_add_functions(module) < 0)
         return -1;
 #endif
-    if (PyModule_AddIntConstant(module, "TEST_BUILD", MATEPOINT_TEST_BUILD) < 0)
+    if (PyModule_AddIntConstant(module, "TEST_BUILD", MATEPOINT_TEST_BUILD) < 0 ||
+        options_add_table(module) < 0)
         return -1;
     return PyModule_AddIntConstant(module, "HAS_SAVED_TENSOR", st->make_saved_tensor != NULL);
 }

@@ -15,10 +15,7 @@ offload_engine_new(void)
     offload_engine *engine = PyMem_Calloc(1, sizeof(*engine));
     if (engine == NULL)
         return NULL;
-    engine->options = (offload_options){
-        .enabled = 1, .pipeline = 1, .prefetch_depth = 1, .window = 2,
-        .min_offload_bytes = 1 << 20,
-    };
+    /* the options start at their defaults: module/options.c's table */
     engine->runtime = &offload_runtime_torch;
     return engine;
 }

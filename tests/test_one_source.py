@@ -1,0 +1,66 @@
+"""Each fact the Python package and the C core share is defined in one
+place: the other side reads it from there, and these tests fail when a
+second copy appears or the two drift apart."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import pytest
+
+import matepoint
+from matepoint import _C
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read(path: str) -> str:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as handle:
+        return handle.read()
+
+
+# ---- options ----------------------------------------------------------------
+
+def test_options_defaults_come_from_the_c_table() -> None:
+    fields = {field.name: field.default for field in dataclasses.fields(matepoint.Options)}
+    assert list(fields) == list(_C.OPTIONS)
+    assert fields == {name: default for name, (default, _) in _C.OPTIONS.items()}
+
+
+@pytest.mark.parametrize("name", ["prefetch_depth", "offload_window", "min_offload_bytes",
+                                  "pool_limit_bytes"])
+def test_option_ranges_are_the_c_tables(name: str) -> None:
+    accepted = _C.OPTIONS[name][1]
+    low, high = re.match(r"an int from (\d+) to 2\*\*(\d+) - 1", accepted).groups()
+    _C._check_option(name, int(low))
+    _C._check_option(name, 2 ** int(high) - 1)
+    for value in (int(low) - 1, 2 ** int(high)):
+        with pytest.raises(ValueError, match=re.escape(accepted)):
+            _C._check_option(name, value)
+        with pytest.raises(ValueError, match=re.escape(accepted)):
+            matepoint.set_options(**{name: value})
+
+
+def test_configure_checks_like_set_options_and_changes_nothing_on_error() -> None:
+    before = matepoint.options
+    with pytest.raises(ValueError, match="offload_window must be positive"):
+        _C._configure(prefetch_depth=5, offload_window=0)
+    with pytest.raises(TypeError, match="unknown matepoint option 'depth'"):
+        _C._configure(depth=5)
+    with pytest.raises(TypeError, match="keywords only"):
+        _C._configure(True)
+    # nothing was applied: the engine still runs with matepoint.options
+    _C._configure()
+    assert matepoint.options == before
+
+
+def test_option_numbers_are_written_once() -> None:
+    """Defaults and bounds appear in the C table only, not in _options.py."""
+    python = read("matepoint/_options.py")
+    for number in ("1 << 20", "2**31", "2**63", "(1 << 31)", "(1 << 63)"):
+        assert number not in python, number
+    table = read("csrc/module/options.c")
+    assert "1 << 20" in table and "2**31 - 1" in table
+    assert "1 << 20" not in read("csrc/offload/offload_engine.c")
+    assert "window < 1" not in read("csrc/module/module.c")
