@@ -64,3 +64,58 @@ def test_option_numbers_are_written_once() -> None:
     assert "1 << 20" in table and "2**31 - 1" in table
     assert "1 << 20" not in read("csrc/offload/offload_engine.c")
     assert "window < 1" not in read("csrc/module/module.c")
+
+
+# ---- checkpoint keywords --------------------------------------------------------
+
+def test_checkpoint_keywords_are_the_parsers() -> None:
+    """The signature in the docstring, the docs of each option, _enable.py's
+    and _patch.py's lists are all the C parser's table."""
+    import inspect
+
+    from matepoint import _enable, _patch
+    parameters = inspect.signature(_C.checkpoint).parameters.values()
+    keyword_only = {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keyword_only == _C.CHECKPOINT_KEYWORDS
+    for name in _C.CHECKPOINT_KEYWORDS:
+        assert re.search(rf"^{name}: ", _C.checkpoint.__doc__, re.M), name
+    assert _enable._CHECKPOINT_KEYWORDS is _C.CHECKPOINT_KEYWORDS
+    assert _patch._CURRY_OPTIONS is _C.CHECKPOINT_KEYWORDS
+
+
+@pytest.mark.parametrize("name", sorted(_C.CHECKPOINT_KEYWORDS))
+def test_every_listed_keyword_is_taken_by_checkpoint_not_the_function(name: str) -> None:
+    import torch
+    seen = {}
+
+    def function(x: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        seen.update(kwargs)
+        return x * 2
+
+    value = {"context_fn": None, "determinism_check": "default"}.get(name, False)
+    if name == "use_reentrant":
+        value = False
+    x = torch.ones(2, requires_grad=True)
+    matepoint.checkpoint(function, x, **{name: value}).sum().backward()
+    assert seen == {}
+
+
+def test_keyword_names_are_written_once() -> None:
+    for path in ("matepoint/_enable.py", "matepoint/_patch.py"):
+        assert '"matepoint_prefetch"' not in read(path), path
+
+
+# ---- pool_stats keys ----------------------------------------------------------
+
+def test_pool_stats_has_exactly_the_c_tables_keys() -> None:
+    assert list(matepoint.pool_stats()) == list(_C.POOL_STATS_KEYS)
+
+
+def test_pool_stats_docs_name_only_real_keys() -> None:
+    doc = matepoint.pool_stats.__doc__
+    missing = [key for key in _C.POOL_STATS_KEYS if not re.search(rf"\b{key}\b", doc)]
+    assert not missing, f"pool_stats' docstring does not describe {missing}"
+    readme = read("README.md")
+    listed = re.search(r"matepoint\.pool_stats\(\)\s+# (.*?)\.\.\.", readme, re.S).group(1)
+    names = re.findall(r"[a-z_]+", listed)
+    assert names and set(names) <= set(_C.POOL_STATS_KEYS), set(names) - set(_C.POOL_STATS_KEYS)

@@ -45,7 +45,8 @@ PyDoc_STRVAR(checkpoint_doc,
 "checkpoint($module, function, /, *args, use_reentrant=None,\n"
 "           preserve_rng_state=True, context_fn=None, determinism_check='default',\n"
 "           debug=False, early_stop=True, matepoint_offload=None,\n"
-"           matepoint_prefetch=True, **kwargs)\n"
+"           matepoint_prefetch=True, respect_saved_tensors_hooks=None,\n"
+"           **kwargs)\n"
 "--\n\n"
 "Run function(*args, **kwargs) without keeping its intermediate tensors.\n\n"
 "A drop-in replacement for torch.utils.checkpoint.checkpoint with its\n"
@@ -70,7 +71,10 @@ PyDoc_STRVAR(checkpoint_doc,
 "    offloaded to host memory or not; None follows matepoint.options.\n"
 "    Offload acts on CUDA tensors only: on a CPU-only machine it does nothing.\n"
 "matepoint_prefetch: False stops this region's recompute from prefetching\n"
-"    the inputs of earlier offloaded regions.\n\n"
+"    the inputs of earlier offloaded regions.\n"
+"respect_saved_tensors_hooks: torch 2.14's: whether the tensors selective\n"
+"    checkpointing keeps go through the saved-tensor hooks around the region\n"
+"    (None: torch's default; True needs torch 2.14).\n\n"
 "Returns what function returns. Raises TypeError for a non-callable\n"
 "function or a context_fn that returns no pair of context managers,\n"
 "ValueError for a bad determinism_check or debug=True with a context_fn,\n"
@@ -296,6 +300,15 @@ add_type(PyObject *module, PyType_Spec *spec, PyTypeObject **out)
     return *out ? 0 : -1;
 }
 
+/* Adds `value` (a new reference, or NULL with an error set) as `name`. */
+static int
+add_new(PyObject *module, const char *name, PyObject *value)
+{
+    int status = value != NULL ? PyModule_AddObjectRef(module, name, value) : -1;
+    Py_XDECREF(value);
+    return status;
+}
+
 static int
 module_exec(PyObject *module)
 {
@@ -334,7 +347,9 @@ module_exec(PyObject *module)
         return -1;
 #endif
     if (PyModule_AddIntConstant(module, "TEST_BUILD", MATEPOINT_TEST_BUILD) < 0 ||
-        options_add_table(module) < 0)
+        options_add_table(module) < 0 ||
+        add_new(module, "CHECKPOINT_KEYWORDS", checkpoint_keywords()) < 0 ||
+        add_new(module, "POOL_STATS_KEYS", offload_pool_stats_keys()) < 0)
         return -1;
     return PyModule_AddIntConstant(module, "HAS_SAVED_TENSOR", st->make_saved_tensor != NULL);
 }
