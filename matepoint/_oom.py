@@ -49,6 +49,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from matepoint import _C
+
 log = logging.getLogger("matepoint")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, "oom_raise.cpp"),
@@ -350,7 +352,8 @@ def attach_oom_handler(allocator: ctypes.CDLL) -> bool:
               f"torch.OutOfMemoryError, because the C++ unit that raises it is not available: "
               f"{error}")
         return False
-    allocator.matepoint_alloc_set_oom_handler.argtypes = [ctypes.c_void_p]
-    allocator.matepoint_alloc_set_oom_handler(handler)
+    set_handler = getattr(allocator, _C.ALLOCATOR_SYMBOLS["set_oom_handler"])
+    set_handler.argtypes = [ctypes.c_void_p]
+    set_handler(handler)
     _state = HandlerState(True)
     return True

@@ -119,3 +119,27 @@ def test_pool_stats_docs_name_only_real_keys() -> None:
     listed = re.search(r"matepoint\.pool_stats\(\)\s+# (.*?)\.\.\.", readme, re.S).group(1)
     names = re.findall(r"[a-z_]+", listed)
     assert names and set(names) <= set(_C.POOL_STATS_KEYS), set(names) - set(_C.POOL_STATS_KEYS)
+
+
+# ---- the allocator library ---------------------------------------------------------
+
+def test_allocator_symbols_are_exactly_what_the_library_defines() -> None:
+    """entry.c defines the functions; _C.ALLOCATOR_SYMBOLS is the one list
+    of their names that _C, _allocator.py and _oom.py look them up by."""
+    import ctypes
+
+    from matepoint._allocator import allocator_path
+    defined = set(re.findall(r"^(matepoint_\w+)\(", read("csrc/alloc/entry.c"), re.M))
+    defined.discard("matepoint_alloc_use_runtime")  # test builds only, for tests/sim.py
+    assert defined == set(_C.ALLOCATOR_SYMBOLS.values())
+    library = ctypes.CDLL(allocator_path())
+    for name in _C.ALLOCATOR_SYMBOLS.values():
+        assert getattr(library, name) is not None
+    for path in ("matepoint/_allocator.py", "matepoint/_oom.py"):
+        assert not re.search(r"\bmatepoint_(alloc_\w+|malloc|free|init|reset)\b", read(path)), path
+
+
+def test_tags_are_decoded_by_c() -> None:
+    """The tag encoding (region << 2 | phase) is C's alone: Python gets rows."""
+    assert not re.search(r">>\s*2|&\s*3\b", read("matepoint/_allocator.py"))
+    assert "TAG_PHASE_BITS" in read("csrc/base/alloc_link.h")

@@ -349,7 +349,8 @@ module_exec(PyObject *module)
     if (PyModule_AddIntConstant(module, "TEST_BUILD", MATEPOINT_TEST_BUILD) < 0 ||
         options_add_table(module) < 0 ||
         add_new(module, "CHECKPOINT_KEYWORDS", checkpoint_keywords()) < 0 ||
-        add_new(module, "POOL_STATS_KEYS", offload_pool_stats_keys()) < 0)
+        add_new(module, "POOL_STATS_KEYS", offload_pool_stats_keys()) < 0 ||
+        add_new(module, "ALLOCATOR_SYMBOLS", alloc_link_symbols()) < 0)
         return -1;
     return PyModule_AddIntConstant(module, "HAS_SAVED_TENSOR", st->make_saved_tensor != NULL);
 }
