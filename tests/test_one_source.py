@@ -143,3 +143,26 @@ def test_tags_are_decoded_by_c() -> None:
     """The tag encoding (region << 2 | phase) is C's alone: Python gets rows."""
     assert not re.search(r">>\s*2|&\s*3\b", read("matepoint/_allocator.py"))
     assert "TAG_PHASE_BITS" in read("csrc/base/alloc_link.h")
+
+
+# ---- sources and build flags ----------------------------------------------------------
+
+def test_every_c_file_is_built_from_the_one_source_list() -> None:
+    from matepoint import _build_layout as layout
+    on_disk = {os.path.relpath(os.path.join(folder, name), ROOT)
+               for folder, _, names in os.walk(os.path.join(ROOT, "csrc"))
+               for name in names if name.endswith(".c")}
+    built = set(layout.extension_sources(ROOT, testing=True)) | set(layout.allocator_sources(ROOT))
+    assert built == on_disk
+    plain = set(layout.extension_sources(ROOT, testing=False))
+    assert not any("testing" in path or "sim" in path for path in plain), plain
+    assert os.path.exists(os.path.join(ROOT, layout.OOM_UNIT_SOURCE))
+
+
+def test_build_files_read_the_layout_instead_of_restating_it() -> None:
+    setup, makefile, oom = read("setup.py"), read("Makefile"), read("matepoint/_oom.py")
+    for text, name in ((setup, "setup.py"), (makefile, "Makefile"), (oom, "_oom.py")):
+        assert "csrc/alloc/oom_raise.cpp" not in text and '"oom_raise.cpp"' not in text, name
+        assert "-std=c11" not in text and '"-std=c++17"' not in text, name
+    assert "glob(" not in setup and "_build_layout" in setup
+    assert "cp matepoint" not in makefile and "_build_layout.py cflags" in makefile
