@@ -166,3 +166,61 @@ def test_build_files_read_the_layout_instead_of_restating_it() -> None:
         assert "-std=c11" not in text and '"-std=c++17"' not in text, name
     assert "glob(" not in setup and "_build_layout" in setup
     assert "cp matepoint" not in makefile and "_build_layout.py cflags" in makefile
+
+
+# ---- the typed stub _C.pyi -------------------------------------------------------------
+
+def stub_names() -> tuple:
+    """(names of every build, names of test builds only) that _C.pyi declares,
+    and its functions by name."""
+    import ast
+    text = read("matepoint/_C.pyi")
+    shipped, test_only = text.split("\n# ---- test builds only")
+    test_only = test_only.split("\n", 1)[1]
+    functions = {}
+
+    def names(source: str) -> set:
+        found = set()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef):
+                functions[node.name] = node
+                found.add(node.name)
+            elif isinstance(node, ast.AnnAssign) and not node.target.id.startswith("_"):
+                found.add(node.target.id)
+        return found
+    return names(shipped), names(test_only), functions
+
+
+def test_stub_declares_exactly_what_c_defines() -> None:
+    shipped, test_only, _ = stub_names()
+    defined = {name for name in dir(_C) if not name.startswith("__")}
+    expected = shipped | test_only if _C.TEST_BUILD else shipped
+    assert defined == expected, (sorted(defined - expected), sorted(expected - defined))
+
+
+def test_stub_signatures_are_the_c_signatures() -> None:
+    import ast
+    import inspect
+    _, _, functions = stub_names()
+    kinds = {"posonlyargs": inspect.Parameter.POSITIONAL_ONLY,
+             "args": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+             "kwonlyargs": inspect.Parameter.KEYWORD_ONLY}
+    for name, node in functions.items():
+        if not hasattr(_C, name):
+            continue
+        declared = [(arg.arg, kind) for field, kind in kinds.items()
+                    for arg in getattr(node.args, field)]
+        if node.args.vararg:
+            declared.append((node.args.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
+        if node.args.kwarg:
+            declared.append((node.args.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+        order = {kind: i for i, kind in enumerate(inspect._ParameterKind)}
+        declared.sort(key=lambda item: order[item[1]])
+        actual = [(p.name, p.kind) for p in inspect.signature(getattr(_C, name)).parameters.values()]
+        assert declared == actual, name
+        assert isinstance(node.returns, ast.AST), f"{name} has no return type"
+
+
+def test_stub_ships_with_the_package() -> None:
+    assert '"*.pyi"' in read("pyproject.toml")
+    assert os.path.exists(os.path.join(ROOT, "matepoint", "py.typed"))
