@@ -224,3 +224,41 @@ def test_stub_signatures_are_the_c_signatures() -> None:
 def test_stub_ships_with_the_package() -> None:
     assert '"*.pyi"' in read("pyproject.toml")
     assert os.path.exists(os.path.join(ROOT, "matepoint", "py.typed"))
+
+
+# ---- CPython idioms in the C core ---------------------------------------------------------
+
+def c_sources(*folders: str) -> dict:
+    found = {}
+    for folder in folders:
+        for name in sorted(os.listdir(os.path.join(ROOT, "csrc", folder))):
+            if name.endswith((".c", ".h")):
+                found[f"{folder}/{name}"] = read(f"csrc/{folder}/{name}")
+    return found
+
+
+PYTHON_FOLDERS = ("base", "offload", "checkpoint", "testing", "module")
+
+
+def test_every_type_allocates_and_frees_through_its_slots() -> None:
+    """Heap types get their memory from tp_alloc and give it back with
+    tp_free (which pairs with tp_alloc's type reference and GC tracking)."""
+    sources = c_sources(*PYTHON_FOLDERS)
+    raw = [path for path, text in sources.items()
+           if re.search(r"\bPyObject_(GC_)?(New|NewVar|Del|Free)\b", text)]
+    assert not raw, raw
+    specs = sum(len(re.findall(r"^PyType_Spec \w+ = ", text, re.M)) for text in sources.values())
+    frees = sum(text.count("->tp_free(") for text in sources.values())
+    assert specs >= 9 and frees == specs, (specs, frees)
+
+
+def test_the_module_reaches_its_state_one_way() -> None:
+    for path, text in c_sources("module", "base").items():
+        if path != "base/state.h":
+            assert "PyModule_GetState" not in text and "PyType_GetModuleState" not in text, path
+
+
+def test_module_declares_interpreters_and_gil() -> None:
+    module = read("csrc/module/module.c")
+    assert "{Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED}" in module
+    assert "{Py_mod_gil, Py_MOD_GIL_USED}" in module

@@ -50,7 +50,7 @@ find(void *handle, alloc_symbol symbol)
 static alloc_link *
 link_of(PyObject *module)
 {
-    return &((mp_state *)PyModule_GetState(module))->alloc;
+    return &mp_state_of(module)->alloc;
 }
 
 PyObject *

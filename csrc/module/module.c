@@ -23,7 +23,7 @@
 mp_state *
 mp_state_from_type(PyTypeObject *type)
 {
-    return PyType_GetModuleState(type);
+    return mp_state_of(PyType_GetModule(type));
 }
 
 static PyObject *
@@ -86,21 +86,21 @@ static PyObject *
 pool_stats(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    return offload_pool_stats(PyModule_GetState(module));
+    return offload_pool_stats(mp_state_of(module));
 }
 
 static PyObject *
 offload_device_type_py(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    return PyUnicode_FromString(offload_device_type(PyModule_GetState(module)));
+    return PyUnicode_FromString(offload_device_type(mp_state_of(module)));
 }
 
 static PyObject *
 empty_pool(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    if (offload_empty_pool(PyModule_GetState(module)) < 0)
+    if (offload_empty_pool(mp_state_of(module)) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -113,7 +113,7 @@ reserve_pool(PyObject *module, PyObject *args)
     uint64_t added;
     if (!PyArg_ParseTuple(args, "KK:_reserve_pool", &buffer_bytes, &count))
         return NULL;
-    if (offload_reserve_pool(PyModule_GetState(module), buffer_bytes, count, &added) < 0)
+    if (offload_reserve_pool(mp_state_of(module), buffer_bytes, count, &added) < 0)
         return NULL;
     return PyLong_FromUnsignedLongLong(added);
 }
@@ -312,7 +312,7 @@ add_new(PyObject *module, const char *name, PyObject *value)
 static int
 module_exec(PyObject *module)
 {
-    mp_state *st = PyModule_GetState(module);
+    mp_state *st = mp_state_of(module);
     if (load_torch(st) < 0 || intern_names(st) < 0)
         return -1;
     st->autocast_available_cache = PyDict_New();
@@ -380,7 +380,7 @@ module_exec(PyObject *module)
 static int
 module_traverse(PyObject *module, visitproc visit, void *arg)
 {
-    mp_state *st = PyModule_GetState(module);
+    mp_state *st = mp_state_of(module);
     if (st == NULL)
         return 0;
 #define VISIT(field) Py_VISIT(st->field);
@@ -393,7 +393,7 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
 static int
 module_clear(PyObject *module)
 {
-    mp_state *st = PyModule_GetState(module);
+    mp_state *st = mp_state_of(module);
     if (st == NULL)
         return 0;
 #define CLEAR(field) Py_CLEAR(st->field);
@@ -406,7 +406,7 @@ module_clear(PyObject *module)
 static void
 module_free(void *module)
 {
-    mp_state *st = PyModule_GetState((PyObject *)module);
+    mp_state *st = mp_state_of((PyObject *)module);
     if (st != NULL && st->engine != NULL) {
         offload_engine_free(st->engine);
         st->engine = NULL;
@@ -414,8 +414,18 @@ module_free(void *module)
     module_clear((PyObject *)module);
 }
 
+/* Declared for what is true of this module. One interpreter only: it keeps
+ * Python objects in thread-locals (checkpoint/bn_guard.c) and a process-wide
+ * CUDA runtime table, and torch, which it calls throughout, is single-phase.
+ * The GIL is needed: all state is guarded by it (base/state.h). */
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
+#ifdef Py_mod_multiple_interpreters
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#ifdef Py_mod_gil
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
     {0, NULL},
 };
 

@@ -172,7 +172,7 @@ options_check_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 PyObject *
 options_configure_py(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    mp_state *st = PyModule_GetState(module);
+    mp_state *st = mp_state_of(module);
     offload_options *current = offload_engine_options(st->engine);
     offload_options staged = *current;
     if (PyTuple_GET_SIZE(args) != 0) {
