@@ -262,3 +262,86 @@ def test_module_declares_interpreters_and_gil() -> None:
     module = read("csrc/module/module.c")
     assert "{Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED}" in module
     assert "{Py_mod_gil, Py_MOD_GIL_USED}" in module
+
+
+# ---- what `import matepoint` changes ------------------------------------------------------
+
+IMPORT_EFFECTS = """
+import logging, sys, warnings, types
+import torch
+import torch.nn.modules.module as nn_module
+import torch.utils.checkpoint as torch_checkpoint
+{dynamo}
+
+def snapshot():
+    return dict(
+        path_hooks=list(sys.path_hooks), torch=dict(vars(torch)),
+        checkpoint=dict(vars(torch_checkpoint)), nn=dict(vars(torch.nn)),
+        tensor=dict(vars(torch.Tensor)),
+        hooks=[dict(getattr(nn_module, name)) for name in dir(nn_module)
+               if name.startswith("_global_") and isinstance(getattr(nn_module, name), dict)],
+        filters=list(warnings.filters), handlers=list(logging.getLogger().handlers),
+        logger_handlers=list(logging.getLogger("matepoint").handlers),
+        excepthook=sys.excepthook, trace=sys.gettrace(), profile=sys.getprofile(),
+        dtype=torch.get_default_dtype(), grad=torch.is_grad_enabled(),
+        torch_module_type=type(torch))
+
+def same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a is b or a == b
+
+finders = list(sys.meta_path)
+before = snapshot()
+import matepoint
+after = snapshot()
+changed = [name for name in before if not same(before[name], after[name])]
+added = [type(f).__name__ for f in sys.meta_path if all(f is not g for g in finders)]
+print("changed", changed)
+print("added", added)
+print("module", type(sys.modules["matepoint"]).__name__)
+import torch._dynamo
+print("after dynamo", [type(f).__name__ for f in sys.meta_path if all(f is not g for g in finders)])
+print("kept", len([f for f in finders if any(f is g for g in sys.meta_path)]) == len(finders))
+"""
+
+
+@pytest.mark.parametrize("dynamo_first", [False, True], ids=["plain", "dynamo-imported-first"])
+def test_import_changes_only_what_it_needs(dynamo_first: bool) -> None:
+    """torch's namespace, checkpoint module, global hooks, warnings and
+    logging stay as they were; sys.meta_path gets one finder, only while
+    torch._dynamo is not imported, and loses it once it is."""
+    import subprocess
+    import sys
+    code = IMPORT_EFFECTS.format(dynamo="import torch._dynamo" if dynamo_first else "")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MATEPOINT_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=environ)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "changed []"
+    assert lines[1] == ("added []" if dynamo_first else "added ['_AfterDynamoImport']")
+    assert lines[2] == "module _Module"
+    assert lines[3] == "after dynamo []"
+    assert lines[4] == "kept True"
+
+
+def test_the_finder_leaves_without_disturbing_an_import_in_progress() -> None:
+    """Another thread's import walks sys.meta_path while Dynamo is imported:
+    the finder's leaving must not make that walk skip a finder."""
+    import subprocess
+    import sys
+    code = """
+import sys, torch, matepoint
+walk = iter(sys.meta_path)
+first = next(walk)            # another import, at the finder...
+rest = list(sys.meta_path[1:])
+import torch._dynamo           # ...when the finder leaves
+print(type(first).__name__, [f for f in walk] == rest)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["_AfterDynamoImport", "True"]
