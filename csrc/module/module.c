@@ -134,7 +134,7 @@ PyDoc_STRVAR(check_option_doc,
 PyDoc_STRVAR(attach_allocator_doc,
 "_attach_allocator($module, path, /)\n--\n\nLink to the allocator library at path, already loaded by torch.");
 PyDoc_STRVAR(allocator_stats_doc,
-"_allocator_stats($module, /)\n--\n\nPer device, the allocator's counters and per-tag bytes, as a list of dicts.");
+"_allocator_stats($module, /)\n--\n\nPer device, the allocator's counters and its tags' rows (region, phase, bytes), as a list of dicts.");
 PyDoc_STRVAR(allocator_reset_peaks_doc,
 "_allocator_reset_peaks($module, /)\n--\n\nReset the allocator's peak counters on every device.");
 PyDoc_STRVAR(allocator_empty_cache_doc,
