@@ -10,7 +10,10 @@ export MATEPOINT_TESTING ?= 1
 
 CC      ?= cc
 SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all
-CTEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -DMATEPOINT_DEBUG=1 $(SANITIZE)
+# the C flags setup.py builds with (one list: matepoint/_build_layout.py)
+C_FLAGS := $(shell $(PYTHON) matepoint/_build_layout.py cflags)
+UNIT_CFLAGS := $(C_FLAGS) -Werror -g -O1 -Icsrc -Itests/c
+CTEST_CFLAGS := $(UNIT_CFLAGS) -DMATEPOINT_DEBUG=1 $(SANITIZE)
 # the failure tests ask for impossible sizes on purpose
 export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
@@ -44,10 +47,7 @@ SANITIZER_PRELOAD = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -pr
 sanitize: install
 	CFLAGS="$(SANITIZE) -fno-omit-frame-pointer" LDFLAGS="$(SANITIZE)" MATEPOINT_DEBUG=1 \
 	  $(PY) setup.py -q build_ext --build-lib $(ASAN_BUILD) --build-temp $(ASAN_BUILD)-tmp
-	rm -rf $(ASAN_BUILD)/matepoint/bench $(ASAN_BUILD)/matepoint/bench.py
-	cp matepoint/*.py $(ASAN_BUILD)/matepoint/
-	cp -r matepoint/bench $(ASAN_BUILD)/matepoint/bench
-	cp csrc/alloc/oom_raise.cpp $(ASAN_BUILD)/matepoint/
+	$(PY) setup.py -q build_py --build-lib $(ASAN_BUILD)   # the packages and files a wheel ships
 	cd $(ASAN_BUILD) && LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 \
 	  $(abspath $(PY)) -c "import matepoint._C as c; assert '$(ASAN_BUILD)' in c.__file__, c.__file__" && \
 	  LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 MATEPOINT_SANITIZED=1 \
@@ -111,13 +111,13 @@ build/ctest/fuzz_ops: $(FUZZ_SOURCES) csrc/alloc/alloc.h csrc/pool/pool.h
 VALGRIND := valgrind -q --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite
 valgrind:
 	@mkdir -p build/valgrind
-	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_pool \
+	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_pool \
 	  tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c -lpthread
-	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_alloc \
+	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_alloc \
 	  tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c -lpthread
-	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_planner \
+	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_planner \
 	  tests/c/test_planner.c csrc/planner/planner.c -lm
-	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_cudart_sim \
+	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_cudart_sim \
 	  tests/c/test_cudart_sim.c csrc/cuda/cudart_sim.c -lpthread
 	@if command -v valgrind >/dev/null; then \
 	  $(VALGRIND) build/valgrind/test_pool && $(VALGRIND) build/valgrind/test_alloc && \

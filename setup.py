@@ -1,35 +1,26 @@
 """Build script: the C extension matepoint._C (no torch headers, no CUDA needed)."""
+import importlib.util
 import os
-from glob import glob
 
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
+# the source lists and flags, shared with the Makefile and matepoint/_oom.py
+# (loaded by path: the package itself cannot be imported before it is built)
+_spec = importlib.util.spec_from_file_location("_build_layout", "matepoint/_build_layout.py")
+layout = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(layout)
 
 # MATEPOINT_TESTING=1 builds the test controls and the simulated GPU into
 # both libraries (csrc/testing, csrc/cuda/cudart_sim.c); a plain build ships
 # neither.
 TESTING = os.environ.get("MATEPOINT_TESTING") == "1"
 
-
-def c_flags() -> list[str]:
-    flags = ["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden"]
-    if TESTING:
-        flags.append("-DMATEPOINT_TESTING=1")
-    if os.environ.get("MATEPOINT_WERROR") == "1":
-        flags.append("-Werror")
-    if os.environ.get("MATEPOINT_DEBUG") == "1":
-        flags += ["-O0", "-g", "-DMATEPOINT_DEBUG=1"]
-    return flags
-
-
 extension = Extension(
     "matepoint._C",
-    sources=[c for folder in ("base", "offload", "checkpoint", "module", "pool", "planner")
-             for c in sorted(glob(f"csrc/{folder}/*.c"))] + ["csrc/cuda/cudart.c"]
-    + (sorted(glob("csrc/testing/*.c")) + ["csrc/cuda/cudart_sim.c"] if TESTING else []),
+    sources=layout.extension_sources(".", TESTING),
     include_dirs=["csrc"],
-    extra_compile_args=c_flags(),
+    extra_compile_args=layout.c_flags(os.environ),
     libraries=["dl", "pthread"],
 )
 
@@ -38,10 +29,10 @@ extension = Extension(
 # builds on machines without CUDA too.
 allocator = Extension(
     "matepoint._alloc",
-    sources=sorted(glob("csrc/alloc/*.c")) + ["csrc/cuda/cudart.c"],
+    sources=layout.allocator_sources("."),
     include_dirs=["csrc"],
     # torch.OutOfMemoryError is thrown (oom_raise.cpp) through these frames
-    extra_compile_args=c_flags() + ["-fexceptions"],
+    extra_compile_args=layout.c_flags(os.environ) + ["-fexceptions"],
     libraries=["dl", "pthread"],
 )
 
@@ -56,7 +47,7 @@ class build_py_with_oom_unit(build_py):
             return  # an editable install finds it in csrc/ (matepoint/_oom.py)
         target = os.path.join(self.build_lib, "matepoint")
         self.mkpath(target)
-        self.copy_file("csrc/alloc/oom_raise.cpp", os.path.join(target, "oom_raise.cpp"))
+        self.copy_file(layout.OOM_UNIT_SOURCE, os.path.join(target, layout.OOM_UNIT))
 
 
 setup(ext_modules=[extension, allocator], cmdclass={"build_py": build_py_with_oom_unit})

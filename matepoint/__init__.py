@@ -15,6 +15,18 @@ context manager that undoes the patch).
 """
 from __future__ import annotations
 
+# What `import matepoint` changes outside its own objects, each needed
+# (tests/test_one_source.py checks that nothing else changes):
+# - run from a source checkout with no built _C, this package's __path__
+#   may point at an installed copy built from the same sources (_locate.py);
+# - MATEPOINT_<OPTION> variables are applied to the C core (_options.py);
+# - the package's module object gets a subclass of ModuleType (_Module,
+#   below), the only way to give ``matepoint.NOPIPELINE = True`` an effect;
+# - until torch._dynamo is imported, a finder waits for it at the head of
+#   sys.meta_path, and leaves once it has marked checkpoint for Dynamo
+#   (importing Dynamo ourselves would cost more than a second: _compile.py).
+# torch's own modules, hooks and checkpoint are left as they are; the patch
+# of torch.utils.checkpoint is only made on request (_patch.py).
 import sys
 import types
 from typing import Any, Dict
@@ -131,5 +143,7 @@ class _Module(types.ModuleType):
         _settings.update(pipeline=not value)
 
 
+# a module's attribute assignment cannot be intercepted otherwise (PEP 562's
+# __getattr__ covers reads only)
 sys.modules[__name__].__class__ = _Module
 _compile.install()

@@ -4,20 +4,21 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 
 from matepoint import _C, _oom
 from matepoint._options import show_int
 
-_PHASES = {0: "other", 1: "forward", 2: "recompute"}
-# optional hooks torch's CUDAPluggableAllocator lets us register, by entry point
+# the library's entry points by role: their names are defined once, in C
+_SYMBOLS = _C.ALLOCATOR_SYMBOLS
+# optional hooks torch's CUDAPluggableAllocator lets us register, by role
 _HOOKS = {
-    "set_init_fn": "matepoint_init",
-    "set_reset_fn": "matepoint_reset",
-    "set_record_stream_fn": "matepoint_record_stream",
-    "set_memory_fraction_fn": "matepoint_set_memory_fraction",
+    "set_init_fn": "init",
+    "set_reset_fn": "reset",
+    "set_record_stream_fn": "record_stream",
+    "set_memory_fraction_fn": "set_memory_fraction",
 }
 _installed = False
 
@@ -59,13 +60,14 @@ def install_allocator() -> bool:
             "matepoint.install_allocator must run before CUDA is first used: CUDA is already "
             "initialized here, so torch's own allocator may hold memory")
     path = allocator_path()
-    pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "matepoint_malloc", "matepoint_free")
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, _SYMBOLS["malloc"],
+                                                          _SYMBOLS["free"])
     library = ctypes.CDLL(path)
     raises = _oom.attach_oom_handler(library)
-    for setter, entry in _HOOKS.items():
+    for setter, role in _HOOKS.items():
         register = getattr(pluggable._allocator, setter, None)
         if register is not None:
-            register(ctypes.cast(getattr(library, entry), ctypes.c_void_p).value)
+            register(ctypes.cast(getattr(library, _SYMBOLS[role]), ctypes.c_void_p).value)
     torch.cuda.memory.change_current_allocator(pluggable)
     _C._attach_allocator(path)
     _installed = True
@@ -75,12 +77,6 @@ def install_allocator() -> bool:
 def is_installed() -> bool:
     """True once install_allocator() made matepoint's allocator torch's."""
     return _installed
-
-
-def _tag_rows(tags: List[tuple]) -> List[Dict[str, Any]]:
-    return [{"region": tag >> 2, "phase": _PHASES.get(tag & 3, "other"), "live_bytes": live,
-             "peak_bytes": peak, "allocations": count}
-            for tag, live, peak, count in sorted(tags)]
 
 
 def memory_stats(device: int = 0) -> Dict[str, Any]:
@@ -105,7 +101,6 @@ def memory_stats(device: int = 0) -> Dict[str, Any]:
         raise ValueError(f"matepoint.memory_stats: device must be an int from 0 to "
                          f"{len(per_device) - 1} (the CUDA devices), got {show_int(device)}")
     stats = dict(per_device[device])
-    stats["tags"] = _tag_rows(stats["tags"])
     stats["oom_raises"] = _oom.handler_state().attached
     return stats
 

@@ -56,7 +56,9 @@ class _AfterDynamoImport(importlib.abc.MetaPathFinder):
                   target: Any = None) -> Any:
         if fullname != _DYNAMO:
             return None
-        sys.meta_path.remove(self)
+        # a new list, not one changed in place: another thread may be
+        # iterating the old one for its own import, and would skip a finder
+        sys.meta_path = [finder for finder in sys.meta_path if finder is not self]
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return spec
@@ -75,4 +77,4 @@ def install() -> None:
     if _DYNAMO in sys.modules:
         _register_or_log()
     elif not any(isinstance(finder, _AfterDynamoImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterDynamoImport())
+        sys.meta_path = [_AfterDynamoImport()] + sys.meta_path

@@ -32,11 +32,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from matepoint._C import checkpoint
+from matepoint._C import CHECKPOINT_KEYWORDS as _CHECKPOINT_KEYWORDS, checkpoint
 
-_CHECKPOINT_KEYWORDS = {"use_reentrant", "preserve_rng_state", "context_fn", "determinism_check",
-                        "debug", "early_stop", "matepoint_offload", "matepoint_prefetch",
-                        "respect_saved_tensors_hooks"}
 log = logging.getLogger("matepoint")
 _SETTER = "_set_gradient_checkpointing"
 _MARK = "_matepoint_enabled"

@@ -49,11 +49,14 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from matepoint import _build_layout, _C
+
 log = logging.getLogger("matepoint")
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, "oom_raise.cpp"),
-            os.path.join(_HERE, os.pardir, "csrc", "alloc", "oom_raise.cpp")]
-_FLAGS = ["-std=c++17", "-O2", "-shared", "-fPIC"]
+# where the unit is: inside an installed package, else in the source checkout
+_SOURCES = [os.path.join(_HERE, _build_layout.OOM_UNIT),
+            os.path.join(_HERE, os.pardir, _build_layout.OOM_UNIT_SOURCE)]
+_FLAGS = _build_layout.CXX_FLAGS
 DEFAULT_BUILD_TIMEOUT_S = 120.0
 _loaded: List[ctypes.CDLL] = []   # keeps built libraries loaded for the process
 
@@ -350,7 +353,8 @@ def attach_oom_handler(allocator: ctypes.CDLL) -> bool:
               f"torch.OutOfMemoryError, because the C++ unit that raises it is not available: "
               f"{error}")
         return False
-    allocator.matepoint_alloc_set_oom_handler.argtypes = [ctypes.c_void_p]
-    allocator.matepoint_alloc_set_oom_handler(handler)
+    set_handler = getattr(allocator, _C.ALLOCATOR_SYMBOLS["set_oom_handler"])
+    set_handler.argtypes = [ctypes.c_void_p]
+    set_handler(handler)
     _state = HandlerState(True)
     return True

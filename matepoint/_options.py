@@ -27,59 +27,31 @@ class Options:
         offloads use pageable memory.
     """
 
-    offload: bool = True
-    pipeline: bool = True
-    prefetch_depth: int = 1
-    offload_window: int = 2
-    min_offload_bytes: int = 1 << 20
-    pool_limit_bytes: Optional[int] = None
+    offload: bool = _C.OPTIONS["offload"][0]
+    pipeline: bool = _C.OPTIONS["pipeline"][0]
+    prefetch_depth: int = _C.OPTIONS["prefetch_depth"][0]
+    offload_window: int = _C.OPTIONS["offload_window"][0]
+    min_offload_bytes: int = _C.OPTIONS["min_offload_bytes"][0]
+    pool_limit_bytes: Optional[int] = _C.OPTIONS["pool_limit_bytes"][0]
 
     def __post_init__(self) -> None:
         for name in _FIELDS:
-            _check(name, getattr(self, name))
+            _C._check_option(name, getattr(self, name))
 
 
+# Defaults, ranges and the check of a value are defined once, in the C core
+# (csrc/module/options.c): _C.OPTIONS maps each name to (default, accepted
+# values in words, or None for a bool) and _C._check_option raises the
+# error set_options gives.
 _FIELDS = {field.name: field for field in dataclasses.fields(Options)}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-_INT_MAX = (1 << 31) - 1    # the C core keeps counts of checkpoints in an int
-_INT64_MAX = (1 << 63) - 1  # and byte sizes in 64 bits, with room for sums
-# accepted range of each integer option: (lowest, highest, its text)
-_RANGES = {
-    "prefetch_depth": (0, _INT_MAX, "2**31 - 1"),
-    "offload_window": (1, _INT_MAX, "2**31 - 1"),
-    "min_offload_bytes": (0, _INT64_MAX, "2**63 - 1"),
-    "pool_limit_bytes": (1, _INT64_MAX, "2**63 - 1"),
-}
 
 
 def show_int(value: int) -> str:
     """``value`` for a message: huge ones by their size (str() refuses past
     4300 digits)."""
     return str(value) if value.bit_length() <= 256 else f"an int of {value.bit_length()} bits"
-
-
-def _accepted(name: str) -> str:
-    low, _, high_text = _RANGES[name]
-    return f"an int from {low} to {high_text}" + (", or None" if name == "pool_limit_bytes" else "")
-
-
-def _check(name: str, value: Any) -> Any:
-    default = _FIELDS[name].default
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise TypeError(f"matepoint option {name} must be a bool, got {value!r}")
-        return value
-    if value is None and name == "pool_limit_bytes":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"matepoint option {name} must be {_accepted(name)}, got {value!r}")
-    low, high, _ = _RANGES[name]
-    if not low <= value <= high:
-        sign = "positive" if low > 0 else "positive or zero"
-        raise ValueError(f"matepoint option {name} must be {sign} ({_accepted(name)}), "
-                         f"got {show_int(value)}")
-    return value
 
 
 def _parse_env(name: str, text: str) -> Any:
@@ -95,9 +67,9 @@ def _parse_env(name: str, text: str) -> Any:
     try:
         number = int(lowered, 0)
     except ValueError:
-        raise ValueError(f"{variable}={text!r}: expected {_accepted(name)}") from None
+        raise ValueError(f"{variable}={text!r}: expected {_C.OPTIONS[name][1]}") from None
     try:
-        return _check(name, number)
+        return _C._check_option(name, number)
     except ValueError as error:
         raise ValueError(f"{variable}={text!r}: {error}") from None
 
@@ -116,9 +88,7 @@ class _Settings:
         self.current = Options()
 
     def apply(self, options: Options) -> None:
-        _C._configure(options.offload, options.pipeline, options.prefetch_depth,
-                      options.min_offload_bytes, options.pool_limit_bytes or 0,
-                      options.offload_window)
+        _C._configure(**dataclasses.asdict(options))
         self.current = options
 
     def update(self, **changes: Any) -> Options:
@@ -126,8 +96,7 @@ class _Settings:
         if unknown:
             raise TypeError(f"unknown matepoint option(s): {', '.join(unknown)}; "
                             f"known: {', '.join(_FIELDS)}")
-        checked = {name: _check(name, value) for name, value in changes.items()}
-        self.apply(dataclasses.replace(self.current, **checked))
+        self.apply(dataclasses.replace(self.current, **changes))
         return self.current
 
 

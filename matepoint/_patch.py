@@ -28,16 +28,12 @@ import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+# checkpoint options of torch's curried form (torch 2.14: checkpoint(use_reentrant=False)(fn))
+from matepoint._C import CHECKPOINT_KEYWORDS as _CURRY_OPTIONS
 from matepoint._C import checkpoint as _checkpoint
 from matepoint._sequential import checkpoint_sequential as _checkpoint_sequential
 
 log = logging.getLogger("matepoint")
-
-# checkpoint options of torch's curried form (torch 2.14: checkpoint(use_reentrant=False)(fn))
-_CURRY_OPTIONS = frozenset({"use_reentrant", "preserve_rng_state", "context_fn",
-                            "determinism_check", "debug", "early_stop",
-                            "respect_saved_tensors_hooks", "matepoint_offload",
-                            "matepoint_prefetch"})
 
 
 class _CheckpointedFunction:

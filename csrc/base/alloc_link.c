@@ -4,10 +4,53 @@
 #include <dlfcn.h>
 #include <stdlib.h>
 
+static const struct {
+    const char *role;
+    const char *name;
+} symbols[ALLOC_SYM_COUNT] = {
+    [ALLOC_SYM_MALLOC] = {"malloc", "matepoint_malloc"},
+    [ALLOC_SYM_FREE] = {"free", "matepoint_free"},
+    [ALLOC_SYM_INIT] = {"init", "matepoint_init"},
+    [ALLOC_SYM_RESET] = {"reset", "matepoint_reset"},
+    [ALLOC_SYM_RECORD_STREAM] = {"record_stream", "matepoint_record_stream"},
+    [ALLOC_SYM_SET_MEMORY_FRACTION] = {"set_memory_fraction", "matepoint_set_memory_fraction"},
+    [ALLOC_SYM_SET_OOM_HANDLER] = {"set_oom_handler", "matepoint_alloc_set_oom_handler"},
+    [ALLOC_SYM_SET_TAG] = {"set_tag", "matepoint_alloc_set_tag"},
+    [ALLOC_SYM_DEVICE_COUNT] = {"device_count", "matepoint_alloc_device_count"},
+    [ALLOC_SYM_GET_STATS] = {"get_stats", "matepoint_alloc_get_stats"},
+    [ALLOC_SYM_GET_TAG_STATS] = {"get_tag_stats", "matepoint_alloc_get_tag_stats"},
+    [ALLOC_SYM_RESET_PEAKS] = {"reset_peaks", "matepoint_alloc_reset_peaks"},
+};
+
+/* Names of the phases below a tag's region, by phase (3 is unused). */
+static const char *const phase_names[1 << TAG_PHASE_BITS] = {
+    [TAG_OTHER] = "other", [TAG_FORWARD] = "forward", [TAG_RECOMPUTE] = "recompute",
+    [3] = "other",
+};
+
+PyObject *
+alloc_link_symbols(void)
+{
+    PyObject *dict = PyDict_New();
+    for (int i = 0; dict != NULL && i < ALLOC_SYM_COUNT; i++) {
+        PyObject *name = PyUnicode_FromString(symbols[i].name);
+        if (name == NULL || PyDict_SetItemString(dict, symbols[i].role, name) < 0)
+            Py_CLEAR(dict);
+        Py_XDECREF(name);
+    }
+    return dict;
+}
+
+static void *
+find(void *handle, alloc_symbol symbol)
+{
+    return dlsym(handle, symbols[symbol].name);
+}
+
 static alloc_link *
 link_of(PyObject *module)
 {
-    return &((mp_state *)PyModule_GetState(module))->alloc;
+    return &mp_state_of(module)->alloc;
 }
 
 PyObject *
@@ -26,13 +69,13 @@ alloc_link_attach(PyObject *module, PyObject *path_obj)
         return NULL;
     }
     alloc_link found = {
-        .set_tag = (uint64_t(*)(uint64_t))dlsym(handle, "matepoint_alloc_set_tag"),
-        .device_count = (int (*)(void))dlsym(handle, "matepoint_alloc_device_count"),
-        .get_stats = (int (*)(int, alloc_stats *))dlsym(handle, "matepoint_alloc_get_stats"),
-        .get_tag_stats = (int (*)(int, alloc_tag_stats *, int))dlsym(
-            handle, "matepoint_alloc_get_tag_stats"),
-        .reset_peaks = (void (*)(void))dlsym(handle, "matepoint_alloc_reset_peaks"),
-        .empty_cache = (void (*)(void))dlsym(handle, "matepoint_reset"),
+        .set_tag = (uint64_t(*)(uint64_t))find(handle, ALLOC_SYM_SET_TAG),
+        .device_count = (int (*)(void))find(handle, ALLOC_SYM_DEVICE_COUNT),
+        .get_stats = (int (*)(int, alloc_stats *))find(handle, ALLOC_SYM_GET_STATS),
+        .get_tag_stats = (int (*)(int, alloc_tag_stats *, int))find(handle,
+                                                                    ALLOC_SYM_GET_TAG_STATS),
+        .reset_peaks = (void (*)(void))find(handle, ALLOC_SYM_RESET_PEAKS),
+        .empty_cache = (void (*)(void))find(handle, ALLOC_SYM_RESET),
     };
     if (!found.set_tag || !found.device_count || !found.get_stats || !found.get_tag_stats ||
         !found.reset_peaks || !found.empty_cache) {
@@ -54,7 +97,26 @@ require_link(const alloc_link *link)
     return -1;
 }
 
-/* [(tag, live_bytes, peak_bytes, allocations), ...] of one device. */
+static int
+by_tag(const void *a, const void *b)
+{
+    uint64_t x = ((const alloc_tag_stats *)a)->tag, y = ((const alloc_tag_stats *)b)->tag;
+    return (x > y) - (x < y);
+}
+
+/* One tag's row, its tag decoded into region and phase. */
+static PyObject *
+tag_row(const alloc_tag_stats *t)
+{
+    return Py_BuildValue("{sKsssKsKsK}", "region", (unsigned long long)(t->tag >> TAG_PHASE_BITS),
+                         "phase", phase_names[t->tag & ((1u << TAG_PHASE_BITS) - 1)],
+                         "live_bytes", (unsigned long long)t->live_bytes, "peak_bytes",
+                         (unsigned long long)t->peak_bytes, "allocations",
+                         (unsigned long long)t->allocations);
+}
+
+/* [{region, phase, live_bytes, peak_bytes, allocations}, ...] of one
+ * device, by region then phase. */
 static PyObject *
 tag_list(const alloc_link *link, int device)
 {
@@ -63,12 +125,11 @@ tag_list(const alloc_link *link, int device)
     if (tags == NULL)
         return PyErr_NoMemory();
     count = link->get_tag_stats(device, tags, count);
+    if (count > 0)
+        qsort(tags, (size_t)count, sizeof(*tags), by_tag);
     PyObject *list = PyList_New(0);
     for (int i = 0; list != NULL && i < count; i++) {
-        PyObject *row = Py_BuildValue("(KKKK)", (unsigned long long)tags[i].tag,
-                                      (unsigned long long)tags[i].live_bytes,
-                                      (unsigned long long)tags[i].peak_bytes,
-                                      (unsigned long long)tags[i].allocations);
+        PyObject *row = tag_row(&tags[i]);
         if (row == NULL || PyList_Append(list, row) < 0)
             Py_CLEAR(list);
         Py_XDECREF(row);

@@ -10,14 +10,26 @@
 
 #include "alloc/alloc.h"
 
-enum { TAG_OTHER = 0, TAG_FORWARD = 1, TAG_RECOMPUTE = 2 };
+/* An allocation's tag: the checkpointed region (0: outside any) above two
+ * bits of phase. The one encoding: _allocator_stats() decodes it for Python. */
+enum { TAG_OTHER = 0, TAG_FORWARD = 1, TAG_RECOMPUTE = 2, TAG_PHASE_BITS = 2 };
 
 /* Tag of a checkpointed region in one phase. */
 static inline uint64_t
 alloc_region_tag(uint64_t region, int phase)
 {
-    return region << 2 | (uint64_t)phase;
+    return region << TAG_PHASE_BITS | (uint64_t)phase;
 }
+
+/* The allocator library's entry points, by role. alloc_link.c holds their
+ * one list of names; _C.ALLOCATOR_SYMBOLS gives it to matepoint/_allocator.py
+ * (torch's CUDAPluggableAllocator and its hooks) and matepoint/_oom.py. */
+typedef enum {
+    ALLOC_SYM_MALLOC, ALLOC_SYM_FREE, ALLOC_SYM_INIT, ALLOC_SYM_RESET,
+    ALLOC_SYM_RECORD_STREAM, ALLOC_SYM_SET_MEMORY_FRACTION, ALLOC_SYM_SET_OOM_HANDLER,
+    ALLOC_SYM_SET_TAG, ALLOC_SYM_DEVICE_COUNT, ALLOC_SYM_GET_STATS, ALLOC_SYM_GET_TAG_STATS,
+    ALLOC_SYM_RESET_PEAKS, ALLOC_SYM_COUNT
+} alloc_symbol;
 
 typedef struct alloc_link {
     uint64_t (*set_tag)(uint64_t tag);
@@ -35,6 +47,8 @@ alloc_link_tag(const alloc_link *link, uint64_t tag)
     return link->set_tag ? link->set_tag(tag) : 0;
 }
 
+/* {role: symbol name} of every entry point, as a new dict. */
+PyObject *alloc_link_symbols(void);
 PyObject *alloc_link_attach(PyObject *module, PyObject *path);
 PyObject *alloc_link_stats(PyObject *module, PyObject *unused);
 PyObject *alloc_link_reset_peaks(PyObject *module, PyObject *unused);

@@ -90,6 +90,15 @@ typedef struct mp_state {
     int warned_reentrant;
 } mp_state;
 
+/* The one way to the module state: from matepoint._C itself (the `module`
+ * its functions and bound hooks receive), or from one of its types (whose
+ * methods get no module), which leads to the same module. */
+static inline mp_state *
+mp_state_of(PyObject *module)
+{
+    return (mp_state *)PyModule_GetState(module);
+}
+
 /* The state of the module that defined `type`; `type` must be one of ours. */
 mp_state *mp_state_from_type(PyTypeObject *type);
 

@@ -4,6 +4,8 @@
 #include "base/hooks.h"
 #include "tree.h"
 
+#include <stddef.h>
+
 /* Keyword options of checkpoint(); everything else goes to the function. */
 typedef struct {
     PyObject *use_reentrant;
@@ -17,23 +19,41 @@ typedef struct {
     PyObject *respect_saved_tensors_hooks; /* torch 2.14: selective checkpointing and user hooks */
 } checkpoint_options;
 
-static const char *const option_names[] = {
-    "use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug",
-    "early_stop", "matepoint_offload", "matepoint_prefetch", "respect_saved_tensors_hooks",
+/* The one list of checkpoint()'s own keywords: the parser, _C.CHECKPOINT_KEYWORDS
+ * (read by matepoint/_enable.py and _patch.py) and, by a test, the docstring. */
+#define OPTION(field) {#field, offsetof(checkpoint_options, field)}
+static const struct {
+    const char *name;
+    size_t offset;
+} option_table[] = {
+    OPTION(use_reentrant), OPTION(preserve_rng_state), OPTION(context_fn),
+    OPTION(determinism_check), OPTION(debug), OPTION(early_stop), OPTION(matepoint_offload),
+    OPTION(matepoint_prefetch), OPTION(respect_saved_tensors_hooks),
 };
+#undef OPTION
+#define OPTION_COUNT (sizeof(option_table) / sizeof(option_table[0]))
 
 static PyObject **
 option_slot(checkpoint_options *opts, PyObject *name)
 {
-    PyObject **slots[] = {&opts->use_reentrant, &opts->preserve_rng_state, &opts->context_fn,
-                          &opts->determinism_check, &opts->debug, &opts->early_stop,
-                          &opts->matepoint_offload, &opts->matepoint_prefetch,
-                          &opts->respect_saved_tensors_hooks};
-    for (size_t i = 0; i < sizeof(slots) / sizeof(slots[0]); i++) {
-        if (PyUnicode_CompareWithASCIIString(name, option_names[i]) == 0)
-            return slots[i];
+    for (size_t i = 0; i < OPTION_COUNT; i++) {
+        if (PyUnicode_CompareWithASCIIString(name, option_table[i].name) == 0)
+            return (PyObject **)((char *)opts + option_table[i].offset);
     }
     return NULL;
+}
+
+PyObject *
+checkpoint_keywords(void)
+{
+    PyObject *names = PyFrozenSet_New(NULL);
+    for (size_t i = 0; names != NULL && i < OPTION_COUNT; i++) {
+        PyObject *name = PyUnicode_InternFromString(option_table[i].name);
+        if (name == NULL || PySet_Add(names, name) < 0)
+            Py_CLEAR(names);
+        Py_XDECREF(name);
+    }
+    return names;
 }
 
 static Py_ssize_t

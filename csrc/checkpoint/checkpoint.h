@@ -8,5 +8,7 @@
 
 PyObject *checkpoint_call(PyObject *module, PyObject *const *args, Py_ssize_t nargsf,
                           PyObject *kwnames);
+/* checkpoint()'s own keywords, as a new frozenset of str. */
+PyObject *checkpoint_keywords(void);
 
 #endif

@@ -5,6 +5,7 @@
 #include "base/compat.h"
 #include "checkpoint/frame.h"
 #include "offload/offload.h"
+#include "options.h"
 #include "plan.h"
 #include "base/state.h"
 #include "checkpoint/tree.h"
@@ -22,7 +23,7 @@
 mp_state *
 mp_state_from_type(PyTypeObject *type)
 {
-    return PyType_GetModuleState(type);
+    return mp_state_of(PyType_GetModule(type));
 }
 
 static PyObject *
@@ -44,7 +45,8 @@ PyDoc_STRVAR(checkpoint_doc,
 "checkpoint($module, function, /, *args, use_reentrant=None,\n"
 "           preserve_rng_state=True, context_fn=None, determinism_check='default',\n"
 "           debug=False, early_stop=True, matepoint_offload=None,\n"
-"           matepoint_prefetch=True, **kwargs)\n"
+"           matepoint_prefetch=True, respect_saved_tensors_hooks=None,\n"
+"           **kwargs)\n"
 "--\n\n"
 "Run function(*args, **kwargs) without keeping its intermediate tensors.\n\n"
 "A drop-in replacement for torch.utils.checkpoint.checkpoint with its\n"
@@ -69,7 +71,10 @@ PyDoc_STRVAR(checkpoint_doc,
 "    offloaded to host memory or not; None follows matepoint.options.\n"
 "    Offload acts on CUDA tensors only: on a CPU-only machine it does nothing.\n"
 "matepoint_prefetch: False stops this region's recompute from prefetching\n"
-"    the inputs of earlier offloaded regions.\n\n"
+"    the inputs of earlier offloaded regions.\n"
+"respect_saved_tensors_hooks: torch 2.14's: whether the tensors selective\n"
+"    checkpointing keeps go through the saved-tensor hooks around the region\n"
+"    (None: torch's default; True needs torch 2.14).\n\n"
 "Returns what function returns. Raises TypeError for a non-callable\n"
 "function or a context_fn that returns no pair of context managers,\n"
 "ValueError for a bad determinism_check or debug=True with a context_fn,\n"
@@ -81,48 +86,22 @@ static PyObject *
 pool_stats(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    return offload_pool_stats(PyModule_GetState(module));
+    return offload_pool_stats(mp_state_of(module));
 }
 
 static PyObject *
 offload_device_type_py(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    return PyUnicode_FromString(offload_device_type(PyModule_GetState(module)));
+    return PyUnicode_FromString(offload_device_type(mp_state_of(module)));
 }
 
 static PyObject *
 empty_pool(PyObject *module, PyObject *unused)
 {
     (void)unused;
-    if (offload_empty_pool(PyModule_GetState(module)) < 0)
+    if (offload_empty_pool(mp_state_of(module)) < 0)
         return NULL;
-    Py_RETURN_NONE;
-}
-
-/* _configure(offload, pipeline, prefetch_depth, min_offload_bytes,
- *            pool_limit_bytes, offload_window): values are validated by
- * matepoint/_options.py; this only range-checks what C relies on. */
-static PyObject *
-configure(PyObject *module, PyObject *args)
-{
-    mp_state *st = PyModule_GetState(module);
-    int enabled, pipeline, depth, window;
-    long long min_bytes;
-    unsigned long long limit;
-    if (!PyArg_ParseTuple(args, "ppiLKi:_configure", &enabled, &pipeline, &depth, &min_bytes,
-                          &limit, &window))
-        return NULL;
-    if (depth < 0 || min_bytes < 0 || window < 1) {
-        PyErr_SetString(PyExc_ValueError, "matepoint: prefetch_depth and min_offload_bytes "
-                                          "must not be negative, offload_window at least 1");
-        return NULL;
-    }
-    offload_options *opts = offload_engine_options(st->engine);
-    *opts = (offload_options){.enabled = enabled, .pipeline = pipeline, .prefetch_depth = depth,
-                              .min_offload_bytes = min_bytes, .pool_limit_bytes = limit,
-                              .window = window};
-    offload_engine_apply_limit(st->engine);
     Py_RETURN_NONE;
 }
 
@@ -134,7 +113,7 @@ reserve_pool(PyObject *module, PyObject *args)
     uint64_t added;
     if (!PyArg_ParseTuple(args, "KK:_reserve_pool", &buffer_bytes, &count))
         return NULL;
-    if (offload_reserve_pool(PyModule_GetState(module), buffer_bytes, count, &added) < 0)
+    if (offload_reserve_pool(mp_state_of(module), buffer_bytes, count, &added) < 0)
         return NULL;
     return PyLong_FromUnsignedLongLong(added);
 }
@@ -149,11 +128,13 @@ PyDoc_STRVAR(offload_device_type_doc,
 PyDoc_STRVAR(empty_pool_doc,
 "empty_pool($module, /)\n--\n\nFree cached, unused host pool buffers.");
 PyDoc_STRVAR(configure_doc,
-"_configure($module, offload, pipeline, prefetch_depth, min_offload_bytes,\n           pool_limit_bytes, offload_window, /)\n--\n\nApply matepoint.options (matepoint/_options.py validates the values).");
+"_configure($module, /, **options)\n--\n\nCheck, then apply, the options given (names and ranges: OPTIONS); the others keep their values.");
+PyDoc_STRVAR(check_option_doc,
+"_check_option($module, name, value, /)\n--\n\nvalue when option name accepts it; else the TypeError or ValueError set_options raises.");
 PyDoc_STRVAR(attach_allocator_doc,
 "_attach_allocator($module, path, /)\n--\n\nLink to the allocator library at path, already loaded by torch.");
 PyDoc_STRVAR(allocator_stats_doc,
-"_allocator_stats($module, /)\n--\n\nPer device, the allocator's counters and per-tag bytes, as a list of dicts.");
+"_allocator_stats($module, /)\n--\n\nPer device, the allocator's counters and its tags' rows (region, phase, bytes), as a list of dicts.");
 PyDoc_STRVAR(allocator_reset_peaks_doc,
 "_allocator_reset_peaks($module, /)\n--\n\nReset the allocator's peak counters on every device.");
 PyDoc_STRVAR(allocator_empty_cache_doc,
@@ -174,7 +155,10 @@ static PyMethodDef module_methods[] = {
     {"pool_stats", pool_stats, METH_NOARGS, pool_stats_doc},
     {"empty_pool", empty_pool, METH_NOARGS, empty_pool_doc},
     {"_offload_device_type", offload_device_type_py, METH_NOARGS, offload_device_type_doc},
-    {"_configure", configure, METH_VARARGS, configure_doc},
+    {"_configure", (PyCFunction)(void (*)(void))options_configure_py,
+     METH_VARARGS | METH_KEYWORDS, configure_doc},
+    {"_check_option", (PyCFunction)(void (*)(void))options_check_py, METH_FASTCALL,
+     check_option_doc},
     {"_attach_allocator", alloc_link_attach, METH_O, attach_allocator_doc},
     {"_allocator_stats", alloc_link_stats, METH_NOARGS, allocator_stats_doc},
     {"_allocator_reset_peaks", alloc_link_reset_peaks, METH_NOARGS, allocator_reset_peaks_doc},
@@ -316,10 +300,19 @@ add_type(PyObject *module, PyType_Spec *spec, PyTypeObject **out)
     return *out ? 0 : -1;
 }
 
+/* Adds `value` (a new reference, or NULL with an error set) as `name`. */
+static int
+add_new(PyObject *module, const char *name, PyObject *value)
+{
+    int status = value != NULL ? PyModule_AddObjectRef(module, name, value) : -1;
+    Py_XDECREF(value);
+    return status;
+}
+
 static int
 module_exec(PyObject *module)
 {
-    mp_state *st = PyModule_GetState(module);
+    mp_state *st = mp_state_of(module);
     if (load_torch(st) < 0 || intern_names(st) < 0)
         return -1;
     st->autocast_available_cache = PyDict_New();
@@ -340,6 +333,7 @@ module_exec(PyObject *module)
         PyErr_NoMemory();
         return -1;
     }
+    options_set_defaults(st);
     st->stop_recompute = PyErr_NewException("matepoint._C._StopRecomputation", NULL, NULL);
     st->unpack_hook = PyCFunction_NewEx(&unpack_def, module, NULL);
     st->identity = PyCFunction_NewEx(&identity_def, module, NULL);
@@ -352,7 +346,11 @@ module_exec(PyObject *module)
     if (testing_add_functions(module) < 0)
         return -1;
 #endif
-    if (PyModule_AddIntConstant(module, "TEST_BUILD", MATEPOINT_TEST_BUILD) < 0)
+    if (PyModule_AddIntConstant(module, "TEST_BUILD", MATEPOINT_TEST_BUILD) < 0 ||
+        options_add_table(module) < 0 ||
+        add_new(module, "CHECKPOINT_KEYWORDS", checkpoint_keywords()) < 0 ||
+        add_new(module, "POOL_STATS_KEYS", offload_pool_stats_keys()) < 0 ||
+        add_new(module, "ALLOCATOR_SYMBOLS", alloc_link_symbols()) < 0)
         return -1;
     return PyModule_AddIntConstant(module, "HAS_SAVED_TENSOR", st->make_saved_tensor != NULL);
 }
@@ -382,7 +380,7 @@ module_exec(PyObject *module)
 static int
 module_traverse(PyObject *module, visitproc visit, void *arg)
 {
-    mp_state *st = PyModule_GetState(module);
+    mp_state *st = mp_state_of(module);
     if (st == NULL)
         return 0;
 #define VISIT(field) Py_VISIT(st->field);
@@ -395,7 +393,7 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
 static int
 module_clear(PyObject *module)
 {
-    mp_state *st = PyModule_GetState(module);
+    mp_state *st = mp_state_of(module);
     if (st == NULL)
         return 0;
 #define CLEAR(field) Py_CLEAR(st->field);
@@ -408,7 +406,7 @@ module_clear(PyObject *module)
 static void
 module_free(void *module)
 {
-    mp_state *st = PyModule_GetState((PyObject *)module);
+    mp_state *st = mp_state_of((PyObject *)module);
     if (st != NULL && st->engine != NULL) {
         offload_engine_free(st->engine);
         st->engine = NULL;
@@ -416,8 +414,18 @@ module_free(void *module)
     module_clear((PyObject *)module);
 }
 
+/* Declared for what is true of this module. One interpreter only: it keeps
+ * Python objects in thread-locals (checkpoint/bn_guard.c) and a process-wide
+ * CUDA runtime table, and torch, which it calls throughout, is single-phase.
+ * The GIL is needed: all state is guarded by it (base/state.h). */
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
+#ifdef Py_mod_multiple_interpreters
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#ifdef Py_mod_gil
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
     {0, NULL},
 };
 

@@ -52,6 +52,8 @@ const char *offload_device_type(mp_state *st);
 
 /* Python: dict of pool counters; drop cached buffers. */
 PyObject *offload_pool_stats(mp_state *st);
+/* pool_stats()'s keys, in order, as a new tuple. */
+PyObject *offload_pool_stats_keys(void);
 int offload_empty_pool(mp_state *st);
 /* Pins up to `count` buffers for spans of `buffer_bytes` ahead of use,
  * without the GIL; *added says how many. */

@@ -3,6 +3,9 @@
 #include "offload_window.h"
 #include "streams.h"
 
+#include <stddef.h>
+#include <string.h>
+
 offload_engine *
 offload_engine_of(PyObject *module)
 {
@@ -15,10 +18,7 @@ offload_engine_new(void)
     offload_engine *engine = PyMem_Calloc(1, sizeof(*engine));
     if (engine == NULL)
         return NULL;
-    engine->options = (offload_options){
-        .enabled = 1, .pipeline = 1, .prefetch_depth = 1, .window = 2,
-        .min_offload_bytes = 1 << 20,
-    };
+    /* the options start at their defaults: module/options.c's table */
     engine->runtime = &offload_runtime_torch;
     return engine;
 }
@@ -332,6 +332,39 @@ offload_device_type(mp_state *st)
 
 /* ---- pool API ------------------------------------------------------------------- */
 
+/* The one list of pool_stats()'s counters (all uint64_t): from the pool's
+ * stats or the engine itself. "backend" (a str) follows them. */
+#define POOL_KEY(field) {#field, offsetof(pool_stats, field), 0}
+#define ENGINE_KEY(field) {#field, offsetof(offload_engine, field), 1}
+static const struct {
+    const char *key;
+    size_t offset;
+    int of_engine;
+} stats_keys[] = {
+    ENGINE_KEY(prefetched), ENGINE_KEY(fetched_at_need), POOL_KEY(bytes_in_use),
+    POOL_KEY(bytes_requested), POOL_KEY(bytes_reserved), POOL_KEY(peak_bytes_in_use),
+    POOL_KEY(host_allocations), POOL_KEY(hits), POOL_KEY(misses), POOL_KEY(fallbacks),
+    POOL_KEY(failures), POOL_KEY(blocks_in_use), ENGINE_KEY(device_bytes_in_flight),
+    ENGINE_KEY(peak_device_bytes_in_flight),
+};
+#undef POOL_KEY
+#undef ENGINE_KEY
+#define STATS_KEY_COUNT (sizeof(stats_keys) / sizeof(stats_keys[0]))
+
+PyObject *
+offload_pool_stats_keys(void)
+{
+    PyObject *keys = PyTuple_New((Py_ssize_t)STATS_KEY_COUNT + 1);
+    for (size_t i = 0; keys != NULL && i <= STATS_KEY_COUNT; i++) {
+        PyObject *key = PyUnicode_FromString(i < STATS_KEY_COUNT ? stats_keys[i].key : "backend");
+        if (key == NULL)
+            Py_CLEAR(keys);
+        else
+            PyTuple_SET_ITEM(keys, (Py_ssize_t)i, key);
+    }
+    return keys;
+}
+
 PyObject *
 offload_pool_stats(mp_state *st)
 {
@@ -341,16 +374,22 @@ offload_pool_stats(mp_state *st)
         return NULL;
     if (engine->pool != NULL)
         stats = pool_get_stats(engine->pool);
-    return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKss}", "prefetched", (unsigned long long)engine->prefetched,
-        "fetched_at_need", (unsigned long long)engine->fetched_at_need, "bytes_in_use",
-        stats.bytes_in_use, "bytes_requested", stats.bytes_requested, "bytes_reserved",
-        stats.bytes_reserved, "peak_bytes_in_use", stats.peak_bytes_in_use, "host_allocations",
-        stats.host_allocations, "hits", stats.hits, "misses", stats.misses, "fallbacks",
-        stats.fallbacks, "failures", stats.failures, "blocks_in_use", stats.blocks_in_use,
-        "device_bytes_in_flight", (unsigned long long)engine->device_bytes_in_flight,
-        "peak_device_bytes_in_flight", (unsigned long long)engine->peak_device_bytes_in_flight,
-        "backend", engine->pool == NULL ? "none" : pool_backend_name(engine->pool));
+    PyObject *dict = PyDict_New();
+    for (size_t i = 0; dict != NULL && i < STATS_KEY_COUNT; i++) {
+        const char *base = stats_keys[i].of_engine ? (const char *)engine : (const char *)&stats;
+        uint64_t value;
+        memcpy(&value, base + stats_keys[i].offset, sizeof(value));
+        PyObject *number = PyLong_FromUnsignedLongLong(value);
+        if (number == NULL || PyDict_SetItemString(dict, stats_keys[i].key, number) < 0)
+            Py_CLEAR(dict);
+        Py_XDECREF(number);
+    }
+    PyObject *backend = PyUnicode_FromString(engine->pool == NULL ? "none"
+                                                                  : pool_backend_name(engine->pool));
+    if (dict != NULL && (backend == NULL || PyDict_SetItemString(dict, "backend", backend) < 0))
+        Py_CLEAR(dict);
+    Py_XDECREF(backend);
+    return dict;
 }
 
 void

@@ -1,0 +1,198 @@
+#include "options.h"
+#include "offload/offload.h"
+
+#include <limits.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum { KIND_BOOL, KIND_INT, KIND_INT_OR_NONE } option_kind;
+typedef enum { FIELD_INT, FIELD_INT64, FIELD_UINT64 } field_kind;
+
+typedef struct {
+    const char *name;
+    option_kind kind;
+    int64_t default_value;   /* KIND_INT_OR_NONE: 0 is None */
+    int64_t low, high;
+    const char *accepted;    /* the range in words, as errors name it */
+    size_t offset;           /* its field in offload_options */
+    field_kind field;
+} option_spec;
+
+#define FIELD(name, kind) offsetof(offload_options, name), kind
+
+/* The C core keeps counts of checkpoints in an int and byte sizes in 64
+ * bits with room for sums: hence the upper bounds. */
+static const option_spec option_specs[] = {
+    {"offload", KIND_BOOL, 1, 0, 1, NULL, FIELD(enabled, FIELD_INT)},
+    {"pipeline", KIND_BOOL, 1, 0, 1, NULL, FIELD(pipeline, FIELD_INT)},
+    {"prefetch_depth", KIND_INT, 1, 0, INT_MAX, "an int from 0 to 2**31 - 1",
+     FIELD(prefetch_depth, FIELD_INT)},
+    {"offload_window", KIND_INT, 2, 1, INT_MAX, "an int from 1 to 2**31 - 1",
+     FIELD(window, FIELD_INT)},
+    {"min_offload_bytes", KIND_INT, 1 << 20, 0, INT64_MAX, "an int from 0 to 2**63 - 1",
+     FIELD(min_offload_bytes, FIELD_INT64)},
+    {"pool_limit_bytes", KIND_INT_OR_NONE, 0, 1, INT64_MAX,
+     "an int from 1 to 2**63 - 1, or None", FIELD(pool_limit_bytes, FIELD_UINT64)},
+};
+#define OPTION_COUNT (sizeof(option_specs) / sizeof(option_specs[0]))
+
+static void
+store(offload_options *opts, const option_spec *spec, int64_t value)
+{
+    char *field = (char *)opts + spec->offset;
+    if (spec->field == FIELD_INT)
+        *(int *)field = (int)value;
+    else if (spec->field == FIELD_INT64)
+        *(int64_t *)field = value;
+    else
+        *(uint64_t *)field = (uint64_t)value;
+}
+
+void
+options_set_defaults(mp_state *st)
+{
+    offload_options *opts = offload_engine_options(st->engine);
+    for (size_t i = 0; i < OPTION_COUNT; i++)
+        store(opts, &option_specs[i], option_specs[i].default_value);
+}
+
+static const option_spec *
+find_spec(PyObject *name)
+{
+    for (size_t i = 0; PyUnicode_Check(name) && i < OPTION_COUNT; i++) {
+        if (PyUnicode_CompareWithASCIIString(name, option_specs[i].name) == 0)
+            return &option_specs[i];
+    }
+    return NULL;
+}
+
+/* `value` for a message: a huge int by its size (str() refuses past 4300
+ * digits). */
+static PyObject *
+show_int(PyObject *value)
+{
+    PyObject *bits = PyObject_CallMethod(value, "bit_length", NULL);
+    Py_ssize_t count = bits != NULL ? PyLong_AsSsize_t(bits) : -1;
+    Py_XDECREF(bits);
+    if (count < 0)
+        return NULL;
+    return count <= 256 ? PyObject_Str(value)
+                        : PyUnicode_FromFormat("an int of %zd bits", count);
+}
+
+static int
+out_of_range(const option_spec *spec, PyObject *value)
+{
+    PyObject *shown = show_int(value);
+    if (shown == NULL)
+        return -1;
+    PyErr_Format(PyExc_ValueError, "matepoint option %s must be %s (%s), got %U", spec->name,
+                 spec->low > 0 ? "positive" : "positive or zero", spec->accepted, shown);
+    Py_DECREF(shown);
+    return -1;
+}
+
+/* The one check of an option's value: 0 with *out set, or -1 with a
+ * TypeError or ValueError naming the option and what it accepts. */
+static int
+check_value(const option_spec *spec, PyObject *value, int64_t *out)
+{
+    if (spec->kind == KIND_BOOL) {
+        if (!PyBool_Check(value)) {
+            PyErr_Format(PyExc_TypeError, "matepoint option %s must be a bool, got %R",
+                         spec->name, value);
+            return -1;
+        }
+        *out = value == Py_True;
+        return 0;
+    }
+    if (value == Py_None && spec->kind == KIND_INT_OR_NONE) {
+        *out = 0;
+        return 0;
+    }
+    if (PyBool_Check(value) || !PyLong_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "matepoint option %s must be %s, got %R", spec->name,
+                     spec->accepted, value);
+        return -1;
+    }
+    int overflow;
+    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (number == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow != 0 || number < spec->low || number > spec->high)
+        return out_of_range(spec, value);
+    *out = number;
+    return 0;
+}
+
+int
+options_add_table(PyObject *module)
+{
+    PyObject *table = PyDict_New();
+    for (size_t i = 0; table != NULL && i < OPTION_COUNT; i++) {
+        const option_spec *spec = &option_specs[i];
+        PyObject *entry =
+            spec->kind == KIND_BOOL ? Py_BuildValue("(Os)", spec->default_value ? Py_True
+                                                                                : Py_False,
+                                                    NULL)
+            : spec->kind == KIND_INT_OR_NONE && spec->default_value == 0
+                ? Py_BuildValue("(Os)", Py_None, spec->accepted)
+                : Py_BuildValue("(Ls)", (long long)spec->default_value, spec->accepted);
+        if (entry == NULL || PyDict_SetItemString(table, spec->name, entry) < 0)
+            Py_CLEAR(table);
+        Py_XDECREF(entry);
+    }
+    int status = table != NULL ? PyModule_AddObjectRef(module, "OPTIONS", table) : -1;
+    Py_XDECREF(table);
+    return status;
+}
+
+/* _check_option(name, value) -> value, or the error set_options raises. */
+PyObject *
+options_check_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "_check_option takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    const option_spec *spec = find_spec(args[0]);
+    int64_t value;
+    if (spec == NULL) {
+        PyErr_Format(PyExc_TypeError, "unknown matepoint option %R", args[0]);
+        return NULL;
+    }
+    if (check_value(spec, args[1], &value) < 0)
+        return NULL;
+    return Py_NewRef(args[1]);
+}
+
+/* _configure(**options): checks every value first, then applies them all
+ * (an option not given keeps its value). */
+PyObject *
+options_configure_py(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    mp_state *st = mp_state_of(module);
+    offload_options *current = offload_engine_options(st->engine);
+    offload_options staged = *current;
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "matepoint._C._configure takes keywords only");
+        return NULL;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *name, *value;
+    while (kwargs != NULL && PyDict_Next(kwargs, &pos, &name, &value)) {
+        const option_spec *spec = find_spec(name);
+        int64_t number;
+        if (spec == NULL) {
+            PyErr_Format(PyExc_TypeError, "unknown matepoint option %R", name);
+            return NULL;
+        }
+        if (check_value(spec, value, &number) < 0)
+            return NULL;
+        store(&staged, spec, number);
+    }
+    *current = staged;
+    offload_engine_apply_limit(st->engine);
+    Py_RETURN_NONE;
+}

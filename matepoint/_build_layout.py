@@ -1,0 +1,68 @@
+"""Where matepoint's compiled parts come from, and how they are compiled:
+the one list that setup.py, the Makefile and matepoint/_oom.py read.
+
+setup.py loads this file by its path (the package cannot be imported before
+it is built, and pip's isolated build has no torch), so it imports nothing
+outside the standard library. ``python matepoint/_build_layout.py cflags``
+prints the C flags for the Makefile's C unit tests.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from glob import glob
+from typing import List, Mapping
+
+# csrc/ folders compiled into matepoint._C, plus single files from others;
+# test builds (MATEPOINT_TESTING=1) add the simulated GPU and test controls
+EXTENSION_FOLDERS = ("base", "offload", "checkpoint", "module", "pool", "planner")
+EXTENSION_FILES = ("csrc/cuda/cudart.c",)
+TEST_FOLDERS = ("testing",)
+TEST_FILES = ("csrc/cuda/cudart_sim.c",)
+# the allocator, its own shared library (matepoint._alloc) torch loads by path
+ALLOCATOR_FOLDERS = ("alloc",)
+ALLOCATOR_FILES = ("csrc/cuda/cudart.c",)
+# the C++ unit that raises torch.OutOfMemoryError: in the checkout, and its
+# name inside an installed package (compiled at run time, see _oom.py)
+OOM_UNIT_SOURCE = "csrc/alloc/oom_raise.cpp"
+OOM_UNIT = os.path.basename(OOM_UNIT_SOURCE)
+
+C_FLAGS = ["-std=c11", "-Wall", "-Wextra"]
+CXX_FLAGS = ["-std=c++17", "-O2", "-shared", "-fPIC"]
+
+
+def _sources(root: str, folders: tuple, files: tuple) -> List[str]:
+    found = [path for folder in folders
+             for path in sorted(glob(os.path.join(root, "csrc", folder, "*.c")))]
+    return [os.path.relpath(path, root) for path in found] + list(files)
+
+
+def extension_sources(root: str, testing: bool) -> List[str]:
+    """The C files of matepoint._C, relative to the checkout ``root``."""
+    test = _sources(root, TEST_FOLDERS, TEST_FILES) if testing else []
+    return _sources(root, EXTENSION_FOLDERS, EXTENSION_FILES) + test
+
+
+def allocator_sources(root: str) -> List[str]:
+    """The C files of the allocator library, relative to ``root``."""
+    return _sources(root, ALLOCATOR_FOLDERS, ALLOCATOR_FILES)
+
+
+def c_flags(environ: Mapping[str, str]) -> List[str]:
+    """Flags of a C build: MATEPOINT_TESTING=1 adds the test doubles,
+    MATEPOINT_WERROR=1 -Werror, MATEPOINT_DEBUG=1 an unoptimized debug
+    build with its asserts."""
+    flags = C_FLAGS + ["-fvisibility=hidden"]
+    if environ.get("MATEPOINT_TESTING") == "1":
+        flags.append("-DMATEPOINT_TESTING=1")
+    if environ.get("MATEPOINT_WERROR") == "1":
+        flags.append("-Werror")
+    if environ.get("MATEPOINT_DEBUG") == "1":
+        flags += ["-O0", "-g", "-DMATEPOINT_DEBUG=1"]
+    return flags
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["cflags"]:
+        sys.exit("usage: python matepoint/_build_layout.py cflags")
+    print(" ".join(C_FLAGS))
