@@ -13,6 +13,9 @@ SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all
 CTEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -DMATEPOINT_DEBUG=1 $(SANITIZE)
 # the failure tests ask for impossible sizes on purpose
 export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
+# the allocator's C sources but the library's entry points (entry.c)
+ALLOC_SOURCES := $(filter-out csrc/alloc/entry.c,$(sort $(wildcard csrc/alloc/*.c)))
+ALLOC_HEADERS := $(wildcard csrc/alloc/*.h)
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
            build/ctest/test_cudart_sim
 
@@ -99,11 +102,11 @@ build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h csrc/planner/pl
 # Operation-sequence fuzzing of allocator and pool: libFuzzer-compatible
 # harness, driven here by random inputs for a bounded time under ASan/UBSan.
 FUZZ_SECONDS ?= 20
-FUZZ_SOURCES := tests/c/fuzz_ops.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/pool/pool.c csrc/pool/pool_host.c
+FUZZ_SOURCES := tests/c/fuzz_ops.c $(ALLOC_SOURCES) csrc/pool/pool.c csrc/pool/pool_host.c
 fuzz: build/ctest/fuzz_ops
 	build/ctest/fuzz_ops $(FUZZ_SECONDS)
 
-build/ctest/fuzz_ops: $(FUZZ_SOURCES) csrc/alloc/alloc.h csrc/pool/pool.h
+build/ctest/fuzz_ops: $(FUZZ_SOURCES) $(ALLOC_HEADERS) csrc/pool/pool.h
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -DFUZZ_DRIVER -o $@ $(FUZZ_SOURCES) -lpthread
 
@@ -114,7 +117,7 @@ valgrind:
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_pool \
 	  tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c -lpthread
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_alloc \
-	  tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c -lpthread
+	  tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_planner \
 	  tests/c/test_planner.c csrc/planner/planner.c -lm
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_cudart_sim \
@@ -124,9 +127,9 @@ valgrind:
 	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
 
-build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h tests/c/lock_probe.h csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c csrc/alloc/alloc.h csrc/alloc/alloc_host.h
+build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h tests/c/lock_probe.h $(ALLOC_SOURCES) $(ALLOC_HEADERS)
 	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c -lpthread
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -1,0 +1,153 @@
+/* Per-stream state of a device and the events of cross-stream frees
+ * (torch's events_insert / events_process). Contract: alloc_internal.h. */
+#include "alloc_internal.h"
+
+#include <stdlib.h>
+
+/* ---- streams --------------------------------------------------------------- */
+
+/* The state of `stream`, moved to the front: a device mostly allocates on
+ * one or two streams. NULL when the device has none for it. */
+stream_state *
+stream_find(device_state *dev, void *stream)
+{
+    for (stream_state **link = &dev->streams; *link != NULL; link = &(*link)->next) {
+        stream_state *s = *link;
+        if (s->stream != stream)
+            continue;
+        *link = s->next;
+        s->next = dev->streams;
+        dev->streams = s;
+        return s;
+    }
+    return NULL;
+}
+
+/* The state of `stream`, made when missing; NULL without memory. */
+stream_state *
+stream_get(device_state *dev, void *stream)
+{
+    stream_state *s = stream_find(dev, stream);
+    if (s == NULL && (s = calloc(1, sizeof(*s))) != NULL) {
+        s->stream = stream;
+        s->next = dev->streams;
+        dev->streams = s;
+    }
+    return s;
+}
+
+static int
+stream_unused(const stream_state *s)
+{
+    return s->segments == 0 && s->head == NULL;
+}
+
+void
+stream_drop_if_unused(device_state *dev, stream_state *s)
+{
+    if (!stream_unused(s))
+        return;
+    for (stream_state **link = &dev->streams; *link != NULL; link = &(*link)->next) {
+        if (*link == s) {
+            *link = s->next;
+            free(s);
+            return;
+        }
+    }
+}
+
+/* Retires the events frees recorded on one stream, oldest first, up to the
+ * first one not complete: later ones on the same stream cannot be complete
+ * before it, so querying them would only cost (torch's events_process).
+ * With `wait`, waits for each instead. A block whose last event completed
+ * returns to its stream's free blocks. Lock held. */
+static void
+retire_events(allocator *a, stream_state *s, int wait)
+{
+    while (s->head != NULL) {
+        pending_event *e = s->head;
+        if (wait)
+            a->backend.event_wait(a->backend.ctx, e->event);
+        else if (a->backend.event_query(a->backend.ctx, e->event) != 1)
+            return;
+        s->head = e->next;
+        if (s->head == NULL)
+            s->tail = NULL;
+        a->backend.event_free(a->backend.ctx, e->event);
+        block *b = e->b;
+        free(e);
+        if (--b->event_count == 0)
+            block_insert_free(b);
+    }
+}
+
+/* Retires completed events of every stream (all of them if `wait`) and
+ * forgets the streams left with nothing. Lock held. */
+void
+events_process(allocator *a, device_state *dev, int wait)
+{
+    stream_state **link = &dev->streams;
+    while (*link != NULL) {
+        stream_state *s = *link;
+        retire_events(a, s, wait);
+        if (stream_unused(s)) {
+            *link = s->next;
+            free(s);
+        } else {
+            link = &s->next;
+        }
+    }
+}
+void
+events_free_chain(allocator *a, pending_event *e)
+{
+    while (e != NULL) {
+        pending_event *next = e->next;
+        if (e->event != NULL)
+            a->backend.event_free(a->backend.ctx, e->event);
+        free(e);
+        e = next;
+    }
+}
+
+/* Records an event on each extra stream the block was used on and queues
+ * it on that stream; the block returns to its free blocks once all
+ * completed (torch's events_insert). Everything that can fail happens
+ * before anything is queued: on -1 nothing was. */
+int
+events_insert(allocator *a, device_state *dev, block *b)
+{
+    pending_event *made = NULL;
+    for (int i = 0; i < b->n_extra; i++) {
+        pending_event *e = calloc(1, sizeof(*e));
+        if (e == NULL || stream_get(dev, b->extra_streams[i]) == NULL) {
+            free(e);
+            events_free_chain(a, made);
+            return -1;
+        }
+        e->b = b;
+        e->next = made;
+        made = e;
+        if (a->backend.event_record(a->backend.ctx, dev->index, b->extra_streams[i],
+                                    &e->event) != ALLOC_OK) {
+            e->event = NULL;
+            events_free_chain(a, made);
+            return -1;
+        }
+    }
+    /* `made` holds the streams' events in reverse order */
+    for (int i = b->n_extra - 1; i >= 0; i--) {
+        pending_event *e = made;
+        made = e->next;
+        e->next = NULL;
+        stream_state *s = stream_find(dev, b->extra_streams[i]);
+        if (s->tail != NULL)
+            s->tail->next = e;
+        else
+            s->head = e;
+        s->tail = e;
+        b->event_count++;
+    }
+    return 0;
+}
+
