@@ -16,6 +16,7 @@ export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
 # the allocator's C sources but the library's entry points (entry.c)
 ALLOC_SOURCES := $(filter-out csrc/alloc/entry.c,$(sort $(wildcard csrc/alloc/*.c)))
 ALLOC_HEADERS := $(wildcard csrc/alloc/*.h)
+SIM_SOURCES := $(sort $(wildcard csrc/cuda/cudart_sim*.c))
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
            build/ctest/test_cudart_sim
 
@@ -91,9 +92,9 @@ build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h tests/c/lock_probe.h 
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c -lpthread
 
-build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h csrc/cuda/cudart_sim.c csrc/cuda/cudart_sim.h
+build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h $(SIM_SOURCES) csrc/cuda/cudart_sim.h csrc/cuda/cudart_sim_internal.h
 	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_sim.c csrc/cuda/cudart_sim.c -lpthread
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
 
 build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h csrc/planner/planner.c csrc/planner/planner.h
 	@mkdir -p $(@D)
@@ -121,7 +122,7 @@ valgrind:
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_planner \
 	  tests/c/test_planner.c csrc/planner/planner.c -lm
 	$(CC) -std=c11 -Wall -Wextra -Werror -g -O1 -Icsrc -Itests/c -o build/valgrind/test_cudart_sim \
-	  tests/c/test_cudart_sim.c csrc/cuda/cudart_sim.c -lpthread
+	  tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
 	@if command -v valgrind >/dev/null; then \
 	  $(VALGRIND) build/valgrind/test_pool && $(VALGRIND) build/valgrind/test_alloc && \
 	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim; \

@@ -7,7 +7,7 @@ from setuptools.command.build_py import build_py
 
 
 # MATEPOINT_TESTING=1 builds the test controls and the simulated GPU into
-# both libraries (csrc/testing, csrc/cuda/cudart_sim.c); a plain build ships
+# both libraries (csrc/testing, csrc/cuda/cudart_sim*.c); a plain build ships
 # neither.
 TESTING = os.environ.get("MATEPOINT_TESTING") == "1"
 
@@ -23,11 +23,16 @@ def c_flags() -> list[str]:
     return flags
 
 
+# csrc/cuda: the runtime loader and its helpers; the simulated GPU's files
+# (cudart_sim*.c) go into test builds only.
+CUDA_SIM = sorted(glob("csrc/cuda/cudart_sim*.c"))
+CUDA = [c for c in sorted(glob("csrc/cuda/*.c")) if c not in CUDA_SIM]
+
 extension = Extension(
     "matepoint._C",
     sources=[c for folder in ("base", "offload", "checkpoint", "module", "pool", "planner")
-             for c in sorted(glob(f"csrc/{folder}/*.c"))] + ["csrc/cuda/cudart.c"]
-    + (sorted(glob("csrc/testing/*.c")) + ["csrc/cuda/cudart_sim.c"] if TESTING else []),
+             for c in sorted(glob(f"csrc/{folder}/*.c"))] + CUDA
+    + (sorted(glob("csrc/testing/*.c")) + CUDA_SIM if TESTING else []),
     include_dirs=["csrc"],
     extra_compile_args=c_flags(),
     libraries=["dl", "pthread"],
@@ -38,7 +43,7 @@ extension = Extension(
 # builds on machines without CUDA too.
 allocator = Extension(
     "matepoint._alloc",
-    sources=sorted(glob("csrc/alloc/*.c")) + ["csrc/cuda/cudart.c"],
+    sources=sorted(glob("csrc/alloc/*.c")) + CUDA,
     include_dirs=["csrc"],
     # torch.OutOfMemoryError is thrown (oom_raise.cpp) through these frames
     extra_compile_args=c_flags() + ["-fexceptions"],
