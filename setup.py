@@ -27,11 +27,13 @@ def c_flags() -> list[str]:
 # (cudart_sim*.c) go into test builds only.
 CUDA_SIM = sorted(glob("csrc/cuda/cudart_sim*.c"))
 CUDA = [c for c in sorted(glob("csrc/cuda/*.c")) if c not in CUDA_SIM]
+# csrc/common: helpers every layer may use (both libraries link them)
+COMMON = sorted(glob("csrc/common/*.c"))
 
 extension = Extension(
     "matepoint._C",
     sources=[c for folder in ("base", "offload", "checkpoint", "module", "pool", "planner")
-             for c in sorted(glob(f"csrc/{folder}/*.c"))] + CUDA
+             for c in sorted(glob(f"csrc/{folder}/*.c"))] + CUDA + COMMON
     + (sorted(glob("csrc/testing/*.c")) + CUDA_SIM if TESTING else []),
     include_dirs=["csrc"],
     extra_compile_args=c_flags(),
@@ -43,7 +45,7 @@ extension = Extension(
 # builds on machines without CUDA too.
 allocator = Extension(
     "matepoint._alloc",
-    sources=sorted(glob("csrc/alloc/*.c")) + CUDA,
+    sources=sorted(glob("csrc/alloc/*.c")) + CUDA + COMMON,
     include_dirs=["csrc"],
     # torch.OutOfMemoryError is thrown (oom_raise.cpp) through these frames
     extra_compile_args=c_flags() + ["-fexceptions"],

@@ -1,9 +1,7 @@
 /* The simulated runtime's table: one function per CUDA entry point, each
  * between sim_enter() and sim_leave(). Model: cudart_sim.h. */
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* posix_memalign */
-#endif
 #include "cudart_sim_internal.h"
+#include "common/host_memory.h"
 
 #include <stdlib.h>
 
@@ -46,11 +44,11 @@ sim_set_device(int device)
 static int
 aligned_alloc_range(void **ptr, size_t bytes, int device)
 {
-    void *base = NULL;
-    if (posix_memalign(&base, HOST_ALIGN, bytes ? bytes : 1) != 0)
+    void *base = mp_host_alloc(bytes, HOST_ALIGN);
+    if (base == NULL)
         return CUDART_ERROR_MEMORY_ALLOCATION;
     if (sim_add_range(base, bytes ? bytes : 1, device) < 0) {
-        free(base);
+        mp_host_free(base);
         return CUDART_ERROR_MEMORY_ALLOCATION;
     }
     *ptr = base;

@@ -2,6 +2,7 @@
  * only as far as a blocking call needs; the memory ranges handed out; the
  * entry and exit of every runtime call. Contract: cudart_sim_internal.h. */
 #include "cudart_sim_internal.h"
+#include "common/host_memory.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -276,7 +277,7 @@ sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry)
         sim_gpu.stats.device_bytes_live[range->device] -= range->bytes;
     *link = range->next;
     free(range);
-    free(ptr);
+    mp_host_free(ptr);
     return CUDART_SUCCESS;
 }
 

@@ -1,7 +1,5 @@
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* posix_memalign under -std=c11 */
-#endif
 #include "pool.h"
+#include "common/host_memory.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -207,16 +205,6 @@ allocate_new(pool *p, uint64_t size)
     return claimed ? backend_alloc(p, size) : NULL;
 }
 
-static void *
-pageable_alloc(uint64_t size)
-{
-    void *ptr = NULL;
-    /* no object is larger than PTRDIFF_MAX: do not even ask */
-    if (size > PTRDIFF_MAX || posix_memalign(&ptr, POOL_ALIGN, (size_t)size) != 0)
-        return NULL;
-    return ptr;
-}
-
 /* Hands `ptr` out as `out`. Lock held. */
 static void
 hand_out_locked(pool *p, pool_block *out, void *ptr, uint64_t size, uint64_t bytes, int fallback)
@@ -261,7 +249,7 @@ pool_acquire(pool *p, uint64_t bytes, pool_block *out)
     void *ptr = size != 0 ? allocate_new(p, size) : NULL;
     int fallback = 0;
     if (ptr == NULL && size != 0) {
-        ptr = pageable_alloc(size);
+        ptr = mp_host_alloc(size, POOL_ALIGN);
         fallback = ptr != NULL;
     }
     pthread_mutex_lock(&p->lock);
@@ -293,7 +281,7 @@ pool_release(pool *p, pool_block *block)
     }
     pthread_mutex_unlock(&p->lock);
     if (block->fallback)
-        free(block->ptr);
+        mp_host_free(block->ptr);
     else if (node == NULL)   /* no memory for a cache entry: give the buffer back */
         p->backend.free(p->backend.ctx, block->ptr, block->size);
     *block = (pool_block){0};
