@@ -39,6 +39,8 @@ bucket_of(uint64_t size)
 static void
 list_push(block **head, block *b)
 {
+    MP_ASSERT(!b->in_index && b->list_prev == NULL && b->list_next == NULL);
+    MP_ASSERT(*head == NULL || (*head)->list_prev == NULL);
     b->list_prev = NULL;
     b->list_next = *head;
     if (*head != NULL)
@@ -49,6 +51,11 @@ list_push(block **head, block *b)
 static void
 list_remove(block **head, block *b)
 {
+    MP_ASSERT(b->in_index);
+    /* the links agree both ways: b is the head exactly when it has no prev */
+    MP_ASSERT((b->list_prev == NULL) == (*head == b));
+    MP_ASSERT(b->list_prev == NULL || b->list_prev->list_next == b);
+    MP_ASSERT(b->list_next == NULL || b->list_next->list_prev == b);
     if (b->list_prev != NULL)
         b->list_prev->list_next = b->list_next;
     else
@@ -67,6 +74,8 @@ block_bucket(block *b)
 static void
 index_insert(block *b)
 {
+    /* only a block nobody uses and no event waits for is free */
+    MP_ASSERT(!b->allocated && b->event_count == 0 && b->n_extra == 0);
     list_push(block_bucket(b), b);
     b->in_index = 1;
 }
@@ -81,11 +90,14 @@ index_remove(block *b)
 
 /* ---- blocks and segments ------------------------------------------------- */
 
-/* Absorbs `victim`, the free block right after `b`, into `b`. */
+/* Absorbs `victim`, the free block right after `b` in the same segment
+ * (taken out of the index already), into `b`. */
 static void
 absorb_next(block *b, block *victim)
 {
-    index_remove(victim);
+    MP_ASSERT(b->next == victim && victim->prev == b && victim->seg == b->seg);
+    MP_ASSERT(b->ptr + b->size == victim->ptr);
+    MP_ASSERT(!victim->allocated && !victim->in_index && victim->event_count == 0);
     b->size += victim->size;
     b->next = victim->next;
     if (victim->next != NULL)
@@ -97,18 +109,18 @@ absorb_next(block *b, block *victim)
 void
 block_insert_free(block *b)
 {
+    MP_ASSERT(!b->allocated && !b->in_index && b->event_count == 0);
     if (b->prev != NULL && b->prev->in_index) {
         block *prev = b->prev;
         index_remove(prev);
-        prev->size += b->size;
-        prev->next = b->next;
-        if (b->next != NULL)
-            b->next->prev = prev;
-        free(b);
+        absorb_next(prev, b);
         b = prev;
     }
-    if (b->next != NULL && b->next->in_index)
-        absorb_next(b, b->next);
+    if (b->next != NULL && b->next->in_index) {
+        block *next = b->next;
+        index_remove(next);
+        absorb_next(b, next);
+    }
     index_insert(b);
 }
 
@@ -117,6 +129,8 @@ block_insert_free(block *b)
 static void
 release_segment(allocator *a, device_state *dev, segment *seg)
 {
+    /* free neighbours are always merged: an all-free segment is one block */
+    MP_ASSERT(seg->first->next == NULL && seg->first->size == seg->size);
     for (block *b = seg->first, *next; b != NULL; b = next) {
         next = b->next;
         index_remove(b);
@@ -125,13 +139,15 @@ release_segment(allocator *a, device_state *dev, segment *seg)
     }
     a->backend.device_free(a->backend.ctx, dev->index, (void *)seg->base, seg->size);
     stats_segment_released(dev, seg->size);
+    MP_ASSERT((seg->prev == NULL) == (dev->segments == seg));
+    MP_ASSERT(seg->next == NULL || seg->next->prev == seg);
     if (seg->prev != NULL)
         seg->prev->next = seg->next;
     else
         dev->segments = seg->next;
     if (seg->next != NULL)
         seg->next->prev = seg->prev;
-    seg->owner->segments--;
+    mp_counter_sub(&seg->owner->segments, 1);
     stream_drop_if_unused(dev, seg->owner);
     free(seg->first);
     free(seg);
@@ -192,6 +208,7 @@ should_split(const block *b, uint64_t size)
 int
 block_take(block *b, uint64_t size)
 {
+    MP_ASSERT(!b->allocated && b->event_count == 0 && b->size >= size && size % MIN_BLOCK == 0);
     if (b->in_index)
         index_remove(b);
     if (should_split(b, size)) {
@@ -209,6 +226,7 @@ block_take(block *b, uint64_t size)
             b->next->prev = rest;
         b->next = rest;
         b->size = size;
+        MP_ASSERT(b->ptr + b->size == rest->ptr && rest->ptr + rest->size <= b->seg->base + b->seg->size);
         block_insert_free(rest);
     }
     return 0;

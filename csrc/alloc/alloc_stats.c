@@ -45,6 +45,7 @@ map_insert(device_state *dev, block *b)
     if (dev->map_count >= dev->map_size && map_grow(dev) < 0)
         return -1;
     uint64_t slot = hash_ptr(b->ptr, dev->map_size);
+    MP_ASSERT(b->map_next == NULL && map_find(dev, b->ptr) == NULL);
     b->map_next = dev->map[slot];
     dev->map[slot] = b;
     dev->map_count++;
@@ -61,7 +62,7 @@ map_take(device_state *dev, uintptr_t ptr)
         if (b->ptr == ptr) {
             *link = b->map_next;
             b->map_next = NULL;
-            dev->map_count--;
+            mp_counter_sub(&dev->map_count, 1);
             return b;
         }
     }
@@ -145,6 +146,7 @@ stats_record_oom(allocator *a, device_state *dev, uint64_t size)
 void
 stats_account_malloc(device_state *dev, block *b, uint64_t size, uint64_t tag)
 {
+    MP_ASSERT(!b->allocated && !b->in_index && b->event_count == 0 && size <= b->size);
     b->allocated = 1;
     b->requested = size;
     b->tag = tag;
@@ -154,16 +156,19 @@ stats_account_malloc(device_state *dev, block *b, uint64_t size, uint64_t tag)
     dev->stats.requested_bytes += size;
     if (dev->stats.allocated_bytes > dev->stats.peak_allocated_bytes)
         dev->stats.peak_allocated_bytes = dev->stats.allocated_bytes;
+    MP_ASSERT(dev->stats.allocated_bytes <= dev->stats.reserved_bytes);
+    MP_ASSERT(dev->stats.requested_bytes <= dev->stats.allocated_bytes);
     tag_account(dev, tag, b->size, 1);
 }
 
 void
 stats_account_free(device_state *dev, block *b)
 {
+    MP_ASSERT(b->allocated && b->requested <= b->size);
     dev->stats.frees++;
-    dev->stats.live_blocks--;
-    dev->stats.allocated_bytes -= b->size;
-    dev->stats.requested_bytes -= b->requested;
+    mp_counter_sub(&dev->stats.live_blocks, 1);
+    mp_counter_sub(&dev->stats.allocated_bytes, b->size);
+    mp_counter_sub(&dev->stats.requested_bytes, b->requested);
     tag_account(dev, b->tag, b->size, 0);
     b->allocated = 0;
 }
@@ -180,8 +185,10 @@ stats_segment_added(device_state *dev, uint64_t size)
 void
 stats_segment_released(device_state *dev, uint64_t size)
 {
-    dev->stats.reserved_bytes -= size;
+    mp_counter_sub(&dev->stats.reserved_bytes, size);
+    MP_ASSERT(dev->stats.allocated_bytes <= dev->stats.reserved_bytes);
     dev->stats.device_frees++;
+    MP_ASSERT(dev->stats.device_frees <= dev->stats.device_allocs);
 }
 
 alloc_stats

@@ -1,5 +1,5 @@
 /* Per-stream state of a device and the events of cross-stream frees
- * (torch's events_insert / events_process). Contract: alloc_internal.h. */
+ * (torch's insert_events / process_events). Contract: alloc_internal.h. */
 #include "alloc_internal.h"
 
 #include <stdlib.h>
@@ -54,25 +54,40 @@ stream_drop_if_unused(device_state *dev, stream_state *s)
             return;
         }
     }
+    MP_ASSERT(0);   /* a stream state missing from its device's list */
 }
+
+#if MP_ASSERTS_ACTIVE
+/* The queue of pending events is empty at both ends or at neither, and
+ * its tail is its last element. */
+static int
+queue_consistent(const stream_state *s)
+{
+    return (s->head == NULL) == (s->tail == NULL) && (s->tail == NULL || s->tail->next == NULL);
+}
+#endif
 
 /* Retires the events frees recorded on one stream, oldest first, up to the
  * first one not complete: later ones on the same stream cannot be complete
- * before it, so querying them would only cost (torch's events_process).
+ * before it, so querying them would only cost (torch's process_events).
  * With `wait`, waits for each instead. A block whose last event completed
  * returns to its stream's free blocks. Lock held. */
 static void
 retire_events(allocator *a, stream_state *s, int wait)
 {
+    MP_ASSERT(queue_consistent(s));
     while (s->head != NULL) {
         pending_event *e = s->head;
+        MP_ASSERT(e->b->event_count > 0 && !e->b->allocated && !e->b->in_index);
         if (wait)
             a->backend.event_wait(a->backend.ctx, e->event);
         else if (a->backend.event_query(a->backend.ctx, e->event) != 1)
             return;
         s->head = e->next;
-        if (s->head == NULL)
+        if (s->head == NULL) {
+            MP_ASSERT(s->tail == e);
             s->tail = NULL;
+        }
         a->backend.event_free(a->backend.ctx, e->event);
         block *b = e->b;
         free(e);
@@ -98,6 +113,7 @@ events_process(allocator *a, device_state *dev, int wait)
         }
     }
 }
+
 void
 events_free_chain(allocator *a, pending_event *e)
 {
@@ -112,7 +128,7 @@ events_free_chain(allocator *a, pending_event *e)
 
 /* Records an event on each extra stream the block was used on and queues
  * it on that stream; the block returns to its free blocks once all
- * completed (torch's events_insert). Everything that can fail happens
+ * completed (torch's insert_events). Everything that can fail happens
  * before anything is queued: on -1 nothing was. */
 int
 events_insert(allocator *a, device_state *dev, block *b)
@@ -141,6 +157,7 @@ events_insert(allocator *a, device_state *dev, block *b)
         made = e->next;
         e->next = NULL;
         stream_state *s = stream_find(dev, b->extra_streams[i]);
+        MP_ASSERT(s != NULL && queue_consistent(s));
         if (s->tail != NULL)
             s->tail->next = e;
         else
@@ -148,6 +165,7 @@ events_insert(allocator *a, device_state *dev, block *b)
         s->tail = e;
         b->event_count++;
     }
+    MP_ASSERT(made == NULL && b->event_count >= b->n_extra);
     return 0;
 }
 

@@ -2,6 +2,7 @@
  * between sim_enter() and sim_leave(). Model: cudart_sim.h. */
 #include "cudart_sim_internal.h"
 #include "common/host_memory.h"
+#include "common/mp_assert.h"
 
 #include <stdlib.h>
 
@@ -192,7 +193,7 @@ sim_event_destroy(void *event)
 {
     int status = sim_enter(SIM_EVENT_DESTROY);
     if (status == CUDART_SUCCESS) {
-        sim_gpu.stats.events_live--;
+        mp_counter_sub(&sim_gpu.stats.events_live, 1);
         sim_event_release(event);
     }
     return sim_leave(status);

@@ -3,6 +3,7 @@
  * entry and exit of every runtime call. Contract: cudart_sim_internal.h. */
 #include "cudart_sim_internal.h"
 #include "common/host_memory.h"
+#include "common/mp_assert.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,7 @@ sim_event_done(const sim_event *event)
 void
 sim_event_release(sim_event *event)
 {
+    MP_ASSERT(event->refs > 0);
     if (--event->refs == 0)
         free(event);
 }
@@ -57,7 +59,7 @@ sim_stream_unlink_and_free(sim_stream *stream)
             break;
         }
     }
-    sim_gpu.stats.streams_live--;
+    mp_counter_sub(&sim_gpu.stats.streams_live, 1);
     free(stream->ops);
     free(stream);
 }
@@ -86,7 +88,7 @@ pop_and_run_locked(sim_stream *stream)
     sim_op op = stream->ops[stream->head];
     stream->head++;
     stream->count--;
-    sim_gpu.stats.ops_queued--;
+    mp_counter_sub(&sim_gpu.stats.ops_queued, 1);
     if (stream->count == 0 && stream->destroyed)
         sim_stream_unlink_and_free(stream);
     op_run(&op);
@@ -272,9 +274,9 @@ sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry)
     sim_note_sync_locked(entry);
     sim_advance_locked(UINT64_MAX);
     if (pinned)
-        sim_gpu.stats.host_bytes_live -= range->bytes;
+        mp_counter_sub(&sim_gpu.stats.host_bytes_live, range->bytes);
     else
-        sim_gpu.stats.device_bytes_live[range->device] -= range->bytes;
+        mp_counter_sub(&sim_gpu.stats.device_bytes_live[range->device], range->bytes);
     *link = range->next;
     free(range);
     mp_host_free(ptr);

@@ -3,6 +3,7 @@
 #include "alloc/alloc.h"
 #include "alloc/alloc_cuda.h"
 #include "alloc/alloc_host.h"
+#include "alloc/alloc_internal.h"   /* to break an invariant on purpose */
 #include "check.h"
 #include "cuda/cudart.h"
 #include "lock_probe.h"
@@ -641,6 +642,42 @@ test_threads_stress(void)
     finish(a, &ctx);
 }
 
+/* Counters that would go below zero stop a debug build where they change. */
+static void
+free_with_a_corrupted_counter(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 1);
+    void *p = alloc_malloc(a, 4096, 0, NULL, 0);
+    a->devices[0].stats.live_blocks = 0;
+    alloc_free(a, p, 0);
+}
+
+/* A free block linked into its bucket twice: the list links disagree. */
+static void
+free_list_link_broken(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 1);
+    void *p = alloc_malloc(a, 4096, 0, NULL, 0);
+    void *q = alloc_malloc(a, 4096, 0, NULL, 0);
+    alloc_free(a, p, 0);
+    block *b = a->devices[0].streams->buckets[1][12]; /* small, floor(log2 4096) */
+    b->list_prev = b;       /* the head with a predecessor */
+    alloc_free(a, q, 0);
+}
+
+static void
+test_broken_invariants_stop_a_debug_build(void)
+{
+    if (!MP_ASSERTS_ACTIVE)
+        return;     /* a release build (the valgrind run) checks nothing */
+    printf("test_alloc: allocator state broken on purpose: the invariant reports below are "
+           "expected\n");
+    CHECK(aborts_on_invariant(free_with_a_corrupted_counter));
+    CHECK(aborts_on_invariant(free_list_link_broken));
+}
+
 int
 main(void)
 {
@@ -659,5 +696,6 @@ main(void)
     test_tags_are_exact();
     test_randomized_operations_keep_invariants();
     test_threads_stress();
+    test_broken_invariants_stop_a_debug_build();
     return check_report("test_alloc");
 }
