@@ -47,8 +47,12 @@ allocator = Extension(
     "matepoint._alloc",
     sources=sorted(glob("csrc/alloc/*.c")) + CUDA + COMMON,
     include_dirs=["csrc"],
-    # torch.OutOfMemoryError is thrown (oom_raise.cpp) through these frames
-    extra_compile_args=c_flags() + ["-fexceptions"],
+    # torch.OutOfMemoryError is thrown (oom_raise.cpp) through these frames.
+    # Link-time optimization: malloc and free cross the allocator's files
+    # (csrc/alloc/alloc_internal.h), and only LTO inlines those calls as it
+    # did when they were one file's static functions (alloc_bench --host).
+    extra_compile_args=c_flags() + ["-fexceptions", "-flto"],
+    extra_link_args=["-flto"],
     libraries=["dl", "pthread"],
 )
 

@@ -208,7 +208,8 @@ def build_replay(workdir: str, revision: str = "") -> str:
             sources.append(target)
     binary = os.path.join(workdir, f"alloc_replay_{revision or 'tree'}")
     cc = os.environ.get("CC", "cc")
-    subprocess.run([cc, "-std=c11", "-O2", "-DNDEBUG", "-I", source_root, "-o", binary,
+    # -flto, as setup.py builds the allocator's library
+    subprocess.run([cc, "-std=c11", "-O2", "-flto", "-DNDEBUG", "-I", source_root, "-o", binary,
                     os.path.join(ROOT, "benchmarks", "alloc_replay.c")] + sources + ["-lpthread"],
                    check=True)
     return binary
