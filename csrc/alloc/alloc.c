@@ -4,6 +4,7 @@
 #include "alloc_internal.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 allocator *
 alloc_create(alloc_backend backend, int device_count)
@@ -37,7 +38,8 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     uint64_t rounded = alloc_round_size(size);
     int small = rounded <= SMALL_REQUEST;
     pthread_mutex_lock(&dev->lock);
-    events_process(a, dev, 0);
+    if (dev->events_pending != 0)
+        events_process(a, dev, 0);
     block *b = NULL;
     if (rounded != 0 && (b = block_find_free(dev, rounded, small, stream)) != NULL) {
         dev->stats.cache_hits++;
@@ -79,12 +81,32 @@ alloc_free(allocator *a, void *ptr, int device)
         /* no event for some stream: only a device-wide wait is safe */
         a->backend.device_synchronize(a->backend.ctx, dev->index);
     }
-    free(b->extra_streams);
-    b->extra_streams = NULL;
-    b->n_extra = 0;
+    block_forget_streams(b);
     if (b->event_count == 0)
         block_insert_free(b);
     pthread_mutex_unlock(&dev->lock);
+    return 0;
+}
+
+/* Adds `stream` to the streams `b` is used on: in the block while they fit
+ * (no malloc for the common one or two), else in a grown array. 0, or -1
+ * without memory. */
+static int
+remember_stream(block *b, void *stream)
+{
+    if (b->n_extra < EXTRA_INLINE) {
+        b->extra_streams = b->extra_inline;
+    } else {
+        int inline_now = b->extra_streams == b->extra_inline;
+        size_t bytes = sizeof(void *) * (size_t)(b->n_extra + 1);
+        void **grown = realloc(inline_now ? NULL : b->extra_streams, bytes);
+        if (grown == NULL)
+            return -1;
+        if (inline_now)
+            memcpy(grown, b->extra_inline, sizeof(b->extra_inline));
+        b->extra_streams = grown;
+    }
+    b->extra_streams[b->n_extra++] = stream;
     return 0;
 }
 
@@ -102,15 +124,8 @@ alloc_record_stream(allocator *a, void *ptr, void *stream)
             int known = b->seg->owner->stream == stream;
             for (int i = 0; i < b->n_extra && !known; i++)
                 known = b->extra_streams[i] == stream;
-            if (!known) {
-                void **grown = realloc(b->extra_streams, sizeof(void *) * (size_t)(b->n_extra + 1));
-                if (grown == NULL)
-                    result = -1;
-                else {
-                    grown[b->n_extra++] = stream;
-                    b->extra_streams = grown;
-                }
-            }
+            if (!known)
+                result = remember_stream(b, stream);
         }
         pthread_mutex_unlock(&dev->lock);
         if (b != NULL)
@@ -126,6 +141,7 @@ alloc_empty_cache(allocator *a)
         device_state *dev = &a->devices[d];
         pthread_mutex_lock(&dev->lock);
         events_process(a, dev, 1);
+        events_free_spares(a, dev);
         segment_release_free(a, dev);
         pthread_mutex_unlock(&dev->lock);
     }
@@ -156,7 +172,7 @@ alloc_destroy(allocator *a)
             next = seg->next;
             for (block *b = seg->first, *after; b != NULL; b = after) {
                 after = b->next;
-                free(b->extra_streams);
+                block_forget_streams(b);
                 free(b);
             }
             free(seg);

@@ -35,7 +35,10 @@ typedef struct {
     /* ALLOC_OK with *ptr set, ALLOC_OUT_OF_MEMORY, or ALLOC_ERROR */
     int (*device_malloc)(void *ctx, int device, uint64_t bytes, void **ptr);
     void (*device_free)(void *ctx, int device, void *ptr, uint64_t bytes);
-    /* records a new event on `stream`; ALLOC_OK or ALLOC_ERROR */
+    /* records an event on `stream`: a new one when *event is NULL, else
+     * *event, made by an earlier call and completed, recorded again (the
+     * allocator reuses events). ALLOC_OK, or ALLOC_ERROR: then a new event
+     * was not made (*event NULL) and a given one stays the caller's */
     int (*event_record)(void *ctx, int device, void *stream, void **event);
     /* 1 completed, 0 pending, ALLOC_ERROR */
     int (*event_query)(void *ctx, void *event);

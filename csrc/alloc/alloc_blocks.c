@@ -261,6 +261,7 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream)
     if (status == ALLOC_OUT_OF_MEMORY) {
         dev->stats.oom_retries++;
         events_process(a, dev, 1);
+        events_free_spares(a, dev);
         segment_release_free(a, dev);
         status = backend_segment(a, dev, size, &ptr);
     }
@@ -286,10 +287,4 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream)
     *b = (block){.ptr = (uintptr_t)ptr, .size = size, .seg = seg};
     stats_segment_added(dev, size);
     return b;
-}
-
-device_state *
-device_of(allocator *a, int device)
-{
-    return device >= 0 && device < a->device_count ? &a->devices[device] : NULL;
 }

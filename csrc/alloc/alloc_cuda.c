@@ -70,7 +70,6 @@ cuda_event_record(void *ctx, int device, void *stream, void **event)
     if (previous < 0)
         return ALLOC_ERROR;
     const char *failed = NULL;
-    *event = NULL;
     int status = cudart_record_event(rt, stream, event, &failed);
     cudart_leave_device(rt, device, previous);
     if (status != CUDART_SUCCESS) {

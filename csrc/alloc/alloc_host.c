@@ -16,6 +16,7 @@ alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes)
     atomic_store(&ctx->live_bytes, 0);
     atomic_store(&ctx->live_events, 0);
     atomic_store(&ctx->events_recorded, 0);
+    atomic_store(&ctx->events_created, 0);
     atomic_store(&ctx->event_queries, 0);
 }
 
@@ -54,12 +55,15 @@ host_event_record(void *ctx, int device, void *stream, void **event)
 {
     alloc_host_ctx *host = ctx;
     (void)device;
-    host_event *e = malloc(sizeof(*e));
-    if (e == NULL)
-        return ALLOC_ERROR;
+    host_event *e = *event;
+    if (e == NULL) {
+        if ((e = malloc(sizeof(*e))) == NULL)
+            return ALLOC_ERROR;
+        atomic_fetch_add(&host->live_events, 1);
+        atomic_fetch_add(&host->events_created, 1);
+    }
     e->stream = stream;
     e->mark = stream ? atomic_load(&e->stream->submitted) : 0;
-    atomic_fetch_add(&host->live_events, 1);
     atomic_fetch_add(&host->events_recorded, 1);
     *event = e;
     return ALLOC_OK;

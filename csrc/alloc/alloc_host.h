@@ -21,6 +21,7 @@ typedef struct {
     _Atomic uint64_t live_bytes;
     _Atomic int64_t live_events;
     _Atomic uint64_t events_recorded, event_queries;    /* calls, for tests and benchmarks */
+    _Atomic uint64_t events_created;                    /* records that made a new event */
 } alloc_host_ctx;
 
 void alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes);

@@ -35,6 +35,8 @@
 #define LARGE_ROUND (2u << 20)
 #define LARGE_SPLIT_MIN (1u << 20)      /* large remainders smaller than this stay attached */
 #define BUCKETS 64
+#define EXTRA_INLINE 2                  /* record_stream streams kept without a malloc */
+#define SPARE_EVENTS_MAX 64             /* completed events kept per device for reuse */
 
 typedef struct segment segment;
 typedef struct block block;
@@ -49,7 +51,9 @@ struct block {
     block *list_prev, *list_next;   /* free bucket */
     block *map_next;                /* chain of the live-pointer table */
     uint64_t tag;
-    void **extra_streams;           /* streams from alloc_record_stream, recorded on at the free */
+    void **extra_streams;           /* streams from alloc_record_stream, recorded on at the free:
+                                       extra_inline, or malloc'ed past EXTRA_INLINE */
+    void *extra_inline[EXTRA_INLINE];
     int n_extra;
     int event_count;                /* events of its free not yet seen complete */
     uint8_t allocated, in_index;
@@ -67,7 +71,9 @@ struct segment {
     segment *prev, *next;
 };
 
-/* An event recorded at a free on a stream that used the block. */
+/* An event recorded at a free on a stream that used the block; once it
+ * completed, the node and its event wait among the device's spares for
+ * the next such free (torch's event pool), with `b` NULL. */
 struct pending_event {
     void *event;
     block *b;
@@ -102,6 +108,9 @@ typedef struct {
     uint64_t tag_capacity, tag_count;
     alloc_stats stats;
     uint64_t limit;
+    uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
+    pending_event *spare_events;    /* completed, ready to be recorded again */
+    uint64_t spare_count;
 } device_state;
 
 struct allocator {
@@ -112,10 +121,33 @@ struct allocator {
     alloc_oom_info last_oom;
 };
 
-/* ---- alloc_blocks.c ----------------------------------------------------- */
+/* The device's state; NULL when `device` is out of range (no lock).
+ * Inline: on every malloc and free. */
+static inline device_state *
+device_of(allocator *a, int device)
+{
+    return device >= 0 && device < a->device_count ? &a->devices[device] : NULL;
+}
 
-/* The device's state; NULL when `device` is out of range (no lock). */
-device_state *device_of(allocator *a, int device);
+/* The state of `stream`, moved to the front: a device mostly allocates on
+ * one or two streams. NULL when the device has none for it. Inline: on
+ * every malloc. */
+static inline stream_state *
+stream_find(device_state *dev, void *stream)
+{
+    for (stream_state **link = &dev->streams; *link != NULL; link = &(*link)->next) {
+        stream_state *s = *link;
+        if (s->stream != stream)
+            continue;
+        *link = s->next;
+        s->next = dev->streams;
+        dev->streams = s;
+        return s;
+    }
+    return NULL;
+}
+
+/* ---- alloc_blocks.c ----------------------------------------------------- */
 /* The bucket a free block of `b`'s size and stream lives in. */
 block **block_bucket(block *b);
 /* A block becomes free: merged with its free neighbours, indexed. */
@@ -135,8 +167,6 @@ void segment_release_free(allocator *a, device_state *dev);
 
 /* ---- alloc_streams.c ---------------------------------------------------- */
 
-/* The state of `stream`, moved to the front; NULL when there is none. */
-stream_state *stream_find(device_state *dev, void *stream);
 /* The state of `stream`, made when missing; NULL without memory. */
 stream_state *stream_get(device_state *dev, void *stream);
 /* Frees `s` when it has neither segments nor pending events. */
@@ -149,6 +179,10 @@ void events_process(allocator *a, device_state *dev, int wait);
 int events_insert(allocator *a, device_state *dev, block *b);
 /* Frees a chain of events not queued on any stream. */
 void events_free_chain(allocator *a, pending_event *e);
+/* Frees the device's spare events (memory pressure, empty_cache). */
+void events_free_spares(allocator *a, device_state *dev);
+/* Forgets the streams `b` was used on (after its free recorded on them). */
+void block_forget_streams(block *b);
 
 /* ---- alloc_stats.c ------------------------------------------------------ */
 

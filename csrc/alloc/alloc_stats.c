@@ -332,6 +332,8 @@ alloc_check(allocator *a, int device)
                         reserved != dev->stats.reserved_bytes || live != dev->map_count ||
                         live != dev->stats.live_blocks))
         result = -7;
+    if (result == 0 && events != dev->events_pending)
+        result = -12;
     if (result == 0)
         result = check_streams(dev, events);
     pthread_mutex_unlock(&dev->lock);

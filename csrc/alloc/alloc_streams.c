@@ -6,23 +6,6 @@
 
 /* ---- streams --------------------------------------------------------------- */
 
-/* The state of `stream`, moved to the front: a device mostly allocates on
- * one or two streams. NULL when the device has none for it. */
-stream_state *
-stream_find(device_state *dev, void *stream)
-{
-    for (stream_state **link = &dev->streams; *link != NULL; link = &(*link)->next) {
-        stream_state *s = *link;
-        if (s->stream != stream)
-            continue;
-        *link = s->next;
-        s->next = dev->streams;
-        dev->streams = s;
-        return s;
-    }
-    return NULL;
-}
-
 /* The state of `stream`, made when missing; NULL without memory. */
 stream_state *
 stream_get(device_state *dev, void *stream)
@@ -67,13 +50,51 @@ queue_consistent(const stream_state *s)
 }
 #endif
 
+/* Keeps a retired event and its node for the next cross-stream free
+ * (torch's event pool: no create and destroy per free), up to
+ * SPARE_EVENTS_MAX per device. */
+static void
+event_give_spare(allocator *a, device_state *dev, pending_event *e)
+{
+    if (dev->spare_count >= SPARE_EVENTS_MAX) {
+        a->backend.event_free(a->backend.ctx, e->event);
+        free(e);
+        return;
+    }
+    e->b = NULL;
+    e->next = dev->spare_events;
+    dev->spare_events = e;
+    dev->spare_count++;
+}
+
+/* A spare node with its completed event, or a new node with none. */
+static pending_event *
+event_take_spare(device_state *dev)
+{
+    pending_event *e = dev->spare_events;
+    if (e == NULL)
+        return calloc(1, sizeof(*e));
+    dev->spare_events = e->next;
+    mp_counter_sub(&dev->spare_count, 1);
+    e->next = NULL;
+    return e;
+}
+
+void
+events_free_spares(allocator *a, device_state *dev)
+{
+    events_free_chain(a, dev->spare_events);
+    dev->spare_events = NULL;
+    dev->spare_count = 0;
+}
+
 /* Retires the events frees recorded on one stream, oldest first, up to the
  * first one not complete: later ones on the same stream cannot be complete
  * before it, so querying them would only cost (torch's process_events).
  * With `wait`, waits for each instead. A block whose last event completed
  * returns to its stream's free blocks. Lock held. */
 static void
-retire_events(allocator *a, stream_state *s, int wait)
+retire_events(allocator *a, device_state *dev, stream_state *s, int wait)
 {
     MP_ASSERT(queue_consistent(s));
     while (s->head != NULL) {
@@ -88,9 +109,9 @@ retire_events(allocator *a, stream_state *s, int wait)
             MP_ASSERT(s->tail == e);
             s->tail = NULL;
         }
-        a->backend.event_free(a->backend.ctx, e->event);
+        mp_counter_sub(&dev->events_pending, 1);
         block *b = e->b;
-        free(e);
+        event_give_spare(a, dev, e);
         if (--b->event_count == 0)
             block_insert_free(b);
     }
@@ -104,7 +125,7 @@ events_process(allocator *a, device_state *dev, int wait)
     stream_state **link = &dev->streams;
     while (*link != NULL) {
         stream_state *s = *link;
-        retire_events(a, s, wait);
+        retire_events(a, dev, s, wait);
         if (stream_unused(s)) {
             *link = s->next;
             free(s);
@@ -112,6 +133,7 @@ events_process(allocator *a, device_state *dev, int wait)
             link = &s->next;
         }
     }
+    MP_ASSERT(!wait || dev->events_pending == 0);
 }
 
 void
@@ -135,21 +157,17 @@ events_insert(allocator *a, device_state *dev, block *b)
 {
     pending_event *made = NULL;
     for (int i = 0; i < b->n_extra; i++) {
-        pending_event *e = calloc(1, sizeof(*e));
-        if (e == NULL || stream_get(dev, b->extra_streams[i]) == NULL) {
-            free(e);
-            events_free_chain(a, made);
-            return -1;
-        }
+        pending_event *e = event_take_spare(dev);
+        if (e == NULL)
+            goto error;
         e->b = b;
         e->next = made;
         made = e;
-        if (a->backend.event_record(a->backend.ctx, dev->index, b->extra_streams[i],
-                                    &e->event) != ALLOC_OK) {
-            e->event = NULL;
-            events_free_chain(a, made);
-            return -1;
-        }
+        /* a spare's event is recorded again; a new node gets a new one */
+        if (stream_get(dev, b->extra_streams[i]) == NULL ||
+            a->backend.event_record(a->backend.ctx, dev->index, b->extra_streams[i],
+                                    &e->event) != ALLOC_OK)
+            goto error;
     }
     /* `made` holds the streams' events in reverse order */
     for (int i = b->n_extra - 1; i >= 0; i--) {
@@ -164,8 +182,22 @@ events_insert(allocator *a, device_state *dev, block *b)
             s->head = e;
         s->tail = e;
         b->event_count++;
+        dev->events_pending++;
     }
     MP_ASSERT(made == NULL && b->event_count >= b->n_extra);
     return 0;
+
+error:
+    /* made, not queued: their events (recorded or not) go with them */
+    events_free_chain(a, made);
+    return -1;
 }
 
+void
+block_forget_streams(block *b)
+{
+    if (b->extra_streams != b->extra_inline)
+        free(b->extra_streams);
+    b->extra_streams = NULL;
+    b->n_extra = 0;
+}

@@ -196,6 +196,52 @@ test_events_queried_per_stream_in_order(void)
     finish(a, &ctx);
 }
 
+/* A cross-stream free records an event; once it completed, the next such
+ * free records the same event again (torch's event pool): a steady loop
+ * makes no new event. A block used on more streams than it keeps inline
+ * waits for all of them. empty_cache gives the spare events back. */
+static void
+test_events_are_reused_across_frees(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0};
+    allocator *a = make(&ctx, 0, 1);
+    for (int step = 0; step < 10; step++) {
+        void *p = alloc_malloc(a, 8192, 0, &s1, 0);
+        CHECK(alloc_record_stream(a, p, &s2) == 0);
+        alloc_host_submit(&s2);
+        alloc_free(a, p, 0);
+        alloc_host_complete(&s2);
+        void *q = alloc_malloc(a, 8192, 0, &s1, 0);
+        CHECK(q == p);                          /* the event completed: reused at once */
+        alloc_free(a, q, 0);
+    }
+    CHECK(atomic_load(&ctx.events_recorded) == 10 && atomic_load(&ctx.events_created) == 1);
+    CHECK(atomic_load(&ctx.live_events) == 1);  /* the spare */
+    /* three extra streams: past the two kept in the block */
+    void *p = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, p, &s2) == 0 && alloc_record_stream(a, p, &s3) == 0);
+    CHECK(alloc_record_stream(a, p, &s4) == 0 && alloc_record_stream(a, p, &s3) == 0);
+    alloc_host_submit(&s2);
+    alloc_host_submit(&s3);
+    alloc_host_submit(&s4);
+    alloc_free(a, p, 0);
+    CHECK(atomic_load(&ctx.events_recorded) == 13 && atomic_load(&ctx.events_created) == 3);
+    alloc_host_complete(&s2);
+    alloc_host_complete(&s4);
+    void *q = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(q != p);                              /* s3 has not finished with it */
+    alloc_host_complete(&s3);
+    void *r = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(r == p);
+    CHECK(alloc_check(a, 0) == 0);
+    alloc_free(a, q, 0);
+    alloc_free(a, r, 0);
+    alloc_empty_cache(a);
+    CHECK(atomic_load(&ctx.live_events) == 0);
+    finish(a, &ctx);
+}
+
 /* Memory cached for one stream reaches another through the out-of-memory
  * path: pending events waited for, free segments released, retried. */
 static void
@@ -689,6 +735,7 @@ main(void)
     test_events_queried_per_stream_in_order();
     test_out_of_memory_moves_memory_between_streams();
     test_record_stream_defers_reuse();
+    test_events_are_reused_across_frees();
     test_out_of_memory_releases_cache_then_fails_cleanly();
     test_huge_requests_are_out_of_memory();
     test_on_handout_hook_runs_after_the_lock();
