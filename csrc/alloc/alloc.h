@@ -13,7 +13,9 @@
  * (alloc_record_stream) gets an event recorded on each of them at its
  * free and returns to its stream's cache once all completed; every malloc
  * queries those events per stream, oldest first, stopping at the first
- * not complete. No other event is ever made. When the backend is out of
+ * not complete. No other event is ever made, and a completed one is
+ * recorded again at a later such free (torch's event pool, at most 64 kept
+ * per device) instead of being destroyed. When the backend is out of
  * memory the allocator waits for pending events, releases the cached
  * segments of every stream (freeing device memory synchronizes the
  * device) and retries: that is how memory moves between streams.
