@@ -158,7 +158,6 @@ alloc_set_limit(allocator *a, int device, uint64_t limit_bytes)
     pthread_mutex_unlock(&dev->lock);
 }
 
-
 void
 alloc_destroy(allocator *a)
 {

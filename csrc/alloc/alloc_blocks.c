@@ -87,7 +87,6 @@ index_remove(block *b)
     b->in_index = 0;
 }
 
-
 /* ---- blocks and segments ------------------------------------------------- */
 
 /* Absorbs `victim`, the free block right after `b` in the same segment
@@ -175,7 +174,6 @@ segment_release_free(allocator *a, device_state *dev)
         seg = next;
     }
 }
-
 
 /* Best fit among the free blocks of `stream`'s segments. Lock held. */
 block *
