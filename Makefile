@@ -16,8 +16,18 @@ UNIT_CFLAGS := $(C_FLAGS) -Werror -g -O1 -Icsrc -Itests/c
 CTEST_CFLAGS := $(UNIT_CFLAGS) -DMATEPOINT_DEBUG=1 $(SANITIZE)
 # the failure tests ask for impossible sizes on purpose
 export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
+# helpers every layer links (csrc/common), and the CUDA helpers over the
+# runtime table the allocator uses (csrc/cuda/cudart_util.c)
+COMMON_SOURCES := $(sort $(wildcard csrc/common/*.c))
+COMMON_HEADERS := $(wildcard csrc/common/*.h)
+# the allocator's C sources but the library's entry points (entry.c)
+ALLOC_SOURCES := $(filter-out csrc/alloc/entry.c,$(sort $(wildcard csrc/alloc/*.c))) \
+                 csrc/cuda/cudart_util.c $(COMMON_SOURCES)
+ALLOC_HEADERS := $(wildcard csrc/alloc/*.h) csrc/cuda/cudart_util.h $(COMMON_HEADERS)
+POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c $(COMMON_SOURCES)
+SIM_SOURCES := $(sort $(wildcard csrc/cuda/cudart_sim*.c)) $(COMMON_SOURCES)
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
-           build/ctest/test_cudart_sim
+           build/ctest/test_cudart_sim build/ctest/test_helpers
 
 .PHONY: test test-214 ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
 
@@ -84,13 +94,17 @@ else
 	@echo "abi-check: csrc/cuda/cudart.h matches $(CUDA_INCLUDE)"
 endif
 
-build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h tests/c/lock_probe.h csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c csrc/pool/pool.h
+build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h tests/c/lock_probe.h $(POOL_SOURCES) csrc/pool/pool.h $(COMMON_HEADERS)
 	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c -lpthread
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c $(POOL_SOURCES) -lpthread
 
-build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h csrc/cuda/cudart_sim.c csrc/cuda/cudart_sim.h
+build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h $(SIM_SOURCES) csrc/cuda/cudart_sim.h csrc/cuda/cudart_sim_internal.h
 	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_sim.c csrc/cuda/cudart_sim.c -lpthread
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
+
+build/ctest/test_helpers: tests/c/test_helpers.c tests/c/check.h $(SIM_SOURCES) csrc/cuda/cudart_util.c csrc/cuda/cudart_util.h $(COMMON_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_helpers.c $(SIM_SOURCES) csrc/cuda/cudart_util.c -lpthread
 
 build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h csrc/planner/planner.c csrc/planner/planner.h
 	@mkdir -p $(@D)
@@ -99,11 +113,11 @@ build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h csrc/planner/pl
 # Operation-sequence fuzzing of allocator and pool: libFuzzer-compatible
 # harness, driven here by random inputs for a bounded time under ASan/UBSan.
 FUZZ_SECONDS ?= 20
-FUZZ_SOURCES := tests/c/fuzz_ops.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/pool/pool.c csrc/pool/pool_host.c
+FUZZ_SOURCES := tests/c/fuzz_ops.c $(ALLOC_SOURCES) csrc/pool/pool.c csrc/pool/pool_host.c
 fuzz: build/ctest/fuzz_ops
 	build/ctest/fuzz_ops $(FUZZ_SECONDS)
 
-build/ctest/fuzz_ops: $(FUZZ_SOURCES) csrc/alloc/alloc.h csrc/pool/pool.h
+build/ctest/fuzz_ops: $(FUZZ_SOURCES) $(ALLOC_HEADERS) csrc/pool/pool.h
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -DFUZZ_DRIVER -o $@ $(FUZZ_SOURCES) -lpthread
 
@@ -112,21 +126,24 @@ VALGRIND := valgrind -q --error-exitcode=1 --leak-check=full --errors-for-leak-k
 valgrind:
 	@mkdir -p build/valgrind
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_pool \
-	  tests/c/test_pool.c csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c -lpthread
+	  tests/c/test_pool.c $(POOL_SOURCES) -lpthread
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_alloc \
-	  tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c -lpthread
+	  tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_planner \
 	  tests/c/test_planner.c csrc/planner/planner.c -lm
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_cudart_sim \
-	  tests/c/test_cudart_sim.c csrc/cuda/cudart_sim.c -lpthread
+	  tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
+	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_helpers \
+	  tests/c/test_helpers.c $(SIM_SOURCES) csrc/cuda/cudart_util.c -lpthread
 	@if command -v valgrind >/dev/null; then \
 	  $(VALGRIND) build/valgrind/test_pool && $(VALGRIND) build/valgrind/test_alloc && \
-	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim; \
+	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim && \
+	  $(VALGRIND) build/valgrind/test_helpers; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
 
-build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h tests/c/lock_probe.h csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c csrc/alloc/alloc.h csrc/alloc/alloc_host.h
+build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h tests/c/lock_probe.h $(ALLOC_SOURCES) $(ALLOC_HEADERS)
 	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c csrc/alloc/alloc.c csrc/alloc/alloc_host.c csrc/alloc/alloc_cuda.c -lpthread
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

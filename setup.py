@@ -12,7 +12,7 @@ layout = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(layout)
 
 # MATEPOINT_TESTING=1 builds the test controls and the simulated GPU into
-# both libraries (csrc/testing, csrc/cuda/cudart_sim.c); a plain build ships
+# both libraries (csrc/testing, csrc/cuda/cudart_sim*.c); a plain build ships
 # neither.
 TESTING = os.environ.get("MATEPOINT_TESTING") == "1"
 
@@ -31,8 +31,12 @@ allocator = Extension(
     "matepoint._alloc",
     sources=layout.allocator_sources("."),
     include_dirs=["csrc"],
-    # torch.OutOfMemoryError is thrown (oom_raise.cpp) through these frames
-    extra_compile_args=layout.c_flags(os.environ) + ["-fexceptions"],
+    # torch.OutOfMemoryError is thrown (oom_raise.cpp) through these frames.
+    # Link-time optimization: malloc and free cross the allocator's files
+    # (csrc/alloc/alloc_internal.h), and only LTO inlines those calls as it
+    # did when they were one file's static functions (alloc_bench --host).
+    extra_compile_args=layout.c_flags(os.environ) + ["-fexceptions", "-flto"],
+    extra_link_args=["-flto"],
     libraries=["dl", "pthread"],
 )
 

@@ -107,7 +107,10 @@ def replay(ops: List[Op], backend: str) -> Dict[str, float]:
 # ---- host backend: synthetic multi-stream trace -------------------------------
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALLOC_SOURCES = ("alloc.c", "alloc.h", "alloc_host.c", "alloc_host.h")
+# What the replay needs: the allocator and its host backend, and the helpers
+# of csrc/common they use; not the library's entry points or the CUDA backend.
+REPLAY_FOLDERS = ("alloc", "common")
+REPLAY_SKIPPED = ("entry.c", "alloc_cuda.c", "alloc_cuda.h")
 
 
 def synthetic_step(depth: int, streams: int, seed: int = 0) -> List[str]:
@@ -172,26 +175,43 @@ def synthetic_step(depth: int, streams: int, seed: int = 0) -> List[str]:
     return lines
 
 
+def _replay_files(revision: str) -> List[str]:
+    """The C files of the replay's folders, as paths under csrc/."""
+    if revision:
+        listing = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", revision]
+                                 + [f"csrc/{folder}/" for folder in REPLAY_FOLDERS],
+                                 capture_output=True, text=True, check=True).stdout.split()
+        paths = [path[len("csrc/"):] for path in listing]
+    else:
+        paths = [f"{folder}/{name}" for folder in REPLAY_FOLDERS
+                 for name in os.listdir(os.path.join(ROOT, "csrc", folder))]
+    return sorted(path for path in paths if path.endswith((".c", ".h"))
+                  and os.path.basename(path) not in REPLAY_SKIPPED)
+
+
 def build_replay(workdir: str, revision: str = "") -> str:
     """Compiles benchmarks/alloc_replay.c against csrc/alloc (of `revision`
     when given, else the working tree); returns the executable's path."""
-    source_dir = os.path.join(workdir, revision or "tree", "alloc")
-    os.makedirs(source_dir, exist_ok=True)
-    for name in ALLOC_SOURCES:
-        target = os.path.join(source_dir, name)
+    source_root = os.path.join(workdir, revision or "tree")
+    sources = []
+    for path in _replay_files(revision):
+        target = os.path.join(source_root, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
         if revision:
-            text = subprocess.run(["git", "-C", ROOT, "show", f"{revision}:csrc/alloc/{name}"],
+            text = subprocess.run(["git", "-C", ROOT, "show", f"{revision}:csrc/{path}"],
                                   capture_output=True, text=True, check=True).stdout
             with open(target, "w") as handle:
                 handle.write(text)
         else:
-            shutil.copy(os.path.join(ROOT, "csrc", "alloc", name), target)
+            shutil.copy(os.path.join(ROOT, "csrc", path), target)
+        if path.endswith(".c"):
+            sources.append(target)
     binary = os.path.join(workdir, f"alloc_replay_{revision or 'tree'}")
     cc = os.environ.get("CC", "cc")
-    subprocess.run([cc, "-std=c11", "-O2", "-DNDEBUG", "-I", os.path.dirname(source_dir), "-o",
-                    binary, os.path.join(ROOT, "benchmarks", "alloc_replay.c"),
-                    os.path.join(source_dir, "alloc.c"), os.path.join(source_dir, "alloc_host.c"),
-                    "-lpthread"], check=True)
+    # -flto, as setup.py builds the allocator's library
+    subprocess.run([cc, "-std=c11", "-O2", "-flto", "-DNDEBUG", "-I", source_root, "-o", binary,
+                    os.path.join(ROOT, "benchmarks", "alloc_replay.c")] + sources + ["-lpthread"],
+                   check=True)
     return binary
 
 

@@ -13,15 +13,15 @@ import sys
 from glob import glob
 from typing import List, Mapping
 
-# csrc/ folders compiled into matepoint._C, plus single files from others;
-# test builds (MATEPOINT_TESTING=1) add the simulated GPU and test controls
-EXTENSION_FOLDERS = ("base", "offload", "checkpoint", "module", "pool", "planner")
-EXTENSION_FILES = ("csrc/cuda/cudart.c",)
+# csrc/ folders compiled into matepoint._C; csrc/cuda's runtime loader and
+# helpers and csrc/common go into both libraries; test builds
+# (MATEPOINT_TESTING=1) add the simulated GPU (cudart_sim*.c) and the test
+# controls
+EXTENSION_FOLDERS = ("base", "offload", "checkpoint", "module", "pool", "planner", "common")
 TEST_FOLDERS = ("testing",)
-TEST_FILES = ("csrc/cuda/cudart_sim.c",)
+SIMULATOR_PATTERN = "cudart_sim*.c"
 # the allocator, its own shared library (matepoint._alloc) torch loads by path
-ALLOCATOR_FOLDERS = ("alloc",)
-ALLOCATOR_FILES = ("csrc/cuda/cudart.c",)
+ALLOCATOR_FOLDERS = ("alloc", "common")
 # the C++ unit that raises torch.OutOfMemoryError: in the checkout, and its
 # name inside an installed package (compiled at run time, see _oom.py)
 OOM_UNIT_SOURCE = "csrc/alloc/oom_raise.cpp"
@@ -31,21 +31,28 @@ C_FLAGS = ["-std=c11", "-Wall", "-Wextra"]
 CXX_FLAGS = ["-std=c++17", "-O2", "-shared", "-fPIC"]
 
 
-def _sources(root: str, folders: tuple, files: tuple) -> List[str]:
-    found = [path for folder in folders
-             for path in sorted(glob(os.path.join(root, "csrc", folder, "*.c")))]
-    return [os.path.relpath(path, root) for path in found] + list(files)
+def _glob(root: str, folder: str, pattern: str = "*.c") -> List[str]:
+    found = sorted(glob(os.path.join(root, "csrc", folder, pattern)))
+    return [os.path.relpath(path, root) for path in found]
+
+
+def _cuda_sources(root: str, testing: bool) -> List[str]:
+    simulator = _glob(root, "cuda", SIMULATOR_PATTERN)
+    runtime = [path for path in _glob(root, "cuda") if path not in simulator]
+    return runtime + (simulator if testing else [])
 
 
 def extension_sources(root: str, testing: bool) -> List[str]:
     """The C files of matepoint._C, relative to the checkout ``root``."""
-    test = _sources(root, TEST_FOLDERS, TEST_FILES) if testing else []
-    return _sources(root, EXTENSION_FOLDERS, EXTENSION_FILES) + test
+    folders = EXTENSION_FOLDERS + (TEST_FOLDERS if testing else ())
+    return [path for folder in folders for path in _glob(root, folder)] + \
+        _cuda_sources(root, testing)
 
 
 def allocator_sources(root: str) -> List[str]:
     """The C files of the allocator library, relative to ``root``."""
-    return _sources(root, ALLOCATOR_FOLDERS, ALLOCATOR_FILES)
+    return [path for folder in ALLOCATOR_FOLDERS for path in _glob(root, folder)] + \
+        _cuda_sources(root, False)
 
 
 def c_flags(environ: Mapping[str, str]) -> List[str]:

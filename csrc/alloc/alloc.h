@@ -13,7 +13,9 @@
  * (alloc_record_stream) gets an event recorded on each of them at its
  * free and returns to its stream's cache once all completed; every malloc
  * queries those events per stream, oldest first, stopping at the first
- * not complete. No other event is ever made. When the backend is out of
+ * not complete. No other event is ever made, and a completed one is
+ * recorded again at a later such free (torch's event pool, at most 64 kept
+ * per device) instead of being destroyed. When the backend is out of
  * memory the allocator waits for pending events, releases the cached
  * segments of every stream (freeing device memory synchronizes the
  * device) and retries: that is how memory moves between streams.
@@ -35,7 +37,10 @@ typedef struct {
     /* ALLOC_OK with *ptr set, ALLOC_OUT_OF_MEMORY, or ALLOC_ERROR */
     int (*device_malloc)(void *ctx, int device, uint64_t bytes, void **ptr);
     void (*device_free)(void *ctx, int device, void *ptr, uint64_t bytes);
-    /* records a new event on `stream`; ALLOC_OK or ALLOC_ERROR */
+    /* records an event on `stream`: a new one when *event is NULL, else
+     * *event, made by an earlier call and completed, recorded again (the
+     * allocator reuses events). ALLOC_OK, or ALLOC_ERROR: then a new event
+     * was not made (*event NULL) and a given one stays the caller's */
     int (*event_record)(void *ctx, int device, void *stream, void **event);
     /* 1 completed, 0 pending, ALLOC_ERROR */
     int (*event_query)(void *ctx, void *event);

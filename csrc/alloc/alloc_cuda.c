@@ -1,5 +1,6 @@
 #include "alloc_cuda.h"
 #include "cuda/cudart.h"
+#include "cuda/cudart_util.h"
 
 #include <stdio.h>
 
@@ -9,31 +10,23 @@
 static void
 report(const cudart *rt, int status, const char *what)
 {
-    (void)rt->get_last_error();
-    fprintf(stderr, "matepoint allocator: %s failed: %s (CUDA error %d)\n", what,
-            rt->get_error_string(status), status);
+    char text[256];
+    cudart_describe_failure(rt, status, what, text, sizeof(text));
+    fprintf(stderr, "matepoint allocator: %s\n", text);
 }
 
 /* Runs with `device` current; returns the previous device, or -1. */
 static int
 enter_device(const cudart *rt, int device)
 {
-    int previous = -1;
-    int status = rt->get_device(&previous);
-    if (status == CUDART_SUCCESS && previous != device)
-        status = rt->set_device(device);
+    int previous;
+    const char *failed = NULL;
+    int status = cudart_enter_device(rt, device, &previous, &failed);
     if (status != CUDART_SUCCESS) {
-        report(rt, status, "cudaSetDevice");
+        report(rt, status, failed);
         return -1;
     }
     return previous;
-}
-
-static void
-leave_device(const cudart *rt, int device, int previous)
-{
-    if (previous >= 0 && previous != device && rt->set_device(previous) != CUDART_SUCCESS)
-        (void)rt->get_last_error();
 }
 
 static int
@@ -44,7 +37,7 @@ cuda_device_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
     if (previous < 0)
         return ALLOC_ERROR;
     int status = rt->malloc(ptr, (size_t)bytes);
-    leave_device(rt, device, previous);
+    cudart_leave_device(rt, device, previous);
     if (status == CUDART_SUCCESS)
         return ALLOC_OK;
     if (status == CUDART_ERROR_MEMORY_ALLOCATION) {
@@ -64,7 +57,7 @@ cuda_device_free(void *ctx, int device, void *ptr, uint64_t bytes)
     if (previous < 0)
         return;
     int status = rt->free(ptr);
-    leave_device(rt, device, previous);
+    cudart_leave_device(rt, device, previous);
     if (status != CUDART_SUCCESS)
         report(rt, status, "cudaFree");
 }
@@ -76,15 +69,11 @@ cuda_event_record(void *ctx, int device, void *stream, void **event)
     int previous = enter_device(rt, device);
     if (previous < 0)
         return ALLOC_ERROR;
-    int status = rt->event_create(event, CUDART_EVENT_DISABLE_TIMING);
-    if (status == CUDART_SUCCESS) {
-        status = rt->event_record(*event, stream);
-        if (status != CUDART_SUCCESS)
-            (void)rt->event_destroy(*event);
-    }
-    leave_device(rt, device, previous);
+    const char *failed = NULL;
+    int status = cudart_record_event(rt, stream, event, &failed);
+    cudart_leave_device(rt, device, previous);
     if (status != CUDART_SUCCESS) {
-        report(rt, status, "cudaEventRecord");
+        report(rt, status, failed);
         return ALLOC_ERROR;
     }
     return ALLOC_OK;
@@ -94,13 +83,10 @@ static int
 cuda_event_query(void *ctx, void *event)
 {
     const cudart *rt = ctx;
-    int status = rt->event_query(event);
-    if (status == CUDART_SUCCESS)
-        return 1;
-    if (status == CUDART_ERROR_NOT_READY) {
-        (void)rt->get_last_error();   /* not a failure: only a pending event */
-        return 0;
-    }
+    int status;
+    int done = cudart_event_done(rt, event, &status);
+    if (done >= 0)
+        return done;
     report(rt, status, "cudaEventQuery");
     return ALLOC_ERROR;
 }
@@ -131,7 +117,7 @@ cuda_device_synchronize(void *ctx, int device)
     if (previous < 0)
         return;
     int status = rt->device_synchronize();
-    leave_device(rt, device, previous);
+    cudart_leave_device(rt, device, previous);
     if (status != CUDART_SUCCESS)
         report(rt, status, "cudaDeviceSynchronize");
 }

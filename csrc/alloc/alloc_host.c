@@ -1,7 +1,5 @@
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* posix_memalign under -std=c11 */
-#endif
 #include "alloc_host.h"
+#include "common/host_memory.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -15,11 +13,11 @@ void
 alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes)
 {
     ctx->capacity_bytes = capacity_bytes;
-    ctx->live_bytes = 0;
+    atomic_store(&ctx->live_bytes, 0);
     atomic_store(&ctx->live_events, 0);
     atomic_store(&ctx->events_recorded, 0);
+    atomic_store(&ctx->events_created, 0);
     atomic_store(&ctx->event_queries, 0);
-    pthread_mutex_init(&ctx->lock, NULL);
 }
 
 void
@@ -34,27 +32,14 @@ alloc_host_complete(alloc_host_stream *stream)
     atomic_store(&stream->completed, atomic_load(&stream->submitted));
 }
 
+/* 512-byte alignment, as the allocator's rounding assumes of device memory */
 static int
 host_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
 {
     alloc_host_ctx *host = ctx;
     (void)device;
-    pthread_mutex_lock(&host->lock);
-    /* live + bytes > capacity, without wrapping */
-    int refused = host->capacity_bytes != 0 && (bytes > host->capacity_bytes ||
-                                                host->live_bytes > host->capacity_bytes - bytes);
-    if (!refused)
-        host->live_bytes += bytes;
-    pthread_mutex_unlock(&host->lock);
-    if (refused)
-        return ALLOC_OUT_OF_MEMORY;
-    if (bytes > PTRDIFF_MAX || posix_memalign(ptr, 512, (size_t)bytes) != 0) {
-        pthread_mutex_lock(&host->lock);
-        host->live_bytes -= bytes;
-        pthread_mutex_unlock(&host->lock);
-        return ALLOC_OUT_OF_MEMORY;
-    }
-    return ALLOC_OK;
+    *ptr = mp_host_alloc_capped(&host->live_bytes, host->capacity_bytes, bytes, 512);
+    return *ptr != NULL ? ALLOC_OK : ALLOC_OUT_OF_MEMORY;
 }
 
 static void
@@ -62,10 +47,7 @@ host_free(void *ctx, int device, void *ptr, uint64_t bytes)
 {
     alloc_host_ctx *host = ctx;
     (void)device;
-    pthread_mutex_lock(&host->lock);
-    host->live_bytes -= bytes;
-    pthread_mutex_unlock(&host->lock);
-    free(ptr);
+    mp_host_free_capped(&host->live_bytes, ptr, bytes);
 }
 
 static int
@@ -73,12 +55,15 @@ host_event_record(void *ctx, int device, void *stream, void **event)
 {
     alloc_host_ctx *host = ctx;
     (void)device;
-    host_event *e = malloc(sizeof(*e));
-    if (e == NULL)
-        return ALLOC_ERROR;
+    host_event *e = *event;
+    if (e == NULL) {
+        if ((e = malloc(sizeof(*e))) == NULL)
+            return ALLOC_ERROR;
+        atomic_fetch_add(&host->live_events, 1);
+        atomic_fetch_add(&host->events_created, 1);
+    }
     e->stream = stream;
     e->mark = stream ? atomic_load(&e->stream->submitted) : 0;
-    atomic_fetch_add(&host->live_events, 1);
     atomic_fetch_add(&host->events_recorded, 1);
     *event = e;
     return ALLOC_OK;

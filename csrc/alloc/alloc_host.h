@@ -3,14 +3,12 @@
  * counters the test drives. A stream handle is an alloc_host_stream *;
  * NULL is a stream whose work is always complete.
  *
- * Thread-safety: counters are atomic; the context's byte count is guarded
- * by its mutex. */
+ * Thread-safety: every counter is atomic. */
 #ifndef MATEPOINT_ALLOC_HOST_H
 #define MATEPOINT_ALLOC_HOST_H
 
 #include "alloc.h"
 
-#include <pthread.h>
 #include <stdatomic.h>
 
 typedef struct {
@@ -20,10 +18,10 @@ typedef struct {
 
 typedef struct {
     uint64_t capacity_bytes;        /* 0: unlimited */
-    uint64_t live_bytes;
+    _Atomic uint64_t live_bytes;
     _Atomic int64_t live_events;
     _Atomic uint64_t events_recorded, event_queries;    /* calls, for tests and benchmarks */
-    pthread_mutex_t lock;
+    _Atomic uint64_t events_created;                    /* records that made a new event */
 } alloc_host_ctx;
 
 void alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes);

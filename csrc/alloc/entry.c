@@ -13,13 +13,11 @@
  * matepoint_malloc, so this file is built with -fexceptions and holds no
  * lock or resource while calling it. Without a handler the process stops
  * with the same message, as returning NULL to torch would crash later. */
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* posix_memalign in alloc_host.h users */
-#endif
 #include "alloc.h"
 #include "alloc_cuda.h"
 #include "alloc_host.h"
 #include "cuda/cudart.h"
+#include "cuda/cudart_util.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -130,22 +128,24 @@ device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes)
 {
     *free_bytes = *total_bytes = 0;
     if (runtime == NULL) {
-        pthread_mutex_lock(&host_ctx.lock);
         *total_bytes = host_ctx.capacity_bytes;
-        *free_bytes = host_ctx.capacity_bytes - host_ctx.live_bytes;
-        pthread_mutex_unlock(&host_ctx.lock);
+        *free_bytes = host_ctx.capacity_bytes - atomic_load(&host_ctx.live_bytes);
         return;
     }
-    int previous = 0;
+    int previous;
+    const char *failed;
     size_t free_now = 0, total = 0;
-    if (runtime->get_device(&previous) != CUDART_SUCCESS ||
-        runtime->set_device(device) != CUDART_SUCCESS)
+    if (cudart_enter_device(runtime, device, &previous, &failed) != CUDART_SUCCESS) {
+        (void)runtime->get_last_error();    /* the numbers are only left out of a message */
         return;
+    }
     if (runtime->mem_get_info(&free_now, &total) == CUDART_SUCCESS) {
         *free_bytes = free_now;
         *total_bytes = total;
+    } else {
+        (void)runtime->get_last_error();
     }
-    (void)runtime->set_device(previous);
+    cudart_leave_device(runtime, device, previous);
 }
 
 /* "1.50 GiB" and the like, as torch writes sizes. */

@@ -28,4 +28,30 @@
 #define MP_ASSERTS_ACTIVE 0
 #endif
 
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* mp_counter_sub(&counter, amount): counter -= amount for a counter that
+ * must not go below zero, checked where it changes (as c10 asserts every
+ * statistic); a broken one is reported at the caller's line. */
+#define mp_counter_sub(counter, amount) mp_counter_sub_at((counter), (amount), __FILE__, __LINE__)
+
+static inline void
+mp_counter_sub_at(uint64_t *counter, uint64_t amount, const char *file, int line)
+{
+#if MP_ASSERTS_ACTIVE
+    if (*counter < amount) {
+        fprintf(stderr, "matepoint: invariant broken at %s:%d: a counter would go below zero "
+                        "(%llu - %llu)\n", file, line, (unsigned long long)*counter,
+                (unsigned long long)amount);
+        abort();
+    }
+#else
+    (void)file;
+    (void)line;
+#endif
+    *counter -= amount;
+}
+
 #endif

@@ -5,21 +5,20 @@ streams_check(const cudart *rt, int status, const char *what)
 {
     if (status == CUDART_SUCCESS)
         return 0;
-    (void)rt->get_last_error();
-    PyErr_Format(PyExc_RuntimeError, "matepoint: %s failed: %s (CUDA error %d)", what,
-                 rt->get_error_string(status), status);
+    char text[256];
+    cudart_describe_failure(rt, status, what, text, sizeof(text));
+    PyErr_Format(PyExc_RuntimeError, "matepoint: %s", text);
     return -1;
 }
 
 int
 streams_event_done(const cudart *rt, void *event)
 {
-    int status = rt->event_query(event);
-    if (status == CUDART_ERROR_NOT_READY) {
-        (void)rt->get_last_error();
-        return 0;
-    }
-    return streams_check(rt, status, "cudaEventQuery") < 0 ? -1 : 1;
+    int status;
+    int done = cudart_event_done(rt, event, &status);
+    if (done >= 0)
+        return done;
+    return streams_check(rt, status, "cudaEventQuery");
 }
 
 int
@@ -37,4 +36,20 @@ streams_memcpy(const cudart *rt, void *dst, const void *src, size_t bytes, int k
     return streams_check(rt, status, kind == CUDART_MEMCPY_DEVICE_TO_HOST
                                          ? "cudaMemcpyAsync (device to host)"
                                          : "cudaMemcpyAsync (host to device)");
+}
+
+int
+streams_enter_device(const cudart *rt, int device, int *previous)
+{
+    const char *failed = NULL;
+    int status = cudart_enter_device(rt, device, previous, &failed);
+    return status == CUDART_SUCCESS ? 0 : streams_check(rt, status, failed);
+}
+
+int
+streams_record_event(const cudart *rt, void *stream, void **event)
+{
+    const char *failed = NULL;
+    int status = cudart_record_event(rt, stream, event, &failed);
+    return status == CUDART_SUCCESS ? 0 : streams_check(rt, status, failed);
 }

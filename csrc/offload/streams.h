@@ -14,6 +14,7 @@
 #include <Python.h>
 
 #include "cuda/cudart.h"
+#include "cuda/cudart_util.h"
 
 /* 0 when status is success, else raises naming `what` and returns -1. */
 int streams_check(const cudart *rt, int status, const char *what);
@@ -27,5 +28,16 @@ int streams_memcpy(const cudart *rt, void *dst, const void *src, size_t bytes, i
 /* Has `event` completed? 1, 0, or -1 with an error. cudaErrorNotReady is
  * an answer, not a failure: the last error it leaves is cleared. */
 int streams_event_done(const cudart *rt, void *event);
+
+/* Makes `device` current (cudart_enter_device); *previous is the device
+ * that was, for cudart_leave_device() or the engine's own leave. 0, or -1
+ * with an error naming cudaGetDevice or cudaSetDevice. */
+int streams_enter_device(const cudart *rt, int device, int *previous);
+
+/* Records `*event` on `stream`, creating it first when *event is NULL
+ * (cudart_record_event). 0, or -1 with an error; an event this call
+ * created is then destroyed (*event NULL), a given one stays the
+ * caller's. */
+int streams_record_event(const cudart *rt, void *stream, void **event);
 
 #endif

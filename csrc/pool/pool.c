@@ -1,7 +1,6 @@
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* posix_memalign under -std=c11 */
-#endif
 #include "pool.h"
+#include "common/host_memory.h"
+#include "common/mp_assert.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -101,7 +100,8 @@ detach_cache_locked(pool *p)
         p->free_lists[i] = NULL;
         while (node != NULL) {
             cached_buffer *next = node->next;
-            p->stats.bytes_reserved -= node->size;
+            MP_ASSERT(node->size == pool_index_size(i));
+            mp_counter_sub(&p->stats.bytes_reserved, node->size);
             node->next = detached;
             detached = node;
             node = next;
@@ -147,6 +147,7 @@ take_cached_locked(pool *p, unsigned index, void **ptr)
     cached_buffer *node = p->free_lists[index];
     if (node == NULL)
         return 0;
+    MP_ASSERT(node->size == pool_index_size(index));
     p->free_lists[index] = node->next;
     *ptr = node->ptr;
     free(node);
@@ -169,6 +170,7 @@ claim_locked(pool *p, uint64_t size)
     if (!within_limit(p, size))
         return 0;
     p->stats.bytes_reserved += size;
+    MP_ASSERT(p->limit_bytes == 0 || p->stats.bytes_reserved <= p->limit_bytes);
     return 1;
 }
 
@@ -182,7 +184,7 @@ backend_alloc(pool *p, uint64_t size)
     if (ptr != NULL)
         p->stats.host_allocations++;
     else
-        p->stats.bytes_reserved -= size;
+        mp_counter_sub(&p->stats.bytes_reserved, size);
     pthread_mutex_unlock(&p->lock);
     return ptr;
 }
@@ -207,16 +209,6 @@ allocate_new(pool *p, uint64_t size)
     return claimed ? backend_alloc(p, size) : NULL;
 }
 
-static void *
-pageable_alloc(uint64_t size)
-{
-    void *ptr = NULL;
-    /* no object is larger than PTRDIFF_MAX: do not even ask */
-    if (size > PTRDIFF_MAX || posix_memalign(&ptr, POOL_ALIGN, (size_t)size) != 0)
-        return NULL;
-    return ptr;
-}
-
 /* Hands `ptr` out as `out`. Lock held. */
 static void
 hand_out_locked(pool *p, pool_block *out, void *ptr, uint64_t size, uint64_t bytes, int fallback)
@@ -226,6 +218,7 @@ hand_out_locked(pool *p, pool_block *out, void *ptr, uint64_t size, uint64_t byt
     p->stats.bytes_in_use += size;
     p->stats.bytes_requested += bytes;
     p->stats.blocks_in_use++;
+    MP_ASSERT(bytes <= size && p->stats.bytes_requested <= p->stats.bytes_in_use);
     if (p->stats.bytes_in_use > p->stats.peak_bytes_in_use)
         p->stats.peak_bytes_in_use = p->stats.bytes_in_use;
 }
@@ -261,7 +254,7 @@ pool_acquire(pool *p, uint64_t bytes, pool_block *out)
     void *ptr = size != 0 ? allocate_new(p, size) : NULL;
     int fallback = 0;
     if (ptr == NULL && size != 0) {
-        ptr = pageable_alloc(size);
+        ptr = mp_host_alloc(size, POOL_ALIGN);
         fallback = ptr != NULL;
     }
     pthread_mutex_lock(&p->lock);
@@ -279,21 +272,23 @@ pool_release(pool *p, pool_block *block)
     if (block->ptr == NULL)
         return;
     cached_buffer *node = block->fallback ? NULL : malloc(sizeof(*node));
+    /* a block this pool handed out: its size is its request's class */
+    MP_ASSERT(block->size == pool_class_size(block->requested));
     pthread_mutex_lock(&p->lock);
-    p->stats.bytes_in_use -= block->size;
-    p->stats.bytes_requested -= block->requested;
-    p->stats.blocks_in_use--;
+    mp_counter_sub(&p->stats.bytes_in_use, block->size);
+    mp_counter_sub(&p->stats.bytes_requested, block->requested);
+    mp_counter_sub(&p->stats.blocks_in_use, 1);
     if (node != NULL) {
         *node = (cached_buffer){.ptr = block->ptr, .size = block->size};
         unsigned index = pool_class_index(block->size);
         node->next = p->free_lists[index];
         p->free_lists[index] = node;
     } else if (!block->fallback) {
-        p->stats.bytes_reserved -= block->size;
+        mp_counter_sub(&p->stats.bytes_reserved, block->size);
     }
     pthread_mutex_unlock(&p->lock);
     if (block->fallback)
-        free(block->ptr);
+        mp_host_free(block->ptr);
     else if (node == NULL)   /* no memory for a cache entry: give the buffer back */
         p->backend.free(p->backend.ctx, block->ptr, block->size);
     *block = (pool_block){0};

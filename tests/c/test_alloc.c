@@ -3,6 +3,7 @@
 #include "alloc/alloc.h"
 #include "alloc/alloc_cuda.h"
 #include "alloc/alloc_host.h"
+#include "alloc/alloc_internal.h"   /* to break an invariant on purpose */
 #include "check.h"
 #include "cuda/cudart.h"
 #include "lock_probe.h"
@@ -192,6 +193,52 @@ test_events_queried_per_stream_in_order(void)
     alloc_free(a, y, 0);
     CHECK(alloc_check(a, 0) == 0);
     CHECK(atomic_load(&ctx.events_recorded) == 4);
+    finish(a, &ctx);
+}
+
+/* A cross-stream free records an event; once it completed, the next such
+ * free records the same event again (torch's event pool): a steady loop
+ * makes no new event. A block used on more streams than it keeps inline
+ * waits for all of them. empty_cache gives the spare events back. */
+static void
+test_events_are_reused_across_frees(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0};
+    allocator *a = make(&ctx, 0, 1);
+    for (int step = 0; step < 10; step++) {
+        void *p = alloc_malloc(a, 8192, 0, &s1, 0);
+        CHECK(alloc_record_stream(a, p, &s2) == 0);
+        alloc_host_submit(&s2);
+        alloc_free(a, p, 0);
+        alloc_host_complete(&s2);
+        void *q = alloc_malloc(a, 8192, 0, &s1, 0);
+        CHECK(q == p);                          /* the event completed: reused at once */
+        alloc_free(a, q, 0);
+    }
+    CHECK(atomic_load(&ctx.events_recorded) == 10 && atomic_load(&ctx.events_created) == 1);
+    CHECK(atomic_load(&ctx.live_events) == 1);  /* the spare */
+    /* three extra streams: past the two kept in the block */
+    void *p = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, p, &s2) == 0 && alloc_record_stream(a, p, &s3) == 0);
+    CHECK(alloc_record_stream(a, p, &s4) == 0 && alloc_record_stream(a, p, &s3) == 0);
+    alloc_host_submit(&s2);
+    alloc_host_submit(&s3);
+    alloc_host_submit(&s4);
+    alloc_free(a, p, 0);
+    CHECK(atomic_load(&ctx.events_recorded) == 13 && atomic_load(&ctx.events_created) == 3);
+    alloc_host_complete(&s2);
+    alloc_host_complete(&s4);
+    void *q = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(q != p);                              /* s3 has not finished with it */
+    alloc_host_complete(&s3);
+    void *r = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(r == p);
+    CHECK(alloc_check(a, 0) == 0);
+    alloc_free(a, q, 0);
+    alloc_free(a, r, 0);
+    alloc_empty_cache(a);
+    CHECK(atomic_load(&ctx.live_events) == 0);
     finish(a, &ctx);
 }
 
@@ -641,6 +688,42 @@ test_threads_stress(void)
     finish(a, &ctx);
 }
 
+/* Counters that would go below zero stop a debug build where they change. */
+static void
+free_with_a_corrupted_counter(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 1);
+    void *p = alloc_malloc(a, 4096, 0, NULL, 0);
+    a->devices[0].stats.live_blocks = 0;
+    alloc_free(a, p, 0);
+}
+
+/* A free block linked into its bucket twice: the list links disagree. */
+static void
+free_list_link_broken(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 1);
+    void *p = alloc_malloc(a, 4096, 0, NULL, 0);
+    void *q = alloc_malloc(a, 4096, 0, NULL, 0);
+    alloc_free(a, p, 0);
+    block *b = a->devices[0].streams->buckets[1][12]; /* small, floor(log2 4096) */
+    b->list_prev = b;       /* the head with a predecessor */
+    alloc_free(a, q, 0);
+}
+
+static void
+test_broken_invariants_stop_a_debug_build(void)
+{
+    if (!MP_ASSERTS_ACTIVE)
+        return;     /* a release build (the valgrind run) checks nothing */
+    printf("test_alloc: allocator state broken on purpose: the invariant reports below are "
+           "expected\n");
+    CHECK(aborts_on_invariant(free_with_a_corrupted_counter));
+    CHECK(aborts_on_invariant(free_list_link_broken));
+}
+
 int
 main(void)
 {
@@ -652,6 +735,7 @@ main(void)
     test_events_queried_per_stream_in_order();
     test_out_of_memory_moves_memory_between_streams();
     test_record_stream_defers_reuse();
+    test_events_are_reused_across_frees();
     test_out_of_memory_releases_cache_then_fails_cleanly();
     test_huge_requests_are_out_of_memory();
     test_on_handout_hook_runs_after_the_lock();
@@ -659,5 +743,6 @@ main(void)
     test_tags_are_exact();
     test_randomized_operations_keep_invariants();
     test_threads_stress();
+    test_broken_invariants_stop_a_debug_build();
     return check_report("test_alloc");
 }

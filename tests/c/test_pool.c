@@ -1,6 +1,7 @@
 #define _GNU_SOURCE /* rand_r */
 /* Unit tests of the host pool (csrc/pool) on its host backend. */
 #include "pool/pool.h"
+#include "common/mp_assert.h"
 #include "check.h"
 #include "cuda/cudart.h"
 #include "lock_probe.h"
@@ -365,6 +366,30 @@ test_failed_pinning_leaves_no_cuda_error(void)
     CHECK(fake_pinned_live == 0);
 }
 
+/* A block whose request no longer matches its class (a corrupted or
+ * foreign block) stops a debug build at its release. */
+static void
+release_a_forged_block(void)
+{
+    pool_host_ctx ctx = {0};
+    pool *p = pool_create(pool_host_backend(&ctx), 0);
+    pool_block block;
+    if (pool_acquire(p, 4096, &block) != 0)
+        return;
+    block.requested = 1 << 20;
+    pool_release(p, &block);
+}
+
+static void
+test_broken_invariants_stop_a_debug_build(void)
+{
+    if (!MP_ASSERTS_ACTIVE)
+        return;     /* a release build (the valgrind run) checks nothing */
+    printf("test_pool: a forged block released on purpose: the invariant report below is "
+           "expected\n");
+    CHECK(aborts_on_invariant(release_a_forged_block));
+}
+
 int
 main(void)
 {
@@ -379,5 +404,6 @@ main(void)
     test_acquire_cached_never_allocates();
     test_backend_never_runs_under_the_pool_lock();
     test_failed_pinning_leaves_no_cuda_error();
+    test_broken_invariants_stop_a_debug_build();
     return check_report("test_pool");
 }

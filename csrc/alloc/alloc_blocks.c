@@ -1,0 +1,288 @@
+/* Blocks and segments: size rounding, the free index (per-stream buckets),
+ * best fit, split and coalesce, and segments taken from and given back to
+ * the backend. Contract: alloc_internal.h. */
+#include "alloc_internal.h"
+
+#include <stdlib.h>
+
+uint64_t
+alloc_round_size(uint64_t size)
+{
+    if (size < MIN_BLOCK)
+        return MIN_BLOCK;
+    if (size > UINT64_MAX - (MIN_BLOCK - 1))
+        return 0;   /* rounding up would wrap to a tiny block */
+    return (size + MIN_BLOCK - 1) & ~(uint64_t)(MIN_BLOCK - 1);
+}
+
+/* 0 when the segment size cannot be represented. */
+static uint64_t
+segment_size_for(uint64_t rounded)
+{
+    if (rounded <= SMALL_REQUEST)
+        return SMALL_SEGMENT;
+    if (rounded < MID_LIMIT)
+        return LARGE_SEGMENT;
+    if (rounded > UINT64_MAX - (LARGE_ROUND - 1))
+        return 0;
+    return (rounded + LARGE_ROUND - 1) & ~(uint64_t)(LARGE_ROUND - 1);
+}
+
+static unsigned
+bucket_of(uint64_t size)
+{
+    return 63u - (unsigned)__builtin_clzll(size);
+}
+
+/* ---- free index ---------------------------------------------------------- */
+
+static void
+list_push(block **head, block *b)
+{
+    MP_ASSERT(!b->in_index && b->list_prev == NULL && b->list_next == NULL);
+    MP_ASSERT(*head == NULL || (*head)->list_prev == NULL);
+    b->list_prev = NULL;
+    b->list_next = *head;
+    if (*head != NULL)
+        (*head)->list_prev = b;
+    *head = b;
+}
+
+static void
+list_remove(block **head, block *b)
+{
+    MP_ASSERT(b->in_index);
+    /* the links agree both ways: b is the head exactly when it has no prev */
+    MP_ASSERT((b->list_prev == NULL) == (*head == b));
+    MP_ASSERT(b->list_prev == NULL || b->list_prev->list_next == b);
+    MP_ASSERT(b->list_next == NULL || b->list_next->list_prev == b);
+    if (b->list_prev != NULL)
+        b->list_prev->list_next = b->list_next;
+    else
+        *head = b->list_next;
+    if (b->list_next != NULL)
+        b->list_next->list_prev = b->list_prev;
+    b->list_prev = b->list_next = NULL;
+}
+
+block **
+block_bucket(block *b)
+{
+    return &b->seg->owner->buckets[b->seg->small][bucket_of(b->size)];
+}
+
+static void
+index_insert(block *b)
+{
+    /* only a block nobody uses and no event waits for is free */
+    MP_ASSERT(!b->allocated && b->event_count == 0 && b->n_extra == 0);
+    list_push(block_bucket(b), b);
+    b->in_index = 1;
+}
+
+static void
+index_remove(block *b)
+{
+    list_remove(block_bucket(b), b);
+    b->in_index = 0;
+}
+
+/* ---- blocks and segments ------------------------------------------------- */
+
+/* Absorbs `victim`, the free block right after `b` in the same segment
+ * (taken out of the index already), into `b`. */
+static void
+absorb_next(block *b, block *victim)
+{
+    MP_ASSERT(b->next == victim && victim->prev == b && victim->seg == b->seg);
+    MP_ASSERT(b->ptr + b->size == victim->ptr);
+    MP_ASSERT(!victim->allocated && !victim->in_index && victim->event_count == 0);
+    b->size += victim->size;
+    b->next = victim->next;
+    if (victim->next != NULL)
+        victim->next->prev = b;
+    free(victim);
+}
+
+/* A block becomes free: merged with its free neighbours, indexed. */
+void
+block_insert_free(block *b)
+{
+    MP_ASSERT(!b->allocated && !b->in_index && b->event_count == 0);
+    if (b->prev != NULL && b->prev->in_index) {
+        block *prev = b->prev;
+        index_remove(prev);
+        absorb_next(prev, b);
+        b = prev;
+    }
+    if (b->next != NULL && b->next->in_index) {
+        block *next = b->next;
+        index_remove(next);
+        absorb_next(b, next);
+    }
+    index_insert(b);
+}
+
+/* Gives a segment whose blocks are all free back to the backend. Freeing
+ * device memory waits for the device (cudaFree does), so no event is needed. */
+static void
+release_segment(allocator *a, device_state *dev, segment *seg)
+{
+    /* free neighbours are always merged: an all-free segment is one block */
+    MP_ASSERT(seg->first->next == NULL && seg->first->size == seg->size);
+    for (block *b = seg->first, *next; b != NULL; b = next) {
+        next = b->next;
+        index_remove(b);
+        if (b != seg->first)
+            free(b);
+    }
+    a->backend.device_free(a->backend.ctx, dev->index, (void *)seg->base, seg->size);
+    stats_segment_released(dev, seg->size);
+    MP_ASSERT((seg->prev == NULL) == (dev->segments == seg));
+    MP_ASSERT(seg->next == NULL || seg->next->prev == seg);
+    if (seg->prev != NULL)
+        seg->prev->next = seg->next;
+    else
+        dev->segments = seg->next;
+    if (seg->next != NULL)
+        seg->next->prev = seg->prev;
+    mp_counter_sub(&seg->owner->segments, 1);
+    stream_drop_if_unused(dev, seg->owner);
+    free(seg->first);
+    free(seg);
+}
+
+static int
+segment_all_free(const segment *seg)
+{
+    for (const block *b = seg->first; b != NULL; b = b->next) {
+        if (!b->in_index)
+            return 0;
+    }
+    return 1;
+}
+
+/* Releases every segment with no live or pending block. Lock held. */
+void
+segment_release_free(allocator *a, device_state *dev)
+{
+    segment *seg = dev->segments;
+    while (seg != NULL) {
+        segment *next = seg->next;
+        if (segment_all_free(seg))
+            release_segment(a, dev, seg);
+        seg = next;
+    }
+}
+
+/* Best fit among the free blocks of `stream`'s segments. Lock held. */
+block *
+block_find_free(device_state *dev, uint64_t size, int small, void *stream)
+{
+    stream_state *s = stream_find(dev, stream);
+    if (s == NULL)
+        return NULL;
+    for (unsigned bucket = bucket_of(size); bucket < BUCKETS; bucket++) {
+        block *best = NULL;
+        for (block *b = s->buckets[small][bucket]; b != NULL; b = b->list_next) {
+            if (b->size >= size && (best == NULL || b->size < best->size))
+                best = b;
+        }
+        if (best != NULL)
+            return best;
+    }
+    return NULL;
+}
+
+static int
+should_split(const block *b, uint64_t size)
+{
+    uint64_t remaining = b->size - size;
+    return b->seg->small ? remaining >= MIN_BLOCK : remaining > LARGE_SPLIT_MIN;
+}
+
+/* Takes `b` for a request of `size` bytes, splitting off the rest as a new
+ * free block. Lock held. 0, or -1 without memory. */
+int
+block_take(block *b, uint64_t size)
+{
+    MP_ASSERT(!b->allocated && b->event_count == 0 && b->size >= size && size % MIN_BLOCK == 0);
+    if (b->in_index)
+        index_remove(b);
+    if (should_split(b, size)) {
+        block *rest = calloc(1, sizeof(*rest));
+        if (rest == NULL) {
+            index_insert(b);
+            return -1;
+        }
+        rest->ptr = b->ptr + size;
+        rest->size = b->size - size;
+        rest->seg = b->seg;
+        rest->prev = b;
+        rest->next = b->next;
+        if (b->next != NULL)
+            b->next->prev = rest;
+        b->next = rest;
+        b->size = size;
+        MP_ASSERT(b->ptr + b->size == rest->ptr && rest->ptr + rest->size <= b->seg->base + b->seg->size);
+        block_insert_free(rest);
+    }
+    return 0;
+}
+
+/* Overflow-safe: reserved + size <= limit. */
+static int
+within_limit(const device_state *dev, uint64_t size)
+{
+    return dev->limit == 0 || (size <= dev->limit && dev->stats.reserved_bytes <= dev->limit - size);
+}
+
+static int
+backend_segment(allocator *a, device_state *dev, uint64_t size, void **ptr)
+{
+    if (!within_limit(dev, size))
+        return ALLOC_OUT_OF_MEMORY;
+    return a->backend.device_malloc(a->backend.ctx, dev->index, size, ptr);
+}
+
+/* A new segment of `stream` holding one free block; on out-of-memory it
+ * waits for pending frees, releases cached segments of every stream and
+ * tries once more. NULL when out of memory. */
+block *
+segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream)
+{
+    uint64_t size = segment_size_for(rounded);
+    void *ptr = NULL;
+    if (size == 0)
+        return NULL;
+    int status = backend_segment(a, dev, size, &ptr);
+    if (status == ALLOC_OUT_OF_MEMORY) {
+        dev->stats.oom_retries++;
+        events_process(a, dev, 1);
+        events_free_spares(a, dev);
+        segment_release_free(a, dev);
+        status = backend_segment(a, dev, size, &ptr);
+    }
+    if (status != ALLOC_OK)
+        return NULL;
+    /* after the retry, which may have forgotten this stream */
+    stream_state *owner = stream_get(dev, stream);
+    segment *seg = owner ? calloc(1, sizeof(*seg)) : NULL;
+    block *b = seg ? calloc(1, sizeof(*b)) : NULL;
+    if (b == NULL) {
+        free(seg);
+        a->backend.device_free(a->backend.ctx, dev->index, ptr, size);
+        if (owner != NULL)
+            stream_drop_if_unused(dev, owner);
+        return NULL;
+    }
+    *seg = (segment){.base = (uintptr_t)ptr, .size = size, .small = rounded <= SMALL_REQUEST,
+                     .owner = owner, .first = b, .next = dev->segments};
+    if (dev->segments != NULL)
+        dev->segments->prev = seg;
+    dev->segments = seg;
+    owner->segments++;
+    *b = (block){.ptr = (uintptr_t)ptr, .size = size, .seg = seg};
+    stats_segment_added(dev, size);
+    return b;
+}

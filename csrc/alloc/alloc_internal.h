@@ -1,0 +1,203 @@
+/* Private to csrc/alloc: the allocator's data structures and the functions
+ * its files share. Not a contract for anything outside the folder.
+ *
+ * The files, one concept each:
+ * - alloc.c          the public API (alloc.h): create, malloc, free,
+ *                    record_stream, empty_cache, limits, destroy
+ * - alloc_blocks.c   blocks and segments: size classes, the free index
+ *                    (buckets), best fit, split and coalesce, segments
+ *                    taken from and given back to the backend
+ * - alloc_streams.c  per-stream state and the events of cross-stream frees
+ * - alloc_stats.c    the live-pointer table, per-tag and device statistics,
+ *                    the last out-of-memory report, alloc_check()
+ *
+ * Locking: every function here runs with the device's mutex held (its
+ * `dev->lock`), except where it says otherwise.
+ *
+ * A block is in exactly one state: allocated (in the live-pointer table),
+ * pending (freed, waiting for `event_count` events of other streams), or
+ * free (in its stream's bucket, `in_index`). Free neighbours inside a
+ * segment are always merged. */
+#ifndef MATEPOINT_ALLOC_INTERNAL_H
+#define MATEPOINT_ALLOC_INTERNAL_H
+
+#include "alloc.h"
+#include "common/mp_assert.h"
+
+#include <pthread.h>
+#include <stdint.h>
+
+#define MIN_BLOCK 512u
+#define SMALL_REQUEST (1u << 20)        /* at most this goes to the small pool */
+#define SMALL_SEGMENT (2u << 20)
+#define LARGE_SEGMENT (20u << 20)       /* shared by requests below MID_LIMIT */
+#define MID_LIMIT (10u << 20)
+#define LARGE_ROUND (2u << 20)
+#define LARGE_SPLIT_MIN (1u << 20)      /* large remainders smaller than this stay attached */
+#define BUCKETS 64
+#define EXTRA_INLINE 2                  /* record_stream streams kept without a malloc */
+#define SPARE_EVENTS_MAX 64             /* completed events kept per device for reuse */
+
+typedef struct segment segment;
+typedef struct block block;
+typedef struct stream_state stream_state;
+typedef struct pending_event pending_event;
+
+struct block {
+    uintptr_t ptr;
+    uint64_t size, requested;
+    segment *seg;
+    block *prev, *next;             /* address neighbours inside the segment */
+    block *list_prev, *list_next;   /* free bucket */
+    block *map_next;                /* chain of the live-pointer table */
+    uint64_t tag;
+    void **extra_streams;           /* streams from alloc_record_stream, recorded on at the free:
+                                       extra_inline, or malloc'ed past EXTRA_INLINE */
+    void *extra_inline[EXTRA_INLINE];
+    int n_extra;
+    int event_count;                /* events of its free not yet seen complete */
+    uint8_t allocated, in_index;
+};
+
+/* Blocks of a segment serve only the stream the segment was allocated on
+ * (torch's rule): reuse on that stream is ordered by the stream itself,
+ * so no event is needed, and no other stream ever waits on it. */
+struct segment {
+    uintptr_t base;
+    uint64_t size;
+    int small;
+    stream_state *owner;
+    block *first;
+    segment *prev, *next;
+};
+
+/* An event recorded at a free on a stream that used the block; once it
+ * completed, the node and its event wait among the device's spares for
+ * the next such free (torch's event pool), with `b` NULL. */
+struct pending_event {
+    void *event;
+    block *b;
+    pending_event *next;
+};
+
+/* One stream of a device: the free blocks of its segments, and the events
+ * frees recorded on it, oldest first. `stream` is a key only: nothing is
+ * recorded on it after the call that named it returned, so a stream
+ * destroyed since does no harm. Freed once it has neither. */
+struct stream_state {
+    void *stream;
+    block *buckets[2][BUCKETS];     /* [small][floor(log2 size)] */
+    uint64_t segments;
+    pending_event *head, *tail;
+    stream_state *next;
+};
+
+typedef struct {
+    uint64_t tag, live_bytes, peak_bytes, allocations;
+    int used;
+} tag_slot;
+
+typedef struct {
+    pthread_mutex_t lock;
+    int index;
+    stream_state *streams;          /* most recently allocated on first */
+    segment *segments;
+    block **map;                    /* live blocks by pointer */
+    uint64_t map_size, map_count;
+    tag_slot *tags;
+    uint64_t tag_capacity, tag_count;
+    alloc_stats stats;
+    uint64_t limit;
+    uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
+    pending_event *spare_events;    /* completed, ready to be recorded again */
+    uint64_t spare_count;
+} device_state;
+
+struct allocator {
+    alloc_backend backend;
+    int device_count;
+    device_state *devices;
+    pthread_mutex_t oom_lock;       /* guards last_oom */
+    alloc_oom_info last_oom;
+};
+
+/* The device's state; NULL when `device` is out of range (no lock).
+ * Inline: on every malloc and free. */
+static inline device_state *
+device_of(allocator *a, int device)
+{
+    return device >= 0 && device < a->device_count ? &a->devices[device] : NULL;
+}
+
+/* The state of `stream`, moved to the front: a device mostly allocates on
+ * one or two streams. NULL when the device has none for it. Inline: on
+ * every malloc. */
+static inline stream_state *
+stream_find(device_state *dev, void *stream)
+{
+    for (stream_state **link = &dev->streams; *link != NULL; link = &(*link)->next) {
+        stream_state *s = *link;
+        if (s->stream != stream)
+            continue;
+        *link = s->next;
+        s->next = dev->streams;
+        dev->streams = s;
+        return s;
+    }
+    return NULL;
+}
+
+/* ---- alloc_blocks.c ----------------------------------------------------- */
+/* The bucket a free block of `b`'s size and stream lives in. */
+block **block_bucket(block *b);
+/* A block becomes free: merged with its free neighbours, indexed. */
+void block_insert_free(block *b);
+/* Best fit among the free blocks of `stream`'s segments; NULL if none. */
+block *block_find_free(device_state *dev, uint64_t size, int small, void *stream);
+/* Takes `b` for `size` bytes, splitting the rest off as a free block;
+ * 0, or -1 without memory (then `b` is indexed again). */
+int block_take(block *b, uint64_t size);
+/* A new segment of `stream` for a request of `rounded` bytes, holding one
+ * free block (not indexed); on out-of-memory it waits for pending frees,
+ * releases the cached segments of every stream and retries once. NULL
+ * when out of memory. */
+block *segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream);
+/* Releases every segment with no live or pending block. */
+void segment_release_free(allocator *a, device_state *dev);
+
+/* ---- alloc_streams.c ---------------------------------------------------- */
+
+/* The state of `stream`, made when missing; NULL without memory. */
+stream_state *stream_get(device_state *dev, void *stream);
+/* Frees `s` when it has neither segments nor pending events. */
+void stream_drop_if_unused(device_state *dev, stream_state *s);
+/* Retires completed events of every stream (all of them, waiting, if
+ * `wait`) and forgets the streams left with nothing. */
+void events_process(allocator *a, device_state *dev, int wait);
+/* Records an event on each extra stream of `b` and queues it there; -1
+ * (nothing queued) when one could not be made. */
+int events_insert(allocator *a, device_state *dev, block *b);
+/* Frees a chain of events not queued on any stream. */
+void events_free_chain(allocator *a, pending_event *e);
+/* Frees the device's spare events (memory pressure, empty_cache). */
+void events_free_spares(allocator *a, device_state *dev);
+/* Forgets the streams `b` was used on (after its free recorded on them). */
+void block_forget_streams(block *b);
+
+/* ---- alloc_stats.c ------------------------------------------------------ */
+
+/* The live-pointer table: 0, or -1 without memory. */
+int map_insert(device_state *dev, block *b);
+block *map_take(device_state *dev, uintptr_t ptr);
+block *map_find(device_state *dev, uintptr_t ptr);
+/* Counts a block handed out for `size` requested bytes, under `tag`. */
+void stats_account_malloc(device_state *dev, block *b, uint64_t size, uint64_t tag);
+/* Counts the free of an allocated block. */
+void stats_account_free(device_state *dev, block *b);
+/* Counts a segment of `size` bytes taken from, or given back to, the backend. */
+void stats_segment_added(device_state *dev, uint64_t size);
+void stats_segment_released(device_state *dev, uint64_t size);
+/* Counts a failed request and keeps its numbers for alloc_last_oom(). */
+void stats_record_oom(allocator *a, device_state *dev, uint64_t size);
+
+#endif

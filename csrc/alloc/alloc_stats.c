@@ -1,0 +1,341 @@
+/* The live-pointer table, device and per-tag statistics, the last
+ * out-of-memory report and the invariant check of the tests. Contract:
+ * alloc_internal.h. */
+#include "alloc_internal.h"
+
+#include <stdlib.h>
+
+/* ---- live-pointer table ---------------------------------------------------- */
+
+static uint64_t
+hash_ptr(uintptr_t ptr, uint64_t size)
+{
+    uint64_t h = (uint64_t)ptr >> 9;
+    h ^= h >> 29;
+    h *= 0x9e3779b97f4a7c15ull;
+    return (h >> 17) & (size - 1);
+}
+
+static int
+map_grow(device_state *dev)
+{
+    uint64_t size = dev->map_size ? dev->map_size * 2 : 1024;
+    block **map = calloc(size, sizeof(block *));
+    if (map == NULL)
+        return -1;
+    for (uint64_t i = 0; i < dev->map_size; i++) {
+        block *b = dev->map[i];
+        while (b != NULL) {
+            block *next = b->map_next;
+            uint64_t slot = hash_ptr(b->ptr, size);
+            b->map_next = map[slot];
+            map[slot] = b;
+            b = next;
+        }
+    }
+    free(dev->map);
+    dev->map = map;
+    dev->map_size = size;
+    return 0;
+}
+
+int
+map_insert(device_state *dev, block *b)
+{
+    if (dev->map_count >= dev->map_size && map_grow(dev) < 0)
+        return -1;
+    uint64_t slot = hash_ptr(b->ptr, dev->map_size);
+    MP_ASSERT(b->map_next == NULL && map_find(dev, b->ptr) == NULL);
+    b->map_next = dev->map[slot];
+    dev->map[slot] = b;
+    dev->map_count++;
+    return 0;
+}
+
+block *
+map_take(device_state *dev, uintptr_t ptr)
+{
+    if (dev->map_size == 0)
+        return NULL;
+    block **link = &dev->map[hash_ptr(ptr, dev->map_size)];
+    for (block *b = *link; b != NULL; link = &b->map_next, b = b->map_next) {
+        if (b->ptr == ptr) {
+            *link = b->map_next;
+            b->map_next = NULL;
+            mp_counter_sub(&dev->map_count, 1);
+            return b;
+        }
+    }
+    return NULL;
+}
+
+block *
+map_find(device_state *dev, uintptr_t ptr)
+{
+    if (dev->map_size == 0)
+        return NULL;
+    for (block *b = dev->map[hash_ptr(ptr, dev->map_size)]; b != NULL; b = b->map_next) {
+        if (b->ptr == ptr)
+            return b;
+    }
+    return NULL;
+}
+
+/* ---- tags ------------------------------------------------------------------ */
+
+static tag_slot *
+tag_find(device_state *dev, uint64_t tag)
+{
+    if (dev->tag_count * 10 >= dev->tag_capacity * 7) {
+        uint64_t capacity = dev->tag_capacity ? dev->tag_capacity * 2 : 64;
+        tag_slot *grown = calloc(capacity, sizeof(tag_slot));
+        if (grown == NULL)
+            return NULL;
+        for (uint64_t i = 0; i < dev->tag_capacity; i++) {
+            if (!dev->tags[i].used)
+                continue;
+            uint64_t slot = (dev->tags[i].tag * 0x9e3779b97f4a7c15ull) & (capacity - 1);
+            while (grown[slot].used)
+                slot = (slot + 1) & (capacity - 1);
+            grown[slot] = dev->tags[i];
+        }
+        free(dev->tags);
+        dev->tags = grown;
+        dev->tag_capacity = capacity;
+    }
+    uint64_t slot = (tag * 0x9e3779b97f4a7c15ull) & (dev->tag_capacity - 1);
+    while (dev->tags[slot].used && dev->tags[slot].tag != tag)
+        slot = (slot + 1) & (dev->tag_capacity - 1);
+    if (!dev->tags[slot].used) {
+        dev->tags[slot] = (tag_slot){.tag = tag, .used = 1};
+        dev->tag_count++;
+    }
+    return &dev->tags[slot];
+}
+
+/* Tag accounting is best effort: without memory for the table the
+ * allocation still succeeds, only untracked. */
+static void
+tag_account(device_state *dev, uint64_t tag, uint64_t size, int allocate)
+{
+    tag_slot *slot = tag_find(dev, tag);
+    if (slot == NULL)
+        return;
+    if (allocate) {
+        slot->live_bytes += size;
+        slot->allocations++;
+        if (slot->live_bytes > slot->peak_bytes)
+            slot->peak_bytes = slot->live_bytes;
+    } else {
+        slot->live_bytes -= size < slot->live_bytes ? size : slot->live_bytes;
+    }
+}
+
+void
+stats_record_oom(allocator *a, device_state *dev, uint64_t size)
+{
+    dev->stats.ooms++;
+    pthread_mutex_lock(&a->oom_lock);
+    a->last_oom = (alloc_oom_info){.requested = size, .device = dev->index,
+                                   .reserved = dev->stats.reserved_bytes,
+                                   .allocated = dev->stats.allocated_bytes,
+                                   .limit = dev->limit};
+    pthread_mutex_unlock(&a->oom_lock);
+}
+
+void
+stats_account_malloc(device_state *dev, block *b, uint64_t size, uint64_t tag)
+{
+    MP_ASSERT(!b->allocated && !b->in_index && b->event_count == 0 && size <= b->size);
+    b->allocated = 1;
+    b->requested = size;
+    b->tag = tag;
+    dev->stats.mallocs++;
+    dev->stats.live_blocks++;
+    dev->stats.allocated_bytes += b->size;
+    dev->stats.requested_bytes += size;
+    if (dev->stats.allocated_bytes > dev->stats.peak_allocated_bytes)
+        dev->stats.peak_allocated_bytes = dev->stats.allocated_bytes;
+    MP_ASSERT(dev->stats.allocated_bytes <= dev->stats.reserved_bytes);
+    MP_ASSERT(dev->stats.requested_bytes <= dev->stats.allocated_bytes);
+    tag_account(dev, tag, b->size, 1);
+}
+
+void
+stats_account_free(device_state *dev, block *b)
+{
+    MP_ASSERT(b->allocated && b->requested <= b->size);
+    dev->stats.frees++;
+    mp_counter_sub(&dev->stats.live_blocks, 1);
+    mp_counter_sub(&dev->stats.allocated_bytes, b->size);
+    mp_counter_sub(&dev->stats.requested_bytes, b->requested);
+    tag_account(dev, b->tag, b->size, 0);
+    b->allocated = 0;
+}
+
+void
+stats_segment_added(device_state *dev, uint64_t size)
+{
+    dev->stats.reserved_bytes += size;
+    dev->stats.device_allocs++;
+    if (dev->stats.reserved_bytes > dev->stats.peak_reserved_bytes)
+        dev->stats.peak_reserved_bytes = dev->stats.reserved_bytes;
+}
+
+void
+stats_segment_released(device_state *dev, uint64_t size)
+{
+    mp_counter_sub(&dev->stats.reserved_bytes, size);
+    MP_ASSERT(dev->stats.allocated_bytes <= dev->stats.reserved_bytes);
+    dev->stats.device_frees++;
+    MP_ASSERT(dev->stats.device_frees <= dev->stats.device_allocs);
+}
+
+alloc_stats
+alloc_get_stats(allocator *a, int device)
+{
+    alloc_stats stats = {0};
+    device_state *dev = device_of(a, device);
+    if (dev == NULL)
+        return stats;
+    pthread_mutex_lock(&dev->lock);
+    stats = dev->stats;
+    pthread_mutex_unlock(&dev->lock);
+    return stats;
+}
+
+void
+alloc_reset_peaks(allocator *a)
+{
+    for (int d = 0; d < a->device_count; d++) {
+        device_state *dev = &a->devices[d];
+        pthread_mutex_lock(&dev->lock);
+        dev->stats.peak_allocated_bytes = dev->stats.allocated_bytes;
+        dev->stats.peak_reserved_bytes = dev->stats.reserved_bytes;
+        for (uint64_t i = 0; i < dev->tag_capacity; i++)
+            dev->tags[i].peak_bytes = dev->tags[i].live_bytes;
+        pthread_mutex_unlock(&dev->lock);
+    }
+}
+
+int
+alloc_get_tag_stats(allocator *a, int device, alloc_tag_stats *out, int max)
+{
+    device_state *dev = device_of(a, device);
+    int count = 0;
+    if (dev == NULL)
+        return 0;
+    pthread_mutex_lock(&dev->lock);
+    for (uint64_t i = 0; i < dev->tag_capacity; i++) {
+        tag_slot *slot = &dev->tags[i];
+        if (!slot->used || (slot->live_bytes == 0 && slot->peak_bytes == 0))
+            continue;
+        if (count < max)
+            out[count] = (alloc_tag_stats){.tag = slot->tag, .live_bytes = slot->live_bytes,
+                                           .peak_bytes = slot->peak_bytes,
+                                           .allocations = slot->allocations};
+        count++;
+    }
+    pthread_mutex_unlock(&dev->lock);
+    return count;
+}
+
+alloc_oom_info
+alloc_last_oom(allocator *a)
+{
+    pthread_mutex_lock(&a->oom_lock);
+    alloc_oom_info info = a->last_oom;
+    pthread_mutex_unlock(&a->oom_lock);
+    return info;
+}
+
+/* ---- invariants (tests) ------------------------------------------------------- */
+
+static int
+stream_known(device_state *dev, const stream_state *s)
+{
+    for (const stream_state *t = dev->streams; t != NULL; t = t->next) {
+        if (t == s)
+            return 1;
+    }
+    return 0;
+}
+
+static int
+check_segment(device_state *dev, segment *seg, uint64_t *allocated, uint64_t *live,
+              uint64_t *events)
+{
+    uintptr_t expected = seg->base;
+    uint64_t total = 0;
+    if (!stream_known(dev, seg->owner))
+        return -8;
+    for (block *b = seg->first; b != NULL; b = b->next) {
+        if (b->ptr != expected || b->seg != seg || (b->next && b->next->prev != b))
+            return -1;
+        if (b->allocated + (b->event_count > 0) + b->in_index != 1 || b->event_count < 0)
+            return -2;   /* exactly one state */
+        *events += (uint64_t)b->event_count;
+        if (b->allocated) {
+            *allocated += b->size;
+            (*live)++;
+            if (map_find(dev, b->ptr) != b)
+                return -3;
+        }
+        if (b->in_index && b->next && b->next->in_index)
+            return -4;   /* missed coalescing */
+        if (b->in_index) {
+            block *found = *block_bucket(b);
+            while (found != NULL && found != b)
+                found = found->list_next;
+            if (found == NULL)
+                return -5;
+        }
+        expected += b->size;
+        total += b->size;
+    }
+    return total == seg->size ? 0 : -6;
+}
+
+/* Segment counts per stream and queued events match the blocks'. */
+static int
+check_streams(device_state *dev, uint64_t events)
+{
+    for (stream_state *s = dev->streams; s != NULL; s = s->next) {
+        uint64_t segments = 0;
+        for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
+            segments += seg->owner == s;
+        if (segments != s->segments)
+            return -9;
+        for (pending_event *e = s->head; e != NULL; e = e->next) {
+            if (e->b->event_count <= 0 || (e->next == NULL && e != s->tail))
+                return -10;
+            events--;
+        }
+    }
+    return events == 0 ? 0 : -11;
+}
+
+int
+alloc_check(allocator *a, int device)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL)
+        return -1;
+    pthread_mutex_lock(&dev->lock);
+    uint64_t allocated = 0, live = 0, reserved = 0, events = 0;
+    int result = 0;
+    for (segment *seg = dev->segments; seg != NULL && result == 0; seg = seg->next) {
+        reserved += seg->size;
+        result = check_segment(dev, seg, &allocated, &live, &events);
+    }
+    if (result == 0 && (allocated != dev->stats.allocated_bytes ||
+                        reserved != dev->stats.reserved_bytes || live != dev->map_count ||
+                        live != dev->stats.live_blocks))
+        result = -7;
+    if (result == 0 && events != dev->events_pending)
+        result = -12;
+    if (result == 0)
+        result = check_streams(dev, events);
+    pthread_mutex_unlock(&dev->lock);
+    return result;
+}

@@ -1,0 +1,124 @@
+/* Private to the simulated runtime (test builds only): its state and the
+ * scheduler the runtime entry points share. Not part of cudart_sim.h's
+ * contract.
+ *
+ * The files:
+ * - cudart_sim_queue.c  the "GPU": per-stream queues of copies, event
+ *                       records and waits, run oldest first or as little
+ *                       as a blocking call needs; memory ranges handed
+ *                       out; the entry and exit of every runtime call
+ * - cudart_sim_calls.c  the runtime table: one function per CUDA entry point
+ * - cudart_sim.c        the state itself and the test controls
+ *
+ * Every function here but sim_enter() runs with `sim_gpu.lock` held
+ * (sim_enter takes it, sim_leave releases it). */
+#ifndef MATEPOINT_CUDART_SIM_INTERNAL_H
+#define MATEPOINT_CUDART_SIM_INTERNAL_H
+
+#include "cudart_sim.h"
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+    uint64_t recorded;          /* generation of the last record queued */
+    uint64_t completed;         /* generation of the last record that ran */
+    int device;                 /* current when the event was created */
+    int refs;                   /* the caller's handle plus queued operations */
+} sim_event;
+
+typedef enum { OP_COPY, OP_RECORD, OP_WAIT } op_kind;
+
+typedef struct {
+    op_kind kind;
+    uint64_t order;             /* global queueing order: oldest runs first */
+    sim_event *event;
+    uint64_t generation;        /* record: the one it completes; wait: the one it needs */
+    void *dst;
+    const void *src;
+    size_t bytes;
+} sim_op;
+
+typedef struct sim_stream {
+    sim_op *ops;
+    size_t head, count, cap;    /* queued operations are ops[head .. head + count) */
+    int device;
+    int created;                /* 0 for the legacy streams, which live forever */
+    int destroyed;              /* freed once its queue ran dry */
+    struct sim_stream *next;
+} sim_stream;
+
+/* Memory handed out: device memory (device >= 0) or pinned host memory. */
+typedef struct sim_range {
+    char *base;
+    size_t bytes;
+    int device;
+    struct sim_range *next;
+} sim_range;
+
+typedef struct {
+    uint64_t skip, count;
+    int status;
+} sim_failure;
+
+/* The whole simulation. Process-wide because the runtime table it stands
+ * for is; every access holds `lock`. Defined in cudart_sim.c. */
+typedef struct {
+    pthread_mutex_t lock;
+    sim_stream legacy[CUDART_SIM_DEVICES];
+    sim_stream *streams;        /* every stream with queued work or a live handle */
+    sim_range *ranges;
+    uint64_t next_order;
+    uint64_t progress_per_call;
+    sim_failure failures[SIM_ENTRY_COUNT];
+    cudart_sim_observer sync_observer;
+    cudart_sim_stats stats;
+} sim_world;
+
+extern sim_world sim_gpu;
+
+/* What CUDA keeps per host thread. */
+extern _Thread_local int sim_current_device;
+extern _Thread_local int sim_last_error;
+extern _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
+
+/* The runtime table (cudart_sim_calls.c). */
+extern const cudart sim_table;
+
+/* ---- cudart_sim_queue.c -------------------------------------------------- */
+
+/* Has the event's last record run? */
+int sim_event_done(const sim_event *event);
+/* Drops one reference (the handle or a queued operation); frees at 0. */
+void sim_event_release(sim_event *event);
+/* A destroyed stream whose queue ran dry goes. */
+void sim_stream_unlink_and_free(sim_stream *stream);
+/* Runs up to `ops` runnable operations, oldest first; how many ran. */
+uint64_t sim_advance_locked(uint64_t ops);
+/* Runs what `event` reaching `generation` needs; CUDART_SIM_DEADLOCK when
+ * it can never run. */
+int sim_run_until_locked(sim_event *event, uint64_t generation);
+/* Runs what `stream`'s queued work needs, and that work. */
+int sim_drain_locked(sim_stream *stream);
+/* Queues `op` on `stream`; a CUDA status. */
+int sim_push_locked(sim_stream *stream, sim_op op);
+/* The device now has its primary context. */
+void sim_use_device(int device);
+/* NULL: the legacy stream of the current device; else a live created
+ * stream, or NULL when the handle is none. */
+sim_stream *sim_resolve(void *handle);
+/* Memory handed out at `base` on `device` (-1: pinned host); 0 or -1. */
+int sim_add_range(void *base, size_t bytes, int device);
+sim_range *sim_find_range(const void *ptr);
+/* The host now waits for the GPU: tells the sync observer. */
+void sim_note_sync_locked(cudart_sim_entry entry);
+/* Frees a range sim_add_range recorded; a CUDA status. */
+int sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry);
+/* Takes the lock, counts the call, runs the configured progress; returns
+ * an injected failure's status, else success. */
+int sim_enter(cudart_sim_entry entry);
+/* Releases the lock; a failing status becomes the thread's last error. */
+int sim_leave(int status);
+
+#endif

@@ -1,0 +1,314 @@
+/* The simulated GPU's scheduler: per-stream queues run oldest first, or
+ * only as far as a blocking call needs; the memory ranges handed out; the
+ * entry and exit of every runtime call. Contract: cudart_sim_internal.h. */
+#include "cudart_sim_internal.h"
+#include "common/host_memory.h"
+#include "common/mp_assert.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- queues ------------------------------------------------------------------ */
+
+int
+sim_event_done(const sim_event *event)
+{
+    return event->completed >= event->recorded;
+}
+
+void
+sim_event_release(sim_event *event)
+{
+    MP_ASSERT(event->refs > 0);
+    if (--event->refs == 0)
+        free(event);
+}
+
+static int
+op_runnable(const sim_op *op)
+{
+    return op->kind != OP_WAIT || op->event->completed >= op->generation;
+}
+
+static void
+op_run(sim_op *op)
+{
+    sim_gpu.stats.ops_run++;
+    switch (op->kind) {
+    case OP_COPY:
+        memcpy(op->dst, op->src, op->bytes);
+        sim_gpu.stats.copies_run++;
+        return;
+    case OP_RECORD:
+        if (op->generation > op->event->completed)
+            op->event->completed = op->generation;
+        sim_event_release(op->event);
+        return;
+    case OP_WAIT:
+        sim_event_release(op->event);
+        return;
+    }
+}
+
+void
+sim_stream_unlink_and_free(sim_stream *stream)
+{
+    for (sim_stream **link = &sim_gpu.streams; *link != NULL; link = &(*link)->next) {
+        if (*link == stream) {
+            *link = stream->next;
+            break;
+        }
+    }
+    mp_counter_sub(&sim_gpu.stats.streams_live, 1);
+    free(stream->ops);
+    free(stream);
+}
+
+static sim_stream *
+first_stream(void)
+{
+    return &sim_gpu.legacy[0];
+}
+
+/* Streams are walked as legacy[0..n) followed by the created list. */
+static sim_stream *
+next_stream(sim_stream *s)
+{
+    if (s >= sim_gpu.legacy && s < sim_gpu.legacy + CUDART_SIM_DEVICES - 1)
+        return s + 1;
+    if (s == &sim_gpu.legacy[CUDART_SIM_DEVICES - 1])
+        return sim_gpu.streams;
+    return s->next;
+}
+
+/* Runs the head operation of `stream`, which must be runnable. */
+static void
+pop_and_run_locked(sim_stream *stream)
+{
+    sim_op op = stream->ops[stream->head];
+    stream->head++;
+    stream->count--;
+    mp_counter_sub(&sim_gpu.stats.ops_queued, 1);
+    if (stream->count == 0 && stream->destroyed)
+        sim_stream_unlink_and_free(stream);
+    op_run(&op);
+}
+
+/* Runs the oldest runnable head operation of any stream; 0 if none. */
+static int
+run_one_locked(void)
+{
+    sim_stream *oldest = NULL;
+    for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
+        if (s->count > 0 && op_runnable(&s->ops[s->head]) &&
+            (oldest == NULL || s->ops[s->head].order < oldest->ops[oldest->head].order))
+            oldest = s;
+    }
+    if (oldest == NULL)
+        return 0;
+    pop_and_run_locked(oldest);
+    return 1;
+}
+
+uint64_t
+sim_advance_locked(uint64_t ops)
+{
+    uint64_t ran = 0;
+    while (ran < ops && run_one_locked())
+        ran++;
+    return ran;
+}
+
+/* The queued record that completes `generation` of `event`, and its stream. */
+static sim_stream *
+find_record_locked(const sim_event *event, uint64_t generation, uint64_t *order)
+{
+    for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
+        for (size_t i = s->head; i < s->head + s->count; i++) {
+            if (s->ops[i].kind == OP_RECORD && s->ops[i].event == event &&
+                s->ops[i].generation == generation) {
+                *order = s->ops[i].order;
+                return s;
+            }
+        }
+    }
+    return NULL;
+}
+
+static int run_stream_until_locked(sim_stream *stream, uint64_t order, int depth);
+
+/* Runs only what `generation` of `event` needs: its record's stream up to
+ * the record, and recursively what that waits for. The least a GPU must do,
+ * so everything else stays as late as CUDA allows. */
+static int
+complete_locked(sim_event *event, uint64_t generation, int depth)
+{
+    if (event->completed >= generation)
+        return CUDART_SUCCESS;
+    uint64_t order;
+    sim_stream *stream = find_record_locked(event, generation, &order);
+    if (stream == NULL || depth > 64)
+        return CUDART_SIM_DEADLOCK;
+    return run_stream_until_locked(stream, order, depth + 1);
+}
+
+/* Runs `stream`'s operations queued up to `order` (all of them: UINT64_MAX). */
+static int
+run_stream_until_locked(sim_stream *stream, uint64_t order, int depth)
+{
+    while (stream->count > 0 && stream->ops[stream->head].order <= order) {
+        sim_op *head = &stream->ops[stream->head];
+        if (!op_runnable(head)) {
+            int status = complete_locked(head->event, head->generation, depth);
+            if (status != CUDART_SUCCESS)
+                return status;
+            continue;
+        }
+        int last = stream->count == 1;
+        pop_and_run_locked(stream);   /* may free a destroyed stream */
+        if (last)
+            break;
+    }
+    return CUDART_SUCCESS;
+}
+
+/* Runs what `event` reaching `generation` needs. */
+int
+sim_run_until_locked(sim_event *event, uint64_t generation)
+{
+    return complete_locked(event, generation, 0);
+}
+
+/* Runs what `stream`'s queued work needs, and that work. */
+int
+sim_drain_locked(sim_stream *stream)
+{
+    return run_stream_until_locked(stream, UINT64_MAX, 0);
+}
+
+int
+sim_push_locked(sim_stream *stream, sim_op op)
+{
+    if (stream->head + stream->count == stream->cap) {
+        if (stream->head > 0) {
+            memmove(stream->ops, stream->ops + stream->head, stream->count * sizeof(sim_op));
+            stream->head = 0;
+        } else {
+            size_t cap = stream->cap ? stream->cap * 2 : 16;
+            sim_op *grown = realloc(stream->ops, cap * sizeof(sim_op));
+            if (grown == NULL)
+                return CUDART_ERROR_MEMORY_ALLOCATION;
+            stream->ops = grown;
+            stream->cap = cap;
+        }
+    }
+    op.order = sim_gpu.next_order++;
+    stream->ops[stream->head + stream->count++] = op;
+    sim_gpu.stats.ops_queued++;
+    return CUDART_SUCCESS;
+}
+
+/* ---- devices, handles, memory ranges ---------------------------------------------- */
+
+void
+sim_use_device(int device)
+{
+    sim_gpu.stats.has_context[device] = 1;
+}
+
+/* NULL is the legacy stream of the thread's current device; a handle must
+ * be a live created stream. */
+sim_stream *
+sim_resolve(void *handle)
+{
+    if (handle == NULL)
+        return &sim_gpu.legacy[sim_current_device];
+    for (sim_stream *s = sim_gpu.streams; s != NULL; s = s->next) {
+        if (s == handle && !s->destroyed)
+            return s;
+    }
+    return NULL;
+}
+
+int
+sim_add_range(void *base, size_t bytes, int device)
+{
+    sim_range *range = malloc(sizeof(*range));
+    if (range == NULL)
+        return -1;
+    *range = (sim_range){.base = base, .bytes = bytes, .device = device, .next = sim_gpu.ranges};
+    sim_gpu.ranges = range;
+    return 0;
+}
+
+sim_range *
+sim_find_range(const void *ptr)
+{
+    for (sim_range *r = sim_gpu.ranges; r != NULL; r = r->next) {
+        if ((const char *)ptr >= r->base && (const char *)ptr < r->base + r->bytes)
+            return r;
+    }
+    return NULL;
+}
+
+/* The host now waits for the GPU. */
+void
+sim_note_sync_locked(cudart_sim_entry entry)
+{
+    if (sim_gpu.sync_observer != NULL)
+        sim_gpu.sync_observer(entry);
+}
+
+/* Frees what sim_host_alloc (pinned) or sim_malloc (device memory) handed
+ * out at `ptr`; anything else is refused and left alone. The host waits
+ * for the GPU, as cudaFreeHost and cudaFree do. */
+int
+sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry)
+{
+    sim_range **link = &sim_gpu.ranges;
+    while (*link != NULL && (*link)->base != ptr)
+        link = &(*link)->next;
+    sim_range *range = *link;
+    if (range == NULL || (range->device == -1) != pinned)
+        return CUDART_ERROR_INVALID_VALUE;
+    sim_note_sync_locked(entry);
+    sim_advance_locked(UINT64_MAX);
+    if (pinned)
+        mp_counter_sub(&sim_gpu.stats.host_bytes_live, range->bytes);
+    else
+        mp_counter_sub(&sim_gpu.stats.device_bytes_live[range->device], range->bytes);
+    *link = range->next;
+    free(range);
+    mp_host_free(ptr);
+    return CUDART_SUCCESS;
+}
+
+/* ---- entry and exit of every runtime call ------------------------------------------ */
+
+/* Takes the lock, counts the call, lets the "GPU" make its progress and
+ * says whether an injected failure applies (its status, else success). */
+int
+sim_enter(cudart_sim_entry entry)
+{
+    pthread_mutex_lock(&sim_gpu.lock);
+    sim_gpu.stats.calls[entry]++;
+    sim_advance_locked(sim_gpu.progress_per_call);
+    sim_failure *failure = &sim_gpu.failures[entry];
+    if (failure->skip > 0) {
+        failure->skip--;
+        return CUDART_SUCCESS;
+    }
+    if (failure->count == 0)
+        return CUDART_SUCCESS;
+    failure->count--;
+    return failure->status;
+}
+
+int
+sim_leave(int status)
+{
+    pthread_mutex_unlock(&sim_gpu.lock);
+    if (status != CUDART_SUCCESS)
+        sim_last_error = status;
+    return status;
+}

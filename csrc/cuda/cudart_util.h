@@ -1,0 +1,49 @@
+/* Small helpers over the CUDA runtime table (cudart.h) shared by the
+ * allocator (csrc/alloc) and the offload engine (csrc/offload/streams.c):
+ * device switching, the text of a failure, creating and recording an
+ * event, asking whether one completed. Pure C, no Python: callers report
+ * a failure their own way (the allocator prints it, the offload engine
+ * raises a Python exception).
+ *
+ * Every helper returns a CUDA status (CUDART_SUCCESS: 0) or says how it
+ * reports one. Thread-safe: they touch only the calling thread's current
+ * device and last error, as the runtime calls they make do. */
+#ifndef MATEPOINT_CUDA_CUDART_UTIL_H
+#define MATEPOINT_CUDA_CUDART_UTIL_H
+
+#include "cudart.h"
+
+#include <stddef.h>
+
+/* Makes `device` current and tells the device that was (*previous), so
+ * cudart_leave_device() can restore it. cudaSetDevice is skipped when
+ * `device` already is current. On failure *failed names the failing call
+ * ("cudaGetDevice" or "cudaSetDevice"); the current device is unchanged. */
+int cudart_enter_device(const cudart *rt, int device, int *previous, const char **failed);
+
+/* Makes `previous` current again after cudart_enter_device(rt, device,
+ * &previous): nothing when it is `device` or negative. A failure has
+ * nothing left to undo: it is cleared from the thread's last error. */
+void cudart_leave_device(const cudart *rt, int device, int previous);
+
+/* Writes "<what> failed: <CUDA's text> (CUDA error <status>)" into `out`
+ * (`size` bytes, NUL-terminated, cut short when longer) and clears the
+ * calling thread's last error: the failure is handled by the caller, so
+ * torch's next launch check must not see it as its own. */
+void cudart_describe_failure(const cudart *rt, int status, const char *what, char *out,
+                             size_t size);
+
+/* Records `*event` on `stream`, first creating it (timing disabled) when
+ * *event is NULL. On failure *failed names the call
+ * ("cudaEventCreateWithFlags" or "cudaEventRecord"); an event this call
+ * created is destroyed again (*event is NULL), one the caller gave stays
+ * the caller's. The event belongs to the current device: callers make the
+ * stream's device current first. */
+int cudart_record_event(const cudart *rt, void *stream, void **event, const char **failed);
+
+/* Has `event` completed? 1 yes, 0 not yet (cudaErrorNotReady, which is an
+ * answer, not a failure: cleared from the last error), -1 on a failure,
+ * its status in *status. */
+int cudart_event_done(const cudart *rt, void *event, int *status);
+
+#endif
