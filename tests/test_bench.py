@@ -146,3 +146,36 @@ def test_bench_rejects_bad_arguments() -> None:
         result = subprocess.run([sys.executable, "-m", "matepoint.bench", *argv],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
+
+
+def test_time_call_times_each_call_after_the_warmup(monkeypatch) -> None:
+    from matepoint import _timing
+    clock = iter(range(100))
+    monkeypatch.setattr(_timing.time, "perf_counter", lambda: float(next(clock)))
+    calls = []
+    samples = _timing.time_call(lambda: calls.append(len(calls)), repeats=3, warmup=2)
+    # two untimed warm-up calls, then three calls each read the clock twice
+    assert calls == [0, 1, 2, 3, 4] and samples == [1.0, 1.0, 1.0]
+    seconds, result = _timing.timed(lambda: "out")
+    assert (seconds, result) == (1.0, "out")
+
+
+def test_time_call_waits_for_the_device_on_both_sides(monkeypatch) -> None:
+    from matepoint import _timing
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(str(device)))
+    _timing.time_call(lambda: events.append("call"), repeats=2, device="cuda:1")
+    assert events == ["cuda:1", "call", "cuda:1"] * 2
+    events.clear()
+    _timing.time_call(lambda: events.append("call"), repeats=1, device="cpu")
+    assert events == ["call"]
+
+
+def test_time_call_rejects_bad_counts() -> None:
+    from matepoint._timing import time_call
+    for kwargs, message in (({"repeats": 0}, "repeats must be an integer of at least 1"),
+                            ({"repeats": True}, "repeats must be an integer of at least 1"),
+                            ({"repeats": 2.0}, "repeats must be an integer of at least 1"),
+                            ({"repeats": 1, "warmup": -1}, "warmup must be an integer of at least 0")):
+        with pytest.raises(ValueError, match=message):
+            time_call(lambda: None, **kwargs)

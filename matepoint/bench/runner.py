@@ -4,23 +4,19 @@ gradients against a reference run of the same case."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any, Dict, List
 
 import torch
 
+from matepoint._timing import timed
 from matepoint.bench import modes
 from matepoint.bench.cases import CASES
 from matepoint.bench.workload import Workload
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _device_used_bytes() -> int:
@@ -43,6 +39,11 @@ def _gradient_errors(parameters: List[torch.nn.Parameter], path: str) -> Dict[st
     return {"grad_rel_err": worst, "grads_exact": exact}
 
 
+def _step(work: Workload, mode: str) -> torch.Tensor:
+    with modes.step_context(mode):
+        return work.run_step()
+
+
 def _measure(work: Workload, mode: str, steps: int, cuda: bool) -> Dict[str, Any]:
     import matepoint
     from matepoint._meter import PeakMeter
@@ -53,17 +54,14 @@ def _measure(work: Workload, mode: str, steps: int, cuda: bool) -> Dict[str, Any
     losses: List[float] = []
     device_peak, allocations_after_first = 0, 0
     # the meter's peaks count the steps, not building or planning
-    meter = PeakMeter(torch.device("cuda")) if cuda else None
+    device = torch.device("cuda") if cuda else None
+    meter = PeakMeter(device) if device is not None else None
     with meter if meter is not None else contextlib.nullcontext():
         for step in range(steps):
             for p in work.parameters:
                 p.grad.zero_()
-            _synchronize()
-            begun = time.perf_counter()
-            with modes.step_context(mode):
-                loss = work.run_step()
-            _synchronize()
-            times.append(time.perf_counter() - begun)
+            seconds, loss = timed(functools.partial(_step, work, mode), device)
+            times.append(seconds)
             losses.append(float(loss))
             if cuda:
                 device_peak = max(device_peak, _device_used_bytes())
@@ -128,9 +126,8 @@ def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
     result: Dict[str, Any] = {"case": spec["case"], "mode": mode, "depth": spec["depth"],
                               "round": spec["round"], "status": "ok", **work.extra}
     if modes.uses_matepoint(mode) and work.reserve is not None:
-        begun = time.perf_counter()
-        matepoint.reserve_pool(*work.reserve)
-        result["reserve_pool_ms"] = (time.perf_counter() - begun) * 1e3
+        seconds, _ = timed(functools.partial(matepoint.reserve_pool, *work.reserve))
+        result["reserve_pool_ms"] = seconds * 1e3
     result.update(_measure(work, mode, spec["steps"], cuda))
     if spec.get("write_reference"):
         torch.save([p.grad.detach().cpu() for p in work.parameters], spec["reference"])
