@@ -179,3 +179,22 @@ def test_time_call_rejects_bad_counts() -> None:
                             ({"repeats": 1, "warmup": -1}, "warmup must be an integer of at least 0")):
         with pytest.raises(ValueError, match=message):
             time_call(lambda: None, **kwargs)
+
+
+STACK_SPEC = {"case": "stack", "mode": "matepoint", "depth": 2, "round": 0, "steps": 2,
+              "budget_gib": None,
+              "size": {"hidden": 16, "heads": 2, "seq": 4, "batch": 1, "dtype": "float32"}}
+
+
+@CPU_ONLY
+def test_a_run_in_its_own_process_reports_its_result_or_its_failure(capfd) -> None:
+    from matepoint.bench import runner
+    ok = runner.spawn(STACK_SPEC, timeout=300)
+    assert ok["status"] == "ok" and len(ok["losses"]) == 2 and ok["step_ms"] > 0
+    # a run that raises: recorded with its traceback's last lines, the sweep goes on
+    failed = runner.spawn(dict(STACK_SPEC, size={}), timeout=300)
+    assert failed["status"] == "error" and failed["mode"] == "matepoint"
+    assert failed["error"][-1] == "KeyError: 'hidden'", failed
+    assert runner.spawn(STACK_SPEC, timeout=0.001)["status"] == "timeout"
+    # what the runs print (the traceback included) stays out of the bench's output
+    assert capfd.readouterr() == ("", "")

@@ -27,7 +27,6 @@ memory there is the C heap's, sampled during one extra step.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import tempfile
@@ -80,7 +79,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
     parser.add_argument("--gpu-check", action="store_true",
                         help="the size `make gpu-check` runs (finishes in minutes)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.gpu_check:  # one round of every case: fits a 10-minute GPU session
         args.depths, args.steps, args.repeats = "16,128", 4, 1
@@ -164,9 +162,6 @@ def held_for_backward() -> Dict[str, int]:
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.child:
-        print(json.dumps(runner.run_child(json.loads(args.child))), flush=True)
-        return
     cuda = torch.cuda.is_available()
     payload: Dict[str, Any] = {"arguments": vars(args)}
     if cuda:
