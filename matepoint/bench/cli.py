@@ -127,6 +127,8 @@ def run_cases(config: Dict[str, Any], timeout: float, folder: str) -> List[Dict[
     plan = [(name, depth, case["sizes"], case["modes"])
             for name, case in config["cases"].items() if "skipped" not in case
             for depth in case["depths"]]
+    runner.preload([module for name in config["cases"]
+                    for module in getattr(CASES[name], "IMPORTS", ())])
     total, begun = rounds * sum(len(m) for *_, m in plan), time.time()
     for round_index in range(rounds):
         for name, depth, size, modes in plan:

@@ -9,7 +9,7 @@ import multiprocessing
 import os
 import statistics
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -146,6 +146,12 @@ def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
 # and no thread pool, so a fork of it is a fresh process with the imports.
 _PRELOAD = ["torch", "torch._dynamo", "matepoint", "matepoint.bench.runner"]
 _context: Optional[Any] = None
+
+
+def preload(modules: Sequence[str]) -> None:
+    """Has the fork server import ``modules`` too (what every run of a case
+    imports, such as transformers); takes effect only before the first run."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _fork_server() -> Any:
