@@ -158,6 +158,8 @@ def test_time_call_times_each_call_after_the_warmup(monkeypatch) -> None:
     assert calls == [0, 1, 2, 3, 4] and samples == [1.0, 1.0, 1.0]
     seconds, result = _timing.timed(lambda: "out")
     assert (seconds, result) == (1.0, "out")
+    # CUDA events time only a CUDA device's work: elsewhere the wall clock
+    assert _timing.time_call(lambda: None, repeats=2, device="cpu", events=True) == [1.0, 1.0]
 
 
 def test_time_call_waits_for_the_device_on_both_sides(monkeypatch) -> None:
