@@ -29,10 +29,15 @@ SIM_SOURCES := $(sort $(wildcard csrc/cuda/cudart_sim*.c)) $(COMMON_SOURCES)
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
            build/ctest/test_cudart_sim build/ctest/test_helpers
 
-.PHONY: test test-214 ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
+.PHONY: test test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
 
-test: ctest fuzz valgrind install sanitize test-214
+test: ctest fuzz valgrind install sanitize test-214 readme-test
 	$(PY) -m pytest -q tests
+
+# The README's install and bench commands, in order, in a fresh clone of
+# HEAD (tests/test_readme.py; nothing downloaded, about 3 minutes).
+readme-test: install
+	MATEPOINT_README_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_readme.py
 
 # The Python tests once more on torch 2.14.1, the newest torch the disk
 # serves (its x86_64 CUDA build runs on the CPU; ~5.5 GB installed).

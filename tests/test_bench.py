@@ -146,3 +146,57 @@ def test_bench_rejects_bad_arguments() -> None:
         result = subprocess.run([sys.executable, "-m", "matepoint.bench", *argv],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
+
+
+def test_time_call_times_each_call_after_the_warmup(monkeypatch) -> None:
+    from matepoint import _timing
+    clock = iter(range(100))
+    monkeypatch.setattr(_timing.time, "perf_counter", lambda: float(next(clock)))
+    calls = []
+    samples = _timing.time_call(lambda: calls.append(len(calls)), repeats=3, warmup=2)
+    # two untimed warm-up calls, then three calls each read the clock twice
+    assert calls == [0, 1, 2, 3, 4] and samples == [1.0, 1.0, 1.0]
+    seconds, result = _timing.timed(lambda: "out")
+    assert (seconds, result) == (1.0, "out")
+    # CUDA events time only a CUDA device's work: elsewhere the wall clock
+    assert _timing.time_call(lambda: None, repeats=2, device="cpu", events=True) == [1.0, 1.0]
+
+
+def test_time_call_waits_for_the_device_on_both_sides(monkeypatch) -> None:
+    from matepoint import _timing
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(str(device)))
+    _timing.time_call(lambda: events.append("call"), repeats=2, device="cuda:1")
+    assert events == ["cuda:1", "call", "cuda:1"] * 2
+    events.clear()
+    _timing.time_call(lambda: events.append("call"), repeats=1, device="cpu")
+    assert events == ["call"]
+
+
+def test_time_call_rejects_bad_counts() -> None:
+    from matepoint._timing import time_call
+    for kwargs, message in (({"repeats": 0}, "repeats must be an integer of at least 1"),
+                            ({"repeats": True}, "repeats must be an integer of at least 1"),
+                            ({"repeats": 2.0}, "repeats must be an integer of at least 1"),
+                            ({"repeats": 1, "warmup": -1}, "warmup must be an integer of at least 0")):
+        with pytest.raises(ValueError, match=message):
+            time_call(lambda: None, **kwargs)
+
+
+STACK_SPEC = {"case": "stack", "mode": "matepoint", "depth": 2, "round": 0, "steps": 2,
+              "budget_gib": None,
+              "size": {"hidden": 16, "heads": 2, "seq": 4, "batch": 1, "dtype": "float32"}}
+
+
+@CPU_ONLY
+def test_a_run_in_its_own_process_reports_its_result_or_its_failure(capfd) -> None:
+    from matepoint.bench import runner
+    ok = runner.spawn(STACK_SPEC, timeout=300)
+    assert ok["status"] == "ok" and len(ok["losses"]) == 2 and ok["step_ms"] > 0
+    # a run that raises: recorded with its traceback's last lines, the sweep goes on
+    failed = runner.spawn(dict(STACK_SPEC, size={}), timeout=300)
+    assert failed["status"] == "error" and failed["mode"] == "matepoint"
+    assert failed["error"][-1] == "KeyError: 'hidden'", failed
+    assert runner.spawn(STACK_SPEC, timeout=0.001)["status"] == "timeout"
+    # what the runs print (the traceback included) stays out of the bench's output
+    assert capfd.readouterr() == ("", "")

@@ -2,12 +2,13 @@
 offload path reaches when copies are all there is to do."""
 from __future__ import annotations
 
-import time
+import functools
 from typing import Dict
 
 import torch
 
 from matepoint._meter import copy_bandwidth
+from matepoint._timing import time_call
 
 
 def probe(megabytes: int = 256) -> Dict[str, float]:
@@ -17,18 +18,13 @@ def probe(megabytes: int = 256) -> Dict[str, float]:
     return {"h2d_GBps": measured.h2d / 1e9, "d2h_GBps": measured.d2h / 1e9}
 
 
-def _offload_round(inputs: list) -> float:
+def _offload_round(inputs: list) -> list:
+    """One checkpoint per input, their copies out finished; returns the outputs."""
     import matepoint
-    outs = []
-    torch.cuda.synchronize()
-    begun = time.perf_counter()
-    for x in inputs:
-        outs.append(matepoint.checkpoint(lambda t: t * 2.0, x))
+    outs = [matepoint.checkpoint(lambda t: t * 2.0, x) for x in inputs]
     torch.cuda.synchronize()
     matepoint.pool_stats()  # lets finished copies go
-    seconds = time.perf_counter() - begun
-    del outs
-    return seconds
+    return outs
 
 
 def offload_throughput(d2h_GBps: float, depth: int = 16, megabytes: int = 64,
@@ -42,7 +38,7 @@ def offload_throughput(d2h_GBps: float, depth: int = 16, megabytes: int = 64,
     matepoint.reserve_pool(nbytes, count=depth)
     _offload_round(inputs)
     before = matepoint.pool_stats()["host_allocations"]
-    best = min(_offload_round(inputs) for _ in range(rounds))
+    best = min(time_call(functools.partial(_offload_round, inputs), rounds, device="cuda"))
     gbps = depth * nbytes / best / 1e9
     return {"offload_GBps": gbps, "fraction_of_d2h": gbps / d2h_GBps,
             "host_allocations_while_measured": matepoint.pool_stats()["host_allocations"] - before}

@@ -1,11 +1,13 @@
 """Per-call overhead of a checkpoint: the CPU cost of the machinery alone."""
 from __future__ import annotations
 
+import functools
 import statistics
-import time
 from typing import Callable, Dict, List
 
 import torch
+
+from matepoint._timing import time_call
 
 
 def measure_overhead(rounds: int, calls: int) -> Dict[str, float]:
@@ -23,17 +25,16 @@ def measure_overhead(rounds: int, calls: int) -> Dict[str, float]:
     x = torch.randn(16, requires_grad=True)
     samples: Dict[str, List[float]] = {name: [] for name in wrappers}
 
-    def timed(wrap: Callable) -> float:
-        start = time.perf_counter()
+    def run_calls(wrap: Callable) -> None:
         for _ in range(calls):
             wrap(tiny, x).sum().backward()
-        return (time.perf_counter() - start) / calls * 1e6
 
     for wrap in wrappers.values():
-        timed(wrap)  # warm-up
-    for _ in range(rounds):
+        run_calls(wrap)  # warm-up
+    for _ in range(rounds):  # interleaved, so machine noise hits all alike
         for name, wrap in wrappers.items():
-            samples[name].append(timed(wrap))
+            seconds, = time_call(functools.partial(run_calls, wrap), repeats=1)
+            samples[name].append(seconds / calls * 1e6)
     result = {name: statistics.median(values) for name, values in samples.items()}
     result["ratio_total"] = result["matepoint"] / result["torch"]
     result["ratio_overhead"] = (result["matepoint"] - result["plain"]) / (result["torch"] - result["plain"])

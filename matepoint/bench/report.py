@@ -167,7 +167,8 @@ LEGEND = (
     "rounds disagree on which side of torch the mode lies or spread over half the median.",
     "first ms: the first step, reported apart and left out of 'step ms': in every process it "
     "includes one-time lazy initialisation (torch's kernels and autograd, allocator caches, "
-    "pinned buffers), far slower than later steps.",
+    "pinned buffers), far slower than later steps. Not in it: importing torch._dynamo, which "
+    "torch's checkpoint does on its first call (seconds), done once for all runs.",
     "mem/torch and heap MiB on the CPU: the C heap's peak during one extra step, sampled "
     "after every operation (matepoint._meter.PeakMeter), above what was in use before it.",
 )

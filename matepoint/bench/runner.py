@@ -4,23 +4,19 @@ gradients against a reference run of the same case."""
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
+import multiprocessing
+import os
 import statistics
-import subprocess
-import sys
-import time
-from typing import Any, Dict, List
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from matepoint._timing import timed
 from matepoint.bench import modes
 from matepoint.bench.cases import CASES
 from matepoint.bench.workload import Workload
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _device_used_bytes() -> int:
@@ -43,6 +39,11 @@ def _gradient_errors(parameters: List[torch.nn.Parameter], path: str) -> Dict[st
     return {"grad_rel_err": worst, "grads_exact": exact}
 
 
+def _step(work: Workload, mode: str) -> torch.Tensor:
+    with modes.step_context(mode):
+        return work.run_step()
+
+
 def _measure(work: Workload, mode: str, steps: int, cuda: bool) -> Dict[str, Any]:
     import matepoint
     from matepoint._meter import PeakMeter
@@ -53,17 +54,14 @@ def _measure(work: Workload, mode: str, steps: int, cuda: bool) -> Dict[str, Any
     losses: List[float] = []
     device_peak, allocations_after_first = 0, 0
     # the meter's peaks count the steps, not building or planning
-    meter = PeakMeter(torch.device("cuda")) if cuda else None
+    device = torch.device("cuda") if cuda else None
+    meter = PeakMeter(device) if device is not None else None
     with meter if meter is not None else contextlib.nullcontext():
         for step in range(steps):
             for p in work.parameters:
                 p.grad.zero_()
-            _synchronize()
-            begun = time.perf_counter()
-            with modes.step_context(mode):
-                loss = work.run_step()
-            _synchronize()
-            times.append(time.perf_counter() - begun)
+            seconds, loss = timed(functools.partial(_step, work, mode), device)
+            times.append(seconds)
             losses.append(float(loss))
             if cuda:
                 device_peak = max(device_peak, _device_used_bytes())
@@ -128,9 +126,8 @@ def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
     result: Dict[str, Any] = {"case": spec["case"], "mode": mode, "depth": spec["depth"],
                               "round": spec["round"], "status": "ok", **work.extra}
     if modes.uses_matepoint(mode) and work.reserve is not None:
-        begun = time.perf_counter()
-        matepoint.reserve_pool(*work.reserve)
-        result["reserve_pool_ms"] = (time.perf_counter() - begun) * 1e3
+        seconds, _ = timed(functools.partial(matepoint.reserve_pool, *work.reserve))
+        result["reserve_pool_ms"] = seconds * 1e3
     result.update(_measure(work, mode, spec["steps"], cuda))
     if spec.get("write_reference"):
         torch.save([p.grad.detach().cpu() for p in work.parameters], spec["reference"])
@@ -140,19 +137,70 @@ def run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
     return result
 
 
+# What every run imports, loaded once into the fork server: each run forks
+# from it instead of starting Python and importing torch again (about 2 s of
+# CPU per run). torch._dynamo is among them because every run imports it
+# too, at different places: torch's checkpoint on its first call (which made
+# torch's first step seconds long), the heap meter's dispatch mode in the
+# others (about 2 s of CPU). The server runs nothing else, no CUDA context
+# and no thread pool, so a fork of it is a fresh process with the imports.
+_PRELOAD = ["torch", "torch._dynamo", "matepoint", "matepoint.bench.runner"]
+_context: Optional[Any] = None
+
+
+def preload(modules: Sequence[str]) -> None:
+    """Has the fork server import ``modules`` too (what every run of a case
+    imports, such as transformers); takes effect only before the first run."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
+def _fork_server() -> Any:
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _child(spec: Dict[str, Any], results: Any, output: str) -> None:
+    """The run's process: its output goes to a file the parent reads only
+    when the run fails (a traceback ends up there too)."""
+    fd = os.open(output, os.O_WRONLY | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    results.send(run_child(spec))
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as handle:
+        return handle.read()
+
+
 def spawn(spec: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    """run_child in a fresh process, so peaks are its own and an
-    out-of-memory is recorded as OOM while the sweep goes on."""
-    command = [sys.executable, "-m", "matepoint.bench", "--child", json.dumps(spec)]
+    """run_child in a process of its own (forked from a server that has
+    imported torch), so peaks are its own and an out-of-memory or a crash
+    is recorded as such while the sweep goes on."""
     base = {"case": spec["case"], "mode": spec["mode"], "depth": spec["depth"],
             "round": spec["round"]}
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**base, "status": "timeout"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    oom = "out of memory" in proc.stderr.lower()
-    return {**base, "status": "OOM" if oom else "error",
-            "error": proc.stderr.strip().splitlines()[-3:] if proc.stderr else []}
+    context = _fork_server()
+    with tempfile.NamedTemporaryFile(prefix="matepoint-bench-run-", suffix=".log") as output:
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=_child, args=(spec, send, output.name), daemon=True)
+        process.start()
+        send.close()  # the child's death then ends the wait below
+        try:
+            if not receive.poll(timeout):
+                process.kill()
+                return {**base, "status": "timeout"}
+            try:
+                return receive.recv()
+            except EOFError:  # the run failed before sending its result
+                pass
+        finally:
+            process.join()
+            receive.close()
+        printed = _read(output.name)
+    return {**base, "status": "OOM" if "out of memory" in printed.lower() else "error",
+            "error": printed.strip().splitlines()[-3:]
+            or [f"the run's process exited with status {process.exitcode}"]}

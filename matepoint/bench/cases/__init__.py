@@ -5,6 +5,7 @@
   depths(args, cuda)         the depths to sweep
   build(spec, mode, device)  a Workload (bench.workload) for one run
   unavailable()              why it cannot run here, or None
+  IMPORTS (optional)         modules every run imports, loaded once for all runs
 """
 from matepoint.bench.cases import hf, latent, stack
 

@@ -12,6 +12,9 @@ import torch
 from matepoint.bench.workload import Workload
 
 MODES = ["none", "torch", "torch+save_on_cpu", "matepoint", "matepoint+alloc"]
+# imported once by the bench's fork server rather than in every run (seconds each)
+IMPORTS = ["transformers", "transformers.models.gpt2.modeling_gpt2",
+           "transformers.models.llama.modeling_llama"]
 
 
 def unavailable() -> Optional[str]:
@@ -75,8 +78,8 @@ def _family(family: str, gpu_layers: int) -> types.SimpleNamespace:
         optimizer = torch.optim.SGD(parameters, lr=1e-3)
         return Workload(parameters, run_step, optimizer=optimizer)
 
-    return types.SimpleNamespace(MODES=MODES, unavailable=unavailable, sizes=sizes,
-                                 depths=depths, build=build)
+    return types.SimpleNamespace(MODES=MODES, IMPORTS=IMPORTS, unavailable=unavailable,
+                                 sizes=sizes, depths=depths, build=build)
 
 
 gpt2 = _family("gpt2", gpu_layers=24)
