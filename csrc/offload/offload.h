@@ -17,9 +17,10 @@
  * backward (reverse).
  *
  * Everything here runs with the GIL held, which guards the engine state;
- * the pool has its own lock. Where each part lives:
- *   offload_engine.c   per-device streams, the pool, counters (offload_engine.h)
- *   offload_window.c   copies in flight and when their sources are dropped
+ * the pool has its own lock. The private structs, who owns what and the
+ * three kinds of "release" are in offload_internal.h. Where each part lives:
+ *   offload_engine.c   per-device streams and events, the pool, counters
+ *   offload_window.c   copies in flight and when their sources are retired
  *   offload_inspect.c  which inputs are eligible, their storage spans
  *   offload_types.c    the Python objects: copies, records, groups, packer
  *   offload_save.c     copying inputs out, building the records

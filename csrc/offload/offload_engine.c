@@ -1,6 +1,5 @@
-#include "offload_engine.h"
+#include "offload_internal.h"
 #include "base/compat.h"
-#include "offload_window.h"
 #include "streams.h"
 
 offload_engine *

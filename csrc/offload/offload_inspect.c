@@ -1,5 +1,4 @@
-#include "offload_inspect.h"
-#include "offload_engine.h"
+#include "offload_internal.h"
 
 void
 input_info_clear(input_info *info)

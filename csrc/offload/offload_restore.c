@@ -1,11 +1,9 @@
 /* The restore direction: copying offloaded spans back for a recompute,
  * prefetching the regions backward reaches next, and rebuilding each input
  * as a view of its span. */
-#include "offload.h"
 #include "base/compat.h"
 #include "base/errors.h"
-#include "offload_types.h"
-#include "offload_window.h"
+#include "offload_internal.h"
 #include "streams.h"
 
 static int
@@ -114,12 +112,12 @@ await_h2d(mp_state *st, StorageCopy *copy)
     return failed ? -1 : 0;
 }
 
-/* Drops the span copied back. Its memory returns to the compute stream's
+/* Discards the restored copy (the span copied back). Its memory returns to the compute stream's
  * pool, so that stream must be ordered after the copy writing it first
  * (not yet so when a restore failed before using it); failing that, the
  * host waits for the copy. Keeps any pending exception. */
 static void
-drop_fetched(mp_state *st, StorageCopy *copy)
+discard_restored(mp_state *st, StorageCopy *copy)
 {
     if (copy->fetched == NULL)
         return;
@@ -154,7 +152,7 @@ offload_group_begin_restore(mp_state *st, PyObject *group_obj, int prefetch_ahea
     if (group == NULL || group->device == NULL)
         return 0;
     /* backward has begun on this device: nothing it copied out stays */
-    if (offload_window_release_all(st, group->device) < 0)
+    if (offload_window_retire_all(st, group->device) < 0)
         return -1;
     if (fetch_group(st, group, 0) < 0)
         return -1;
@@ -186,7 +184,7 @@ offload_group_end_restore(mp_state *st, PyObject *group_obj)
     if (group == NULL)
         return;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(group->copies); i++)
-        drop_fetched(st, (StorageCopy *)PyTuple_GET_ITEM(group->copies, i));
+        discard_restored(st, (StorageCopy *)PyTuple_GET_ITEM(group->copies, i));
 }
 
 int

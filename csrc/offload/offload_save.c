@@ -1,9 +1,7 @@
 /* The save direction: copying a region's eligible inputs out to pool
  * buffers and building the records autograd keeps in their place. */
-#include "offload.h"
 #include "base/hooks.h"
-#include "offload_types.h"
-#include "offload_window.h"
+#include "offload_internal.h"
 #include "streams.h"
 
 #define SPAN_ALIGN 16   /* largest element size: keeps every view offset whole */

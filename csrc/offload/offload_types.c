@@ -1,4 +1,4 @@
-#include "offload_types.h"
+#include "offload_internal.h"
 #include "streams.h"
 
 static int
@@ -34,7 +34,7 @@ storage_copy_dealloc(StorageCopy *self)
         if (self->d2h_done != NULL)
             offload_device_give_event(engine, self->device, self->d2h_done);
         if (self->block.ptr != NULL)
-            pool_release(engine->pool, &self->block);
+            pool_release(engine->pool, &self->block);    /* return the host buffer */
     }
     Py_CLEAR(self->fetched);
     Py_CLEAR(self->source);

@@ -1,4 +1,4 @@
-#include "offload_window.h"
+#include "offload_internal.h"
 #include "streams.h"
 
 int
@@ -50,12 +50,12 @@ order_producer_after_copy(mp_state *st, StorageCopy *copy)
     return st->engine->runtime->record_stream(st, copy->source, index, copy->producer);
 }
 
-/* Drops a source: at once when its copy completed, else in stream order.
+/* Retires a source: at once when its copy completed, else in stream order.
  * `force` 0 only drops completed ones; `ask` 0 takes the copy as not
  * completed without asking. Returns 1 if dropped, 0 if kept, -1 on error
  * (kept: the source may still be read). */
 static int
-release_source(mp_state *st, StorageCopy *copy, int force, int ask)
+retire_source(mp_state *st, StorageCopy *copy, int force, int ask)
 {
     offload_engine *engine = st->engine;
     int completed = ask ? copy_completed(engine, copy) : copy->d2h_done == NULL;
@@ -68,7 +68,7 @@ release_source(mp_state *st, StorageCopy *copy, int force, int ask)
     return 1;
 }
 
-/* Releases the sources of the window's copies that completed, and of those
+/* Retires the sources of the window's copies that completed, and of those
  * of regions before `force_below_region` in stream order. The copies kept
  * move to a fresh list, so no slot of the old one is released twice;
  * releasing may run code that comes back here, so the old list is held. */
@@ -88,7 +88,7 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region)
          * has not completed, the later ones have not either (as torch's
          * allocator stops at the first event not ready of a stream) */
         int released = result < 0 ? 0
-                                  : release_source(st, copy, copy->region < force_below_region,
+                                  : retire_source(st, copy, copy->region < force_below_region,
                                                    ask);
         if (released == 0)          /* kept: its copy has not completed */
             ask = 0;
@@ -121,7 +121,7 @@ offload_window_end_region(mp_state *st, offload_device *device)
 }
 
 int
-offload_window_release_all(mp_state *st, offload_device *device)
+offload_window_retire_all(mp_state *st, offload_device *device)
 {
     return sweep(st, device, UINT64_MAX);
 }
