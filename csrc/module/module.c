@@ -4,6 +4,7 @@
 #include "checkpoint/checkpoint.h"
 #include "base/compat.h"
 #include "checkpoint/frame.h"
+#include "checkpoint/recompute.h"
 #include "offload/offload.h"
 #include "plan.h"
 #include "base/state.h"
@@ -30,7 +31,7 @@ is_recomputing(PyObject *module, PyObject *unused)
 {
     (void)module;
     (void)unused;
-    return PyBool_FromLong(frame_is_recomputing());
+    return PyBool_FromLong(recompute_in_progress());
 }
 
 static PyObject *
@@ -194,7 +195,7 @@ static PyMethodDef unpack_def = {"_unpack_hook", frame_unpack_hook, METH_O, NULL
 static PyMethodDef offload_unpack_def = {"_offload_unpack", offload_unpack_hook, METH_O, NULL};
 static PyMethodDef identity_def = {"_identity", identity, METH_O, NULL};
 static PyMethodDef bn_guard_def = {"_batchnorm_guard",
-                                   (PyCFunction)(void (*)(void))frame_batchnorm_guard,
+                                   (PyCFunction)(void (*)(void))bn_guard_pre_hook,
                                    METH_FASTCALL, NULL};
 
 static PyObject *

@@ -191,10 +191,6 @@ int inspect_input(mp_state *st, PyObject *function, PyObject *tensor, PyObject *
 /* Do two inspected inputs share one storage? */
 int inspect_same_storage(const input_info *a, const input_info *b);
 
-/* obj.method() or obj.name as a C integer (None reads as -1). */
-int inspect_call_int64(PyObject *obj, const char *method, int64_t *out);
-int inspect_attr_int64(PyObject *obj, const char *name, int64_t *out);
-
 /* ------------------------------------------------------------------ */
 /* The Python objects of the offload path and who owns what.
  *
