@@ -36,12 +36,14 @@
  *   The groups of a device form a doubly linked list in creation order:
  *   g->next->prev == g, and first/last are the ends; a group is on the
  *   list iff `linked`.
- *   A copy's direction moves only forward (copy_state below). */
+ *   A copy's state moves only forward (copy_state below), and a copy is
+ *   COPY_QUEUED exactly while it holds its D2H's completion event. */
 #ifndef MATEPOINT_OFFLOAD_OFFLOAD_INTERNAL_H
 #define MATEPOINT_OFFLOAD_OFFLOAD_INTERNAL_H
 
 #include "offload.h"
 #include "offload_runtime.h"
+#include "common/mp_assert.h"
 #include "pool/pool.h"
 
 /* ------------------------------------------------------------------ */
@@ -209,9 +211,26 @@ int inspect_same_storage(const input_info *a, const input_info *b);
  *
  * All of them are GC-tracked heap types of the module; GIL held throughout. */
 
+/* The life of a StorageCopy's host buffer, in the only order it moves:
+ *   COPY_EMPTY      made; no D2H queued yet (it may hold a pool block)
+ *   COPY_QUEUED     the D2H is queued on the copy-out stream; d2h_done is
+ *                   its completion event, not yet seen complete
+ *   COPY_COMPLETED  the D2H completed (event seen complete, or the host
+ *                   waited): the buffer holds the span
+ *   COPY_RETURNED   the host buffer went back to the pool (dealloc)
+ * A copy that failed before its D2H was queued goes from EMPTY straight
+ * to RETURNED. copy_advance() asserts every transition. */
+typedef enum {
+    COPY_EMPTY,
+    COPY_QUEUED,
+    COPY_COMPLETED,
+    COPY_RETURNED,
+} copy_state;
+
 typedef struct {
     PyObject_HEAD
     PyObject *module;           /* keeps the engine alive */
+    copy_state state;
     offload_device *device;
     PyObject *device_obj;       /* torch.device */
     uint64_t nbytes;
@@ -258,6 +277,17 @@ typedef struct {
     PyObject *records;
     Py_ssize_t next;
 } OffloadPacker;
+
+/* Moves `copy` to state `to`; asserts that it is a step forward allowed by
+ * copy_state (QUEUED only from EMPTY, COMPLETED only from QUEUED). */
+static inline void
+copy_advance(StorageCopy *copy, copy_state to)
+{
+    MP_ASSERT(to > copy->state);
+    MP_ASSERT(to != COPY_QUEUED || copy->state == COPY_EMPTY);
+    MP_ASSERT(to != COPY_COMPLETED || copy->state == COPY_QUEUED);
+    copy->state = to;
+}
 
 /* A copy of `nbytes` on `device` with no pool block yet. */
 StorageCopy *storage_copy_new(mp_state *st, PyObject *module, offload_device *device,

@@ -68,12 +68,15 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
                  streams_memcpy(rt, copy->block.ptr, (const void *)src, (size_t)copy->nbytes,
                                 CUDART_MEMCPY_DEVICE_TO_HOST, device->copy_out,
                                 copy->block.fallback) < 0;
+    if (!failed)
+        copy_advance(copy, COPY_QUEUED);
     if (!failed && offload_device_record(engine, device, device->copy_out, &copy->d2h_done) < 0) {
         failed = 1;
         Py_BEGIN_ALLOW_THREADS
         if (rt->stream_synchronize(device->copy_out) != CUDART_SUCCESS)
             (void)rt->get_last_error();
         Py_END_ALLOW_THREADS
+        copy_advance(copy, COPY_COMPLETED);
     }
     offload_engine_leave_device(st, device->index, previous);
     if (copy->block.fallback)

@@ -9,6 +9,8 @@ offload_window_add(offload_engine *engine, offload_device *device, StorageCopy *
         return -1;
     if (PyList_Append(device->in_flight, (PyObject *)copy) < 0)
         return -1;
+    MP_ASSERT(copy->source == NULL);
+    MP_ASSERT((copy->state == COPY_QUEUED) == (copy->d2h_done != NULL));
     copy->source = Py_NewRef(source);
     copy->producer = producer;
     copy->region = device->regions;
@@ -21,12 +23,15 @@ offload_window_add(offload_engine *engine, offload_device *device, StorageCopy *
 static int
 copy_completed(offload_engine *engine, StorageCopy *copy)
 {
-    if (copy->d2h_done == NULL)
+    if (copy->d2h_done == NULL) {
+        MP_ASSERT(copy->state == COPY_COMPLETED);
         return 1;
+    }
     int done = streams_event_done(engine->rt, copy->d2h_done);
     if (done == 1) {
         offload_device_give_event(engine, copy->device, copy->d2h_done);
         copy->d2h_done = NULL;
+        copy_advance(copy, COPY_COMPLETED);
     }
     return done;
 }
@@ -63,6 +68,8 @@ retire_source(mp_state *st, StorageCopy *copy, int force, int ask)
         return completed;
     if (!completed && order_producer_after_copy(st, copy) < 0)
         return -1;
+    MP_ASSERT(copy->source != NULL);
+    MP_ASSERT(engine->device_bytes_in_flight >= copy->nbytes);
     engine->device_bytes_in_flight -= copy->nbytes;
     Py_CLEAR(copy->source);
     return 1;
@@ -149,6 +156,8 @@ offload_window_drain(offload_engine *engine, offload_device *device)
             (void)engine->rt->event_synchronize(done);
             Py_END_ALLOW_THREADS
         }
+        MP_ASSERT(copy->source != NULL);
+        MP_ASSERT(engine->device_bytes_in_flight >= copy->nbytes);
         engine->device_bytes_in_flight -= copy->nbytes;
         Py_CLEAR(copy->source);
     }
