@@ -91,12 +91,17 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region)
     int result = 0, ask = 1;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(list, i);
+        int forced = copy->region < force_below_region;
         /* the copy-out stream runs copies in the order of this list: once one
          * has not completed, the later ones have not either (as torch's
-         * allocator stops at the first event not ready of a stream) */
-        int released = result < 0 ? 0
-                                  : retire_source(st, copy, copy->region < force_below_region,
-                                                   ask);
+         * allocator stops at the first event not ready of a stream). A copy
+         * that must go is not asked: ordering its producer costs one stream
+         * wait, as the query would, and never blocks; without its answer the
+         * later ones are not asked either (with the GPU lagging, the query
+         * fails every time: 2 calls a span saved) */
+        if (forced)
+            ask = 0;
+        int released = result < 0 ? 0 : retire_source(st, copy, forced, ask);
         if (released == 0)          /* kept: its copy has not completed */
             ask = 0;
         if (released < 0)
