@@ -246,7 +246,8 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
     Py_ssize_t n = PyList_GET_SIZE(tensors);
     int enabled = offload_override < 0 ? opts->enabled : offload_override;
     *group_out = *records_out = NULL;
-    if (n == 0 || !enabled)
+    /* the common CPU-only case asks nothing about the inputs */
+    if (n == 0 || !enabled || !st->engine->runtime->may_hold_tensors(st))
         return 0;
     input_info *infos = PyMem_Calloc((size_t)n, sizeof(input_info));
     PyObject *buffers = NULL, *copies = NULL;
