@@ -301,6 +301,7 @@ intern_names(mp_state *st)
         {&st->str_cpu, "cpu"}, {&st->str_fields, "_fields"},
         {&st->str_register_prehook, "register_prehook"},
         {&st->str_requires_grad, "requires_grad"},
+        {&st->str_is_cpu, "is_cpu"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         *names[i].field = PyUnicode_InternFromString(names[i].text);
@@ -371,7 +372,7 @@ module_exec(PyObject *module)
     X(str_version) X(str_enter) X(str_exit) X(str_initialized) X(str_get_rng_state)            \
     X(str_set_rng_state) X(str_training) X(str_track_running_stats) X(str_remove) X(str_cpu)   \
     X(str_fields) X(str_register_prehook) X(stop_recompute) X(bn_guard_hook) X(identity)       \
-    X(str_requires_grad)                                                                       \
+    X(str_requires_grad) X(str_is_cpu)                                                         \
     X(unpack_hook) X(tensor_class) X(module_type) X(top_hooks) X(current_raw_stream)          \
     X(torch_empty) X(torch_empty_strided) X(uint8_dtype) X(offload_unpack)                    \
     X(current_user_hooks) X(hooks_below) X(torch_keywords)
