@@ -180,3 +180,25 @@ def test_threads_share_one_device_window(simulated):
     assert not errors, errors
     for index, grads in enumerate(expected):
         assert_bitwise_equal(results[index], grads)
+
+
+def test_a_lagging_gpu_costs_no_query_per_region(simulated):
+    """A copy the window must let go of is ordered behind its producer
+    without asking first whether it completed (the stream wait costs as
+    much as the query), and nothing newer is asked after it: with the GPU
+    lagging, the forward asks only while nothing is forced yet."""
+    matepoint.set_options(offload_window=2)
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    queries = []
+
+    def counting(fn, t):
+        out = matepoint.checkpoint(fn, t)     # pool_stats() would poll: not here
+        queries.append(_C._sim_stats()["calls"].get("cudaEventQuery", 0))
+        return out
+
+    before = _C._sim_stats()["calls"].get("cudaEventQuery", 0)
+    _, grads = train_step(model, x, counting)
+    assert_bitwise_equal(grads, expected)
+    # the forward's queries (before: 2 a region, 22 for 12 blocks)
+    assert queries[-1] - before <= 2, queries

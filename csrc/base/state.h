@@ -61,7 +61,7 @@ typedef struct mp_state {
     PyObject *str_detach, *str_unpack, *str_version, *str_enter, *str_exit;
     PyObject *str_initialized, *str_get_rng_state, *str_set_rng_state;
     PyObject *str_training, *str_track_running_stats, *str_remove, *str_cpu;
-    PyObject *str_fields, *str_register_prehook, *str_requires_grad;
+    PyObject *str_fields, *str_register_prehook, *str_requires_grad, *str_is_cpu;
 
     /* types and objects defined here */
     PyTypeObject *frame_type;

@@ -106,7 +106,7 @@ swap_in_bn_copies(PyObject *module)
 }
 
 PyObject *
-frame_batchnorm_guard(PyObject *module_obj, PyObject *const *args, Py_ssize_t nargs)
+bn_guard_pre_hook(PyObject *module_obj, PyObject *const *args, Py_ssize_t nargs)
 {
     mp_state *st = PyModule_GetState(module_obj);
     if (nargs < 1 || guarded_modules == NULL)

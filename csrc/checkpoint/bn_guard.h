@@ -22,6 +22,6 @@ void bn_guard_leave(PyObject *outer);
 int bn_guard_release(mp_state *st, PyObject *handle, PyObject *bn_modules);
 
 /* The pre-hook itself, a METH_FASTCALL function of the module. */
-PyObject *frame_batchnorm_guard(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *bn_guard_pre_hook(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

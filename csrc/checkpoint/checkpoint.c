@@ -1,6 +1,7 @@
 #include "checkpoint.h"
 #include "base/compat.h"
 #include "frame.h"
+#include "saved_inputs.h"
 #include "base/hooks.h"
 #include "tree.h"
 
@@ -364,7 +365,7 @@ frame_capture(Frame *frame, PyObject *args, PyObject *fn_kwargs, int preserve_rn
     }
     if (replay_capture(st, &frame->replay, tensors, preserve_rng) < 0)
         goto done;
-    result = frame_save_inputs(frame, tensors, offload_override);
+    result = saved_inputs_save(frame, tensors, offload_override);
 done:
     Py_DECREF(tensors);
     return result;
@@ -428,12 +429,12 @@ checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObjec
     if (out == NULL)
         goto done;
     frame->forward_completed = 1;
-    if (frame_finish_forward(frame) < 0 ||
+    if (saved_inputs_finish_forward(frame) < 0 ||
         replay_check_forward(st, &frame->replay, preserve_rng) < 0) {
         Py_CLEAR(out);
         goto done;
     }
-    frame_drop_unneeded_inputs(frame);
+    saved_inputs_drop_unneeded(frame);
 done:
     Py_XDECREF(forward);
     Py_DECREF(frame);

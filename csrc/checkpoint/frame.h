@@ -7,7 +7,9 @@
  * the region (once per backward pass) and hands out the recomputed tensor.
  * Holders keep their frame alive; the frame points back at live holders
  * without owning them, so a holder released by autograd frees its
- * recomputed tensor at once. All of it runs with the GIL held. */
+ * recomputed tensor at once. The frame's inputs are kept by
+ * saved_inputs.h, the recompute runs in recompute.c. All of it runs with
+ * the GIL held. */
 #ifndef MATEPOINT_CHECKPOINT_FRAME_H
 #define MATEPOINT_CHECKPOINT_FRAME_H
 
@@ -51,21 +53,10 @@ struct Holder {
 
 extern PyType_Spec frame_spec;
 extern PyType_Spec holder_spec;
-extern PyType_Spec recompute_hook_spec;
 
 /* unpack hook of the forward pass: module-level, METH_O on the module. */
 PyObject *frame_unpack_hook(PyObject *module, PyObject *holder);
-/* Saves `tensors` (a list) as the frame's inputs; offload_override is -1
- * (follow the options), 0 (keep them on their device) or 1 (offload). */
-int frame_save_inputs(Frame *frame, PyObject *tensors, int offload_override);
-/* Rebuilds (args, kwargs) for the recompute from the saved inputs. */
-int frame_restore_inputs(Frame *frame, PyObject **args_out, PyObject **kwargs_out);
-/* After the forward: checks offloaded inputs were not changed meanwhile. */
-int frame_finish_forward(Frame *frame);
-/* Frees what only a recompute would need, when nothing inside was saved. */
-void frame_drop_unneeded_inputs(Frame *frame);
-
-/* Per-thread recompute depth: > 0 while a region is being recomputed. */
-int frame_is_recomputing(void);
+/* (shape, dtype, device) of a tensor, as the metadata check compares it. */
+PyObject *frame_tensor_metadata(mp_state *st, PyObject *tensor);
 
 #endif

@@ -37,6 +37,21 @@ context_exit(mp_state *st, PyObject *cm)
     return suppressed;
 }
 
+/* 1 when `tensor` is a plain torch.Tensor on the CPU, told by one flag
+ * (the device object and its type string cost more than the rest of a
+ * tiny region's capture), 0 when not or not plain, -1 on error. */
+static int
+plain_on_cpu(mp_state *st, PyObject *tensor)
+{
+    if (!Py_IS_TYPE(tensor, (PyTypeObject *)st->tensor_class))
+        return 0;
+    PyObject *flag = PyObject_GetAttr(tensor, st->str_is_cpu);
+    if (flag == NULL)
+        return -1;
+    Py_DECREF(flag);
+    return flag == Py_True;
+}
+
 /* Device type of the region as torch.utils.checkpoint picks it: cuda if any
  * input is on cuda, else the first non-CPU type, else the default. */
 static PyObject *
@@ -48,6 +63,11 @@ region_device_type(mp_state *st, PyObject *tensors, PyObject **devices_out)
     if (devices == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
+        int cpu = plain_on_cpu(st, PyList_GET_ITEM(tensors, i));
+        if (cpu < 0)
+            goto error;
+        if (cpu)
+            continue;
         PyObject *device = PyObject_GetAttr(PyList_GET_ITEM(tensors, i), st->str_device);
         PyObject *type = device ? PyObject_GetAttr(device, st->str_type) : NULL;
         if (type == NULL) {

@@ -4,6 +4,7 @@
 #include "checkpoint/checkpoint.h"
 #include "base/compat.h"
 #include "checkpoint/frame.h"
+#include "checkpoint/recompute.h"
 #include "offload/offload.h"
 #include "options.h"
 #include "plan.h"
@@ -31,7 +32,7 @@ is_recomputing(PyObject *module, PyObject *unused)
 {
     (void)module;
     (void)unused;
-    return PyBool_FromLong(frame_is_recomputing());
+    return PyBool_FromLong(recompute_in_progress());
 }
 
 static PyObject *
@@ -178,7 +179,7 @@ static PyMethodDef unpack_def = {"_unpack_hook", frame_unpack_hook, METH_O, NULL
 static PyMethodDef offload_unpack_def = {"_offload_unpack", offload_unpack_hook, METH_O, NULL};
 static PyMethodDef identity_def = {"_identity", identity, METH_O, NULL};
 static PyMethodDef bn_guard_def = {"_batchnorm_guard",
-                                   (PyCFunction)(void (*)(void))frame_batchnorm_guard,
+                                   (PyCFunction)(void (*)(void))bn_guard_pre_hook,
                                    METH_FASTCALL, NULL};
 
 static PyObject *
@@ -284,6 +285,7 @@ intern_names(mp_state *st)
         {&st->str_cpu, "cpu"}, {&st->str_fields, "_fields"},
         {&st->str_register_prehook, "register_prehook"},
         {&st->str_requires_grad, "requires_grad"},
+        {&st->str_is_cpu, "is_cpu"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         *names[i].field = PyUnicode_InternFromString(names[i].text);
@@ -368,7 +370,7 @@ module_exec(PyObject *module)
     X(str_version) X(str_enter) X(str_exit) X(str_initialized) X(str_get_rng_state)            \
     X(str_set_rng_state) X(str_training) X(str_track_running_stats) X(str_remove) X(str_cpu)   \
     X(str_fields) X(str_register_prehook) X(stop_recompute) X(bn_guard_hook) X(identity)       \
-    X(str_requires_grad)                                                                       \
+    X(str_requires_grad) X(str_is_cpu)                                                         \
     X(unpack_hook) X(tensor_class) X(module_type) X(top_hooks) X(current_raw_stream)          \
     X(torch_empty) X(torch_empty_strided) X(uint8_dtype) X(offload_unpack)                    \
     X(current_user_hooks) X(hooks_below) X(torch_keywords)

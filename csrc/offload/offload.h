@@ -17,9 +17,10 @@
  * backward (reverse).
  *
  * Everything here runs with the GIL held, which guards the engine state;
- * the pool has its own lock. Where each part lives:
- *   offload_engine.c   per-device streams, the pool, counters (offload_engine.h)
- *   offload_window.c   copies in flight and when their sources are dropped
+ * the pool has its own lock. The private structs, who owns what and the
+ * three kinds of "release" are in offload_internal.h. Where each part lives:
+ *   offload_engine.c   per-device streams and events, the pool, counters
+ *   offload_window.c   copies in flight and when their sources are retired
  *   offload_inspect.c  which inputs are eligible, their storage spans
  *   offload_types.c    the Python objects: copies, records, groups, packer
  *   offload_save.c     copying inputs out, building the records
@@ -75,18 +76,20 @@ int offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyOb
  * (their copy may be torn; restoring them raises). */
 int offload_check_forward(mp_state *st, PyObject *records);
 
-/* Before a recompute restores its inputs: fetch this group and, when
- * prefetch_ahead and the options allow, prefetch the ones before it.
- * After: release the group's staging tensors. */
-int offload_group_begin_restore(mp_state *st, PyObject *group, int prefetch_ahead);
-void offload_group_end_restore(mp_state *st, PyObject *group);
+/* Restores a region's offloaded inputs, the one entry point of the restore
+ * direction: fetches the spans of `group` (NULL: nothing was offloaded)
+ * and, when prefetch_ahead and the options allow, prefetches the groups
+ * backward reaches next; then calls unpack_inputs(ctx), which unpacks each
+ * saved input (an offloaded one through offload_unpack_hook, directly or
+ * through SavedTensor); then discards the restored copies, whose views the
+ * unpacked inputs hold. Returns what unpack_inputs returned, -1 when the
+ * fetch failed. */
+int offload_restore_group(mp_state *st, PyObject *group, int prefetch_ahead,
+                          int (*unpack_inputs)(void *ctx), void *ctx);
 
-/* Is `obj` an offload record (saved directly when torch lacks SavedTensor)? */
-int offload_is_record(mp_state *st, PyObject *obj);
-/* Restores one record's tensor (the unpack hook's work); raises when the
- * input was changed in place since it was saved. */
-PyObject *offload_restore(mp_state *st, PyObject *record);
-
+/* The unpack hook of offloaded inputs (st->offload_unpack): restores one
+ * record's tensor; raises when the input was changed in place since it was
+ * saved. */
 PyObject *offload_unpack_hook(PyObject *module, PyObject *record);
 
 extern PyType_Spec storage_copy_spec;

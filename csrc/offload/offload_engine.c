@@ -1,6 +1,5 @@
-#include "offload_engine.h"
+#include "offload_internal.h"
 #include "base/compat.h"
-#include "offload_window.h"
 #include "streams.h"
 
 #include <stddef.h>
@@ -61,6 +60,7 @@ offload_device_record(offload_engine *engine, offload_device *device, void *stre
 {
     const cudart *rt = engine->rt;
     *event = NULL;
+    MP_ASSERT(device->spare_count >= 0 && device->spare_count <= device->spare_capacity);
     void *taken = device->spare_count > 0 ? device->spare[--device->spare_count] : NULL;
     if (taken == NULL &&
         streams_check(rt, rt->event_create(&taken, CUDART_EVENT_DISABLE_TIMING),
@@ -77,6 +77,8 @@ offload_device_record(offload_engine *engine, offload_device *device, void *stre
 void
 offload_device_give_event(offload_engine *engine, offload_device *device, void *event)
 {
+    MP_ASSERT(event != NULL);
+    MP_ASSERT(device->spare_count >= 0 && device->spare_count <= device->spare_capacity);
     if (device->spare_count == device->spare_capacity) {
         int capacity = device->spare_capacity ? 2 * device->spare_capacity : 16;
         void **grown = PyMem_Realloc(device->spare, (size_t)capacity * sizeof(void *));

@@ -1,5 +1,5 @@
-#include "offload_inspect.h"
-#include "offload_engine.h"
+#include "offload_internal.h"
+#include "base/pyvalue.h"
 
 void
 input_info_clear(input_info *info)
@@ -13,37 +13,15 @@ input_info_clear(input_info *info)
     Py_CLEAR(info->wrapper_spec);
 }
 
-int
-inspect_call_int64(PyObject *obj, const char *method, int64_t *out)
-{
-    PyObject *value = PyObject_CallMethod(obj, method, NULL);
-    if (value == NULL)
-        return -1;
-    *out = PyLong_AsLongLong(value);
-    Py_DECREF(value);
-    return *out == -1 && PyErr_Occurred() ? -1 : 0;
-}
-
-int
-inspect_attr_int64(PyObject *obj, const char *name, int64_t *out)
-{
-    PyObject *value = PyObject_GetAttrString(obj, name);
-    if (value == NULL)
-        return -1;
-    *out = value == Py_None ? -1 : PyLong_AsLongLong(value);
-    Py_DECREF(value);
-    return *out == -1 && PyErr_Occurred() ? -1 : 0;
-}
-
 /* Byte span [offset, offset + extent) of the storage that `tensor` reads:
  * views, non-contiguous and stride-0 tensors read less than their storage. */
 static int
 tensor_span(PyObject *tensor, input_info *info)
 {
     int64_t storage_offset, numel;
-    if (inspect_call_int64(tensor, "storage_offset", &storage_offset) < 0 ||
-        inspect_call_int64(tensor, "element_size", &info->itemsize) < 0 ||
-        inspect_call_int64(tensor, "numel", &numel) < 0)
+    if (mp_call_int64(tensor, "storage_offset", &storage_offset) < 0 ||
+        mp_call_int64(tensor, "element_size", &info->itemsize) < 0 ||
+        mp_call_int64(tensor, "numel", &numel) < 0)
         return -1;
     info->byte_offset = (uint64_t)(storage_offset * info->itemsize);
     info->byte_extent = 0;
@@ -188,7 +166,7 @@ inspect_plain(mp_state *st, PyObject *function, PyObject *tensor, PyObject **buf
     if (strided <= 0)
         return strided;
     int64_t nbytes;
-    if (inspect_attr_int64(tensor, "nbytes", &nbytes) < 0)
+    if (mp_attr_int64(tensor, "nbytes", &nbytes) < 0)
         return -1;
     if (nbytes < engine->options.min_offload_bytes)
         return 0;
@@ -197,7 +175,7 @@ inspect_plain(mp_state *st, PyObject *function, PyObject *tensor, PyObject **buf
     info->size = info->dtype ? PyObject_CallMethod(tensor, "size", NULL) : NULL;
     info->stride = info->size ? PyObject_CallMethod(tensor, "stride", NULL) : NULL;
     info->storage = info->stride ? PyObject_CallMethod(tensor, "untyped_storage", NULL) : NULL;
-    if (info->storage == NULL || inspect_call_int64(info->storage, "data_ptr", &ptr) < 0 ||
+    if (info->storage == NULL || mp_call_int64(info->storage, "data_ptr", &ptr) < 0 ||
         tensor_span(tensor, info) < 0)
         return -1;
     info->storage_ptr = (uintptr_t)ptr;

@@ -1,18 +1,17 @@
 /* The restore direction: copying offloaded spans back for a recompute,
  * prefetching the regions backward reaches next, and rebuilding each input
  * as a view of its span. */
-#include "offload.h"
 #include "base/compat.h"
-#include "base/errors.h"
-#include "offload_types.h"
-#include "offload_window.h"
+#include "base/modified_input.h"
+#include "base/pyvalue.h"
+#include "offload_internal.h"
 #include "streams.h"
 
 static int
 tensor_ptr(PyObject *tensor, void **ptr)
 {
     int64_t value;
-    if (inspect_call_int64(tensor, "data_ptr", &value) < 0)
+    if (mp_call_int64(tensor, "data_ptr", &value) < 0)
         return -1;
     *ptr = (void *)(uintptr_t)value;
     return 0;
@@ -114,12 +113,12 @@ await_h2d(mp_state *st, StorageCopy *copy)
     return failed ? -1 : 0;
 }
 
-/* Drops the span copied back. Its memory returns to the compute stream's
+/* Discards the restored copy (the span copied back). Its memory returns to the compute stream's
  * pool, so that stream must be ordered after the copy writing it first
  * (not yet so when a restore failed before using it); failing that, the
  * host waits for the copy. Keeps any pending exception. */
 static void
-drop_fetched(mp_state *st, StorageCopy *copy)
+discard_restored(mp_state *st, StorageCopy *copy)
 {
     if (copy->fetched == NULL)
         return;
@@ -146,15 +145,16 @@ fetch_group(mp_state *st, OffloadGroup *group, int on_copy_stream)
     return 0;
 }
 
-int
-offload_group_begin_restore(mp_state *st, PyObject *group_obj, int prefetch_ahead)
+/* Fetches the group's spans and, when prefetch_ahead and the options
+ * allow, prefetches the groups backward reaches next. */
+static int
+begin_restore(mp_state *st, OffloadGroup *group, int prefetch_ahead)
 {
-    OffloadGroup *group = (OffloadGroup *)group_obj;
     offload_options *opts = &st->engine->options;
-    if (group == NULL || group->device == NULL)
+    if (group->device == NULL)
         return 0;
     /* backward has begun on this device: nothing it copied out stays */
-    if (offload_window_release_all(st, group->device) < 0)
+    if (offload_window_retire_all(st, group->device) < 0)
         return -1;
     if (fetch_group(st, group, 0) < 0)
         return -1;
@@ -179,20 +179,19 @@ offload_group_begin_restore(mp_state *st, PyObject *group_obj, int prefetch_ahea
     return failed ? -1 : 0;
 }
 
-void
-offload_group_end_restore(mp_state *st, PyObject *group_obj)
+int
+offload_restore_group(mp_state *st, PyObject *group_obj, int prefetch_ahead,
+                      int (*unpack_inputs)(void *ctx), void *ctx)
 {
     OffloadGroup *group = (OffloadGroup *)group_obj;
     if (group == NULL)
-        return;
+        return unpack_inputs(ctx);
+    int result = begin_restore(st, group, prefetch_ahead) < 0 ? -1 : unpack_inputs(ctx);
+    /* every view taken holds the restored storage itself; on an error,
+     * what was fetched goes as well */
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(group->copies); i++)
-        drop_fetched(st, (StorageCopy *)PyTuple_GET_ITEM(group->copies, i));
-}
-
-int
-offload_is_record(mp_state *st, PyObject *obj)
-{
-    return Py_IS_TYPE(obj, st->tensor_record_type);
+        discard_restored(st, (StorageCopy *)PyTuple_GET_ITEM(group->copies, i));
+    return result;
 }
 
 static PyObject *
@@ -252,15 +251,17 @@ rewrap(TensorRecord *record, PyObject *local)
     return wrapped;
 }
 
-PyObject *
-offload_restore(mp_state *st, PyObject *record_obj)
+/* Restores one record's tensor (the unpack hook's work); raises when the
+ * input was changed in place since it was saved. */
+static PyObject *
+restore_record(mp_state *st, PyObject *record_obj)
 {
     TensorRecord *record = (TensorRecord *)record_obj;
     StorageCopy *copy = record->copy;
     int changed = record->modified_in_forward ? 1 : offload_source_changed(st, record);
     if (changed != 0) {
         if (changed > 0)
-            checkpoint_raise_modified_input(record->input_index);
+            raise_modified_input(record->input_index);
         return NULL;
     }
     if (copy != NULL) {
@@ -278,9 +279,9 @@ PyObject *
 offload_unpack_hook(PyObject *module, PyObject *record)
 {
     mp_state *st = PyModule_GetState(module);
-    if (!offload_is_record(st, record)) {
+    if (!Py_IS_TYPE(record, st->tensor_record_type)) {
         PyErr_SetString(PyExc_TypeError, "matepoint: offload unpack hook got a foreign object");
         return NULL;
     }
-    return offload_restore(st, record);
+    return restore_record(st, record);
 }

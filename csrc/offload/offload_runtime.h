@@ -18,6 +18,10 @@ typedef struct offload_runtime {
     const char *device_type;    /* torch's device type of the tensors it moves */
     /* The runtime table, loaded on first use; NULL with an error set. */
     const cudart *(*load)(void);
+    /* 0 when no tensor can live where this runtime copies from (a CPU
+     * build of torch has no CUDA tensors): the engine then skips the
+     * inspection of a region's inputs altogether. Cannot fail. */
+    int (*may_hold_tensors)(mp_state *st);
     /* The device whose memory `tensor` (of torch device `device_obj`)
      * lives in: 1 with *index set when this runtime copies it, 0 when it
      * stays where it is. */

@@ -13,6 +13,12 @@ torch_load(void)
 }
 
 static int
+torch_may_hold_tensors(mp_state *st)
+{
+    return st->current_raw_stream != NULL;
+}
+
+static int
 torch_tensor_device(mp_state *st, PyObject *tensor, PyObject *device_obj, int *index)
 {
     (void)tensor;
@@ -121,6 +127,7 @@ const offload_runtime offload_runtime_torch = {
     .name = "cuda",
     .device_type = "cuda",
     .load = torch_load,
+    .may_hold_tensors = torch_may_hold_tensors,
     .tensor_device = torch_tensor_device,
     .current_stream = torch_current_stream,
     .record_stream = torch_record_stream,

@@ -1,9 +1,7 @@
 /* The save direction: copying a region's eligible inputs out to pool
  * buffers and building the records autograd keeps in their place. */
-#include "offload.h"
 #include "base/hooks.h"
-#include "offload_types.h"
-#include "offload_window.h"
+#include "offload_internal.h"
 #include "streams.h"
 
 #define SPAN_ALIGN 16   /* largest element size: keeps every view offset whole */
@@ -70,12 +68,15 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
                  streams_memcpy(rt, copy->block.ptr, (const void *)src, (size_t)copy->nbytes,
                                 CUDART_MEMCPY_DEVICE_TO_HOST, device->copy_out,
                                 copy->block.fallback) < 0;
+    if (!failed)
+        copy_advance(copy, COPY_QUEUED);
     if (!failed && offload_device_record(engine, device, device->copy_out, &copy->d2h_done) < 0) {
         failed = 1;
         Py_BEGIN_ALLOW_THREADS
         if (rt->stream_synchronize(device->copy_out) != CUDART_SUCCESS)
             (void)rt->get_last_error();
         Py_END_ALLOW_THREADS
+        copy_advance(copy, COPY_COMPLETED);
     }
     offload_engine_leave_device(st, device->index, previous);
     if (copy->block.fallback)
@@ -245,7 +246,8 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
     Py_ssize_t n = PyList_GET_SIZE(tensors);
     int enabled = offload_override < 0 ? opts->enabled : offload_override;
     *group_out = *records_out = NULL;
-    if (n == 0 || !enabled)
+    /* the common CPU-only case asks nothing about the inputs */
+    if (n == 0 || !enabled || !st->engine->runtime->may_hold_tensors(st))
         return 0;
     input_info *infos = PyMem_Calloc((size_t)n, sizeof(input_info));
     PyObject *buffers = NULL, *copies = NULL;

@@ -1,4 +1,4 @@
-#include "offload_types.h"
+#include "offload_internal.h"
 #include "streams.h"
 
 static int
@@ -31,11 +31,18 @@ storage_copy_dealloc(StorageCopy *self)
         }
         if (self->h2d_done != NULL)
             offload_device_give_event(engine, self->device, self->h2d_done);
-        if (self->d2h_done != NULL)
+        if (self->d2h_done != NULL) {
             offload_device_give_event(engine, self->device, self->d2h_done);
-        if (self->block.ptr != NULL)
-            pool_release(engine->pool, &self->block);
+            copy_advance(self, COPY_COMPLETED);     /* the host waited for it above */
+        }
+        MP_ASSERT(self->state != COPY_QUEUED);
+        if (self->block.ptr != NULL) {
+            pool_release(engine->pool, &self->block);    /* return the host buffer */
+            copy_advance(self, COPY_RETURNED);
+        }
     }
+    /* a window holds a reference to every copy whose source it holds */
+    MP_ASSERT(self->source == NULL);
     Py_CLEAR(self->fetched);
     Py_CLEAR(self->source);
     Py_CLEAR(self->device_obj);
@@ -122,6 +129,8 @@ group_unlink(OffloadGroup *group)
     if (!group->linked)
         return;
     offload_device *device = group->device;
+    MP_ASSERT(group->prev == NULL ? device->first == group : group->prev->next == group);
+    MP_ASSERT(group->next == NULL ? device->last == group : group->next->prev == group);
     if (group->prev != NULL)
         group->prev->next = group->next;
     else
@@ -138,6 +147,9 @@ static void
 group_link(OffloadGroup *group)
 {
     offload_device *device = group->device;
+    MP_ASSERT(!group->linked);
+    MP_ASSERT((device->first == NULL) == (device->last == NULL));
+    MP_ASSERT(device->last == NULL || device->last->next == NULL);
     group->prev = device->last;
     group->next = NULL;
     if (device->last != NULL)

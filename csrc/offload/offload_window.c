@@ -1,4 +1,4 @@
-#include "offload_window.h"
+#include "offload_internal.h"
 #include "streams.h"
 
 int
@@ -9,6 +9,8 @@ offload_window_add(offload_engine *engine, offload_device *device, StorageCopy *
         return -1;
     if (PyList_Append(device->in_flight, (PyObject *)copy) < 0)
         return -1;
+    MP_ASSERT(copy->source == NULL);
+    MP_ASSERT((copy->state == COPY_QUEUED) == (copy->d2h_done != NULL));
     copy->source = Py_NewRef(source);
     copy->producer = producer;
     copy->region = device->regions;
@@ -21,12 +23,15 @@ offload_window_add(offload_engine *engine, offload_device *device, StorageCopy *
 static int
 copy_completed(offload_engine *engine, StorageCopy *copy)
 {
-    if (copy->d2h_done == NULL)
+    if (copy->d2h_done == NULL) {
+        MP_ASSERT(copy->state == COPY_COMPLETED);
         return 1;
+    }
     int done = streams_event_done(engine->rt, copy->d2h_done);
     if (done == 1) {
         offload_device_give_event(engine, copy->device, copy->d2h_done);
         copy->d2h_done = NULL;
+        copy_advance(copy, COPY_COMPLETED);
     }
     return done;
 }
@@ -50,12 +55,12 @@ order_producer_after_copy(mp_state *st, StorageCopy *copy)
     return st->engine->runtime->record_stream(st, copy->source, index, copy->producer);
 }
 
-/* Drops a source: at once when its copy completed, else in stream order.
+/* Retires a source: at once when its copy completed, else in stream order.
  * `force` 0 only drops completed ones; `ask` 0 takes the copy as not
  * completed without asking. Returns 1 if dropped, 0 if kept, -1 on error
  * (kept: the source may still be read). */
 static int
-release_source(mp_state *st, StorageCopy *copy, int force, int ask)
+retire_source(mp_state *st, StorageCopy *copy, int force, int ask)
 {
     offload_engine *engine = st->engine;
     int completed = ask ? copy_completed(engine, copy) : copy->d2h_done == NULL;
@@ -63,12 +68,14 @@ release_source(mp_state *st, StorageCopy *copy, int force, int ask)
         return completed;
     if (!completed && order_producer_after_copy(st, copy) < 0)
         return -1;
+    MP_ASSERT(copy->source != NULL);
+    MP_ASSERT(engine->device_bytes_in_flight >= copy->nbytes);
     engine->device_bytes_in_flight -= copy->nbytes;
     Py_CLEAR(copy->source);
     return 1;
 }
 
-/* Releases the sources of the window's copies that completed, and of those
+/* Retires the sources of the window's copies that completed, and of those
  * of regions before `force_below_region` in stream order. The copies kept
  * move to a fresh list, so no slot of the old one is released twice;
  * releasing may run code that comes back here, so the old list is held. */
@@ -84,12 +91,17 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region)
     int result = 0, ask = 1;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(list, i);
+        int forced = copy->region < force_below_region;
         /* the copy-out stream runs copies in the order of this list: once one
          * has not completed, the later ones have not either (as torch's
-         * allocator stops at the first event not ready of a stream) */
-        int released = result < 0 ? 0
-                                  : release_source(st, copy, copy->region < force_below_region,
-                                                   ask);
+         * allocator stops at the first event not ready of a stream). A copy
+         * that must go is not asked: ordering its producer costs one stream
+         * wait, as the query would, and never blocks; without its answer the
+         * later ones are not asked either (with the GPU lagging, the query
+         * fails every time: 2 calls a span saved) */
+        if (forced)
+            ask = 0;
+        int released = result < 0 ? 0 : retire_source(st, copy, forced, ask);
         if (released == 0)          /* kept: its copy has not completed */
             ask = 0;
         if (released < 0)
@@ -121,7 +133,7 @@ offload_window_end_region(mp_state *st, offload_device *device)
 }
 
 int
-offload_window_release_all(mp_state *st, offload_device *device)
+offload_window_retire_all(mp_state *st, offload_device *device)
 {
     return sweep(st, device, UINT64_MAX);
 }
@@ -149,6 +161,8 @@ offload_window_drain(offload_engine *engine, offload_device *device)
             (void)engine->rt->event_synchronize(done);
             Py_END_ALLOW_THREADS
         }
+        MP_ASSERT(copy->source != NULL);
+        MP_ASSERT(engine->device_bytes_in_flight >= copy->nbytes);
         engine->device_bytes_in_flight -= copy->nbytes;
         Py_CLEAR(copy->source);
     }

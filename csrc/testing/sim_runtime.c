@@ -125,10 +125,19 @@ sim_empty_bytes(mp_state *st, int device, PyObject *device_obj, uint64_t nbytes)
     return tensor;
 }
 
+/* Every CPU tensor lives in the simulated GPU's memory. */
+static int
+sim_may_hold_tensors(mp_state *st)
+{
+    (void)st;
+    return 1;
+}
+
 const offload_runtime offload_runtime_sim = {
     .name = "simulated",
     .device_type = "cpu",
     .load = sim_load,
+    .may_hold_tensors = sim_may_hold_tensors,
     .tensor_device = sim_tensor_device,
     .current_stream = sim_current_stream,
     .record_stream = sim_record_stream,

@@ -1,7 +1,6 @@
 #include "testing.h"
 #include "cuda/cudart_sim.h"
-#include "offload/offload_engine.h"
-#include "offload/offload_types.h"
+#include "offload/offload_internal.h"
 
 #include <stdatomic.h>
 #include <string.h>

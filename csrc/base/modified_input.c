@@ -1,8 +1,8 @@
-#include "errors.h"
+#include "modified_input.h"
 #include "compat.h"
 
 PyObject *
-checkpoint_raise_modified_input(Py_ssize_t index)
+raise_modified_input(Py_ssize_t index)
 {
     PyObject *cause = mp_take_exception();
     PyErr_Format(PyExc_RuntimeError,

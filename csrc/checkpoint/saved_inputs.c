@@ -1,9 +1,9 @@
 /* A frame's inputs: saving them (kept on their device through SavedTensor,
  * or offloaded) and rebuilding the call's arguments from them for a
- * recompute, with the in-place check. */
-#include "frame.h"
+ * recompute, with the in-place check (saved_inputs.h). */
+#include "saved_inputs.h"
 #include "base/compat.h"
-#include "base/errors.h"
+#include "base/modified_input.h"
 #include "base/hooks.h"
 #include "offload/offload.h"
 #include "tree.h"
@@ -39,7 +39,7 @@ save_plain(Frame *frame, PyObject *tensor, Py_ssize_t i)
 }
 
 int
-frame_save_inputs(Frame *frame, PyObject *tensors, int offload_override)
+saved_inputs_save(Frame *frame, PyObject *tensors, int offload_override)
 {
     mp_state *st = frame->st;
     Py_ssize_t n = PyList_GET_SIZE(tensors);
@@ -60,13 +60,13 @@ frame_save_inputs(Frame *frame, PyObject *tensors, int offload_override)
 }
 
 int
-frame_finish_forward(Frame *frame)
+saved_inputs_finish_forward(Frame *frame)
 {
     return offload_check_forward(frame->st, frame->offload_records);
 }
 
 void
-frame_drop_unneeded_inputs(Frame *frame)
+saved_inputs_drop_unneeded(Frame *frame)
 {
     if (frame->n_holders > 0)
         return;
@@ -99,7 +99,7 @@ unpack_saved_tensor(mp_state *st, PyObject *saved, Py_ssize_t i)
         int modified = is_inplace_error(exc);
         mp_restore_exception(exc);
         if (modified)
-            return checkpoint_raise_modified_input(i);
+            return raise_modified_input(i);
     }
     return tensor;
 }
@@ -115,10 +115,12 @@ check_version(Frame *frame, PyObject *tensor, Py_ssize_t i)
     int same = PyObject_RichCompareBool(version, PyList_GET_ITEM(frame->versions, i), Py_EQ);
     Py_DECREF(version);
     if (same == 0)
-        checkpoint_raise_modified_input(i);
+        raise_modified_input(i);
     return same == 1 ? 0 : -1;
 }
 
+/* Without SavedTensor (older torch) an offloaded input's slot holds its
+ * offload record, unpacked by the same hook SavedTensor would call. */
 static PyObject *
 restore_one_input(Frame *frame, Py_ssize_t i)
 {
@@ -126,43 +128,53 @@ restore_one_input(Frame *frame, Py_ssize_t i)
     PyObject *saved = PyList_GET_ITEM(frame->saved, i);
     if (frame->versions == NULL)
         return unpack_saved_tensor(st, saved, i);
-    if (offload_is_record(st, saved))
-        return offload_restore(st, saved);
+    if (Py_IS_TYPE(saved, st->tensor_record_type))
+        return PyObject_CallOneArg(st->offload_unpack, saved);
     return check_version(frame, saved, i) < 0 ? NULL : Py_NewRef(saved);
 }
 
+typedef struct {
+    Frame *frame;
+    PyObject *tensors;          /* list: slot i receives input #i */
+} unpack_ctx;
+
+static int
+unpack_inputs(void *arg)
+{
+    unpack_ctx *ctx = arg;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ctx->tensors); i++) {
+        PyObject *tensor = restore_one_input(ctx->frame, i);
+        if (tensor == NULL)
+            return -1;
+        PyList_SET_ITEM(ctx->tensors, i, tensor);
+    }
+    return 0;
+}
+
 int
-frame_restore_inputs(Frame *frame, PyObject **args_out, PyObject **kwargs_out)
+saved_inputs_restore(Frame *frame, PyObject **args_out, PyObject **kwargs_out)
 {
     mp_state *st = frame->st;
     Py_ssize_t n = PyList_GET_SIZE(frame->saved);
-    PyObject *tensors = PyList_New(n);
+    unpack_ctx ctx = {.frame = frame, .tensors = PyList_New(n)};
     *args_out = *kwargs_out = NULL;
-    if (tensors == NULL)
+    if (ctx.tensors == NULL)
         return -1;
-    if (offload_group_begin_restore(st, frame->offload_group, frame->prefetch_ahead) < 0)
+    if (offload_restore_group(st, frame->offload_group, frame->prefetch_ahead, unpack_inputs,
+                              &ctx) < 0)
         goto error;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *tensor = restore_one_input(frame, i);
-        if (tensor == NULL)
-            goto error;
-        PyList_SET_ITEM(tensors, i, tensor);
-    }
-    offload_group_end_restore(st, frame->offload_group);
-    *args_out = tree_unflatten(st, frame->args_template, tensors);
+    *args_out = tree_unflatten(st, frame->args_template, ctx.tensors);
     if (*args_out == NULL)
         goto error;
     if (frame->kwargs_template != NULL) {
-        *kwargs_out = tree_unflatten(st, frame->kwargs_template, tensors);
+        *kwargs_out = tree_unflatten(st, frame->kwargs_template, ctx.tensors);
         if (*kwargs_out == NULL)
             goto error;
     }
-    Py_DECREF(tensors);
+    Py_DECREF(ctx.tensors);
     return 0;
 error:
-    offload_group_end_restore(st, frame->offload_group);
     Py_CLEAR(*args_out);
-    Py_DECREF(tensors);
+    Py_DECREF(ctx.tensors);
     return -1;
 }
-

@@ -1,0 +1,354 @@
+/* The offload engine's private structs, shared by the files of
+ * csrc/offload (and read by csrc/testing); the rest of the extension sees
+ * only offload.h.
+ *
+ * Ownership
+ *   mp_state.engine owns the engine; the engine owns one offload_device per
+ *   device it copied on (streams, events, the in-flight window) and the
+ *   pool. A StorageCopy owns its host buffer (pool block), its events, the
+ *   device source while its window holds it, and the restored copy while a
+ *   recompute uses it. A TensorRecord owns a reference to its copy and its
+ *   group; an OffloadGroup owns its copies (a tuple) and borrows its list
+ *   neighbours (unlinked at dealloc). Each copy owns a reference to the
+ *   module, which keeps the engine alive as long as any copy exists.
+ *
+ * Threads
+ *   Every field below is read and written with the GIL held. The pool has
+ *   its own lock. The GIL is released only around calls that may block
+ *   (event and stream synchronization, pinning, pageable copies); state is
+ *   re-read after each such call, since other threads may have run.
+ *
+ * Three kinds of "release", each with its own verb:
+ *   retire   the device *source* of a copy out: the window drops its
+ *            reference to the input's storage, at once once the D2H
+ *            completed, else in stream order (see the window's invariant).
+ *            offload_window_retire_*(), retire_source().
+ *   return   the *host buffer* of a copy: given back to the pool when the
+ *            StorageCopy dies, after the last copy reading or writing it
+ *            completed (storage_copy_dealloc).
+ *   discard  the *restored copy*: the device tensor a span was copied back
+ *            into, dropped once the recompute took its views, after the
+ *            compute stream was ordered behind the H2D (discard_restored()).
+ *
+ * Invariants (MP_ASSERT where they change)
+ *   device_bytes_in_flight is the sum of nbytes over all copies whose
+ *   source a window holds: it never goes below zero.
+ *   The groups of a device form a doubly linked list in creation order:
+ *   g->next->prev == g, and first/last are the ends; a group is on the
+ *   list iff `linked`.
+ *   A copy's state moves only forward (copy_state below), and a copy is
+ *   COPY_QUEUED exactly while it holds its D2H's completion event. */
+#ifndef MATEPOINT_OFFLOAD_OFFLOAD_INTERNAL_H
+#define MATEPOINT_OFFLOAD_OFFLOAD_INTERNAL_H
+
+#include "offload.h"
+#include "offload_runtime.h"
+#include "common/mp_assert.h"
+#include "pool/pool.h"
+
+/* ------------------------------------------------------------------ */
+/* The offload engine: per-device copy state, the host pool and counters.
+ *
+ * One engine per module state (mp_state.engine), created at module exec and
+ * freed with the module. It runs over an offload runtime (offload_runtime.h:
+ * torch's, or the simulated GPU of test builds), whose CUDA table is loaded
+ * at the first offload. Each device gets, on its first offload, a copy-out
+ * and a copy-in stream and an in-flight window (the window section below). The pool
+ * is created on first use: pinned memory when the runtime has a device,
+ * else plain host memory.
+ *
+ * Devices: CUDA resolves stream handle NULL (torch's default stream) to the
+ * legacy stream of the calling thread's *current* device, so every wait and
+ * record on a stream of device d runs with d current
+ * (offload_engine_enter_device), and the previous device is given back only
+ * where that creates no context.
+ *
+ * Thread-safety: every field is guarded by the GIL; the pool has its own
+ * lock. `runtime` and `rt` change only while no copy exists. */
+
+#define MAX_CUDA_DEVICES 64
+
+typedef struct OffloadGroup OffloadGroup;
+
+/* Copy state of one device. */
+typedef struct {
+    int index;
+    void *copy_out;             /* cudaStream_t */
+    void *copy_in;
+    PyObject *in_flight;        /* list of StorageCopy whose source is held (window section) */
+    uint64_t regions;           /* checkpoint calls that offloaded here so far */
+    OffloadGroup *first, *last; /* live groups in creation order (borrowed) */
+    /* Events are made once and reused, not created and destroyed per copy:
+     * `ordering` is recorded on one stream and waited on by another right
+     * away (a wait captures the record it was given, so it is free again at
+     * once); `spare` holds completion events no copy needs any more. */
+    void *ordering;
+    void **spare;
+    int spare_count, spare_capacity;
+} offload_device;
+
+struct offload_engine {
+    offload_options options;
+    pool *pool;                 /* created on first use */
+    pool_host_ctx host_ctx;
+    const offload_runtime *runtime;
+    const cudart *rt;           /* runtime->load(), at the first device */
+    uint64_t devices_with_context;          /* bit d: device d has a context (cache) */
+    uint64_t device_bytes_in_flight;        /* sources held by the windows */
+    uint64_t peak_device_bytes_in_flight;
+    offload_device *cuda[MAX_CUDA_DEVICES];
+    int warned_fallback;
+    uint64_t prefetched;        /* spans copied back ahead of their recompute */
+    uint64_t fetched_at_need;   /* spans copied back when the recompute asked */
+    int fail_next_acquires;     /* tests: make the pool refuse this many spans */
+};
+
+/* The engine of the module that owns an offload object. */
+offload_engine *offload_engine_of(PyObject *module);
+
+/* Creates the pool on first use. */
+int offload_engine_ensure_pool(offload_engine *engine);
+
+/* The copy state of device `index`, made (streams included) on first use;
+ * NULL with an error set when no runtime or device is there. */
+offload_device *offload_engine_device(mp_state *st, int index);
+
+/* Orders `waiter` after the work queued on `producer` so far; the
+ * device is current. */
+int offload_device_order(offload_engine *engine, offload_device *device, void *waiter,
+                         void *producer);
+/* Records a completion event of the device on `stream` (the device is
+ * current): a spare one, or a new one. *event stays NULL on error. */
+int offload_device_record(offload_engine *engine, offload_device *device, void *stream,
+                          void **event);
+/* Gives back a completion event no copy needs any more (any thread with
+ * the GIL, any current device). */
+void offload_device_give_event(offload_engine *engine, offload_device *device, void *event);
+
+/* torch's current stream on device `index`. */
+int offload_engine_current_stream(mp_state *st, int index, void **stream);
+
+/* Makes `index` the calling thread's current device; *previous receives
+ * what offload_engine_leave_device gives back. */
+int offload_engine_enter_device(mp_state *st, int index, int *previous);
+void offload_engine_leave_device(mp_state *st, int index, int previous);
+
+/* The device pinned host memory is best allocated with: the current one
+ * when it has a context, else the first that has one, else -1 (none yet:
+ * pinning then creates the current device's). */
+int offload_engine_pinning_device(mp_state *st);
+
+/* Runs the engine over `runtime` from now on. Refused (RuntimeError) while
+ * offloaded inputs are alive. */
+int offload_engine_use_runtime(offload_engine *engine, const offload_runtime *runtime);
+
+/* ------------------------------------------------------------------ */
+/* Inspecting a checkpoint's input tensors before they are offloaded: which
+ * ones are eligible, where their bytes live, and how inputs that share a
+ * storage are grouped into one copied span.
+ *
+ * An eligible input is a plain strided torch.Tensor (no subclass, no
+ * Parameter, no buffer of the checkpointed module, not sparse or nested)
+ * of at least min_offload_bytes in a device's memory (as the offload
+ * runtime tells: a CUDA tensor on a GPU), or a DTensor (not a parameter)
+ * whose local tensor is one: the local tensor is copied, and the input
+ * comes back as a DTensor of the same spec (mesh, placements, shape). Its
+ * span is the
+ * byte range of its storage that it reads: views, non-contiguous and
+ * stride-0 tensors read less than their storage. input_info holds strong
+ * references, released by input_info_clear. GIL held throughout. */
+
+/* copy_index values beside a real index into the list of copies */
+#define UNPLANNED (-1)
+#define STAYS (-2)      /* the pool had no memory: saved where it is */
+#define NO_DATA (-3)    /* no elements: rebuilt empty */
+
+/* What the offload path learns about one input tensor. */
+typedef struct {
+    PyObject *storage;          /* the input's untyped storage */
+    PyObject *device_obj;
+    PyObject *dtype, *size, *stride;
+    int device_index;
+    uintptr_t storage_ptr;
+    uint64_t byte_offset, byte_extent;
+    int64_t itemsize;
+    Py_ssize_t copy_index;      /* into the copies list, or one of the values above */
+    PyObject *wrapper_type;     /* a DTensor input: its type and spec, else NULL */
+    PyObject *wrapper_spec;
+} input_info;
+
+void input_info_clear(input_info *info);
+
+/* The buffers of `function` when it is a module (never offloaded), else
+ * an empty list. */
+PyObject *inspect_module_buffers(mp_state *st, PyObject *function);
+
+/* Fills `info` for an input of `function` worth offloading: 1 if so, 0 if
+ * it stays, -1 on error. *buffers caches the function's module buffers
+ * (inspect_module_buffers), looked up once an input lives on a device; the
+ * caller releases it. */
+int inspect_input(mp_state *st, PyObject *function, PyObject *tensor, PyObject **buffers,
+                  input_info *info);
+
+/* Do two inspected inputs share one storage? */
+int inspect_same_storage(const input_info *a, const input_info *b);
+
+/* ------------------------------------------------------------------ */
+/* The Python objects of the offload path and who owns what.
+ *
+ * StorageCopy: one storage span staged in a pool buffer. It owns the pool
+ *   block (released at dealloc, after any copy still reading or writing it
+ *   has completed), the source storage while the device-to-host copy may
+ *   still read it (the window section says when it is retired),
+ *   and the device tensor the span was copied back into during a restore.
+ * TensorRecord: one offloaded input: which copy holds its bytes and how to
+ *   view them (dtype, size, stride, offset), plus what the in-place check
+ *   needs. It is what autograd's SavedTensor packs.
+ * OffloadGroup: the copies of one checkpointed region. The groups of a
+ *   device form a list in creation order (borrowed links, unlinked at
+ *   dealloc): backward walks it in reverse to prefetch.
+ * OffloadPacker: the pack hook that hands prepared records to SavedTensor.
+ *
+ * All of them are GC-tracked heap types of the module; GIL held throughout. */
+
+/* The life of a StorageCopy's host buffer, in the only order it moves:
+ *   COPY_EMPTY      made; no D2H queued yet (it may hold a pool block)
+ *   COPY_QUEUED     the D2H is queued on the copy-out stream; d2h_done is
+ *                   its completion event, not yet seen complete
+ *   COPY_COMPLETED  the D2H completed (event seen complete, or the host
+ *                   waited): the buffer holds the span
+ *   COPY_RETURNED   the host buffer went back to the pool (dealloc)
+ * A copy that failed before its D2H was queued goes from EMPTY straight
+ * to RETURNED. copy_advance() asserts every transition. */
+typedef enum {
+    COPY_EMPTY,
+    COPY_QUEUED,
+    COPY_COMPLETED,
+    COPY_RETURNED,
+} copy_state;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *module;           /* keeps the engine alive */
+    copy_state state;
+    offload_device *device;
+    PyObject *device_obj;       /* torch.device */
+    uint64_t nbytes;
+    pool_block block;
+    PyObject *source;           /* storage kept while the D2H may read it */
+    void *producer;             /* stream current when the copy was queued */
+    uint64_t region;            /* the device's region count then (window section) */
+    void *d2h_done;             /* cudaEvent_t until seen complete, else NULL */
+    int producer_waited;        /* the producer stream waits on d2h_done already */
+    PyObject *fetched;          /* uint8 tensor holding the span again, or NULL */
+    void *h2d_done;             /* the last copy back, until the copy goes */
+    int h2d_awaited;            /* the compute stream waits on h2d_done already */
+} StorageCopy;
+
+typedef struct {
+    PyObject_HEAD
+    StorageCopy *copy;          /* NULL for a tensor with no elements */
+    PyObject *group;
+    PyObject *dtype, *size, *stride, *device_obj;
+    int64_t offset;             /* elements from the start of the span */
+    PyObject *wrapper_type;     /* a DTensor input: rebuilt from its type and spec */
+    PyObject *wrapper_spec;
+    /* in-place checks: torch skips its version check for hooked saved
+     * tensors, so the record watches the input while it is alive */
+    PyObject *weak_source;      /* weakref to the input */
+    PyObject *version;          /* the input's version when it was saved */
+    Py_ssize_t input_index;     /* position among the region's input tensors */
+    int modified_in_forward;
+    int requires_grad;          /* restored by hand when no SavedTensor does it */
+} TensorRecord;
+
+struct OffloadGroup {
+    PyObject_HEAD
+    PyObject *module;
+    offload_device *device;
+    PyObject *copies;           /* tuple of StorageCopy */
+    OffloadGroup *prev, *next;
+    int linked;
+    unsigned long thread;       /* creator: backward order means nothing across threads */
+};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *records;
+    Py_ssize_t next;
+} OffloadPacker;
+
+/* Moves `copy` to state `to`; asserts that it is a step forward allowed by
+ * copy_state (QUEUED only from EMPTY, COMPLETED only from QUEUED). */
+static inline void
+copy_advance(StorageCopy *copy, copy_state to)
+{
+    MP_ASSERT(to > copy->state);
+    MP_ASSERT(to != COPY_QUEUED || copy->state == COPY_EMPTY);
+    MP_ASSERT(to != COPY_COMPLETED || copy->state == COPY_QUEUED);
+    copy->state = to;
+}
+
+/* A copy of `nbytes` on `device` with no pool block yet. */
+StorageCopy *storage_copy_new(mp_state *st, PyObject *module, offload_device *device,
+                              PyObject *device_obj, uint64_t nbytes);
+/* The record of input #input_index, described by `info`, whose bytes are
+ * in copies[info->copy_index] (none for an empty tensor). */
+TensorRecord *record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group,
+                         PyObject *tensor, Py_ssize_t input_index);
+/* A group over `copies` (a list), linked into its device's list. */
+PyObject *group_new(mp_state *st, PyObject *module, PyObject *copies);
+/* 1 when the record's input is alive with another version than saved,
+ * 0 when not (or dead), -1 on error. */
+int offload_source_changed(mp_state *st, TensorRecord *record);
+/* A pack hook that returns records[0], records[1], ... in turn. */
+PyObject *packer_new(mp_state *st, PyObject *records);
+
+/* ------------------------------------------------------------------ */
+/* The in-flight window of one device: device-to-host copies whose source
+ * storage is still referenced, and the rule that bounds them.
+ *
+ * A copy joins the window when its D2H is queued on the copy-out stream
+ * (after an event on the producing stream, the stream current when the
+ * region was checkpointed), holding its source storage and tagged with the
+ * region (the device's count of offloading checkpoint calls) it belongs to.
+ *
+ * Invariant: when region r has queued its copies, before its function
+ * runs, no source of a region older than r - window + 1 is held. Such a
+ * copy either completed (its event queried complete), or, before the
+ * reference was dropped, (1) its producing stream was made to wait on its
+ * completion event (cudaStreamWaitEvent with the copy's device current: a
+ * NULL stream is the current device's), and (2) the source was marked used
+ * by the producing stream (record_stream). A caching allocator hands a freed
+ * block out again at once only to work queued later on the stream that
+ * allocated it: when that is the producer, the work runs after the copy;
+ * when the input came from another stream, (2) keeps the block until the
+ * producer passed the copy. So memory is reused on the GPU's timeline,
+ * never early, and device memory held by offloaded inputs allocated on the
+ * producing stream stays within `window` regions however far the CPU runs
+ * ahead of the GPU. The first restore of backward retires the rest the
+ * same way. The completion event itself stays with the copy until it is
+ * seen complete: restoring from the host buffer waits on it.
+ *
+ * GIL held; the window is a Python list owned by the device. */
+
+/* Puts a copy whose D2H was queued after work on `producer` into the
+ * window of the device's current region; takes a reference to `source`. */
+int offload_window_add(offload_engine *engine, offload_device *device, StorageCopy *copy,
+                       PyObject *source, void *producer);
+
+/* Ends the device's current region and retires, in stream order, what
+ * the window no longer allows. */
+int offload_window_end_region(mp_state *st, offload_device *device);
+
+/* Retires every source of the device in stream order (backward begins). */
+int offload_window_retire_all(mp_state *st, offload_device *device);
+
+/* Retires the sources of copies that have completed, on every device. */
+int offload_window_poll_all(mp_state *st);
+
+/* Blocks until every copy of the window completed and empties it (the
+ * engine is going away or changes runtime). */
+void offload_window_drain(offload_engine *engine, offload_device *device);
+
+#endif
