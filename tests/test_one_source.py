@@ -253,7 +253,7 @@ def test_every_type_allocates_and_frees_through_its_slots() -> None:
 
 
 def test_the_module_reaches_its_state_one_way() -> None:
-    for path, text in c_sources("module", "base").items():
+    for path, text in c_sources(*PYTHON_FOLDERS).items():
         if path != "base/state.h":
             assert "PyModule_GetState" not in text and "PyType_GetModuleState" not in text, path
 

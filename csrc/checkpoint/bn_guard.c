@@ -108,7 +108,7 @@ swap_in_bn_copies(PyObject *module)
 PyObject *
 bn_guard_pre_hook(PyObject *module_obj, PyObject *const *args, Py_ssize_t nargs)
 {
-    mp_state *st = PyModule_GetState(module_obj);
+    mp_state *st = mp_state_of(module_obj);
     if (nargs < 1 || guarded_modules == NULL)
         Py_RETURN_NONE;
     PyObject *module = args[0];

@@ -444,7 +444,7 @@ done:
 PyObject *
 checkpoint_call(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    mp_state *st = PyModule_GetState(module);
+    mp_state *st = mp_state_of(module);
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     checkpoint_options opts = {0};
     PyObject *fn_kwargs = NULL, *fn_args = NULL, *out = NULL;

@@ -264,7 +264,7 @@ done:
 PyObject *
 frame_unpack_hook(PyObject *module, PyObject *obj)
 {
-    mp_state *st = PyModule_GetState(module);
+    mp_state *st = mp_state_of(module);
     if (!Py_IS_TYPE(obj, st->holder_type)) {
         PyErr_SetString(PyExc_TypeError, "matepoint: unpack hook got a foreign object");
         return NULL;

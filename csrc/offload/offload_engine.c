@@ -8,7 +8,7 @@
 offload_engine *
 offload_engine_of(PyObject *module)
 {
-    return ((mp_state *)PyModule_GetState(module))->engine;
+    return mp_state_of(module)->engine;
 }
 
 offload_engine *
@@ -62,12 +62,10 @@ offload_device_record(offload_engine *engine, offload_device *device, void *stre
     *event = NULL;
     MP_ASSERT(device->spare_count >= 0 && device->spare_count <= device->spare_capacity);
     void *taken = device->spare_count > 0 ? device->spare[--device->spare_count] : NULL;
-    if (taken == NULL &&
-        streams_check(rt, rt->event_create(&taken, CUDART_EVENT_DISABLE_TIMING),
-                      "cudaEventCreate"))
-        return -1;
-    if (streams_check(rt, rt->event_record(taken, stream), "cudaEventRecord")) {
-        offload_device_give_event(engine, device, taken);
+    if (streams_record_event(rt, stream, &taken) < 0) {
+        /* a spare that failed to record goes back; a new one is already gone */
+        if (taken != NULL)
+            offload_device_give_event(engine, device, taken);
         return -1;
     }
     *event = taken;
@@ -245,12 +243,7 @@ has_context(mp_state *st, int device)
 int
 offload_engine_enter_device(mp_state *st, int index, int *previous)
 {
-    const cudart *rt = st->engine->rt;
-    if (streams_check(rt, rt->get_device(previous), "cudaGetDevice"))
-        return -1;
-    if (*previous != index && streams_check(rt, rt->set_device(index), "cudaSetDevice"))
-        return -1;
-    return 0;
+    return streams_enter_device(st->engine->rt, index, previous);
 }
 
 void

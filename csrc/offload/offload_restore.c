@@ -278,7 +278,7 @@ restore_record(mp_state *st, PyObject *record_obj)
 PyObject *
 offload_unpack_hook(PyObject *module, PyObject *record)
 {
-    mp_state *st = PyModule_GetState(module);
+    mp_state *st = mp_state_of(module);
     if (!Py_IS_TYPE(record, st->tensor_record_type)) {
         PyErr_SetString(PyExc_TypeError, "matepoint: offload unpack hook got a foreign object");
         return NULL;

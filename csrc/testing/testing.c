@@ -325,7 +325,7 @@ fail_pool_acquires(PyObject *module, PyObject *arg)
         PyErr_SetString(PyExc_ValueError, "matepoint: count out of range");
         return NULL;
     }
-    offload_fail_next_acquires(PyModule_GetState(module), (int)count);
+    offload_fail_next_acquires(mp_state_of(module), (int)count);
     Py_RETURN_NONE;
 }
 
