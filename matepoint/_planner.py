@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 
 from matepoint import _C
+from matepoint._composable import (_call, checkpoint_module, is_checkpointed,
+                                   uncheckpoint_module)
 from matepoint._meter import PeakMeter, copy_bandwidth, host_meter_available, saved_tensor_bytes
 from matepoint._options import settings, show_int
 
@@ -142,15 +144,25 @@ class Plan:
     note: str = ""
 
     def apply(self, blocks: Blocks) -> Blocks:
-        """Wraps each block as planned: same container kind as ``blocks``.
+        """Runs each block as planned from now on, in place.
+
+        Modules keep their place, class, parameter names and ``state_dict``
+        keys: a checkpointed block gets its ``forward`` replaced on the
+        instance (as :func:`matepoint.checkpoint_module` does), so weights
+        saved before load as they are and keyword arguments reach the block's
+        own ``forward``. A kept block runs its own ``forward``; a block
+        checkpointed by an earlier plan or ``checkpoint_module`` is reset
+        first. Callables that are not modules are wrapped in a
+        :class:`PlannedBlock`.
 
         Args:
             blocks: the blocks the plan was made for, in the same order (an
                 ``nn.Sequential``, an ``nn.ModuleList`` or a list of callables).
 
         Returns:
-            The same kind of container holding one :class:`PlannedBlock` per
-            block. Raises ValueError when the number of blocks differs.
+            ``blocks`` itself for an ``nn.Sequential`` or ``nn.ModuleList``;
+            for a list, a list of the same modules (non-module callables
+            wrapped). Raises ValueError when the number of blocks differs.
         """
         blocks_list = _check_blocks(blocks)
         if len(blocks_list) != len(self.choices):
@@ -158,13 +170,11 @@ class Plan:
         # only an offloaded block right after another prefetches it: what
         # the planner's model counts
         follows_offload = [False] + [c == "offload" for c in self.choices[:-1]]
-        wrapped = [PlannedBlock(block, choice, prefetch=follows)
+        applied = [apply_choice(block, choice, prefetch=follows)
                    for block, choice, follows in zip(blocks_list, self.choices, follows_offload)]
-        if isinstance(blocks, nn.Sequential):
-            return nn.Sequential(*wrapped)
-        if isinstance(blocks, nn.ModuleList):
-            return nn.ModuleList(wrapped)
-        return wrapped
+        if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
+            return blocks
+        return applied
 
     def frontier(self, max_points: int = 64) -> List[Tuple[int, float]]:
         """(peak bytes, step seconds) of the fastest plan at each memory level.
@@ -288,16 +298,50 @@ class PlannedBlock(nn.Module):
         self.choice = choice
         self.prefetch = prefetch
 
-    def forward(self, *args: Any) -> Any:
-        """Runs the block on ``args`` as the choice says; returns its output."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the block on ``args`` and ``kwargs`` as the choice says;
+        returns its output."""
         if self.choice == "keep":
-            return self.block(*args)
-        return _C.checkpoint(self.block, *args, use_reentrant=False,
-                             matepoint_offload=self.choice == "offload",
-                             matepoint_prefetch=self.prefetch)
+            return self.block(*args, **kwargs)
+        return _C.checkpoint(_call, self.block, args, kwargs,
+                             **_choice_options(self.choice, self.prefetch))
 
     def extra_repr(self) -> str:
         return f"choice={self.choice}, prefetch={self.prefetch}"
+
+
+def _choice_options(choice: str, prefetch: bool) -> Dict[str, Any]:
+    """The checkpoint keyword arguments that run ``choice``."""
+    return {"use_reentrant": False, "matepoint_offload": choice == "offload",
+            "matepoint_prefetch": prefetch}
+
+
+def apply_choice(block: Callable, choice: str, prefetch: bool = True) -> Callable:
+    """Makes ``block`` run as ``choice`` says; returns what to call.
+
+    A module is changed in place (its ``forward`` replaced on the instance
+    for ``"recompute"`` and ``"offload"``, its own ``forward`` back for
+    ``"keep"``) and returned; any other callable comes back wrapped in a
+    :class:`PlannedBlock`.
+    """
+    if not isinstance(choice, str) or choice not in CHOICES:
+        raise ValueError(f"choice must be one of {CHOICES}, not {choice!r}")
+    if not isinstance(block, nn.Module):
+        return PlannedBlock(block, choice, prefetch)
+    if is_checkpointed(block):
+        uncheckpoint_module(block)
+    if choice != "keep":
+        checkpoint_module(block, **_choice_options(choice, prefetch))
+    return block
+
+
+def planned_choice(block: nn.Module) -> str:
+    """What ``block`` runs as: ``"keep"`` (its own forward), ``"recompute"``
+    or ``"offload"`` (checkpointed by :meth:`Plan.apply` or
+    :func:`matepoint.checkpoint_module`)."""
+    if not is_checkpointed(block):
+        return "keep"
+    return "offload" if block.forward.options.get("matepoint_offload") else "recompute"
 
 
 def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
@@ -626,11 +670,26 @@ def _state_preserved(blocks: List[Callable], devices: List[torch.device]):
                         buffer.copy_(copy)
 
 
+@contextlib.contextmanager
+def _own_forwards(blocks: List[Callable]):
+    """Blocks checkpointed by an earlier plan run their own forward while
+    profiled (a checkpointed forward saves only its input)."""
+    checkpointed = [b for b in blocks if isinstance(b, nn.Module) and is_checkpointed(b)]
+    replaced = [(b, b.__dict__["forward"]) for b in checkpointed]
+    for block in checkpointed:
+        uncheckpoint_module(block)
+    try:
+        yield
+    finally:
+        for block, forward in replaced:
+            block.__dict__["forward"] = forward
+
+
 def profile_blocks(blocks: List[Callable], sample_inputs: Tuple, bandwidth: float,
                    repeats: int) -> List[BlockProfile]:
     """Profiles each block in turn, feeding each the previous one's output."""
     profiles, args = [], sample_inputs
-    with _state_preserved(blocks, [_device_of(sample_inputs)]):
+    with _state_preserved(blocks, [_device_of(sample_inputs)]), _own_forwards(blocks):
         for i, block in enumerate(blocks):
             try:
                 profile, out = profile_block(block, args, bandwidth, repeats)
