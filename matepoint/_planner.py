@@ -597,17 +597,23 @@ def _backward(out: Any) -> None:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
 
 
-def profile_block(block: Callable, args: Tuple, bandwidth: float,
-                  repeats: int) -> Tuple[BlockProfile, Any]:
+def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
+                  owner: Optional[nn.Module] = None,
+                  resident: Optional[set] = None) -> Tuple[BlockProfile, Any]:
     """Measures one block on ``args``; returns its profile and its output
-    (detached: profiling holds one block's activations at a time)."""
+    (detached: profiling holds one block's activations at a time).
+
+    ``owner`` is the module whose parameters ``block`` uses (``block``
+    itself when it is a module); ``resident`` holds data pointers of more
+    storages that are not the block's to count (shared inputs)."""
     device = _device_of(args)
-    resident = set()
-    if isinstance(block, nn.Module):
-        resident = {t.untyped_storage().data_ptr()
-                    for t in list(block.parameters()) + list(block.buffers())}
+    owner = owner if owner is not None else block if isinstance(block, nn.Module) else None
+    resident = set(resident or ())
+    if owner is not None:
+        resident |= {t.untyped_storage().data_ptr()
+                     for t in list(owner.parameters()) + list(owner.buffers())}
     args = _fresh_inputs(args)
-    with _gradients_preserved(block):
+    with _gradients_preserved(owner):
         # warm-up: workspaces and parameter gradients exist before measuring
         _backward(block(*args))
         forward_peak, backward_peak = _peaks(block, args, device)
@@ -642,7 +648,7 @@ def _peaks(block: Callable, args: Tuple, device: torch.device) -> Tuple[int, int
 
 
 @contextlib.contextmanager
-def _gradients_preserved(block: Callable):
+def _gradients_preserved(block: Optional[Callable]):
     """Profiling's backward passes leave the parameters' .grad as they were."""
     parameters = list(block.parameters()) if isinstance(block, nn.Module) else []
     saved = [(p, p.grad) for p in parameters]
