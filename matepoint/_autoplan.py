@@ -28,9 +28,9 @@ from matepoint._C import checkpoint, is_recomputing
 from matepoint._composable import CheckpointedForward, _call, is_checkpointed, uncheckpoint_module
 from matepoint._meter import copy_bandwidth
 from matepoint._options import settings
-from matepoint._planner import (BlockProfile, Plan, _choice_options, _check_plan_arguments,
+from matepoint._planner import (BlockProfile, Plan, _check_plan_arguments, _choice_options,
                                 _detached, _state_preserved, _tensors_in, default_unit,
-                                no_offload_reason, profile_block, solve)
+                                no_offload_reason, profile_block, reduce_profiles, solve)
 
 log = logging.getLogger("matepoint.planner")
 Key = Tuple[Any, ...]
@@ -41,28 +41,6 @@ def shape_key(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Key:
     """What a block's plan depends on: the shapes, dtypes and devices of the
     tensors it is called with."""
     return tuple((tuple(t.shape), t.dtype, t.device) for t in _tensors_in((args, kwargs)))
-
-
-def reduce_profiles(profiles: List[BlockProfile]) -> List[BlockProfile]:
-    """``profiles`` with each figure replaced by its max over the ranks of
-    the default process group; unchanged when torch.distributed is not
-    initialized. Every rank must call it with the same number of blocks."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return profiles
-    rows = [[float(v) for v in vars(p).values()] for p in profiles]
-    fields = list(vars(profiles[0]))
-    # float64 holds byte counts exactly below 2**53; gloo and NCCL both reduce it
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
-    table = torch.tensor(rows, dtype=torch.float64, device=device)
-    dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    reduced = []
-    for row in table.cpu().tolist():
-        values = {f: (v if f.endswith("_s") else int(v)) for f, v in zip(fields, row)}
-        reduced.append(BlockProfile(**values))
-    return reduced
 
 
 def _distributed() -> bool:
@@ -281,8 +259,7 @@ def apply(model: nn.Module, budget_bytes: int,
     training step checkpoints and measures every block; from the next, each
     is kept, recomputed or offloaded as planned (:func:`planned`); new input
     shapes are planned again. ``budget_bytes``, ``unit_bytes``, ``pipeline``,
-    ``repeats``: as for :func:`plan`; ``**checkpoint_kwargs``: as for
-    :func:`checkpoint`. Returns ``model``.
+    ``repeats``: see :func:`plan`; ``**checkpoint_kwargs``: see :func:`checkpoint`.
     """
     from matepoint._enable import _CHECKPOINT_KEYWORDS
 

@@ -367,6 +367,8 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
             measured once here.
         repeats: how many times each block is run to time it.
 
+    Under ``torch.distributed`` (all ranks call it) one plan for all ranks.
+
     Offload is planned only where it can run: when the sample inputs are
     CUDA tensors (or CPU tensors standing for them on the simulated GPU of
     test builds) and the ``offload`` option is on. Otherwise every block is kept or recomputed,
@@ -395,9 +397,32 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
         bandwidth = bandwidth_bytes_per_s
     else:
         bandwidth = copy_bandwidth(device).d2h if note is None else math.inf
-    profiles = profile_blocks(blocks_list, sample_inputs, bandwidth, repeats)
+    # every rank solves the same problem: timings differ per process
+    profiles = reduce_profiles(profile_blocks(blocks_list, sample_inputs, bandwidth, repeats))
     return solve(profiles, budget_bytes, unit_bytes or default_unit(budget_bytes), bool(pipeline),
                  offload=note is None, note=note or "")
+
+
+def reduce_profiles(profiles: List[BlockProfile]) -> List[BlockProfile]:
+    """``profiles`` with each figure replaced by its max over the ranks of
+    the default process group; unchanged when torch.distributed is not
+    initialized. Every rank must call it with the same number of blocks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return profiles
+    rows = [[float(v) for v in vars(p).values()] for p in profiles]
+    fields = list(vars(profiles[0]))
+    # float64 holds byte counts exactly below 2**53; gloo and NCCL both reduce it
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    table = torch.tensor(rows, dtype=torch.float64, device=device)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    reduced = []
+    for row in table.cpu().tolist():
+        values = {f: (v if f.endswith("_s") else int(v)) for f, v in zip(fields, row)}
+        reduced.append(BlockProfile(**values))
+    return reduced
 
 
 def no_offload_reason(sample_inputs: Tuple) -> Optional[str]:
