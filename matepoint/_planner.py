@@ -192,19 +192,31 @@ class Plan:
         return [(peak * self.unit_bytes, seconds) for seconds, peak in points
                 if seconds < _NO_OFFLOAD_COPY_S]
 
+    def rows(self) -> List[Tuple[float, int]]:
+        """Per block, (seconds, peak bytes while it runs) under the planner's
+        cost model: the seconds, copies a block leaves exposed included, add
+        up to the plan's step time and the peaks' max is its peak."""
+        codes = bytes(CHOICES.index(c) for c in self.choices)
+        costs = _C._plan_evaluate_blocks(_units(self.profiles, self.unit_bytes, self.offload),
+                                         codes, self.pipeline)
+        return [(seconds, peak * self.unit_bytes) for seconds, peak in costs]
+
     def table(self) -> str:
-        """The plan as a readable table, one row per block."""
+        """The plan as a readable table, one row per block; the rows' times
+        add up to the step time in the header (computed by the same model)."""
+        rows = self.rows()
+        step_s = math.fsum(seconds for seconds, _ in rows)
         lines = [f"matepoint plan: budget {self.budget_bytes / MIB:.1f} MiB, predicted peak "
-                 f"{self.predicted_peak_bytes / MIB:.1f} MiB, step {self.predicted_time_s * 1e3:.2f}"
+                 f"{max(peak for _, peak in rows) / MIB:.1f} MiB, step {step_s * 1e3:.2f}"
                  f" ms ({'pipelined' if self.pipeline else 'unpipelined'} copies)"
                  + (f"; {self.note}" if self.note else ""),
-                 f"{'block':>5} {'choice':>9} {'held MiB':>9} {'input MiB':>9} "
+                 f"{'block':>5} {'choice':>9} {'held MiB':>9} {'peak MiB':>9} {'input MiB':>9} "
                  f"{'act MiB':>9} {'time ms':>9}"]
-        for i, (choice, p) in enumerate(zip(self.choices, self.profiles)):
+        for i, (choice, p, (seconds, peak)) in enumerate(zip(self.choices, self.profiles, rows)):
             held = {"keep": p.activation_bytes, "recompute": p.input_bytes, "offload": 0}[choice]
-            seconds = p.forward_s + p.backward_s + (p.forward_s if choice != "keep" else 0.0)
-            lines.append(f"{i:>5} {choice:>9} {held / MIB:>9.2f} {p.input_bytes / MIB:>9.2f} "
-                         f"{p.activation_bytes / MIB:>9.2f} {seconds * 1e3:>9.3f}")
+            lines.append(f"{i:>5} {choice:>9} {held / MIB:>9.2f} {peak / MIB:>9.2f} "
+                         f"{p.input_bytes / MIB:>9.2f} {p.activation_bytes / MIB:>9.2f} "
+                         f"{seconds * 1e3:>9.3f}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
