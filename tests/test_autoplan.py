@@ -53,6 +53,7 @@ def test_enable_with_a_budget_measures_then_runs_the_plan() -> None:
     got += llama_steps(model, IDS, 2, first=1)
     plan = matepoint.planned(model)
     assert plan.choices == ["keep"] * 3 and len(plan.profiles) == 3
+    assert not plan.offload and "not on a GPU" in plan.note    # CPU: no offload choice
     assert list(model.state_dict()) == keys
     assert_bitwise_equal(flat(expected), flat(got))
     # a budget that fits only some kept layers: the plan mixes, gradients stay exact
