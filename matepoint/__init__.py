@@ -40,6 +40,7 @@ from matepoint import _compile  # noqa: E402
 from matepoint._C import _reserve_pool, checkpoint, is_recomputing
 from matepoint._C import empty_pool as _empty_pool
 from matepoint._C import pool_stats as _pool_stats
+from matepoint._autoplan import apply, planned
 from matepoint._allocator import (empty_cache, install_allocator, memory_report, memory_stats,
                                   reset_peak_memory_stats)
 from matepoint._composable import checkpoint_module, uncheckpoint_module
@@ -56,7 +57,7 @@ __all__ = ["checkpoint", "checkpoint_sequential", "enable", "disable", "is_recom
            "install_allocator", "memory_stats",
            "reset_peak_memory_stats", "empty_cache", "memory_report", "plan", "auto_checkpoint",
            "patch_torch_checkpoint", "unpatch_torch_checkpoint", "torch_checkpoint_patched",
-           "checkpoint_module", "uncheckpoint_module"]
+           "checkpoint_module", "uncheckpoint_module", "apply", "planned"]
 # The classes stay importable but out of __all__: help(matepoint) would print
 # their inherited dataclass, exception and nn.Module pages (1,500 lines with
 # PlannedBlock); the docstring above lists them.

@@ -42,11 +42,13 @@ _MARK = "_matepoint_enabled"
 class _Enabled:
     """What :func:`enable` left on a model: its function, layers and guard hook."""
 
-    __slots__ = ("function", "layers", "hook_id", "warned")
+    __slots__ = ("function", "layers", "hook_id", "warned", "planner")
 
-    def __init__(self, function: functools.partial, layers: List[nn.Module]) -> None:
+    def __init__(self, function: functools.partial, layers: List[nn.Module],
+                 planner: Any = None) -> None:
         self.function = function
         self.layers = layers
+        self.planner = planner
         self.hook_id: Optional[int] = None
         self.warned = False
 
@@ -68,7 +70,28 @@ def _checkpointed_layers(model: nn.Module, action: str) -> List[nn.Module]:
 
 
 def _is_matepoint(function: Any) -> bool:
-    return isinstance(function, functools.partial) and function.func is checkpoint
+    return isinstance(function, _LayerFunction) or \
+        (isinstance(function, functools.partial) and function.func is checkpoint)
+
+
+class _LayerFunction:
+    """A layer's checkpoint function under ``enable(model, budget_bytes=...)``:
+    the layer runs as the model's plan says."""
+
+    def __init__(self, planner: Any, index: int, layer: nn.Module) -> None:
+        self.planner = planner
+        self.index = index
+        self.layer = layer
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self.planner.run(self.index, self.layer, function, args, kwargs)
+
+
+def _install(state: "_Enabled") -> None:
+    """Each layer's checkpoint function: the plan's runner, or the shared one."""
+    for index, layer in enumerate(state.layers):
+        layer._gradient_checkpointing_func = state.function if state.planner is None \
+            else _LayerFunction(state.planner, index, layer)
 
 
 def _torch_checkpoint() -> Callable[..., Any]:
@@ -122,10 +145,14 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
-        if bound.arguments.get("enable", True):
+        enabling = bound.arguments.get("enable", True)
+        if enabling:
             bound.arguments["gradient_checkpointing_func"] = _matepoint_function(
                 self, state, bound.arguments["gradient_checkpointing_func"])
-        return original(*bound.args, **bound.kwargs)
+        result = original(*bound.args, **bound.kwargs)
+        if enabling and state.planner is not None:
+            _install(state)   # the plan's runners, not the one function the library set
+        return result
 
     _set_gradient_checkpointing._matepoint_original = original  # type: ignore[attr-defined]
     return _set_gradient_checkpointing
@@ -165,14 +192,20 @@ def _check_layers(model: nn.Module, args: Any) -> None:
 
 
 def _unmark(model: nn.Module) -> None:
+    from matepoint._autoplan import attach
+
     state = model.__dict__.get(_MARK)
     if state is not None and state.hook_id is not None:
         model._forward_pre_hooks.pop(state.hook_id, None)
+    if state is not None and state.planner is not None:
+        attach(model, None)
     for module in model.modules():
         module.__dict__.pop(_MARK, None)
 
 
-def enable(model: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
+def enable(model: nn.Module, budget_bytes: Optional[int] = None, *,
+           unit_bytes: Optional[int] = None, repeats: int = 1,
+           **checkpoint_kwargs: Any) -> nn.Module:
     """Checkpoint ``model``'s layers with matepoint while it trains.
 
     The one-line replacement for ``model.gradient_checkpointing_enable()``
@@ -184,6 +217,10 @@ def enable(model: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
     or ``activation_checkpointing_enable()``, direct or from ``Trainer`` or
     PEFT, keeps matepoint (with the keyword arguments it passes, and its
     ``every_n_layers``). Returns ``model``.
+
+    With ``budget_bytes``, ``unit_bytes``, ``repeats`` (as for :func:`plan`)
+    the first training step measures each layer, and from the next each runs
+    as planned (:func:`planned`; new shapes are planned again).
     """
     unknown = sorted(set(checkpoint_kwargs) - _CHECKPOINT_KEYWORDS)
     if unknown:
@@ -191,14 +228,24 @@ def enable(model: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
                         f"known: {', '.join(sorted(_CHECKPOINT_KEYWORDS))}")
     layers = _checkpointed_layers(model, "enable")
     function = functools.partial(checkpoint, **checkpoint_kwargs)
+    planner = None
+    if budget_bytes is not None:
+        from matepoint._autoplan import StepPlanner
+
+        planner = StepPlanner(type(model).__name__, budget_bytes, unit_bytes, None, repeats,
+                              checkpoint_kwargs)
     _unmark(model)
-    state = _Enabled(function, layers)
+    state = _Enabled(function, layers, planner)
     for owner in _owners(model):
         owner.__dict__[_MARK] = state
     model.__dict__[_MARK] = state
     state.hook_id = model.register_forward_pre_hook(_check_layers).id
+    if planner is not None:
+        from matepoint._autoplan import attach
+
+        attach(model, planner)
+    _install(state)
     for layer in layers:
-        layer._gradient_checkpointing_func = function
         layer.gradient_checkpointing = True
     return model
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 
 from matepoint import _C
+from matepoint._composable import (_call, checkpoint_module, is_checkpointed,
+                                   uncheckpoint_module)
 from matepoint._meter import PeakMeter, copy_bandwidth, host_meter_available, saved_tensor_bytes
 from matepoint._options import settings, show_int
 
@@ -142,15 +144,25 @@ class Plan:
     note: str = ""
 
     def apply(self, blocks: Blocks) -> Blocks:
-        """Wraps each block as planned: same container kind as ``blocks``.
+        """Runs each block as planned from now on, in place.
+
+        Modules keep their place, class, parameter names and ``state_dict``
+        keys: a checkpointed block gets its ``forward`` replaced on the
+        instance (as :func:`matepoint.checkpoint_module` does), so weights
+        saved before load as they are and keyword arguments reach the block's
+        own ``forward``. A kept block runs its own ``forward``; a block
+        checkpointed by an earlier plan or ``checkpoint_module`` is reset
+        first. Callables that are not modules are wrapped in a
+        :class:`PlannedBlock`.
 
         Args:
             blocks: the blocks the plan was made for, in the same order (an
                 ``nn.Sequential``, an ``nn.ModuleList`` or a list of callables).
 
         Returns:
-            The same kind of container holding one :class:`PlannedBlock` per
-            block. Raises ValueError when the number of blocks differs.
+            ``blocks`` itself for an ``nn.Sequential`` or ``nn.ModuleList``;
+            for a list, a list of the same modules (non-module callables
+            wrapped). Raises ValueError when the number of blocks differs.
         """
         blocks_list = _check_blocks(blocks)
         if len(blocks_list) != len(self.choices):
@@ -158,13 +170,11 @@ class Plan:
         # only an offloaded block right after another prefetches it: what
         # the planner's model counts
         follows_offload = [False] + [c == "offload" for c in self.choices[:-1]]
-        wrapped = [PlannedBlock(block, choice, prefetch=follows)
+        applied = [apply_choice(block, choice, prefetch=follows)
                    for block, choice, follows in zip(blocks_list, self.choices, follows_offload)]
-        if isinstance(blocks, nn.Sequential):
-            return nn.Sequential(*wrapped)
-        if isinstance(blocks, nn.ModuleList):
-            return nn.ModuleList(wrapped)
-        return wrapped
+        if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
+            return blocks
+        return applied
 
     def frontier(self, max_points: int = 64) -> List[Tuple[int, float]]:
         """(peak bytes, step seconds) of the fastest plan at each memory level.
@@ -182,19 +192,31 @@ class Plan:
         return [(peak * self.unit_bytes, seconds) for seconds, peak in points
                 if seconds < _NO_OFFLOAD_COPY_S]
 
+    def rows(self) -> List[Tuple[float, int]]:
+        """Per block, (seconds, peak bytes while it runs) under the planner's
+        cost model: the seconds, copies a block leaves exposed included, add
+        up to the plan's step time and the peaks' max is its peak."""
+        codes = bytes(CHOICES.index(c) for c in self.choices)
+        costs = _C._plan_evaluate_blocks(_units(self.profiles, self.unit_bytes, self.offload),
+                                         codes, self.pipeline)
+        return [(seconds, peak * self.unit_bytes) for seconds, peak in costs]
+
     def table(self) -> str:
-        """The plan as a readable table, one row per block."""
+        """The plan as a readable table, one row per block; the rows' times
+        add up to the step time in the header (computed by the same model)."""
+        rows = self.rows()
+        step_s = math.fsum(seconds for seconds, _ in rows)
         lines = [f"matepoint plan: budget {self.budget_bytes / MIB:.1f} MiB, predicted peak "
-                 f"{self.predicted_peak_bytes / MIB:.1f} MiB, step {self.predicted_time_s * 1e3:.2f}"
+                 f"{max(peak for _, peak in rows) / MIB:.1f} MiB, step {step_s * 1e3:.2f}"
                  f" ms ({'pipelined' if self.pipeline else 'unpipelined'} copies)"
                  + (f"; {self.note}" if self.note else ""),
-                 f"{'block':>5} {'choice':>9} {'held MiB':>9} {'input MiB':>9} "
+                 f"{'block':>5} {'choice':>9} {'held MiB':>9} {'peak MiB':>9} {'input MiB':>9} "
                  f"{'act MiB':>9} {'time ms':>9}"]
-        for i, (choice, p) in enumerate(zip(self.choices, self.profiles)):
+        for i, (choice, p, (seconds, peak)) in enumerate(zip(self.choices, self.profiles, rows)):
             held = {"keep": p.activation_bytes, "recompute": p.input_bytes, "offload": 0}[choice]
-            seconds = p.forward_s + p.backward_s + (p.forward_s if choice != "keep" else 0.0)
-            lines.append(f"{i:>5} {choice:>9} {held / MIB:>9.2f} {p.input_bytes / MIB:>9.2f} "
-                         f"{p.activation_bytes / MIB:>9.2f} {seconds * 1e3:>9.3f}")
+            lines.append(f"{i:>5} {choice:>9} {held / MIB:>9.2f} {peak / MIB:>9.2f} "
+                         f"{p.input_bytes / MIB:>9.2f} {p.activation_bytes / MIB:>9.2f} "
+                         f"{seconds * 1e3:>9.3f}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -288,16 +310,50 @@ class PlannedBlock(nn.Module):
         self.choice = choice
         self.prefetch = prefetch
 
-    def forward(self, *args: Any) -> Any:
-        """Runs the block on ``args`` as the choice says; returns its output."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the block on ``args`` and ``kwargs`` as the choice says;
+        returns its output."""
         if self.choice == "keep":
-            return self.block(*args)
-        return _C.checkpoint(self.block, *args, use_reentrant=False,
-                             matepoint_offload=self.choice == "offload",
-                             matepoint_prefetch=self.prefetch)
+            return self.block(*args, **kwargs)
+        return _C.checkpoint(_call, self.block, args, kwargs,
+                             **_choice_options(self.choice, self.prefetch))
 
     def extra_repr(self) -> str:
         return f"choice={self.choice}, prefetch={self.prefetch}"
+
+
+def _choice_options(choice: str, prefetch: bool) -> Dict[str, Any]:
+    """The checkpoint keyword arguments that run ``choice``."""
+    return {"use_reentrant": False, "matepoint_offload": choice == "offload",
+            "matepoint_prefetch": prefetch}
+
+
+def apply_choice(block: Callable, choice: str, prefetch: bool = True) -> Callable:
+    """Makes ``block`` run as ``choice`` says; returns what to call.
+
+    A module is changed in place (its ``forward`` replaced on the instance
+    for ``"recompute"`` and ``"offload"``, its own ``forward`` back for
+    ``"keep"``) and returned; any other callable comes back wrapped in a
+    :class:`PlannedBlock`.
+    """
+    if not isinstance(choice, str) or choice not in CHOICES:
+        raise ValueError(f"choice must be one of {CHOICES}, not {choice!r}")
+    if not isinstance(block, nn.Module):
+        return PlannedBlock(block, choice, prefetch)
+    if is_checkpointed(block):
+        uncheckpoint_module(block)
+    if choice != "keep":
+        checkpoint_module(block, **_choice_options(choice, prefetch))
+    return block
+
+
+def planned_choice(block: nn.Module) -> str:
+    """What ``block`` runs as: ``"keep"`` (its own forward), ``"recompute"``
+    or ``"offload"`` (checkpointed by :meth:`Plan.apply` or
+    :func:`matepoint.checkpoint_module`)."""
+    if not is_checkpointed(block):
+        return "keep"
+    return "offload" if block.forward.options.get("matepoint_offload") else "recompute"
 
 
 def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
@@ -322,6 +378,8 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
         bandwidth_bytes_per_s: the device-host copy bandwidth; default:
             measured once here.
         repeats: how many times each block is run to time it.
+
+    Under ``torch.distributed`` (all ranks call it) one plan for all ranks.
 
     Offload is planned only where it can run: when the sample inputs are
     CUDA tensors (or CPU tensors standing for them on the simulated GPU of
@@ -351,9 +409,32 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
         bandwidth = bandwidth_bytes_per_s
     else:
         bandwidth = copy_bandwidth(device).d2h if note is None else math.inf
-    profiles = profile_blocks(blocks_list, sample_inputs, bandwidth, repeats)
+    # every rank solves the same problem: timings differ per process
+    profiles = reduce_profiles(profile_blocks(blocks_list, sample_inputs, bandwidth, repeats))
     return solve(profiles, budget_bytes, unit_bytes or default_unit(budget_bytes), bool(pipeline),
                  offload=note is None, note=note or "")
+
+
+def reduce_profiles(profiles: List[BlockProfile]) -> List[BlockProfile]:
+    """``profiles`` with each figure replaced by its max over the ranks of
+    the default process group; unchanged when torch.distributed is not
+    initialized. Every rank must call it with the same number of blocks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return profiles
+    rows = [[float(v) for v in vars(p).values()] for p in profiles]
+    fields = list(vars(profiles[0]))
+    # float64 holds byte counts exactly below 2**53; gloo and NCCL both reduce it
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    table = torch.tensor(rows, dtype=torch.float64, device=device)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    reduced = []
+    for row in table.cpu().tolist():
+        values = {f: (v if f.endswith("_s") else int(v)) for f, v in zip(fields, row)}
+        reduced.append(BlockProfile(**values))
+    return reduced
 
 
 def no_offload_reason(sample_inputs: Tuple) -> Optional[str]:
@@ -553,17 +634,23 @@ def _backward(out: Any) -> None:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
 
 
-def profile_block(block: Callable, args: Tuple, bandwidth: float,
-                  repeats: int) -> Tuple[BlockProfile, Any]:
+def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
+                  owner: Optional[nn.Module] = None,
+                  resident: Optional[set] = None) -> Tuple[BlockProfile, Any]:
     """Measures one block on ``args``; returns its profile and its output
-    (detached: profiling holds one block's activations at a time)."""
+    (detached: profiling holds one block's activations at a time).
+
+    ``owner`` is the module whose parameters ``block`` uses (``block``
+    itself when it is a module); ``resident`` holds data pointers of more
+    storages that are not the block's to count (shared inputs)."""
     device = _device_of(args)
-    resident = set()
-    if isinstance(block, nn.Module):
-        resident = {t.untyped_storage().data_ptr()
-                    for t in list(block.parameters()) + list(block.buffers())}
+    owner = owner if owner is not None else block if isinstance(block, nn.Module) else None
+    resident = set(resident or ())
+    if owner is not None:
+        resident |= {t.untyped_storage().data_ptr()
+                     for t in list(owner.parameters()) + list(owner.buffers())}
     args = _fresh_inputs(args)
-    with _gradients_preserved(block):
+    with _gradients_preserved(owner):
         # warm-up: workspaces and parameter gradients exist before measuring
         _backward(block(*args))
         forward_peak, backward_peak = _peaks(block, args, device)
@@ -598,7 +685,7 @@ def _peaks(block: Callable, args: Tuple, device: torch.device) -> Tuple[int, int
 
 
 @contextlib.contextmanager
-def _gradients_preserved(block: Callable):
+def _gradients_preserved(block: Optional[Callable]):
     """Profiling's backward passes leave the parameters' .grad as they were."""
     parameters = list(block.parameters()) if isinstance(block, nn.Module) else []
     saved = [(p, p.grad) for p in parameters]
@@ -626,11 +713,26 @@ def _state_preserved(blocks: List[Callable], devices: List[torch.device]):
                         buffer.copy_(copy)
 
 
+@contextlib.contextmanager
+def _own_forwards(blocks: List[Callable]):
+    """Blocks checkpointed by an earlier plan run their own forward while
+    profiled (a checkpointed forward saves only its input)."""
+    checkpointed = [b for b in blocks if isinstance(b, nn.Module) and is_checkpointed(b)]
+    replaced = [(b, b.__dict__["forward"]) for b in checkpointed]
+    for block in checkpointed:
+        uncheckpoint_module(block)
+    try:
+        yield
+    finally:
+        for block, forward in replaced:
+            block.__dict__["forward"] = forward
+
+
 def profile_blocks(blocks: List[Callable], sample_inputs: Tuple, bandwidth: float,
                    repeats: int) -> List[BlockProfile]:
     """Profiles each block in turn, feeding each the previous one's output."""
     profiles, args = [], sample_inputs
-    with _state_preserved(blocks, [_device_of(sample_inputs)]):
+    with _state_preserved(blocks, [_device_of(sample_inputs)]), _own_forwards(blocks):
         for i, block in enumerate(blocks):
             try:
                 profile, out = profile_block(block, args, bandwidth, repeats)

@@ -10,7 +10,7 @@ import torch.nn as nn
 import matepoint
 from matepoint import _meter
 from matepoint._meter import PeakMeter, host_meter_available
-from matepoint._planner import BlockProfile, Plan, solve
+from matepoint._planner import BlockProfile, Plan, planned_choice, solve
 from conftest import assert_bitwise_equal
 
 MIB = 1 << 20
@@ -52,11 +52,13 @@ def profile(in_mib: float, act_mib: float) -> BlockProfile:
 def test_every_choice_gives_the_unplanned_gradients(offload) -> None:
     model, x = chain(6, 64), torch.randn(32, 64)
     choices = ["keep", "recompute", "offload", "offload", "recompute", "keep"]
+    expected = step(model, x)
+    keys = list(model.state_dict())
     planned = Plan(choices, [profile(1, 4)] * 6, 64 * MIB, 1024, True, 0, 0.0).apply(model)
-    assert isinstance(planned, nn.Sequential)
-    assert [b.choice for b in planned] == choices
+    assert planned is model and list(model.state_dict()) == keys
+    assert [planned_choice(b) for b in planned] == choices
     before = matepoint.pool_stats()["hits"] + matepoint.pool_stats()["misses"]
-    expected, got = step(model, x), step(planned, x)
+    got = step(planned, x)
     assert matepoint.pool_stats()["hits"] + matepoint.pool_stats()["misses"] == before + 2
     assert_bitwise_equal(expected, got)
 
@@ -269,3 +271,52 @@ def test_cuda_profiling_holds_one_block_and_gives_memory_back() -> None:
         return model
     check_profiling_memory(torch.device("cuda"), stack(4), stack(16),
                            torch.randn(8, 512, 512, device="cuda"))
+
+
+class Encoder(nn.Module):
+    """Blocks called with a keyword argument, as in torch's own encoder."""
+
+    def __init__(self, depth: int = 4, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True)
+            for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x, mask):
+        for block in self.blocks:
+            x = block(x, src_key_padding_mask=mask)
+        return self.head(x)
+
+
+def encoder_step(model, x, mask):
+    x = x.detach().requires_grad_(True)
+    model(x, mask).square().mean().backward()
+    grads = [x.grad] + [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_apply_keeps_names_and_passes_keyword_arguments(offload) -> None:
+    model = Encoder()
+    x, mask = torch.randn(3, 5, 16), torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    expected = encoder_step(model, x, mask)
+    original = copy.deepcopy(model.state_dict())
+    choices = ["keep", "recompute", "offload", "recompute"]
+    plan = Plan(choices, [profile(1, 4)] * 4, 64 * MIB, 1024, True, 0, 0.0)
+    assert plan.apply(model.blocks) is model.blocks
+    assert [planned_choice(b) for b in model.blocks] == choices
+    assert list(model.state_dict()) == list(original)
+    model.load_state_dict(original)              # strict: every key as it was
+    assert_bitwise_equal(expected, encoder_step(model, x, mask))
+    # a second plan replaces the first; keep restores the block's own forward
+    Plan(["keep"] * 4, [profile(1, 4)] * 4, 64 * MIB, 1024, True, 0, 0.0).apply(model.blocks)
+    assert [planned_choice(b) for b in model.blocks] == ["keep"] * 4
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    # profiling a planned model measures the blocks' own forward, not the checkpointed one
+    plan.apply(model.blocks)
+    again = matepoint.plan(model.blocks, x, budget_bytes=1 << 30, repeats=1)
+    assert again.choices == ["keep"] * 4
+    assert again.profiles[1].activation_bytes > 2 * again.profiles[1].input_bytes

@@ -109,3 +109,23 @@ def test_bad_blocks_are_refused() -> None:
 def test_empty_chain() -> None:
     assert _C._plan_solve([], 0, True) == (b"", 0.0, 0)
     assert _C._plan_min_budget([], True) == 0
+
+
+def test_table_rows_add_up_to_the_header_copy_time_included() -> None:
+    from matepoint._planner import BlockProfile, solve
+    mib = 1 << 20
+    # copy-bound: each copy (4 ms) is far longer than the compute hiding it
+    profiles = [BlockProfile(1e-3, 2e-3, 4e-3, 8 * mib, 32 * mib, 8 * mib, 32 * mib, 16 * mib)
+                for _ in range(5)]
+    plan = solve(profiles, 72 * mib, mib, True)
+    assert plan.choices.count("offload") >= 2, plan.choices
+    rows = plan.rows()
+    assert sum(seconds for seconds, _ in rows) == pytest.approx(plan.predicted_time_s, rel=1e-12)
+    assert max(peak for _, peak in rows) == plan.predicted_peak_bytes
+    table = plan.table().splitlines()
+    assert f"step {plan.predicted_time_s * 1e3:.2f} ms" in table[0]
+    printed = [float(line.split()[-1]) for line in table[2:]]
+    assert sum(printed) == pytest.approx(plan.predicted_time_s * 1e3, abs=0.01)
+    # an offloaded block's row carries its exposed copies, beyond its compute
+    offloaded = [seconds for (seconds, _), c in zip(rows, plan.choices) if c == "offload"]
+    assert all(seconds > 2 * 1e-3 + 2e-3 for seconds in offloaded)

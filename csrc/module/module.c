@@ -168,6 +168,7 @@ static PyMethodDef module_methods[] = {
      METH_FASTCALL | METH_KEYWORDS, checkpoint_doc},
     {"_plan_solve", plan_solve_py, METH_VARARGS, plan_solve_doc},
     {"_plan_evaluate", plan_evaluate_py, METH_VARARGS, plan_evaluate_doc},
+    {"_plan_evaluate_blocks", plan_evaluate_blocks_py, METH_VARARGS, PLAN_EVALUATE_BLOCKS_DOC},
     {"_plan_min_budget", plan_min_budget_py, METH_VARARGS, plan_min_budget_doc},
     {"_plan_frontier", plan_frontier_py, METH_VARARGS, plan_frontier_doc},
     {"is_recomputing", is_recomputing, METH_NOARGS, is_recomputing_doc},

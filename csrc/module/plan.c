@@ -83,6 +83,23 @@ cost_tuple(plan_cost cost)
     return Py_BuildValue("(dK)", cost.time_s, (unsigned long long)cost.peak_units);
 }
 
+static PyObject *
+cost_list(const plan_cost *costs, int n)
+{
+    PyObject *result = PyList_New(n);
+    if (result == NULL)
+        return NULL;
+    for (int i = 0; i < n; i++) {
+        PyObject *item = cost_tuple(costs[i]);
+        if (item == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyList_SET_ITEM(result, i, item);
+    }
+    return result;
+}
+
 PyObject *
 plan_solve_py(PyObject *module, PyObject *args)
 {
@@ -119,32 +136,72 @@ plan_solve_py(PyObject *module, PyObject *args)
     return result;
 }
 
+/* The blocks of `sequence` and the validated `choices` buffer; -1 with an
+ * exception (the buffer then released). */
+static int
+blocks_and_choices(PyObject *sequence, Py_buffer *choices, plan_block **blocks, int *n)
+{
+    *blocks = blocks_from_sequence(sequence, n);
+    if (*blocks == NULL)
+        goto error;
+    if (choices->len != *n) {
+        PyErr_Format(PyExc_ValueError, "%zd choices for %d blocks", choices->len, *n);
+        goto error;
+    }
+    const uint8_t *values = choices->buf;
+    for (int i = 0; i < *n; i++) {
+        if (values[i] >= PLAN_CHOICES) {
+            PyErr_Format(PyExc_ValueError, "choice %d of block %d is not 0, 1 or 2", values[i], i);
+            goto error;
+        }
+    }
+    return 0;
+error:
+    PyMem_Free(*blocks);
+    *blocks = NULL;
+    PyBuffer_Release(choices);
+    return -1;
+}
+
 PyObject *
 plan_evaluate_py(PyObject *module, PyObject *args)
 {
     (void)module;
     PyObject *sequence;
     Py_buffer choices;
+    plan_block *blocks;
     int pipeline, n;
     if (!PyArg_ParseTuple(args, "Oy*p:_plan_evaluate", &sequence, &choices, &pipeline))
         return NULL;
-    PyObject *result = NULL;
-    plan_block *blocks = blocks_from_sequence(sequence, &n);
-    if (blocks == NULL)
-        goto done;
-    if (choices.len != n) {
-        PyErr_Format(PyExc_ValueError, "%zd choices for %d blocks", choices.len, n);
+    if (blocks_and_choices(sequence, &choices, &blocks, &n) < 0)
+        return NULL;
+    PyObject *result = cost_tuple(plan_evaluate(blocks, n, choices.buf, pipeline));
+    PyMem_Free(blocks);
+    PyBuffer_Release(&choices);
+    return result;
+}
+
+PyObject *
+plan_evaluate_blocks_py(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *sequence, *result = NULL;
+    Py_buffer choices;
+    plan_block *blocks;
+    int pipeline, n;
+    if (!PyArg_ParseTuple(args, "Oy*p:_plan_evaluate_blocks", &sequence, &choices, &pipeline))
+        return NULL;
+    if (blocks_and_choices(sequence, &choices, &blocks, &n) < 0)
+        return NULL;
+    plan_cost *costs = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(plan_cost));
+    if (costs == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
-    const uint8_t *values = choices.buf;
-    for (int i = 0; i < n; i++) {
-        if (values[i] >= PLAN_CHOICES) {
-            PyErr_Format(PyExc_ValueError, "choice %d of block %d is not 0, 1 or 2", values[i], i);
-            goto done;
-        }
-    }
-    result = cost_tuple(plan_evaluate(blocks, n, values, pipeline));
+    plan_evaluate_blocks(blocks, n, choices.buf, pipeline, costs);
+    result = cost_list(costs, n);
 done:
+    PyMem_Free(costs);
     PyMem_Free(blocks);
     PyBuffer_Release(&choices);
     return result;
@@ -197,16 +254,7 @@ plan_frontier_py(PyObject *module, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    if ((result = PyList_New(count)) == NULL)
-        goto done;
-    for (int i = 0; i < count; i++) {
-        PyObject *point = cost_tuple(points[i]);
-        if (point == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, point);
-    }
+    result = cost_list(points, count);
 done:
     PyMem_Free(points);
     PyMem_Free(blocks);

@@ -12,6 +12,12 @@
 PyObject *plan_solve_py(PyObject *module, PyObject *args);
 /* (blocks, choices, pipeline) -> (time_s, peak_units) */
 PyObject *plan_evaluate_py(PyObject *module, PyObject *args);
+/* (blocks, choices, pipeline) -> [(time_s, peak_units), ...], one per block */
+PyObject *plan_evaluate_blocks_py(PyObject *module, PyObject *args);
+#define PLAN_EVALUATE_BLOCKS_DOC                                                               \
+    "_plan_evaluate_blocks($module, blocks, choices, pipeline, /)\n--\n\nPer block of the "  \
+    "plan choices: (seconds, peak units while it runs); the seconds add up to\n"               \
+    "_plan_evaluate's and its peak is their max."
 /* (blocks, pipeline) -> the smallest budget any plan meets */
 PyObject *plan_min_budget_py(PyObject *module, PyObject *args);
 /* (blocks, pipeline, max_points) -> [(time_s, peak_units), ...], peak falling */

@@ -64,20 +64,43 @@ copy_back_time(const plan_block *b, const plan_block *next, int next_choice, int
     return positive(b->copy_s - (next->forward_s + next->backward_s));
 }
 
+/* Block i's share of a plan: its time, copies it leaves exposed included,
+ * and the peak while it runs over `held` units kept by the blocks before. */
+static plan_cost
+block_cost(const plan_block *blocks, int n, const uint8_t *choices, int i, int pipeline,
+           uint64_t held)
+{
+    const plan_block *previous = i > 0 ? &blocks[i - 1] : NULL;
+    plan_cost cost;
+    cost.peak_units = held + work_units(&blocks[i], choices[i]) +
+                      prefetch_units(previous, i > 0 ? choices[i - 1] : -1, choices[i], pipeline);
+    cost.time_s = own_time(&blocks[i], choices[i]);
+    if (choices[i] == PLAN_OFFLOAD)
+        cost.time_s += copy_back_time(&blocks[i], i + 1 < n ? &blocks[i + 1] : NULL,
+                                      i + 1 < n ? choices[i + 1] : -1, pipeline);
+    return cost;
+}
+
+void
+plan_evaluate_blocks(const plan_block *blocks, int n, const uint8_t *choices, int pipeline,
+                     plan_cost *per_block)
+{
+    uint64_t held = 0;
+    for (int i = 0; i < n; i++) {
+        per_block[i] = block_cost(blocks, n, choices, i, pipeline, held);
+        held += held_units(&blocks[i], choices[i]);
+    }
+}
+
 plan_cost
 plan_evaluate(const plan_block *blocks, int n, const uint8_t *choices, int pipeline)
 {
     plan_cost cost = {0, 0};
     uint64_t held = 0;
     for (int i = 0; i < n; i++) {
-        const plan_block *previous = i > 0 ? &blocks[i - 1] : NULL;
-        uint64_t peak = held + work_units(&blocks[i], choices[i]) +
-                        prefetch_units(previous, i > 0 ? choices[i - 1] : -1, choices[i], pipeline);
-        cost.peak_units = peak > cost.peak_units ? peak : cost.peak_units;
-        cost.time_s += own_time(&blocks[i], choices[i]);
-        if (choices[i] == PLAN_OFFLOAD)
-            cost.time_s += copy_back_time(&blocks[i], i + 1 < n ? &blocks[i + 1] : NULL,
-                                          i + 1 < n ? choices[i + 1] : -1, pipeline);
+        plan_cost own = block_cost(blocks, n, choices, i, pipeline, held);
+        cost.peak_units = own.peak_units > cost.peak_units ? own.peak_units : cost.peak_units;
+        cost.time_s += own.time_s;
         held += held_units(&blocks[i], choices[i]);
     }
     return cost;

@@ -40,6 +40,12 @@ typedef struct {
 /* The cost of a given plan under the model above. */
 plan_cost plan_evaluate(const plan_block *blocks, int n, const uint8_t *choices, int pipeline);
 
+/* Each block's share of that cost into per_block[0..n): its time (the
+ * copies it leaves exposed included: the times add up to the plan's) and
+ * the peak while it runs (the plan's peak is their max). */
+void plan_evaluate_blocks(const plan_block *blocks, int n, const uint8_t *choices, int pipeline,
+                          plan_cost *per_block);
+
 /* 0: `choices` holds the fastest plan with peak <= budget_units; 1: no
  * plan fits the budget; -1: out of memory. */
 int plan_solve(const plan_block *blocks, int n, uint64_t budget_units, int pipeline,

@@ -1,0 +1,72 @@
+"""One plan per job: on 2 gloo ranks (spawned CPU processes) whose blocks run
+at different speeds, matepoint.plan and matepoint.apply give every rank the
+same plan at every budget."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import matepoint
+from matepoint._planner import predict
+
+WORLD = 2
+DEPTH = 6
+
+
+class Slow(nn.Module):
+    """A block that is slow on one rank only: timings differ per process."""
+
+    def __init__(self, width: int, slow_on_rank: int) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                   nn.Linear(4 * width, width))
+        self.slow_on_rank = slow_on_rank
+
+    def forward(self, x):
+        if dist.is_initialized() and dist.get_rank() == self.slow_on_rank:
+            time.sleep(0.05)
+        return self.inner(x)
+
+
+def chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    # rank 0 finds the even blocks slow, rank 1 the odd ones
+    return nn.Sequential(*[Slow(64, i % WORLD) for i in range(DEPTH)])
+
+
+def worker(rank: int, store: str, budgets, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD)
+    try:
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+        model = chain()
+        plans = [matepoint.plan(model, x, budget_bytes=b, unit_bytes=1024, repeats=1).choices
+                 for b in budgets]
+        matepoint.apply(model, budget_bytes=budgets[len(budgets) // 2], unit_bytes=1024)
+        for _ in range(2):
+            model(x.requires_grad_()).sum().backward()
+        plans.append(matepoint.planned(model).choices)
+        results[rank] = plans
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_gets_the_same_plan_at_every_budget(tmp_path) -> None:
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    profiles = matepoint.plan(chain(), x, budget_bytes=1 << 30, unit_bytes=1024,
+                              repeats=1).profiles
+    kept, _ = predict(profiles, ["keep"] * DEPTH, 1024, True)
+    recomputed, _ = predict(profiles, ["recompute"] * DEPTH, 1024, True)
+    # from all kept down to near all recomputed
+    budgets = [recomputed + (kept - recomputed) * k // 5 + 8192 for k in range(5, -1, -1)]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(str(tmp_path / "store"), budgets, results), nprocs=WORLD)
+        plans = dict(results)
+    assert plans[0] == plans[1], plans
+    # the budgets really trade: the plans differ from one another
+    assert len({tuple(p) for p in plans[0]}) >= 3, plans[0]
