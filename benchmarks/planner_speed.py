@@ -15,9 +15,9 @@ import json
 import logging
 import random
 import statistics
-import time
 
 from matepoint import _C
+from matepoint._timing import time_call
 from matepoint._planner import BlockProfile, _units, solve
 
 log = logging.getLogger("matepoint.planner_speed")
@@ -38,15 +38,6 @@ def synthetic_chain(blocks: int, seed: int = 0) -> list[BlockProfile]:
     return chain
 
 
-def timed(run, repeats: int) -> list[float]:
-    timings = []
-    for _ in range(repeats):
-        begun = time.perf_counter()
-        run()
-        timings.append(time.perf_counter() - begun)
-    return timings
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=200)
@@ -61,9 +52,9 @@ def main() -> None:
     unit = int(args.unit_mib * MIB)
     budget = int(args.budget_gib * (1 << 30))
     plan = solve(chain, budget, unit, True)
-    solve_s = timed(lambda: solve(chain, budget, unit, True), args.repeats)
+    solve_s = time_call(lambda: solve(chain, budget, unit, True), args.repeats)
     units = _units(chain, unit)
-    frontier_s = timed(lambda: _C._plan_frontier(units, True, 16), 1)
+    frontier_s = time_call(lambda: _C._plan_frontier(units, True, 16), 1)
     counts = {choice: plan.choices.count(choice) for choice in ("keep", "recompute", "offload")}
     result = {
         "blocks": args.blocks, "budget_gib": args.budget_gib, "unit_mib": args.unit_mib,

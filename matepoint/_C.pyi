@@ -52,6 +52,9 @@ def _plan_solve(
 def _plan_evaluate(
     blocks: Sequence[_Block], choices: bytes, pipeline: bool, /
 ) -> Tuple[float, int]: ...
+def _plan_evaluate_blocks(
+    blocks: Sequence[_Block], choices: bytes, pipeline: bool, /
+) -> list[Tuple[float, int]]: ...
 def _plan_min_budget(blocks: Sequence[_Block], pipeline: bool, /) -> int: ...
 def _plan_frontier(
     blocks: Sequence[_Block], pipeline: bool, max_points: int, /

@@ -36,19 +36,15 @@ def install_allocator() -> bool:
     """Make matepoint's allocator torch's CUDA allocator for this process.
 
     Call it at program start, before anything touches CUDA memory. Under it,
-    torch.cuda.memory_allocated()/memory_stats() raise (torch cannot see
-    inside a pluggable allocator): use matepoint.memory_stats() instead.
-    Running out of memory raises torch.OutOfMemoryError as under torch's
-    allocator; the first call compiles the small C++ unit that raises it
-    (see matepoint/_oom.py), which takes about a second, once (then it is
-    cached; the compiler is stopped after MATEPOINT_BUILD_TIMEOUT seconds,
-    default 120).
+    torch.cuda.memory_stats() raises (torch cannot see inside a pluggable
+    allocator): use matepoint.memory_stats(). Out of memory raises
+    torch.OutOfMemoryError as under torch's allocator, through a small C++
+    unit the first call compiles and caches (about a second; stopped after
+    MATEPOINT_BUILD_TIMEOUT seconds, default 120; see matepoint/_oom.py).
 
-    Returns whether out of memory raises torch.OutOfMemoryError (also
-    ``matepoint.memory_stats()["oom_raises"]``). When it cannot (no C++
-    compiler, a failed or timed-out build), a RuntimeWarning at this call
-    says why: out of memory then stops the process. Calling it again once
-    installed does nothing and returns the same answer.
+    Returns whether out of memory raises torch.OutOfMemoryError. When it
+    cannot (no C++ compiler, a failed build), a RuntimeWarning says why: out
+    of memory then stops the process. A second call returns the same answer.
     """
     global _installed
     if _installed:

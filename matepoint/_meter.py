@@ -12,15 +12,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import gc
 import statistics
-import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from matepoint import _C
+from matepoint._timing import time_call
 
 
 def saved_tensor_bytes(run: Callable[[], Any], resident: Set[int]) -> Tuple[Any, int]:
@@ -61,24 +62,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     result = {}
     for name, dst, src in (("h2d", on_device, host), ("d2h", host, on_device)):
-        seconds: List[float] = []
-        for _ in range(repeats + 1):
-            seconds.append(_timed_copy(dst, src, cuda))
-        result[name] = nbytes / max(statistics.median(seconds[1:]), 1e-9)
+        copy = functools.partial(dst.copy_, src, non_blocking=cuda)
+        seconds = time_call(copy, repeats, warmup=1, device=device, events=True)
+        result[name] = nbytes / max(statistics.median(seconds), 1e-9)
     return CopyBandwidth(**result)
-
-
-def _timed_copy(dst: torch.Tensor, src: torch.Tensor, cuda: bool) -> float:
-    if not cuda:
-        begun = time.perf_counter()
-        dst.copy_(src)
-        return time.perf_counter() - begun
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 class _Mallinfo2(ctypes.Structure):

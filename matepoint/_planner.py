@@ -16,7 +16,6 @@ import math
 import numbers
 import os
 import statistics
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -27,6 +26,7 @@ from matepoint._composable import (_call, checkpoint_module, is_checkpointed,
                                    uncheckpoint_module)
 from matepoint._meter import PeakMeter, copy_bandwidth, host_meter_available, saved_tensor_bytes
 from matepoint._options import settings, show_int
+from matepoint._timing import time_call
 
 log = logging.getLogger("matepoint.planner")
 
@@ -595,11 +595,6 @@ def _storage_bytes(tensors: List[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _detached(value: Any, requires_grad: bool = False) -> Any:
     """``value`` with every tensor in it cut from its graph."""
     if isinstance(value, torch.Tensor):
@@ -618,14 +613,7 @@ def _fresh_inputs(args: Tuple) -> Tuple:
 
 
 def _timed(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    timings = []
-    for _ in range(repeats):
-        _synchronize(device)
-        begun = time.perf_counter()
-        run()
-        _synchronize(device)
-        timings.append(time.perf_counter() - begun)
-    return statistics.median(timings)
+    return statistics.median(time_call(run, repeats, device=device))
 
 
 def _backward(out: Any) -> None:
