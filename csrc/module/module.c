@@ -126,6 +126,10 @@ PyDoc_STRVAR(pool_stats_doc,
 "pool_stats($module, /)\n--\n\nCounters of the pinned host pool, as a dict.");
 PyDoc_STRVAR(offload_device_type_doc,
 "_offload_device_type($module, /)\n--\n\ntorch's device type of the tensors offload moves: 'cuda' ('cpu' on the simulated GPU of test builds).");
+PyDoc_STRVAR(sac_offload_doc,
+"_sac_offload($module, tensors, /)\n--\n\nOffload a selectively checkpointed op's output tensors: (group, saved), or None when none moved.");
+PyDoc_STRVAR(sac_restore_doc,
+"_sac_restore($module, group, saved, /)\n--\n\nThe tensors _sac_offload moved, back on their device (None where one stayed).");
 PyDoc_STRVAR(empty_pool_doc,
 "empty_pool($module, /)\n--\n\nFree cached, unused host pool buffers.");
 PyDoc_STRVAR(configure_doc,
@@ -156,6 +160,8 @@ static PyMethodDef module_methods[] = {
     {"pool_stats", pool_stats, METH_NOARGS, pool_stats_doc},
     {"empty_pool", empty_pool, METH_NOARGS, empty_pool_doc},
     {"_offload_device_type", offload_device_type_py, METH_NOARGS, offload_device_type_doc},
+    {"_sac_offload", offload_sac_save_py, METH_O, sac_offload_doc},
+    {"_sac_restore", offload_sac_restore_py, METH_VARARGS, sac_restore_doc},
     {"_configure", (PyCFunction)(void (*)(void))options_configure_py,
      METH_VARARGS | METH_KEYWORDS, configure_doc},
     {"_check_option", (PyCFunction)(void (*)(void))options_check_py, METH_FASTCALL,

@@ -72,6 +72,15 @@ void offload_fail_next_acquires(mp_state *st, int count);
 int offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject *tensors,
                         int offload_override, PyObject *saved, PyObject **group_out,
                         PyObject **records_out);
+/* offload_save_inputs for the outputs of an op that selective
+ * checkpointing's policy offloads, saved inside the region (offload_sac.c):
+ * follows the options' `enabled`, whatever hooks are around. */
+int offload_save_outputs(mp_state *st, PyObject *module, PyObject *tensors, PyObject *saved,
+                         PyObject **group_out, PyObject **records_out);
+/* Python: _sac_offload(tensors) -> (group, saved) or None when nothing
+ * moved; _sac_restore(group, saved) -> the tensors (None where kept). */
+PyObject *offload_sac_save_py(PyObject *module, PyObject *tensors);
+PyObject *offload_sac_restore_py(PyObject *module, PyObject *args);
 /* After the forward: marks records whose input the region changed in place
  * (their copy may be torn; restoring them raises). */
 int offload_check_forward(mp_state *st, PyObject *records);

@@ -237,14 +237,13 @@ hooks_active(mp_state *st)
     return active;
 }
 
-int
-offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject *tensors,
-                    int offload_override, PyObject *saved, PyObject **group_out,
-                    PyObject **records_out)
+/* offload_save_inputs' work; `nested` says whether saved-tensor hooks
+ * around the call (an outer checkpoint's) leave the tensors alone. */
+static int
+save_tensors(mp_state *st, PyObject *module, PyObject *function, PyObject *tensors, int enabled,
+             int nested, PyObject *saved, PyObject **group_out, PyObject **records_out)
 {
-    offload_options *opts = &st->engine->options;
     Py_ssize_t n = PyList_GET_SIZE(tensors);
-    int enabled = offload_override < 0 ? opts->enabled : offload_override;
     *group_out = *records_out = NULL;
     /* the common CPU-only case asks nothing about the inputs */
     if (n == 0 || !enabled || !st->engine->runtime->may_hold_tensors(st))
@@ -265,7 +264,7 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
             input_info_clear(&infos[i]);
         candidates += eligible;
     }
-    int active = candidates > 0 ? hooks_active(st) : 0;
+    int active = candidates > 0 && nested ? hooks_active(st) : 0;
     result = active < 0 ? -1 : 0;
     if (candidates == 0 || active != 0)
         goto done;
@@ -306,6 +305,25 @@ done:
     Py_XDECREF(buffers);
     Py_XDECREF(copies);
     return result;
+}
+
+int
+offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject *tensors,
+                    int offload_override, PyObject *saved, PyObject **group_out,
+                    PyObject **records_out)
+{
+    int enabled = offload_override < 0 ? st->engine->options.enabled : offload_override;
+    return save_tensors(st, module, function, tensors, enabled, 1, saved, group_out, records_out);
+}
+
+/* A selectively checkpointed op's outputs are saved inside the region,
+ * under the region's own hooks: those do not see them, so they move. */
+int
+offload_save_outputs(mp_state *st, PyObject *module, PyObject *tensors, PyObject *saved,
+                     PyObject **group_out, PyObject **records_out)
+{
+    return save_tensors(st, module, Py_None, tensors, st->engine->options.enabled, 0, saved,
+                        group_out, records_out);
 }
 
 int

@@ -1,0 +1,185 @@
+"""Selective checkpointing's offload policies, honoured in eager mode.
+
+A ``context_fn`` made by ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
+may answer ``CheckpointPolicy.MUST_CPU_OFFLOAD`` or ``PREFER_CPU_OFFLOAD``
+for an op: "keep this op's output for backward, but on the host". torch's
+eager checkpoint recomputes such ops (only torch.compile acts on the
+policies). Under :func:`matepoint.checkpoint` the op's output is kept as
+``MUST_SAVE`` would keep it, and sent through matepoint's offload engine
+(pinned host pool, copy-out stream, window) wherever the engine offloads a
+region's inputs: a CUDA tensor with offload enabled. It is copied back to
+its device when backward's recompute reaches the op. Where nothing can be
+offloaded (CPU tensors, offload turned off, tensors under
+``min_offload_bytes``) the output stays where it is, exactly as with
+``MUST_SAVE``. An offloaded output changed in place later in the region's
+forward raises when backward needs it, even with
+``allow_cache_entry_mutation=True``: its host copy no longer matches it.
+
+matepoint's checkpoint calls :func:`adapt` on the forward context before
+the region runs; nothing here is public.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_map
+
+from matepoint import _C
+
+__all__: List[str] = []
+
+_Policy = getattr(torch_checkpoint, "CheckpointPolicy", None)
+_OFFLOAD_POLICIES = frozenset(
+    getattr(_Policy, name) for name in ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD")
+    if hasattr(_Policy, name)
+)
+_VersionWrapper = getattr(torch_checkpoint, "_VersionWrapper", None)
+_storage_key: Callable[[Any, Any], Any] = getattr(
+    torch_checkpoint, "_sac_storage_key", lambda func, args: func)
+_is_compiling: Callable[..., bool] = getattr(
+    torch_checkpoint, "_is_compiling", lambda func, args, kwargs: False)
+
+
+class _OffloadedGroup:
+    """The tensors of one op's output that went to the host, restored
+    together the first time backward asks for one of them."""
+
+    def __init__(self, group: Any, saved: List[Any], sources: List[torch.Tensor]) -> None:
+        self._group: Optional[Any] = group
+        self._saved = saved
+        self._restored: Optional[List[Optional[torch.Tensor]]] = None
+        # the outputs and their versions, until the region's forward ends
+        self._sources = [(tensor, tensor._version) for tensor in sources]
+        self._mutated = False
+
+    def seal(self) -> None:
+        """At the end of the region's forward: was an output changed in
+        place after its copy was taken? The outputs are let go."""
+        self._mutated = any(tensor._version != version for tensor, version in self._sources)
+        self._sources = []
+
+    def take(self, index: int) -> torch.Tensor:
+        if self._mutated:
+            raise RuntimeError(
+                "Tensor cached during selective activation checkpoint has been mutated: "
+                "matepoint offloaded it (CPU-offload policy) and its host copy no longer "
+                "matches; save it with MUST_SAVE, or clone it before changing it in place")
+        if self._restored is None:
+            if self._group is None:
+                raise RuntimeError("matepoint: an offloaded selective-checkpoint output was "
+                                   "already handed back")
+            self._restored = _C._sac_restore(self._group, self._saved)
+            self._group = None
+            self._saved = []
+        tensor = self._restored[index]
+        self._restored[index] = None     # the cache entry holds nothing once used
+        if tensor is None:
+            raise RuntimeError("matepoint: an offloaded selective-checkpoint output was "
+                               "already handed back")
+        return tensor
+
+
+class _OffloadedEntry:
+    """Stands for one tensor in torch's selective-checkpoint storage, where a
+    ``_VersionWrapper`` would stand: ``get_val`` restores it."""
+
+    __slots__ = ("_owner", "_index")
+
+    def __init__(self, owner: _OffloadedGroup, index: int) -> None:
+        self._owner = owner
+        self._index = index
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        # an offloaded output cannot be handed back changed: the host copy
+        # predates the change (see _OffloadedGroup.seal)
+        del allow_cache_entry_mutation
+        return self._owner.take(self._index)
+
+
+def _offloadable(leaf: Any) -> bool:
+    return (_VersionWrapper is not None and type(leaf) is _VersionWrapper
+            and isinstance(getattr(leaf, "val", None), torch.Tensor)
+            and getattr(leaf, "unpack_hook", None) is None)
+
+
+def _offload_entry(entry: Any, groups: List[_OffloadedGroup]) -> Any:
+    """The storage entry of a saved op output, its tensors offloaded (their
+    group appended to `groups`); the entry itself when nothing could move."""
+    leaves: List[Any] = []
+    tree_map(lambda leaf: leaves.append(leaf) if _offloadable(leaf) else None, entry)
+    if not leaves:
+        return entry
+    sources = [leaf.val for leaf in leaves]
+    moved: Optional[Tuple[Any, List[Any]]] = _C._sac_offload(sources)
+    if moved is None:
+        return entry
+    owner = _OffloadedGroup(moved[0], moved[1], sources)
+    groups.append(owner)
+    slots: Dict[int, _OffloadedEntry] = {
+        id(leaf): _OffloadedEntry(owner, i)
+        for i, leaf in enumerate(leaves) if moved[1][i] is not None}
+    return tree_map(lambda leaf: slots.get(id(leaf), leaf), entry)
+
+
+class _OffloadPolicies:
+    """Wraps the user's policy: an offload answer becomes MUST_SAVE for
+    torch's caching mode, remembered for the op being dispatched."""
+
+    def __init__(self, policy_fn: Callable[..., Any]) -> None:
+        self.policy_fn = policy_fn
+        self.translate = True
+        self.offload = False
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        policy = self.policy_fn(ctx, func, *args, **kwargs)
+        if self.translate and policy in _OFFLOAD_POLICIES:
+            self.offload = True
+            return _Policy.MUST_SAVE
+        return policy
+
+
+class _OffloadingMode:
+    """Mixed into torch's caching mode (or a subclass of it): after torch
+    stored an op's output, one its policy offloads goes to the host."""
+
+    policy_fn: _OffloadPolicies
+    storage: Any
+    func_counter: Any
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        policies = self.policy_fn
+        policies.offload = False
+        policies.translate = not _is_compiling(func, args, kwargs or {})
+        out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
+        if policies.offload:
+            policies.offload = False
+            key = _storage_key(func, args)
+            index = self.func_counter[key] - 1
+            groups = self.__dict__.setdefault("_matepoint_offloaded", [])
+            self.storage[key][index] = _offload_entry(self.storage[key][index], groups)
+        return out
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        for group in self.__dict__.pop("_matepoint_offloaded", ()):
+            group.seal()
+        return super().__exit__(*exc_info)  # type: ignore[misc]
+
+
+_adapted: Dict[type, type] = {}
+
+
+def adapt(mode: Any) -> None:
+    """Makes torch's selective-checkpoint caching mode ``mode`` honour
+    offload policies (in place: its class and policy_fn change)."""
+    if not _OFFLOAD_POLICIES or isinstance(mode, _OffloadingMode):
+        return
+    cls = type(mode)
+    adapted = _adapted.get(cls)
+    if adapted is None:
+        adapted = type(cls.__name__, (_OffloadingMode, cls), {"__module__": __name__})
+        _adapted[cls] = adapted
+    mode.policy_fn = _OffloadPolicies(mode.policy_fn)
+    mode.__class__ = adapted

@@ -1,0 +1,192 @@
+"""Selective checkpointing's offload policies (MUST_CPU_OFFLOAD /
+PREFER_CPU_OFFLOAD) honoured in eager mode: the op's output is kept, on the
+host where the offload engine can move it (matepoint/_sac_offload.py)."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, List, Tuple
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import matepoint
+from matepoint import _C
+from conftest import assert_bitwise_equal, no_checkpoint
+
+MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+OFFLOAD_POLICIES = [CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD]
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(layer(x)) * torch.sigmoid(x)
+
+    def forward(self, x: torch.Tensor, wrap: Callable) -> torch.Tensor:
+        for layer in self.layers:
+            x = wrap(functools.partial(self.block, layer), x)
+        return x
+
+
+def policy_for(mm_policy: CheckpointPolicy) -> Callable[..., CheckpointPolicy]:
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return mm_policy if func in MM else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+class Modes:
+    """A context_fn that remembers the caching modes it made."""
+
+    def __init__(self, mm_policy: CheckpointPolicy) -> None:
+        self.policy = policy_for(mm_policy)
+        self.forward: List[Any] = []
+
+    def __call__(self) -> Tuple[Any, Any]:
+        pair = create_selective_checkpoint_contexts(self.policy)
+        self.forward.append(pair[0])
+        return pair
+
+
+class CountMM(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in MM
+        return func(*args, **(kwargs or {}))
+
+
+def step(model: nn.Module, x: torch.Tensor, wrap: Callable) -> Tuple[List[torch.Tensor], int]:
+    """Forward and backward; the gradients and the matmuls backward ran."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    loss = (model(x, wrap) ** 2).mean()
+    with CountMM() as counter:
+        loss.backward()
+    return [x.grad] + [p.grad for p in model.parameters()], counter.count
+
+
+def selective(mm_policy: CheckpointPolicy, modes: Modes | None = None) -> Callable:
+    context_fn = modes or Modes(mm_policy)
+    return functools.partial(matepoint.checkpoint, context_fn=context_fn)
+
+
+def tensors_kept(modes: Modes) -> int:
+    """Bytes of the tensors the caching modes hold (on the device)."""
+    total = 0
+    for mode in modes.forward:
+        for entries in mode.storage.values():
+            for entry in entries.values():
+                leaves = entry if isinstance(entry, (tuple, list)) else [entry]
+                for leaf in leaves:
+                    value = getattr(leaf, "val", None)
+                    if isinstance(value, torch.Tensor):
+                        total += value.nbytes
+    return total
+
+
+@pytest.mark.parametrize("policy", OFFLOAD_POLICIES, ids=lambda p: p.name)
+def test_offload_policy_without_offload_keeps_like_must_save(policy: CheckpointPolicy) -> None:
+    """On CPU nothing can be offloaded: the output is kept (no recompute of
+    the matmuls in backward), with the exact gradients of no checkpoint."""
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(8, 32)
+    plain, plain_mms = step(model, x, no_checkpoint)
+    saved, saved_mms = step(model, x, selective(CheckpointPolicy.MUST_SAVE))
+    recomputed, recomputed_mms = step(model, x, selective(CheckpointPolicy.MUST_RECOMPUTE))
+    offloaded, offloaded_mms = step(model, x, selective(policy))
+    assert_bitwise_equal(plain, offloaded)
+    assert_bitwise_equal(saved, offloaded)
+    assert recomputed_mms == saved_mms + len(model.layers)   # the baseline tells them apart
+    assert offloaded_mms == saved_mms == plain_mms
+
+
+def buffers_taken() -> int:
+    stats = matepoint.pool_stats()
+    return stats["hits"] + stats["misses"]
+
+
+def forward(model: nn.Module, x: torch.Tensor, policy: CheckpointPolicy
+            ) -> Tuple[torch.Tensor, torch.Tensor, Modes, int]:
+    """The forward pass: loss, input, the caching modes and the pool buffers
+    it took."""
+    modes = Modes(policy)
+    start = buffers_taken()
+    xg = x.clone().requires_grad_(True)
+    loss = (model(xg, selective(policy, modes)) ** 2).mean()
+    return loss, xg, modes, buffers_taken() - start
+
+
+@pytest.mark.parametrize("gpu", ["offload", "simulated"])
+@pytest.mark.parametrize("policy", OFFLOAD_POLICIES, ids=lambda p: p.name)
+def test_offload_policy_moves_outputs_through_the_engine(request, gpu: str,
+                                                         policy: CheckpointPolicy) -> None:
+    """On the simulated GPU (keeping up, or lagging as far as CUDA allows)
+    each matmul's output goes to a pool buffer and back: exact gradients, no
+    recompute of the matmuls, nothing of them held on the device between
+    forward and backward."""
+    request.getfixturevalue(gpu)
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(8, 32)
+    plain, plain_mms = step(model, x, no_checkpoint)
+    loss, _, modes, saved_buffers = forward(model, x, CheckpointPolicy.MUST_SAVE)
+    saved_bytes = tensors_kept(modes)
+    del loss, modes
+
+    copies = _C._sim_stats()["copies_run"]
+    loss, xg, modes, buffers = forward(model, x, policy)
+    assert saved_bytes == len(model.layers) * 8 * 32 * 4
+    assert tensors_kept(modes) == 0                    # the matmuls' outputs left the device
+    # a buffer per region's input, as with MUST_SAVE, and one per matmul
+    assert buffers == saved_buffers + len(model.layers)
+    model.zero_grad(set_to_none=True)
+    with CountMM() as counter:
+        loss.backward()
+    assert counter.count == plain_mms                  # restored, not recomputed
+    assert _C._sim_stats()["copies_run"] - copies >= 2 * buffers   # out and back
+    assert matepoint.pool_stats()["bytes_in_use"] == 0
+    assert_bitwise_equal(plain, [xg.grad] + [p.grad for p in model.parameters()])
+
+
+def test_offload_off_keeps_outputs_on_the_device(offload) -> None:
+    """With offload turned off the policy keeps the output where it is."""
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(8, 32)
+    plain, _ = step(model, x, no_checkpoint)
+    saved = matepoint.options
+    matepoint.set_options(offload=False)
+    try:
+        loss, xg, modes, buffers = forward(model, x, CheckpointPolicy.MUST_CPU_OFFLOAD)
+        assert tensors_kept(modes) == len(model.layers) * 8 * 32 * 4
+        assert buffers == 0
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+    finally:
+        matepoint.set_options(offload=saved.offload)
+    assert_bitwise_equal(plain, [xg.grad] + [p.grad for p in model.parameters()])
+
+
+def mutated_block(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    y = torch.mm(x, weight)
+    out = torch.tanh(y)
+    y.mul_(2)       # the kept output changes after the op
+    return out + y
+
+
+def test_offloaded_output_changed_in_place_raises(offload) -> None:
+    """A kept output changed in place no longer matches its host copy:
+    backward raises, as torch does for a mutated MUST_SAVE output, and every
+    pool buffer still comes back (the fixture checks)."""
+    x = torch.randn(8, 32, requires_grad=True)
+    weight = torch.randn(32, 32, requires_grad=True)
+    context_fn = Modes(CheckpointPolicy.MUST_CPU_OFFLOAD)
+    out = matepoint.checkpoint(mutated_block, x, weight, context_fn=context_fn)
+    with pytest.raises(RuntimeError, match="has been mutated: matepoint offloaded it"):
+        out.sum().backward()
