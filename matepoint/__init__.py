@@ -5,13 +5,11 @@
 moves each checkpoint's inputs to pinned host memory after the forward pass
 and brings them back, prefetched, for the recompute in backward (on a GPU).
 
-Classes, each documented on its own page (``help(matepoint.Plan)``):
-``Plan`` (what :func:`plan` returns: a table, ``apply``, ``save``/``load``),
-``PlanError`` (no plan fits; names the smallest budget), ``PlannedBlock``
-(a block wrapped by ``Plan.apply``), ``Options`` (the read-only type of
-``matepoint.options``; change it with :func:`set_options`) and
-``TorchCheckpointPatch`` (what :func:`patch_torch_checkpoint` returns: a
-context manager that undoes the patch).
+Classes, each on its own page (``help(matepoint.Plan)``): ``Plan`` (what
+:func:`plan` returns), ``PlanError`` (no plan fits), ``PlannedBlock`` (a
+plain callable ``Plan.apply`` checkpoints), ``Options`` (``matepoint.options``,
+changed with :func:`set_options`) and ``TorchCheckpointPatch`` (undoes
+:func:`patch_torch_checkpoint` as a context manager).
 """
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ PyDoc_STRVAR(checkpoint_doc,
 "preserve_rng_state: replay the CPU and CUDA random state of the forward in\n"
 "    the recompute (dropout masks identical). False skips it.\n"
 "context_fn: a callable returning two context managers, entered around the\n"
-"    forward and around the recompute (as torch's).\n"
+"    forward and around the recompute (as torch's). A selective policy's\n"
+"    MUST/PREFER_CPU_OFFLOAD keeps that op's output on the host (offloaded).\n"
 "determinism_check: 'default' compares the shape, dtype and device of each\n"
 "    recomputed tensor with the forward's; 'none' skips it.\n"
 "debug: True records the operations of both passes to explain a mismatch.\n"
@@ -76,12 +77,11 @@ PyDoc_STRVAR(checkpoint_doc,
 "respect_saved_tensors_hooks: torch 2.14's: whether the tensors selective\n"
 "    checkpointing keeps go through the saved-tensor hooks around the region\n"
 "    (None: torch's default; True needs torch 2.14).\n\n"
-"Returns what function returns. Raises TypeError for a non-callable\n"
-"function or a context_fn that returns no pair of context managers,\n"
-"ValueError for a bad determinism_check or debug=True with a context_fn,\n"
-"RuntimeError in backward when an input was changed in place after the\n"
-"forward, and torch.utils.checkpoint.CheckpointError when the recompute\n"
-"differs from the forward. Errors in function propagate unchanged.");
+"Returns what function returns. Raises TypeError for a non-callable function\n"
+"or a context_fn giving no pair of context managers, ValueError for a bad\n"
+"determinism_check or debug=True with a context_fn, RuntimeError in backward\n"
+"for an input changed in place after the forward, CheckpointError when the\n"
+"recompute differs from the forward; errors in function propagate unchanged.");
 
 static PyObject *
 pool_stats(PyObject *module, PyObject *unused)
