@@ -8,8 +8,9 @@ from typing import Any, Callable, ContextManager, Sequence, Tuple, TypeVar, Unio
 
 _T = TypeVar("_T")
 # (forward_s, backward_s, copy_s, input_units, activation_units,
-#  keep_work_units, checkpoint_work_units) of one block, for the planner
-_Block = Tuple[float, float, float, int, int, int, int]
+#  keep_work_units, checkpoint_work_units, selective_s, selective_units) of
+#  one block, for the planner
+_Block = Tuple[float, float, float, int, int, int, int, float, int]
 
 TEST_BUILD: int
 HAS_SAVED_TENSOR: int

@@ -1,6 +1,7 @@
 """Budget planner: per block of a chain, keep its activations, recompute it,
-or recompute it and offload its input, so that activation memory fits a
-budget at the least step time.
+recompute it and offload its input, or recompute it selectively (keeping the
+outputs of its matmuls, convolutions and attention), so that activation
+memory fits a budget at the least step time.
 
 ``matepoint.plan(blocks, x, budget_bytes=...)`` profiles each block once,
 solves the choice exactly in C (csrc/planner) and returns a :class:`Plan`
@@ -20,6 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from matepoint import _C
 from matepoint._composable import (_call, checkpoint_module, is_checkpointed,
@@ -30,7 +33,7 @@ from matepoint._timing import time_call
 
 log = logging.getLogger("matepoint.planner")
 
-CHOICES = ("keep", "recompute", "offload")
+CHOICES = ("keep", "recompute", "offload", "selective")
 MIB = float(1 << 20)
 # byte counts stay within the solver's 64-bit arithmetic
 MAX_BYTES = (1 << 63) - 1
@@ -40,6 +43,11 @@ MAX_FRONTIER_POINTS = 1 << 20
 # with one costs more than every plan without, so the exact solver picks one
 # only when nothing else fits (and solve() then raises instead).
 _NO_OFFLOAD_COPY_S = 1e30
+# A block whose selective run was not measured (a plan saved before it was)
+# is given this time: never chosen, as it holds at least what recompute does.
+_UNMEASURED_S = 1e30
+# The least a selective run is taken to cost over keeping, relative.
+_SELECTIVE_OVER_KEEP = 1e-6
 Blocks = Union[nn.Sequential, nn.ModuleList, Sequence[Callable]]
 
 
@@ -101,6 +109,10 @@ class BlockProfile:
     output_bytes: int
     forward_peak_bytes: int   # above its input, while its forward runs
     backward_peak_bytes: int  # above its saved tensors and output gradient, in backward
+    # forward + backward under the selective policy, and what it holds after
+    # its forward (its input and the saved outputs); None: not measured
+    selective_s: Optional[float] = None
+    selective_bytes: Optional[int] = None
 
     def keep_work_bytes(self) -> int:
         """Its own peak when kept: forward, or backward over what it saved."""
@@ -122,7 +134,8 @@ class Plan:
     :meth:`save` and :meth:`load` keep it as JSON so a run can reuse it.
 
     Attributes:
-        choices: per block, ``"keep"``, ``"recompute"`` or ``"offload"``.
+        choices: per block, ``"keep"``, ``"recompute"``, ``"offload"`` or
+            ``"selective"``.
         profiles: what each block measured (:class:`BlockProfile`).
         budget_bytes: the activation budget it was planned for.
         unit_bytes: the solver's memory quantum.
@@ -213,7 +226,8 @@ class Plan:
                  f"{'block':>5} {'choice':>9} {'held MiB':>9} {'peak MiB':>9} {'input MiB':>9} "
                  f"{'act MiB':>9} {'time ms':>9}"]
         for i, (choice, p, (seconds, peak)) in enumerate(zip(self.choices, self.profiles, rows)):
-            held = {"keep": p.activation_bytes, "recompute": p.input_bytes, "offload": 0}[choice]
+            held = {"keep": p.activation_bytes, "recompute": p.input_bytes, "offload": 0,
+                    "selective": p.selective_bytes}[choice]
             lines.append(f"{i:>5} {choice:>9} {held / MIB:>9.2f} {peak / MIB:>9.2f} "
                          f"{p.input_bytes / MIB:>9.2f} {p.activation_bytes / MIB:>9.2f} "
                          f"{seconds * 1e3:>9.3f}")
@@ -279,11 +293,15 @@ def _check_loaded(plan: Plan) -> None:
                          f"not {_show(plan.predicted_time_s)}")
     for i, profile in enumerate(plan.profiles):
         values = dataclasses.astuple(profile)
-        sizes = values[3:]   # the byte counts; the first three are seconds
-        if not all(_finite_number(v) and v >= 0 for v in values) or \
-                not all(isinstance(v, int) and v <= MAX_BYTES for v in sizes):
+        # seconds, then byte counts; the selective pair may be absent (None)
+        sizes = values[3:8] + tuple(v for v in values[9:] if v is not None)
+        given = values[:8] + tuple(v for v in values[8:] if v is not None)
+        if not all(_finite_number(v) and v >= 0 for v in given) or \
+                not all(isinstance(v, int) and v <= MAX_BYTES for v in sizes) or \
+                (values[8] is None) != (values[9] is None):
             raise ValueError(f"block {i} has {values}: times must be finite numbers >= 0 "
-                             f"and sizes ints from 0 to 2**63 - 1")
+                             f"and sizes ints from 0 to 2**63 - 1 (selective_s and "
+                             f"selective_bytes both given or both null)")
 
 
 class PlannedBlock(nn.Module):
@@ -292,8 +310,10 @@ class PlannedBlock(nn.Module):
     Args:
         block: the module or callable to run.
         choice: ``"keep"`` (run as is), ``"recompute"`` (checkpointed, its
-            input kept on the device) or ``"offload"`` (checkpointed, its
-            input offloaded to host memory); anything else is a ValueError.
+            input kept on the device), ``"offload"`` (checkpointed, its
+            input offloaded to host memory) or ``"selective"`` (checkpointed,
+            the outputs of its matmuls, convolutions and attention kept);
+            anything else is a ValueError.
         prefetch: whether its recompute may start bringing back the input of
             the offloaded region before it.
     """
@@ -322,17 +342,44 @@ class PlannedBlock(nn.Module):
         return f"choice={self.choice}, prefetch={self.prefetch}"
 
 
+def _aten_packets(*names: str) -> frozenset:
+    """The aten operators of those names this torch has."""
+    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+
+
+# The expensive operations whose outputs the selective choice keeps; the
+# rest (pointwise, norms, views) costs little to recompute.
+SELECTIVE_SAVED_OPS = _aten_packets(
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention")
+
+
+def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func.overloadpacket in SELECTIVE_SAVED_OPS \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context() -> Tuple[Any, Any]:
+    """The ``context_fn`` of the selective choice: save the outputs of
+    matmuls, convolutions and attention, recompute the rest."""
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
 def _choice_options(choice: str, prefetch: bool) -> Dict[str, Any]:
     """The checkpoint keyword arguments that run ``choice``."""
-    return {"use_reentrant": False, "matepoint_offload": choice == "offload",
-            "matepoint_prefetch": prefetch}
+    options = {"use_reentrant": False, "matepoint_offload": choice == "offload",
+               "matepoint_prefetch": prefetch}
+    if choice == "selective":
+        options["context_fn"] = selective_context
+    return options
 
 
 def apply_choice(block: Callable, choice: str, prefetch: bool = True) -> Callable:
     """Makes ``block`` run as ``choice`` says; returns what to call.
 
     A module is changed in place (its ``forward`` replaced on the instance
-    for ``"recompute"`` and ``"offload"``, its own ``forward`` back for
+    for ``"recompute"``, ``"offload"`` and ``"selective"``, its own ``forward`` back for
     ``"keep"``) and returned; any other callable comes back wrapped in a
     :class:`PlannedBlock`.
     """
@@ -348,18 +395,21 @@ def apply_choice(block: Callable, choice: str, prefetch: bool = True) -> Callabl
 
 
 def planned_choice(block: nn.Module) -> str:
-    """What ``block`` runs as: ``"keep"`` (its own forward), ``"recompute"``
-    or ``"offload"`` (checkpointed by :meth:`Plan.apply` or
+    """What ``block`` runs as: ``"keep"`` (its own forward), ``"recompute"``,
+    ``"offload"`` or ``"selective"`` (checkpointed by :meth:`Plan.apply` or
     :func:`matepoint.checkpoint_module`)."""
     if not is_checkpointed(block):
         return "keep"
-    return "offload" if block.forward.options.get("matepoint_offload") else "recompute"
+    options = block.forward.options
+    if options.get("matepoint_offload"):
+        return "offload"
+    return "selective" if options.get("context_fn") is selective_context else "recompute"
 
 
 def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
          unit_bytes: Optional[int] = None, pipeline: Optional[bool] = None,
          bandwidth_bytes_per_s: Optional[float] = None, repeats: int = 3) -> Plan:
-    """Chooses keep / recompute / offload per block within ``budget_bytes``.
+    """Chooses keep / recompute / offload / selective per block within ``budget_bytes``.
 
     Args:
         blocks: run in order, each on the previous one's output (as
@@ -423,7 +473,8 @@ def reduce_profiles(profiles: List[BlockProfile]) -> List[BlockProfile]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return profiles
-    rows = [[float(v) for v in vars(p).values()] for p in profiles]
+    # NaN stands for a figure not measured (None): the max keeps it NaN
+    rows = [[math.nan if v is None else float(v) for v in vars(p).values()] for p in profiles]
     fields = list(vars(profiles[0]))
     # float64 holds byte counts exactly below 2**53; gloo and NCCL both reduce it
     device = torch.device("cuda", torch.cuda.current_device()) \
@@ -432,7 +483,8 @@ def reduce_profiles(profiles: List[BlockProfile]) -> List[BlockProfile]:
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     reduced = []
     for row in table.cpu().tolist():
-        values = {f: (v if f.endswith("_s") else int(v)) for f, v in zip(fields, row)}
+        values = {f: (None if math.isnan(v) else v if f.endswith("_s") else int(v))
+                  for f, v in zip(fields, row)}
         reduced.append(BlockProfile(**values))
     return reduced
 
@@ -528,7 +580,10 @@ def _units(profiles: List[BlockProfile], unit_bytes: int, offload: bool = True) 
         return -(-nbytes // unit_bytes)
     return [(p.forward_s, p.backward_s, p.copy_s if offload else _NO_OFFLOAD_COPY_S,
              up(p.input_bytes), up(p.activation_bytes),
-             up(p.keep_work_bytes()), up(p.checkpoint_work_bytes())) for p in profiles]
+             up(p.keep_work_bytes()), up(p.checkpoint_work_bytes()),
+             _UNMEASURED_S if p.selective_s is None else p.selective_s,
+             up(p.input_bytes if p.selective_bytes is None else p.selective_bytes))
+            for p in profiles]
 
 
 def _smallest_budget(units: List[Tuple], pipeline: bool, offload: bool) -> int:
@@ -649,11 +704,67 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
         with torch.no_grad():
             forward_s = _timed(lambda: block(*args), device, repeats)
         both_s = _timed(lambda: _backward(block(*args)), device, repeats)
+        selective_s, selective_saved = _profile_selective(block, args, device, repeats,
+                                                          resident)
     input_bytes = _storage_bytes(_tensors_in(args))
-    profile = BlockProfile(forward_s, max(both_s - forward_s, 0.0), input_bytes / bandwidth,
+    backward_s = max(both_s - forward_s, 0.0)
+    if selective_s is not None:
+        # selective runs all that keep runs and more: a timing as fast is
+        # noise, which would otherwise make it win where everything fits (a
+        # hair slower so that keep wins the tie)
+        selective_s = max(selective_s, (forward_s + backward_s) * (1 + _SELECTIVE_OVER_KEEP))
+        selective_saved += input_bytes
+    profile = BlockProfile(forward_s, backward_s, input_bytes / bandwidth,
                            input_bytes, activation_bytes, output_bytes,
-                           forward_peak, backward_peak)
+                           forward_peak, backward_peak, selective_s, selective_saved)
     return profile, out
+
+
+def _profile_selective(block: Callable, args: Tuple, device: torch.device, repeats: int,
+                       resident: set) -> Tuple[Optional[float], Optional[int]]:
+    """(seconds of forward + backward, bytes of the outputs kept) of the
+    block under the selective policy; (None, None) where the policy cannot
+    run it (the block is then never planned selective)."""
+    options = _choice_options("selective", False)
+    try:
+        saved = _selective_saved_bytes(block, args, resident)
+        seconds = _timed(lambda: _backward(_C.checkpoint(_call, block, args, {}, **options)),
+                         device, repeats)
+    except RuntimeError as error:
+        log.info("matepoint.plan: a block cannot run selective (%s); not planned", error)
+        return None, None
+    return seconds, saved
+
+
+class _SavedOutputs(TorchDispatchMode):
+    """Counts the distinct storages the selective policy would keep: the
+    outputs of SELECTIVE_SAVED_OPS, those in ``resident`` left out."""
+
+    def __init__(self, resident: set) -> None:
+        super().__init__()
+        self.resident = resident
+        self.storages: Dict[int, int] = {}
+        # held until counted: a freed storage's address may come back
+        self.kept: List[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in SELECTIVE_SAVED_OPS:
+            for tensor in _tensors_in(out):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in self.resident:
+                    self.storages[storage.data_ptr()] = storage.nbytes()
+                    self.kept.append(tensor)
+        return out
+
+
+def _selective_saved_bytes(block: Callable, args: Tuple, resident: set) -> int:
+    """Bytes the selective choice keeps after the block's forward, its
+    input aside (the forward runs with gradients, as in training)."""
+    with _SavedOutputs(resident) as counter:
+        block(*args)
+    return sum(counter.storages.values())
 
 
 def _peaks(block: Callable, args: Tuple, device: torch.device) -> Tuple[int, int]:

@@ -50,17 +50,60 @@ def profile(in_mib: float, act_mib: float) -> BlockProfile:
 
 
 def test_every_choice_gives_the_unplanned_gradients(offload) -> None:
-    model, x = chain(6, 64), torch.randn(32, 64)
-    choices = ["keep", "recompute", "offload", "offload", "recompute", "keep"]
+    model, x = chain(7, 64), torch.randn(32, 64)
+    choices = ["keep", "recompute", "offload", "offload", "selective", "recompute", "keep"]
     expected = step(model, x)
     keys = list(model.state_dict())
-    planned = Plan(choices, [profile(1, 4)] * 6, 64 * MIB, 1024, True, 0, 0.0).apply(model)
+    planned = Plan(choices, [profile(1, 4)] * 7, 64 * MIB, 1024, True, 0, 0.0).apply(model)
     assert planned is model and list(model.state_dict()) == keys
     assert [planned_choice(b) for b in planned] == choices
     before = matepoint.pool_stats()["hits"] + matepoint.pool_stats()["misses"]
     got = step(planned, x)
     assert matepoint.pool_stats()["hits"] + matepoint.pool_stats()["misses"] == before + 2
     assert_bitwise_equal(expected, got)
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten operators run, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("choice", ["recompute", "selective"])
+def test_selective_recomputes_pointwise_ops_but_no_matmul(choice: str) -> None:
+    model, x = chain(2, 32), torch.randn(8, 32)
+    expected = step(model, x)
+    Plan([choice] * 2, [profile(1, 4)] * 2, 64 * MIB, 1024, True, 0, 0.0).apply(model)
+    assert [planned_choice(b) for b in model] == [choice] * 2
+    x_leaf = x.detach().requires_grad_(True)
+    loss = model(x_leaf).square().mean()
+    with OpCounter() as backward:
+        loss.backward()
+    got = [x_leaf.grad] + [p.grad for p in model.parameters()]
+    assert_bitwise_equal(expected, got)
+    # each block recomputes its GELU; only recompute reruns its first linear
+    # (recompute stops early: the second's output is saved by nothing)
+    assert backward.counts["gelu"] == 2
+    assert backward.counts.get("addmm", 0) == (2 if choice == "recompute" else 0)
+
+
+def test_profile_measures_the_selective_choice() -> None:
+    model, x = chain(3, 64), torch.randn(32, 64)
+    plan = matepoint.plan(model, x, budget_bytes=64 * MIB, repeats=1)
+    for p in plan.profiles:
+        # it keeps both linears' outputs (32x256 and 32x64 floats), not the GELU's
+        assert p.selective_bytes == p.input_bytes + 32 * 256 * 4 + 32 * 64 * 4
+        assert p.selective_s > 0
+    assert plan.choices == ["keep"] * 3   # all fits: nothing to trade
+    rows = plan.frontier()
+    assert rows[0][0] == plan.predicted_peak_bytes
 
 
 def test_plan_apply_and_auto_checkpoint_give_the_same_gradients(offload) -> None:
@@ -86,7 +129,7 @@ def test_measured_peak_stays_within_the_prediction(offload_heap_memory) -> None:
         assert plan.predicted_peak_bytes <= budget_mib * MIB
         assert measured <= 1.05 * plan.predicted_peak_bytes
         assert measured >= 0.8 * plan.predicted_peak_bytes  # the model is not vacuous
-    assert seen == {"keep", "recompute", "offload"}
+    assert {"keep", "offload", "selective"} <= seen
 
 
 def test_too_small_a_budget_names_the_smallest_feasible(offload) -> None:

@@ -1,7 +1,7 @@
 /* Python face of the budget planner (planner/planner.h). Blocks arrive as a
  * sequence of (forward_s, backward_s, copy_s, input_units,
- * activation_units, keep_work_units, checkpoint_work_units) tuples; choices as a bytes object of
- * PLAN_* values. The solver runs without the GIL. */
+ * activation_units, keep_work_units, checkpoint_work_units, selective_s,
+ * selective_units) tuples; choices as a bytes object of PLAN_* values. The solver runs without the GIL. */
 #include "plan.h"
 
 #include "planner/planner.h"
@@ -12,20 +12,24 @@
 static int
 block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
 {
-    long long units[4];
+    long long units[5];
     if (!PyTuple_Check(item) ||
-        !PyArg_ParseTuple(item, "dddLLLL", &block->forward_s, &block->backward_s, &block->copy_s,
-                          &units[0], &units[1], &units[2], &units[3])) {
+        !PyArg_ParseTuple(item, "dddLLLLdL", &block->forward_s, &block->backward_s,
+                          &block->copy_s, &units[0], &units[1], &units[2], &units[3],
+                          &block->selective_s, &units[4])) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
                      "block %zd: expected (forward_s, backward_s, copy_s, input_units, "
-                     "activation_units, keep_work_units, checkpoint_work_units)",
+                     "activation_units, keep_work_units, checkpoint_work_units, selective_s, "
+                     "selective_units)",
                      index);
         return -1;
     }
-    int negative = !(block->forward_s >= 0 && block->backward_s >= 0 && block->copy_s >= 0) ||
-                   !isfinite(block->forward_s + block->backward_s + block->copy_s);
-    for (int k = 0; k < 4; k++) {
+    int negative = !(block->forward_s >= 0 && block->backward_s >= 0 && block->copy_s >= 0 &&
+                     block->selective_s >= 0) ||
+                   !isfinite(block->forward_s + block->backward_s + block->copy_s +
+                             block->selective_s);
+    for (int k = 0; k < 5; k++) {
         negative |= units[k] < 0;
         /* sums of units over a chain must not wrap: keep each far below 2^64 */
         if (units[k] > (1LL << 42)) {
@@ -43,6 +47,7 @@ block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
     block->activation_units = (uint64_t)units[1];
     block->keep_work_units = (uint64_t)units[2];
     block->checkpoint_work_units = (uint64_t)units[3];
+    block->selective_units = (uint64_t)units[4];
     return 0;
 }
 
@@ -151,7 +156,8 @@ blocks_and_choices(PyObject *sequence, Py_buffer *choices, plan_block **blocks, 
     const uint8_t *values = choices->buf;
     for (int i = 0; i < *n; i++) {
         if (values[i] >= PLAN_CHOICES) {
-            PyErr_Format(PyExc_ValueError, "choice %d of block %d is not 0, 1 or 2", values[i], i);
+            PyErr_Format(PyExc_ValueError, "choice %d of block %d is not 0, 1, 2 or 3", values[i],
+                         i);
             goto error;
         }
     }

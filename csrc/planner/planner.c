@@ -12,8 +12,10 @@
 static uint64_t
 held_units(const plan_block *b, int choice)
 {
-    return choice == PLAN_KEEP ? b->activation_units
-           : choice == PLAN_RECOMPUTE ? b->input_units : 0;
+    return choice == PLAN_KEEP        ? b->activation_units
+           : choice == PLAN_RECOMPUTE ? b->input_units
+           : choice == PLAN_SELECTIVE ? b->selective_units
+                                      : 0;
 }
 
 static uint64_t
@@ -50,6 +52,8 @@ own_time(const plan_block *b, int choice)
 {
     if (choice == PLAN_KEEP)
         return b->forward_s + b->backward_s;
+    if (choice == PLAN_SELECTIVE)
+        return b->selective_s;
     double time = 2 * b->forward_s + b->backward_s;
     return choice == PLAN_OFFLOAD ? time + positive(b->copy_s - b->forward_s) : time;
 }
@@ -107,8 +111,8 @@ plan_evaluate(const plan_block *blocks, int n, const uint8_t *choices, int pipel
 }
 
 /* The DP's state after block i: units held so far, and whether block i
- * offloaded (all the next block needs to know of it: keep and recompute
- * look alike from there). best[row * width + s] is the least time of
+ * offloaded (all the next block needs to know of it: keep, recompute and
+ * selective look alike from there). best[row * width + s] is the least time of
  * blocks 0..i ending in that state; parent[i] tells, per state, block i's
  * choice and the previous row, packed as choice | row << 2. */
 enum { ROW_STAYED = 0, ROW_OFFLOADED = 1, ROWS = 2 };
@@ -171,7 +175,7 @@ held_limit(const plan_block *b, int c, uint64_t prefetch, uint64_t budget, uint6
     return (int64_t)(limit < reach ? limit : reach);
 }
 
-/* Keeping or recomputing block i looks the same from either row, but for
+/* Keeping, recomputing or selecting block i looks the same from either row, but for
  * the previous block's copy back, which nothing hides then: take the
  * better row per state once. */
 static void
@@ -186,8 +190,9 @@ dp_merge_rows(dp_tables *t, double copy_back)
     }
 }
 
-/* Row ROW_STAYED of the next step: keep (shifted by its activations) and
- * recompute (shifted by its input) from the merged row. The hot loops. */
+/* Row ROW_STAYED of the next step: keep (shifted by its activations),
+ * recompute (shifted by its input) and selective (shifted by its input and
+ * saved outputs) from the merged row. The hot loops. */
 static void
 dp_fill_stayed(dp_tables *t, uint8_t *parent, const plan_block *b, uint64_t budget,
                uint64_t reach)
@@ -195,7 +200,9 @@ dp_fill_stayed(dp_tables *t, uint8_t *parent, const plan_block *b, uint64_t budg
     double *to = t->next;
     for (uint64_t s = 0; s <= reach; s++)
         to[s] = UNREACHABLE;
-    for (int c = PLAN_KEEP; c <= PLAN_RECOMPUTE; c++) {
+    static const int stayed[] = {PLAN_KEEP, PLAN_RECOMPUTE, PLAN_SELECTIVE};
+    for (int k = 0; k < (int)(sizeof stayed / sizeof stayed[0]); k++) {
+        int c = stayed[k];
         int64_t limit = held_limit(b, c, 0, budget, t->reach);
         uint64_t shift = held_units(b, c);
         double extra = own_time(b, c);
@@ -242,11 +249,11 @@ dp_step(dp_tables *t, const plan_block *blocks, int i, uint64_t budget, int pipe
 {
     const plan_block *b = &blocks[i], *previous = &blocks[i - 1];
     uint8_t *parent = t->parent + (size_t)i * ROWS * t->width;
-    uint64_t most_held = held_units(b, PLAN_KEEP) > held_units(b, PLAN_RECOMPUTE)
-                             ? held_units(b, PLAN_KEEP)
-                             : held_units(b, PLAN_RECOMPUTE);
+    uint64_t most_held = 0;
+    for (int c = 0; c < PLAN_CHOICES; c++)
+        most_held = held_units(b, c) > most_held ? held_units(b, c) : most_held;
     uint64_t reach = t->reach + most_held < budget ? t->reach + most_held : budget;
-    /* keep and recompute never prefetch the previous input: it comes back whole */
+    /* keep, recompute and selective never prefetch the previous input: it comes back whole */
     dp_merge_rows(t, copy_back_time(previous, b, PLAN_KEEP, pipeline));
     dp_fill_stayed(t, parent, b, budget, reach);
     dp_fill_offloaded(t, parent, b, previous, budget, reach, pipeline);
@@ -335,6 +342,7 @@ plan_max_budget(const plan_block *blocks, int n)
     uint64_t total = 0;
     for (int i = 0; i < n; i++)
         total += blocks[i].input_units * 2 + blocks[i].activation_units +
+                 blocks[i].selective_units +
                  blocks[i].keep_work_units + blocks[i].checkpoint_work_units;
     return total;
 }

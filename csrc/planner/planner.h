@@ -3,14 +3,20 @@
  * checkpoint it offloading its input, so that peak activation memory stays
  * within a budget at the least step time.
  *
+ * A fourth choice, selective, checkpoints the block under a policy that saves
+ * the outputs of its expensive operations (matmuls, attention) and
+ * recomputes the rest.
+ *
  * Cost model (units of memory are the caller's quantum, times seconds):
  *   held (after its forward)   keep: act   recompute: in   offload: 0
+ *                              selective: selective (its input included)
  *   work (its own peak, over its forward, recompute and backward, on top
  *   of what blocks before it hold)   keep: keep_work   else: checkpoint_work
  *   while block i runs backward, block i-1's input is being prefetched when
  *   both offload (pipeline): +in[i-1]
  *   peak = max over i of (held by blocks before i) + work[i] + prefetch[i]
- *   time: keep f+b, recompute/offload 2f+b; an offload adds the part of its
+ *   time: keep f+b, recompute/offload 2f+b, selective: selective_s (its
+ *   forward and backward measured together under the policy); an offload adds the part of its
  *   copy out its own forward does not hide, and the part of its copy back
  *   that the backward of the next block does not hide (all of it for the
  *   last block, or without pipeline).
@@ -23,13 +29,15 @@
 
 #include <stdint.h>
 
-enum { PLAN_KEEP = 0, PLAN_RECOMPUTE = 1, PLAN_OFFLOAD = 2, PLAN_CHOICES = 3 };
+enum { PLAN_KEEP = 0, PLAN_RECOMPUTE = 1, PLAN_OFFLOAD = 2, PLAN_SELECTIVE = 3, PLAN_CHOICES = 4 };
 
 typedef struct {
     double forward_s, backward_s;
     double copy_s;                  /* one-way copy of the input */
     uint64_t input_units, activation_units;
     uint64_t keep_work_units, checkpoint_work_units;
+    double selective_s;             /* forward + backward under the selective policy */
+    uint64_t selective_units;       /* held when selective: input and saved outputs */
 } plan_block;
 
 typedef struct {

@@ -30,16 +30,20 @@ random_chain(plan_block *blocks, int n)
 {
     for (int i = 0; i < n; i++) {
         uint64_t in = rng_next() % 7, act = rng_next() % 13;
+        double forward_s = rng_unit(), backward_s = 2 * rng_unit();
         blocks[i] = (plan_block){
-            .forward_s = rng_unit(), .backward_s = 2 * rng_unit(), .copy_s = 3 * rng_unit(),
+            .forward_s = forward_s, .backward_s = backward_s, .copy_s = 3 * rng_unit(),
             .input_units = in, .activation_units = act,
             .keep_work_units = act + rng_next() % 7,
             .checkpoint_work_units = in + act + rng_next() % 7,
+            /* between keep and recompute in both time and memory, as measured */
+            .selective_s = forward_s + backward_s + forward_s * rng_unit(),
+            .selective_units = in + (act > 0 ? rng_next() % act : 0),
         };
     }
 }
 
-/* The fastest plan's time within `budget` by trying all 3^n, or INFINITY;
+/* The fastest plan's time within `budget` by trying all 4^n, or INFINITY;
  * *smallest receives the least peak of any plan. */
 static double
 brute_force(const plan_block *blocks, int n, uint64_t budget, int pipeline, uint64_t *smallest)
@@ -99,12 +103,34 @@ test_frontier(void)
     CHECK(plan_frontier(blocks, 8, 1, 1, points) == 1);
 }
 
+/* A chain where saving the expensive outputs is the best trade: selective
+ * is chosen at a budget between all recomputed and all kept (the best plan
+ * of keep and recompute alone, R R K K, takes 14 s). */
+static void
+test_selective_chosen(void)
+{
+    plan_block block = {.forward_s = 1, .backward_s = 2, .input_units = 1,
+                        .activation_units = 10, .keep_work_units = 10,
+                        .checkpoint_work_units = 11, .selective_s = 3.2,
+                        .selective_units = 4};
+    plan_block blocks[4] = {block, block, block, block};
+    uint8_t choices[4];
+    plan_cost cost;
+    CHECK(plan_solve(blocks, 4, 3 * 4 + 11, 0, choices, &cost) == 0);
+    /* the last block's activations fit over the others' saved outputs */
+    for (int i = 0; i < 3; i++)
+        CHECK(choices[i] == PLAN_SELECTIVE);
+    CHECK(choices[3] == PLAN_KEEP);
+    CHECK(fabs(cost.time_s - (3 * 3.2 + 3)) < 1e-12 && cost.peak_units == 22);
+}
+
 static void
 test_edges(void)
 {
     plan_block blocks[2] = {{.forward_s = 1, .backward_s = 1, .input_units = 1,
                              .activation_units = 1, .keep_work_units = 2,
-                             .checkpoint_work_units = 3}};
+                             .checkpoint_work_units = 3, .selective_s = 3,
+                             .selective_units = 1}};
     blocks[1] = blocks[0];
     uint8_t choices[2];
     plan_cost cost;
@@ -119,12 +145,13 @@ int
 main(void)
 {
     for (int round = 0; round < 40; round++) {
-        for (int n = 1; n <= 7; n++) {
+        for (int n = 1; n <= 6; n++) {
             test_against_brute_force(n, 1);
             test_against_brute_force(n, 0);
         }
     }
     test_frontier();
+    test_selective_chosen();
     test_edges();
     return check_report("test_planner");
 }
