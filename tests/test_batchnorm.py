@@ -1,5 +1,6 @@
 """BatchNorm statistics move once per forward, never again in the recompute."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -23,6 +24,31 @@ def test_running_stats_updated_once(bn_type, shape, momentum) -> None:
     assert bn.num_batches_tracked.item() == 3
     assert torch.equal(bn.running_mean, ref.running_mean)
     assert torch.equal(bn.running_var, ref.running_var)
+
+
+def test_batchnorm_under_a_selective_policy() -> None:
+    """The recompute's copies of the statistics are not ops of the region:
+    selective checkpointing's recompute mode must not see them."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def save_convolutions(ctx, op, *args, **kwargs):
+        if op == torch.ops.aten.convolution.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    reference = copy.deepcopy(block)
+    x = torch.randn(2, 3, 8, 8)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, save_convolutions)
+    for _ in range(2):
+        matepoint.checkpoint(block, x, context_fn=context_fn).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+    assert block[1].num_batches_tracked.item() == 2
+    assert torch.equal(block[1].running_mean, reference[1].running_mean)
+    assert torch.equal(block[1].running_var, reference[1].running_var)
+    for got, expected in zip(block.parameters(), reference.parameters()):
+        assert torch.equal(got.grad, expected.grad)
 
 
 def test_shared_batchnorm_called_twice_in_region() -> None:

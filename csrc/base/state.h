@@ -42,6 +42,7 @@ typedef struct mp_state {
     PyObject *debug_context_and_cb;     /* torch.utils.checkpoint._get_debug_context_and_cb */
     PyObject *checkpoint_error;         /* torch.utils.checkpoint.CheckpointError */
     PyObject *batchnorm_type;           /* torch.nn.modules.batchnorm._BatchNorm */
+    PyObject *disable_dispatch_modes;   /* torch.utils._python_dispatch._disable_current_modes */
     PyObject *register_pre_hook;        /* torch.nn.modules.module.register_module_forward_pre_hook */
     PyObject *autocast_available_cache; /* dict: device type str -> bool */
     PyObject *tensor_class;             /* torch.Tensor */

@@ -1,5 +1,6 @@
 #include "bn_guard.h"
 #include "base/compat.h"
+#include "replay.h"
 
 /* The innermost recompute's list of BatchNorm modules whose statistics
  * buffers were swapped (borrowed from frame_recompute, NULL outside one).
@@ -74,11 +75,29 @@ bn_already_guarded(PyObject *module)
     return 0;
 }
 
+/* Clones `buffer` with every TorchDispatchMode set aside: the copy is
+ * matepoint's bookkeeping, not an op of the region, and selective
+ * checkpointing's recompute mode refuses ops its forward did not see. */
+static PyObject *
+clone_outside_dispatch_modes(mp_state *st, PyObject *buffer)
+{
+    PyObject *modes_off = PyObject_CallNoArgs(st->disable_dispatch_modes);
+    if (modes_off == NULL || context_enter(st, modes_off) < 0) {
+        Py_XDECREF(modes_off);
+        return NULL;
+    }
+    PyObject *copy = PyObject_CallMethod(buffer, "clone", NULL);
+    if (context_exit(st, modes_off) < 0)
+        Py_CLEAR(copy);
+    Py_DECREF(modes_off);
+    return copy;
+}
+
 /* Gives `module` throw-away copies of its statistics buffers, so the
  * recompute computes exactly what the forward did (same saved tensors, same
  * batch statistics) while the real running averages move once per step. */
 static int
-swap_in_bn_copies(PyObject *module)
+swap_in_bn_copies(mp_state *st, PyObject *module)
 {
     PyObject *entry = PyTuple_New(1 + BN_BUFFERS);
     if (entry == NULL)
@@ -97,7 +116,7 @@ swap_in_bn_copies(PyObject *module)
         PyObject *buffer = PyTuple_GET_ITEM(entry, i + 1);
         if (buffer == Py_None)
             continue;
-        PyObject *copy = PyObject_CallMethod(buffer, "clone", NULL);
+        PyObject *copy = clone_outside_dispatch_modes(st, buffer);
         result = copy ? PyObject_SetAttrString(module, bn_buffer_names[i], copy) : -1;
         Py_XDECREF(copy);
     }
@@ -122,7 +141,7 @@ bn_guard_pre_hook(PyObject *module_obj, PyObject *const *args, Py_ssize_t nargs)
     Py_XDECREF(tracking);
     if (tracking == NULL)
         return NULL;
-    if (guard && !bn_already_guarded(module) && swap_in_bn_copies(module) < 0)
+    if (guard && !bn_already_guarded(module) && swap_in_bn_copies(st, module) < 0)
         return NULL;
     Py_RETURN_NONE;
 }

@@ -252,6 +252,7 @@ static const struct torch_entry torch_entries[] = {
     ENTRY(debug_context_and_cb, "torch.utils.checkpoint", "_get_debug_context_and_cb", 0),
     ENTRY(checkpoint_error, "torch.utils.checkpoint", "CheckpointError", 0),
     ENTRY(batchnorm_type, "torch.nn.modules.batchnorm", "_BatchNorm", 0),
+    ENTRY(disable_dispatch_modes, "torch.utils._python_dispatch", "_disable_current_modes", 0),
     ENTRY(register_pre_hook, "torch.nn.modules.module", "register_module_forward_pre_hook", 0),
     ENTRY(tensor_class, "torch", "Tensor", 0),
     ENTRY(module_type, "torch.nn", "Module", 0),
@@ -372,8 +373,8 @@ module_exec(PyObject *module)
     X(cpu_rng_set) X(torch_module) X(autocast_type) X(autocast_available) X(autocast_enabled)   \
     X(autocast_dtype) X(autocast_cache_enabled) X(default_device_type)                         \
     X(torch_checkpoint_dict) X(noop_context_fn) X(debug_context_and_cb) X(checkpoint_error)    \
-    X(batchnorm_type) X(register_pre_hook) X(autocast_available_cache) X(str_shape)            \
-    X(str_dtype) X(str_device) X(str_type) X(str_index) X(str_detach) X(str_unpack)            \
+    X(batchnorm_type) X(disable_dispatch_modes) X(register_pre_hook)                           \
+    X(autocast_available_cache) X(str_shape) X(str_dtype) X(str_device) X(str_type) X(str_index) X(str_detach) X(str_unpack)            \
     X(str_version) X(str_enter) X(str_exit) X(str_initialized) X(str_get_rng_state)            \
     X(str_set_rng_state) X(str_training) X(str_track_running_stats) X(str_remove) X(str_cpu)   \
     X(str_fields) X(str_register_prehook) X(stop_recompute) X(bn_guard_hook) X(identity)       \
