@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import gc
 import statistics
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
