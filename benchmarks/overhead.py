@@ -5,6 +5,12 @@ workloads: `x * 2` over 4 elements (nothing but the fixed cost per call) and
 `sin(x) * x` over 16. Every workload and implementation is interleaved in
 one run, so machine noise hits all alike. Prints medians and the ratios
 matepoint / torch (lower is better), and writes them as JSON (`--json`).
+
+Two more ratios say what the whole-call ratio can mean. The floor, no
+checkpoint / torch, is the lowest whole-call ratio any checkpoint could
+reach: a call can't cost less than the region run without checkpointing.
+The added ratio, (matepoint - no checkpoint) / (torch - no checkpoint),
+compares only what each checkpoint adds to the call.
 """
 from __future__ import annotations
 
@@ -57,6 +63,9 @@ def measure(rounds: int, calls: int) -> Dict[str, Dict[str, float]]:
     for name, per_wrap in samples.items():
         medians = {wrap: statistics.median(values) for wrap, values in per_wrap.items()}
         medians["ratio_total"] = medians["matepoint"] / medians["torch"]
+        medians["floor"] = medians["plain"] / medians["torch"]
+        medians["ratio_added"] = ((medians["matepoint"] - medians["plain"])
+                                  / (medians["torch"] - medians["plain"]))
         result[name] = medians
     return result
 
@@ -73,9 +82,10 @@ def main() -> None:
     log.info("per call, forward+backward (median of %d interleaved rounds x %d calls)",
              args.rounds, args.calls)
     for name, medians in result.items():
-        log.info("%s: plain %.1f us, torch %.1f us, matepoint %.1f us, ratio %.3f", name,
-                 medians["plain"], medians["torch"], medians["matepoint"],
-                 medians["ratio_total"])
+        log.info("%s: plain %.1f us, torch %.1f us, matepoint %.1f us, ratio %.3f "
+                 "(floor %.3f, added %.3f)", name, medians["plain"], medians["torch"],
+                 medians["matepoint"], medians["ratio_total"], medians["floor"],
+                 medians["ratio_added"])
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
