@@ -8,8 +8,10 @@ policies). Under :func:`matepoint.checkpoint` the op's output is kept as
 ``MUST_SAVE`` would keep it, and sent through matepoint's offload engine
 (pinned host pool, copy-out stream, window) wherever the engine offloads a
 region's inputs: a CUDA tensor with offload enabled. It is copied back to
-its device when backward's recompute reaches the op. Where nothing can be
-offloaded (CPU tensors, offload turned off, tensors under
+its device ahead of use, as the region's inputs are: with them when the
+engine prefetches the region, or when the region's recompute begins, and
+the recompute waits for the copy on the device, not on the host. Where
+nothing can be offloaded (CPU tensors, offload turned off, tensors under
 ``min_offload_bytes``) the output stays where it is, exactly as with
 ``MUST_SAVE``. An offloaded output changed in place later in the region's
 forward raises when backward needs it, even with
@@ -36,6 +38,7 @@ _OFFLOAD_POLICIES = frozenset(
     if hasattr(_Policy, name)
 )
 _VersionWrapper = getattr(torch_checkpoint, "_VersionWrapper", None)
+_CachedMode = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
 _storage_key: Callable[[Any, Any], Any] = getattr(
     torch_checkpoint, "_sac_storage_key", lambda func, args: func)
 _is_compiling: Callable[..., bool] = getattr(
@@ -43,8 +46,9 @@ _is_compiling: Callable[..., bool] = getattr(
 
 
 class _OffloadedGroup:
-    """The tensors of one op's output that went to the host, restored
-    together the first time backward asks for one of them."""
+    """The tensors of one op's output that went to the host: copied back
+    ahead of the region's recompute (`prefetch`), handed back together the
+    first time backward asks for one of them."""
 
     def __init__(self, group: Any, saved: List[Any], sources: List[torch.Tensor]) -> None:
         self._group: Optional[Any] = group
@@ -57,8 +61,21 @@ class _OffloadedGroup:
     def seal(self) -> None:
         """At the end of the region's forward: was an output changed in
         place after its copy was taken? The outputs are let go."""
-        self._mutated = any(tensor._version != version for tensor, version in self._sources)
+        self._mutated = self._mutated or any(
+            tensor._version != version for tensor, version in self._sources)
         self._sources = []
+
+    def prefetch(self) -> None:
+        """Starts copying the host copies back (the recompute is about to
+        need them)."""
+        if self._group is not None and self._restored is None:
+            _C._sac_prefetch(self._group)
+
+    def discard(self) -> None:
+        """The recompute is over: what it did not take is dropped from the
+        device (the host copy stays)."""
+        if self._group is not None:
+            _C._sac_discard(self._group)
 
     def take(self, index: int) -> torch.Tensor:
         if self._mutated:
@@ -147,6 +164,7 @@ class _OffloadingMode:
     policy_fn: _OffloadPolicies
     storage: Any
     func_counter: Any
+    _matepoint_offloaded: List[_OffloadedGroup]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -158,28 +176,64 @@ class _OffloadingMode:
             policies.offload = False
             key = _storage_key(func, args)
             index = self.func_counter[key] - 1
-            groups = self.__dict__.setdefault("_matepoint_offloaded", [])
-            self.storage[key][index] = _offload_entry(self.storage[key][index], groups)
+            self.storage[key][index] = _offload_entry(self.storage[key][index],
+                                                      self._matepoint_offloaded)
         return out
 
     def __exit__(self, *exc_info: Any) -> Any:
-        for group in self.__dict__.pop("_matepoint_offloaded", ()):
+        for group in self._matepoint_offloaded:
             group.seal()
         return super().__exit__(*exc_info)  # type: ignore[misc]
 
 
-_adapted: Dict[type, type] = {}
+class _PrefetchingMode:
+    """Mixed into torch's recompute mode: the region's offloaded outputs
+    start coming back when its recompute begins (unless the engine fetched
+    them with the region already), and what it did not take leaves the
+    device when it ends (an early stop skips the ops after the last saved
+    tensor)."""
+
+    _matepoint_offloaded: List[_OffloadedGroup]
+
+    def __enter__(self) -> Any:
+        # before the mode is pushed: the copies' device buffers are made by
+        # torch ops, which the mode must not see
+        for group in self._matepoint_offloaded:
+            group.prefetch()
+        return super().__enter__()  # type: ignore[misc]
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        try:
+            return super().__exit__(*exc_info)  # type: ignore[misc]
+        finally:
+            for group in self._matepoint_offloaded:
+                group.discard()
 
 
-def adapt(mode: Any) -> None:
+_adapted: Dict[Tuple[type, type], type] = {}
+
+
+def _adapt_class(mode: Any, mixin: type) -> None:
+    cls = type(mode)
+    adapted = _adapted.get((mixin, cls))
+    if adapted is None:
+        adapted = type(cls.__name__, (mixin, cls), {"__module__": __name__})
+        _adapted[(mixin, cls)] = adapted
+    mode.__class__ = adapted
+
+
+def adapt(mode: Any, recompute: Any = None) -> None:
     """Makes torch's selective-checkpoint caching mode ``mode`` honour
-    offload policies (in place: its class and policy_fn change)."""
+    offload policies (in place: its class and policy_fn change), and its
+    recompute mode ``recompute`` (torch's cached mode, when given) prefetch
+    what ``mode`` offloaded."""
     if not _OFFLOAD_POLICIES or isinstance(mode, _OffloadingMode):
         return
-    cls = type(mode)
-    adapted = _adapted.get(cls)
-    if adapted is None:
-        adapted = type(cls.__name__, (_OffloadingMode, cls), {"__module__": __name__})
-        _adapted[cls] = adapted
+    groups: List[_OffloadedGroup] = []
     mode.policy_fn = _OffloadPolicies(mode.policy_fn)
-    mode.__class__ = adapted
+    mode._matepoint_offloaded = groups
+    _adapt_class(mode, _OffloadingMode)
+    if _CachedMode is not None and isinstance(recompute, _CachedMode) and \
+            not isinstance(recompute, _PrefetchingMode):
+        recompute._matepoint_offloaded = groups
+        _adapt_class(recompute, _PrefetchingMode)

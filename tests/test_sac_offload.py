@@ -190,3 +190,62 @@ def test_offloaded_output_changed_in_place_raises(offload) -> None:
     out = matepoint.checkpoint(mutated_block, x, weight, context_fn=context_fn)
     with pytest.raises(RuntimeError, match="has been mutated: matepoint offloaded it"):
         out.sum().backward()
+
+
+class TwoMatmuls(nn.Module):
+    """Blocks with two matmuls each, whose outputs later ops save."""
+
+    def __init__(self, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.first = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.second = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, wrap: Callable, **kwargs: Any) -> torch.Tensor:
+        for first, second in zip(self.first, self.second):
+            x = wrap(lambda h, a=first, b=second: torch.tanh(b(torch.tanh(a(h)))) * torch.sigmoid(h),
+                     x, **kwargs)
+        return x
+
+
+def fetches() -> Tuple[int, int]:
+    stats = matepoint.pool_stats()
+    return stats["prefetched"], stats["fetched_at_need"]
+
+
+@pytest.mark.parametrize("inputs_offloaded", [True, False], ids=["inputs-offloaded", "inputs-kept"])
+def test_offloaded_outputs_come_back_ahead_of_use(simulated, monkeypatch,
+                                                  inputs_offloaded: bool) -> None:
+    """On a GPU that runs nothing until something waits for it, every
+    offloaded matmul output was already being copied back (on the copy-in
+    stream, with its region's inputs or when its recompute began) when
+    the recompute asked for it: no restore copies anything at need, the
+    regions' inputs are still prefetched one ahead, nothing synchronizes
+    the host under the GIL, and the gradients are bit-identical."""
+    torch.manual_seed(0)
+    model, x = TwoMatmuls(), torch.randn(8, 32)
+    depth = len(model.first)
+    plain, _ = step(model, x, no_checkpoint)
+    restore = _C._sac_restore
+    at_need: List[int] = []
+
+    def watched_restore(group: Any, saved: List[Any]) -> List[Any]:
+        before = fetches()[1]
+        tensors = restore(group, saved)
+        at_need.append(fetches()[1] - before)
+        return tensors
+
+    monkeypatch.setattr(_C, "_sac_restore", watched_restore)
+    xg = x.clone().requires_grad_(True)
+    wrap = selective(CheckpointPolicy.MUST_CPU_OFFLOAD)
+    loss = (model(xg, wrap, matepoint_offload=inputs_offloaded) ** 2).mean()
+    model.zero_grad(set_to_none=True)
+    (prefetched, fetched), syncs = fetches(), _C._sim_stats()["synchronized_under_gil"]
+    loss.backward()
+    assert at_need == [0] * (2 * depth)              # every output used, none fetched at need
+    inputs = depth if inputs_offloaded else 0
+    # all but the last region's input came ahead; that one is needed at once
+    assert fetches()[1] - fetched == (1 if inputs_offloaded else 0)
+    assert fetches()[0] - prefetched == 2 * depth + max(inputs - 1, 0)
+    assert _C._sim_stats()["synchronized_under_gil"] == syncs
+    assert_bitwise_equal(plain, [xg.grad] + [p.grad for p in model.parameters()])
+
