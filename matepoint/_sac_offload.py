@@ -13,8 +13,9 @@ engine prefetches the region, or when the region's recompute begins, and
 the recompute waits for the copy on the device, not on the host. Where
 nothing can be offloaded (CPU tensors, offload turned off, tensors under
 ``min_offload_bytes``) the output stays where it is, exactly as with
-``MUST_SAVE``. An offloaded output changed in place later in the region's
-forward raises when backward needs it, even with
+``MUST_SAVE``. An offloaded output changed in place after it was offloaded
+(later in the region, or by the caller after it, while the caller holds
+it) raises when backward needs it, as torch's cache does, and even with
 ``allow_cache_entry_mutation=True``: its host copy no longer matches it.
 
 matepoint's checkpoint calls :func:`adapt` on the forward context before
@@ -22,11 +23,12 @@ the region runs; nothing here is public.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from matepoint import _C
 
@@ -50,13 +52,18 @@ class _OffloadedGroup:
     ahead of the region's recompute (`prefetch`), handed back together the
     first time backward asks for one of them."""
 
-    def __init__(self, group: Any, saved: List[Any], sources: List[torch.Tensor]) -> None:
+    def __init__(self, group: Any, saved: List[Any], sources: List[torch.Tensor],
+                 outputs: List[torch.Tensor]) -> None:
         self._group: Optional[Any] = group
         self._saved = saved
         self._restored: Optional[List[Optional[torch.Tensor]]] = None
         # the outputs and their versions, until the region's forward ends
         self._sources = [(tensor, tensor._version) for tensor in sources]
         self._mutated = False
+        # the op's outputs as the caller sees them, watched without keeping
+        # their memory: one changed in place after the region (as torch's
+        # cache would notice) makes the host copy stale
+        self._watched = [(weakref.ref(tensor), tensor._version) for tensor in outputs]
 
     def seal(self) -> None:
         """At the end of the region's forward: was an output changed in
@@ -64,6 +71,15 @@ class _OffloadedGroup:
         self._mutated = self._mutated or any(
             tensor._version != version for tensor, version in self._sources)
         self._sources = []
+
+    def _changed(self) -> bool:
+        if self._mutated:
+            return True
+        for ref, version in self._watched:
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                return True
+        return False
 
     def prefetch(self) -> None:
         """Starts copying the host copies back (the recompute is about to
@@ -77,12 +93,20 @@ class _OffloadedGroup:
         if self._group is not None:
             _C._sac_discard(self._group)
 
+    def _release(self) -> None:
+        if self._group is not None:
+            _C._sac_discard(self._group)
+        self._group = None
+        self._saved = []
+
     def take(self, index: int) -> torch.Tensor:
-        if self._mutated:
+        if self._restored is None and self._changed():
+            self._release()     # nothing can use the host copy any more
             raise RuntimeError(
                 "Tensor cached during selective activation checkpoint has been mutated: "
-                "matepoint offloaded it (CPU-offload policy) and its host copy no longer "
-                "matches; save it with MUST_SAVE, or clone it before changing it in place")
+                "matepoint offloaded it to the host (CPU-offload policy) before it was "
+                "changed in place, so backward cannot use it; clone it before changing "
+                "it in place")
         if self._restored is None:
             if self._group is None:
                 raise RuntimeError("matepoint: an offloaded selective-checkpoint output was "
@@ -90,6 +114,7 @@ class _OffloadedGroup:
             self._restored = _C._sac_restore(self._group, self._saved)
             self._group = None
             self._saved = []
+            self._watched = []
         tensor = self._restored[index]
         self._restored[index] = None     # the cache entry holds nothing once used
         if tensor is None:
@@ -121,18 +146,25 @@ def _offloadable(leaf: Any) -> bool:
             and getattr(leaf, "unpack_hook", None) is None)
 
 
-def _offload_entry(entry: Any, groups: List[_OffloadedGroup]) -> Any:
-    """The storage entry of a saved op output, its tensors offloaded (their
-    group appended to `groups`); the entry itself when nothing could move."""
+def _offload_entry(entry: Any, out: Any, groups: List[_OffloadedGroup]) -> Any:
+    """The storage entry of a saved op output `out`, its tensors offloaded
+    (their group appended to `groups`); the entry itself when nothing could
+    move."""
     leaves: List[Any] = []
-    tree_map(lambda leaf: leaves.append(leaf) if _offloadable(leaf) else None, entry)
+    outputs: List[torch.Tensor] = []
+    # torch's entry is `out` with each leaf wrapped: the leaves pair up
+    paired = zip(tree_leaves(entry), tree_leaves(out))
+    for leaf, output in paired:
+        if _offloadable(leaf):
+            leaves.append(leaf)
+            outputs.append(output if isinstance(output, torch.Tensor) else leaf.val)
     if not leaves:
         return entry
     sources = [leaf.val for leaf in leaves]
     moved: Optional[Tuple[Any, List[Any]]] = _C._sac_offload(sources)
     if moved is None:
         return entry
-    owner = _OffloadedGroup(moved[0], moved[1], sources)
+    owner = _OffloadedGroup(moved[0], moved[1], sources, outputs)
     groups.append(owner)
     slots: Dict[int, _OffloadedEntry] = {
         id(leaf): _OffloadedEntry(owner, i)
@@ -176,7 +208,7 @@ class _OffloadingMode:
             policies.offload = False
             key = _storage_key(func, args)
             index = self.func_counter[key] - 1
-            self.storage[key][index] = _offload_entry(self.storage[key][index],
+            self.storage[key][index] = _offload_entry(self.storage[key][index], out,
                                                       self._matepoint_offloaded)
         return out
 

@@ -4,6 +4,7 @@ host where the offload engine can move it (matepoint/_sac_offload.py)."""
 from __future__ import annotations
 
 import functools
+import gc
 from typing import Any, Callable, List, Tuple
 
 import pytest
@@ -249,3 +250,53 @@ def test_offloaded_outputs_come_back_ahead_of_use(simulated, monkeypatch,
     assert _C._sim_stats()["synchronized_under_gil"] == syncs
     assert_bitwise_equal(plain, [xg.grad] + [p.grad for p in model.parameters()])
 
+
+def returns_its_matmul(x: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    y = torch.mm(x, weight)
+    return y, torch.sigmoid(y)      # the recompute reaches the cached matmul
+
+
+MUTATED = "Tensor cached during selective activation checkpoint has been mutated"
+
+
+@pytest.mark.parametrize("case", [
+    ("torch", CheckpointPolicy.MUST_SAVE, None),
+    ("matepoint", CheckpointPolicy.MUST_SAVE, None),
+    ("matepoint", CheckpointPolicy.MUST_CPU_OFFLOAD, None),           # kept on the CPU
+    ("matepoint", CheckpointPolicy.MUST_CPU_OFFLOAD, "offload"),      # offloaded
+    ("matepoint", CheckpointPolicy.PREFER_CPU_OFFLOAD, "simulated"),  # offloaded, GPU lagging
+], ids=lambda case: "-".join([case[0], case[1].name] + ([case[2]] if case[2] else [])))
+def test_output_changed_in_place_after_the_region_raises(request, case) -> None:
+    """An output the region returns, changed in place by the caller: torch's
+    cache (MUST_SAVE) raises when backward reaches it, and so does matepoint
+    whether it kept the output or offloaded it (its host copy is stale,
+    and goes at once). Nothing is held after the graph goes, and the next
+    step is exact."""
+    library, policy, gpu = case
+    if gpu is not None:
+        request.getfixturevalue(gpu)
+    import torch.utils.checkpoint as torch_checkpoint
+    run = (functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)
+           if library == "torch" else matepoint.checkpoint)
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    weight = torch.randn(32, 32, requires_grad=True)
+    y, s = run(returns_its_matmul, x, weight, context_fn=Modes(policy))
+    y.add_(1)
+    in_use = matepoint.pool_stats()["bytes_in_use"]
+    with pytest.raises(RuntimeError, match=MUTATED):
+        (y.sum() + s.sum()).backward()
+    if gpu is not None:     # the stale host copy went at once, the inputs' with the graph
+        assert matepoint.pool_stats()["bytes_in_use"] < in_use
+    del y, s
+    gc.collect()
+    assert matepoint.pool_stats()["bytes_in_use"] == 0
+
+    x.grad = weight.grad = None
+    y, s = run(returns_its_matmul, x, weight, context_fn=Modes(policy))
+    (y.sum() + s.sum()).backward()
+    got = [x.grad, weight.grad]
+    x.grad = weight.grad = None
+    y, s = returns_its_matmul(x, weight)
+    (y.sum() + s.sum()).backward()
+    assert_bitwise_equal([x.grad, weight.grad], got)
