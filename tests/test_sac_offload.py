@@ -300,3 +300,47 @@ def test_output_changed_in_place_after_the_region_raises(request, case) -> None:
     y, s = returns_its_matmul(x, weight)
     (y.sum() + s.sum()).backward()
     assert_bitwise_equal([x.grad, weight.grad], got)
+
+
+def matmul_last(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # the matmul saves tanh's output and the weight as it is recorded: the
+    # recompute stops there, before asking the cache for its output
+    return torch.mm(torch.tanh(x), weight)
+
+
+def device_copies(group: Any) -> int:
+    """Device tensors the engine holds for an offloaded output's group (the
+    copies back it made), seen through the objects the group references."""
+    copies = [item for ref in gc.get_referents(group) if isinstance(ref, tuple)
+              for item in ref]
+    return sum(isinstance(ref, torch.Tensor) for copy in copies for ref in gc.get_referents(copy))
+
+
+def test_outputs_the_recompute_never_reaches_leave_the_device(offload) -> None:
+    """An early stop skips the ops after the last saved tensor: their
+    outputs were prefetched with the region, and leave the device when its
+    recompute ends, though the graph (retain_graph) still holds them."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    weights = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
+    modes = Modes(CheckpointPolicy.MUST_CPU_OFFLOAD)
+    h = x
+    for weight in weights:
+        h = matepoint.checkpoint(matmul_last, h, weight, context_fn=modes)
+    prefetched = fetches()[0]
+    h.sum().backward(retain_graph=True)
+    groups = [group._group for mode in modes.forward for group in mode._matepoint_offloaded]
+    assert len(groups) == len(weights) and None not in groups     # none was asked for
+    # yet each came back ahead, as did the inputs (two spans) of all but the last region
+    assert fetches()[0] - prefetched == len(weights) + 2 * (len(weights) - 1)
+    assert [device_copies(group) for group in groups] == [0] * len(weights)
+    got = [x.grad] + [w.grad for w in weights]
+    del h, groups
+    x.grad = None
+    for weight in weights:
+        weight.grad = None
+    h = x
+    for weight in weights:
+        h = matmul_last(h, weight)
+    h.sum().backward()
+    assert_bitwise_equal([x.grad] + [w.grad for w in weights], got)
