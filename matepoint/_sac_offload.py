@@ -8,11 +8,14 @@ policies). Under :func:`matepoint.checkpoint` the op's output is kept as
 ``MUST_SAVE`` would keep it, and sent through matepoint's offload engine
 (pinned host pool, copy-out stream, window) wherever the engine offloads a
 region's inputs: a CUDA tensor with offload enabled. It is copied back to
-its device when backward's recompute reaches the op. Where nothing can be
-offloaded (CPU tensors, offload turned off, tensors under
+its device ahead of use, as the region's inputs are: with them when the
+engine prefetches the region, or when the region's recompute begins, and
+the recompute waits for the copy on the device, not on the host. Where
+nothing can be offloaded (CPU tensors, offload turned off, tensors under
 ``min_offload_bytes``) the output stays where it is, exactly as with
-``MUST_SAVE``. An offloaded output changed in place later in the region's
-forward raises when backward needs it, even with
+``MUST_SAVE``. An offloaded output changed in place after it was offloaded
+(later in the region, or by the caller after it, while the caller holds
+it) raises when backward needs it, as torch's cache does, and even with
 ``allow_cache_entry_mutation=True``: its host copy no longer matches it.
 
 matepoint's checkpoint calls :func:`adapt` on the forward context before
@@ -20,11 +23,12 @@ the region runs; nothing here is public.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from matepoint import _C
 
@@ -36,6 +40,7 @@ _OFFLOAD_POLICIES = frozenset(
     if hasattr(_Policy, name)
 )
 _VersionWrapper = getattr(torch_checkpoint, "_VersionWrapper", None)
+_CachedMode = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
 _storage_key: Callable[[Any, Any], Any] = getattr(
     torch_checkpoint, "_sac_storage_key", lambda func, args: func)
 _is_compiling: Callable[..., bool] = getattr(
@@ -43,29 +48,65 @@ _is_compiling: Callable[..., bool] = getattr(
 
 
 class _OffloadedGroup:
-    """The tensors of one op's output that went to the host, restored
-    together the first time backward asks for one of them."""
+    """The tensors of one op's output that went to the host: copied back
+    ahead of the region's recompute (`prefetch`), handed back together the
+    first time backward asks for one of them."""
 
-    def __init__(self, group: Any, saved: List[Any], sources: List[torch.Tensor]) -> None:
+    def __init__(self, group: Any, saved: List[Any], sources: List[torch.Tensor],
+                 outputs: List[torch.Tensor]) -> None:
         self._group: Optional[Any] = group
         self._saved = saved
         self._restored: Optional[List[Optional[torch.Tensor]]] = None
         # the outputs and their versions, until the region's forward ends
         self._sources = [(tensor, tensor._version) for tensor in sources]
         self._mutated = False
+        # the op's outputs as the caller sees them, watched without keeping
+        # their memory: one changed in place after the region (as torch's
+        # cache would notice) makes the host copy stale
+        self._watched = [(weakref.ref(tensor), tensor._version) for tensor in outputs]
 
     def seal(self) -> None:
         """At the end of the region's forward: was an output changed in
         place after its copy was taken? The outputs are let go."""
-        self._mutated = any(tensor._version != version for tensor, version in self._sources)
+        self._mutated = self._mutated or any(
+            tensor._version != version for tensor, version in self._sources)
         self._sources = []
 
-    def take(self, index: int) -> torch.Tensor:
+    def _changed(self) -> bool:
         if self._mutated:
+            return True
+        for ref, version in self._watched:
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                return True
+        return False
+
+    def prefetch(self) -> None:
+        """Starts copying the host copies back (the recompute is about to
+        need them)."""
+        if self._group is not None and self._restored is None:
+            _C._sac_prefetch(self._group)
+
+    def discard(self) -> None:
+        """The recompute is over: what it did not take is dropped from the
+        device (the host copy stays)."""
+        if self._group is not None:
+            _C._sac_discard(self._group)
+
+    def _release(self) -> None:
+        if self._group is not None:
+            _C._sac_discard(self._group)
+        self._group = None
+        self._saved = []
+
+    def take(self, index: int) -> torch.Tensor:
+        if self._restored is None and self._changed():
+            self._release()     # nothing can use the host copy any more
             raise RuntimeError(
                 "Tensor cached during selective activation checkpoint has been mutated: "
-                "matepoint offloaded it (CPU-offload policy) and its host copy no longer "
-                "matches; save it with MUST_SAVE, or clone it before changing it in place")
+                "matepoint offloaded it to the host (CPU-offload policy) before it was "
+                "changed in place, so backward cannot use it; clone it before changing "
+                "it in place")
         if self._restored is None:
             if self._group is None:
                 raise RuntimeError("matepoint: an offloaded selective-checkpoint output was "
@@ -73,6 +114,7 @@ class _OffloadedGroup:
             self._restored = _C._sac_restore(self._group, self._saved)
             self._group = None
             self._saved = []
+            self._watched = []
         tensor = self._restored[index]
         self._restored[index] = None     # the cache entry holds nothing once used
         if tensor is None:
@@ -104,18 +146,25 @@ def _offloadable(leaf: Any) -> bool:
             and getattr(leaf, "unpack_hook", None) is None)
 
 
-def _offload_entry(entry: Any, groups: List[_OffloadedGroup]) -> Any:
-    """The storage entry of a saved op output, its tensors offloaded (their
-    group appended to `groups`); the entry itself when nothing could move."""
+def _offload_entry(entry: Any, out: Any, groups: List[_OffloadedGroup]) -> Any:
+    """The storage entry of a saved op output `out`, its tensors offloaded
+    (their group appended to `groups`); the entry itself when nothing could
+    move."""
     leaves: List[Any] = []
-    tree_map(lambda leaf: leaves.append(leaf) if _offloadable(leaf) else None, entry)
+    outputs: List[torch.Tensor] = []
+    # torch's entry is `out` with each leaf wrapped: the leaves pair up
+    paired = zip(tree_leaves(entry), tree_leaves(out))
+    for leaf, output in paired:
+        if _offloadable(leaf):
+            leaves.append(leaf)
+            outputs.append(output if isinstance(output, torch.Tensor) else leaf.val)
     if not leaves:
         return entry
     sources = [leaf.val for leaf in leaves]
     moved: Optional[Tuple[Any, List[Any]]] = _C._sac_offload(sources)
     if moved is None:
         return entry
-    owner = _OffloadedGroup(moved[0], moved[1], sources)
+    owner = _OffloadedGroup(moved[0], moved[1], sources, outputs)
     groups.append(owner)
     slots: Dict[int, _OffloadedEntry] = {
         id(leaf): _OffloadedEntry(owner, i)
@@ -147,6 +196,7 @@ class _OffloadingMode:
     policy_fn: _OffloadPolicies
     storage: Any
     func_counter: Any
+    _matepoint_offloaded: List[_OffloadedGroup]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -158,28 +208,64 @@ class _OffloadingMode:
             policies.offload = False
             key = _storage_key(func, args)
             index = self.func_counter[key] - 1
-            groups = self.__dict__.setdefault("_matepoint_offloaded", [])
-            self.storage[key][index] = _offload_entry(self.storage[key][index], groups)
+            self.storage[key][index] = _offload_entry(self.storage[key][index], out,
+                                                      self._matepoint_offloaded)
         return out
 
     def __exit__(self, *exc_info: Any) -> Any:
-        for group in self.__dict__.pop("_matepoint_offloaded", ()):
+        for group in self._matepoint_offloaded:
             group.seal()
         return super().__exit__(*exc_info)  # type: ignore[misc]
 
 
-_adapted: Dict[type, type] = {}
+class _PrefetchingMode:
+    """Mixed into torch's recompute mode: the region's offloaded outputs
+    start coming back when its recompute begins (unless the engine fetched
+    them with the region already), and what it did not take leaves the
+    device when it ends (an early stop skips the ops after the last saved
+    tensor)."""
+
+    _matepoint_offloaded: List[_OffloadedGroup]
+
+    def __enter__(self) -> Any:
+        # before the mode is pushed: the copies' device buffers are made by
+        # torch ops, which the mode must not see
+        for group in self._matepoint_offloaded:
+            group.prefetch()
+        return super().__enter__()  # type: ignore[misc]
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        try:
+            return super().__exit__(*exc_info)  # type: ignore[misc]
+        finally:
+            for group in self._matepoint_offloaded:
+                group.discard()
 
 
-def adapt(mode: Any) -> None:
+_adapted: Dict[Tuple[type, type], type] = {}
+
+
+def _adapt_class(mode: Any, mixin: type) -> None:
+    cls = type(mode)
+    adapted = _adapted.get((mixin, cls))
+    if adapted is None:
+        adapted = type(cls.__name__, (mixin, cls), {"__module__": __name__})
+        _adapted[(mixin, cls)] = adapted
+    mode.__class__ = adapted
+
+
+def adapt(mode: Any, recompute: Any = None) -> None:
     """Makes torch's selective-checkpoint caching mode ``mode`` honour
-    offload policies (in place: its class and policy_fn change)."""
+    offload policies (in place: its class and policy_fn change), and its
+    recompute mode ``recompute`` (torch's cached mode, when given) prefetch
+    what ``mode`` offloaded."""
     if not _OFFLOAD_POLICIES or isinstance(mode, _OffloadingMode):
         return
-    cls = type(mode)
-    adapted = _adapted.get(cls)
-    if adapted is None:
-        adapted = type(cls.__name__, (_OffloadingMode, cls), {"__module__": __name__})
-        _adapted[cls] = adapted
+    groups: List[_OffloadedGroup] = []
     mode.policy_fn = _OffloadPolicies(mode.policy_fn)
-    mode.__class__ = adapted
+    mode._matepoint_offloaded = groups
+    _adapt_class(mode, _OffloadingMode)
+    if _CachedMode is not None and isinstance(recompute, _CachedMode) and \
+            not isinstance(recompute, _PrefetchingMode):
+        recompute._matepoint_offloaded = groups
+        _adapt_class(recompute, _PrefetchingMode)

@@ -4,6 +4,7 @@ host where the offload engine can move it (matepoint/_sac_offload.py)."""
 from __future__ import annotations
 
 import functools
+import gc
 from typing import Any, Callable, List, Tuple
 
 import pytest
@@ -190,3 +191,156 @@ def test_offloaded_output_changed_in_place_raises(offload) -> None:
     out = matepoint.checkpoint(mutated_block, x, weight, context_fn=context_fn)
     with pytest.raises(RuntimeError, match="has been mutated: matepoint offloaded it"):
         out.sum().backward()
+
+
+class TwoMatmuls(nn.Module):
+    """Blocks with two matmuls each, whose outputs later ops save."""
+
+    def __init__(self, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.first = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.second = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, wrap: Callable, **kwargs: Any) -> torch.Tensor:
+        for first, second in zip(self.first, self.second):
+            x = wrap(lambda h, a=first, b=second: torch.tanh(b(torch.tanh(a(h)))) * torch.sigmoid(h),
+                     x, **kwargs)
+        return x
+
+
+def fetches() -> Tuple[int, int]:
+    stats = matepoint.pool_stats()
+    return stats["prefetched"], stats["fetched_at_need"]
+
+
+@pytest.mark.parametrize("inputs_offloaded", [True, False], ids=["inputs-offloaded", "inputs-kept"])
+def test_offloaded_outputs_come_back_ahead_of_use(simulated, monkeypatch,
+                                                  inputs_offloaded: bool) -> None:
+    """On a GPU that runs nothing until something waits for it, every
+    offloaded matmul output was already being copied back (on the copy-in
+    stream, with its region's inputs or when its recompute began) when
+    the recompute asked for it: no restore copies anything at need, the
+    regions' inputs are still prefetched one ahead, nothing synchronizes
+    the host under the GIL, and the gradients are bit-identical."""
+    torch.manual_seed(0)
+    model, x = TwoMatmuls(), torch.randn(8, 32)
+    depth = len(model.first)
+    plain, _ = step(model, x, no_checkpoint)
+    restore = _C._sac_restore
+    at_need: List[int] = []
+
+    def watched_restore(group: Any, saved: List[Any]) -> List[Any]:
+        before = fetches()[1]
+        tensors = restore(group, saved)
+        at_need.append(fetches()[1] - before)
+        return tensors
+
+    monkeypatch.setattr(_C, "_sac_restore", watched_restore)
+    xg = x.clone().requires_grad_(True)
+    wrap = selective(CheckpointPolicy.MUST_CPU_OFFLOAD)
+    loss = (model(xg, wrap, matepoint_offload=inputs_offloaded) ** 2).mean()
+    model.zero_grad(set_to_none=True)
+    (prefetched, fetched), syncs = fetches(), _C._sim_stats()["synchronized_under_gil"]
+    loss.backward()
+    assert at_need == [0] * (2 * depth)              # every output used, none fetched at need
+    inputs = depth if inputs_offloaded else 0
+    # all but the last region's input came ahead; that one is needed at once
+    assert fetches()[1] - fetched == (1 if inputs_offloaded else 0)
+    assert fetches()[0] - prefetched == 2 * depth + max(inputs - 1, 0)
+    assert _C._sim_stats()["synchronized_under_gil"] == syncs
+    assert_bitwise_equal(plain, [xg.grad] + [p.grad for p in model.parameters()])
+
+
+def returns_its_matmul(x: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    y = torch.mm(x, weight)
+    return y, torch.sigmoid(y)      # the recompute reaches the cached matmul
+
+
+MUTATED = "Tensor cached during selective activation checkpoint has been mutated"
+
+
+@pytest.mark.parametrize("case", [
+    ("torch", CheckpointPolicy.MUST_SAVE, None),
+    ("matepoint", CheckpointPolicy.MUST_SAVE, None),
+    ("matepoint", CheckpointPolicy.MUST_CPU_OFFLOAD, None),           # kept on the CPU
+    ("matepoint", CheckpointPolicy.MUST_CPU_OFFLOAD, "offload"),      # offloaded
+    ("matepoint", CheckpointPolicy.PREFER_CPU_OFFLOAD, "simulated"),  # offloaded, GPU lagging
+], ids=lambda case: "-".join([case[0], case[1].name] + ([case[2]] if case[2] else [])))
+def test_output_changed_in_place_after_the_region_raises(request, case) -> None:
+    """An output the region returns, changed in place by the caller: torch's
+    cache (MUST_SAVE) raises when backward reaches it, and so does matepoint
+    whether it kept the output or offloaded it (its host copy is stale,
+    and goes at once). Nothing is held after the graph goes, and the next
+    step is exact."""
+    library, policy, gpu = case
+    if gpu is not None:
+        request.getfixturevalue(gpu)
+    import torch.utils.checkpoint as torch_checkpoint
+    run = (functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)
+           if library == "torch" else matepoint.checkpoint)
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    weight = torch.randn(32, 32, requires_grad=True)
+    y, s = run(returns_its_matmul, x, weight, context_fn=Modes(policy))
+    y.add_(1)
+    in_use = matepoint.pool_stats()["bytes_in_use"]
+    with pytest.raises(RuntimeError, match=MUTATED):
+        (y.sum() + s.sum()).backward()
+    if gpu is not None:     # the stale host copy went at once, the inputs' with the graph
+        assert matepoint.pool_stats()["bytes_in_use"] < in_use
+    del y, s
+    gc.collect()
+    assert matepoint.pool_stats()["bytes_in_use"] == 0
+
+    x.grad = weight.grad = None
+    y, s = run(returns_its_matmul, x, weight, context_fn=Modes(policy))
+    (y.sum() + s.sum()).backward()
+    got = [x.grad, weight.grad]
+    x.grad = weight.grad = None
+    y, s = returns_its_matmul(x, weight)
+    (y.sum() + s.sum()).backward()
+    assert_bitwise_equal([x.grad, weight.grad], got)
+
+
+def matmul_last(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # the matmul saves tanh's output and the weight as it is recorded: the
+    # recompute stops there, before asking the cache for its output
+    return torch.mm(torch.tanh(x), weight)
+
+
+def device_copies(group: Any) -> int:
+    """Device tensors the engine holds for an offloaded output's group (the
+    copies back it made), seen through the objects the group references."""
+    copies = [item for ref in gc.get_referents(group) if isinstance(ref, tuple)
+              for item in ref]
+    return sum(isinstance(ref, torch.Tensor) for copy in copies for ref in gc.get_referents(copy))
+
+
+def test_outputs_the_recompute_never_reaches_leave_the_device(offload) -> None:
+    """An early stop skips the ops after the last saved tensor: their
+    outputs were prefetched with the region, and leave the device when its
+    recompute ends, though the graph (retain_graph) still holds them."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    weights = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
+    modes = Modes(CheckpointPolicy.MUST_CPU_OFFLOAD)
+    h = x
+    for weight in weights:
+        h = matepoint.checkpoint(matmul_last, h, weight, context_fn=modes)
+    prefetched = fetches()[0]
+    h.sum().backward(retain_graph=True)
+    groups = [group._group for mode in modes.forward for group in mode._matepoint_offloaded]
+    assert len(groups) == len(weights) and None not in groups     # none was asked for
+    # yet each came back ahead, as did the inputs (two spans) of all but the last region
+    assert fetches()[0] - prefetched == len(weights) + 2 * (len(weights) - 1)
+    assert [device_copies(group) for group in groups] == [0] * len(weights)
+    got = [x.grad] + [w.grad for w in weights]
+    del h, groups
+    x.grad = None
+    for weight in weights:
+        weight.grad = None
+    h = x
+    for weight in weights:
+        h = matmul_last(h, weight)
+    h.sum().backward()
+    assert_bitwise_equal([x.grad] + [w.grad for w in weights], got)

@@ -294,9 +294,10 @@ check_respect_hooks(PyObject *value)
 
 /* Selective checkpointing's offload policies: torch's eager caching mode
  * recomputes those ops; matepoint/_sac_offload.py makes it keep their
- * outputs on the host, through the offload engine, instead. */
+ * outputs on the host, through the offload engine, instead, and the
+ * recompute mode bring them back ahead of use. */
 static int
-adapt_offload_policies(mp_state *st, PyObject *forward)
+adapt_offload_policies(mp_state *st, PyObject *forward, PyObject *recompute)
 {
     if (forward == NULL)
         return 0;
@@ -305,7 +306,9 @@ adapt_offload_policies(mp_state *st, PyObject *forward)
     if (selective <= 0)
         return selective;
     PyObject *adapter = PyImport_ImportModule("matepoint._sac_offload");
-    PyObject *done = adapter ? PyObject_CallMethod(adapter, "adapt", "O", forward) : NULL;
+    PyObject *done = adapter ? PyObject_CallMethod(adapter, "adapt", "OO", forward,
+                                                   recompute ? recompute : Py_None)
+                             : NULL;
     Py_XDECREF(adapter);
     Py_XDECREF(done);
     return done == NULL ? -1 : 0;
@@ -440,7 +443,7 @@ checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObjec
     frame->early_stop = (char)global_override(st, "_enable_checkpoint_early_stop", early_stop);
     if (resolve_contexts(st, opts, &forward, &frame->recompute_context, &frame->error_cb) < 0 ||
         pass_respect_hooks(st, forward, opts->respect_saved_tensors_hooks) < 0 ||
-        adapt_offload_policies(st, forward) < 0 ||
+        adapt_offload_policies(st, forward, frame->recompute_context) < 0 ||
         frame_capture(frame, args, fn_kwargs, preserve_rng, offload_override) < 0)
         goto done;
     uint64_t outer_tag = alloc_link_tag(&st->alloc, alloc_region_tag(frame->region_id, TAG_FORWARD));

@@ -130,6 +130,10 @@ PyDoc_STRVAR(sac_offload_doc,
 "_sac_offload($module, tensors, /)\n--\n\nOffload a selectively checkpointed op's output tensors: (group, saved), or None when none moved.");
 PyDoc_STRVAR(sac_restore_doc,
 "_sac_restore($module, group, saved, /)\n--\n\nThe tensors _sac_offload moved, back on their device (None where one stayed).");
+PyDoc_STRVAR(sac_prefetch_doc,
+"_sac_prefetch($module, group, /)\n--\n\nStart copying back the tensors _sac_offload moved, ahead of _sac_restore.");
+PyDoc_STRVAR(sac_discard_doc,
+"_sac_discard($module, group, /)\n--\n\nDrop the device copies _sac_prefetch made that no _sac_restore took.");
 PyDoc_STRVAR(empty_pool_doc,
 "empty_pool($module, /)\n--\n\nFree cached, unused host pool buffers.");
 PyDoc_STRVAR(configure_doc,
@@ -162,6 +166,8 @@ static PyMethodDef module_methods[] = {
     {"_offload_device_type", offload_device_type_py, METH_NOARGS, offload_device_type_doc},
     {"_sac_offload", offload_sac_save_py, METH_O, sac_offload_doc},
     {"_sac_restore", offload_sac_restore_py, METH_VARARGS, sac_restore_doc},
+    {"_sac_prefetch", offload_sac_prefetch_py, METH_O, sac_prefetch_doc},
+    {"_sac_discard", offload_sac_discard_py, METH_O, sac_discard_doc},
     {"_configure", (PyCFunction)(void (*)(void))options_configure_py,
      METH_VARARGS | METH_KEYWORDS, configure_doc},
     {"_check_option", (PyCFunction)(void (*)(void))options_check_py, METH_FASTCALL,

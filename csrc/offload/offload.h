@@ -78,23 +78,35 @@ int offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyOb
 int offload_save_outputs(mp_state *st, PyObject *module, PyObject *tensors, PyObject *saved,
                          PyObject **group_out, PyObject **records_out);
 /* Python: _sac_offload(tensors) -> (group, saved) or None when nothing
- * moved; _sac_restore(group, saved) -> the tensors (None where kept). */
+ * moved; _sac_restore(group, saved) -> the tensors (None where kept);
+ * _sac_prefetch(group) starts copying them back on the copy-in stream
+ * (when the options pipeline); _sac_discard(group) drops what was copied
+ * back but not handed out (the host copy stays). */
 PyObject *offload_sac_save_py(PyObject *module, PyObject *tensors);
 PyObject *offload_sac_restore_py(PyObject *module, PyObject *args);
+PyObject *offload_sac_prefetch_py(PyObject *module, PyObject *group);
+PyObject *offload_sac_discard_py(PyObject *module, PyObject *group);
 /* After the forward: marks records whose input the region changed in place
  * (their copy may be torn; restoring them raises). */
 int offload_check_forward(mp_state *st, PyObject *records);
 
 /* Restores a region's offloaded inputs, the one entry point of the restore
  * direction: fetches the spans of `group` (NULL: nothing was offloaded)
- * and, when prefetch_ahead and the options allow, prefetches the groups
- * backward reaches next; then calls unpack_inputs(ctx), which unpacks each
+ * and, when the options pipeline, prefetches the outputs selective
+ * checkpointing offloaded in the region and, when prefetch_ahead too, the
+ * groups backward reaches next; then calls unpack_inputs(ctx), which unpacks each
  * saved input (an offloaded one through offload_unpack_hook, directly or
  * through SavedTensor); then discards the restored copies, whose views the
  * unpacked inputs hold. Returns what unpack_inputs returned, -1 when the
  * fetch failed. */
 int offload_restore_group(mp_state *st, PyObject *group, int prefetch_ahead,
                           int (*unpack_inputs)(void *ctx), void *ctx);
+
+/* Copies `group`'s spans back on the copy-in stream ahead of their use
+ * (nothing when the options do not pipeline or the group was handed back);
+ * drops the copies back that nothing took (offload_sac.c). */
+int offload_prefetch_group(mp_state *st, PyObject *group);
+void offload_discard_group(mp_state *st, PyObject *group);
 
 /* The unpack hook of offloaded inputs (st->offload_unpack): restores one
  * record's tensor; raises when the input was changed in place since it was

@@ -270,6 +270,12 @@ struct OffloadGroup {
     OffloadGroup *prev, *next;
     int linked;
     unsigned long thread;       /* creator: backward order means nothing across threads */
+    /* a selectively checkpointed op's outputs (offload_sac.c), linked after
+     * the inputs of their region: fetched with that region, not counted in
+     * the prefetch depth, and skipped by prefetch once handed back (or once
+     * their region's recompute ended without them) */
+    int outputs;
+    int handed_back;
 };
 
 typedef struct {

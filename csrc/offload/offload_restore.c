@@ -145,8 +145,34 @@ fetch_group(mp_state *st, OffloadGroup *group, int on_copy_stream)
     return 0;
 }
 
-/* Fetches the group's spans and, when prefetch_ahead and the options
- * allow, prefetches the groups backward reaches next. */
+/* Prefetches, on the copy-in stream, the groups of `thread` from `from`
+ * on: walking `prev`, until `regions` inputs groups were fetched (the
+ * outputs groups met on the way belong to those regions); else walking
+ * `next`, the outputs groups up to the next inputs group. Fetching lets
+ * other threads run and free groups, so the walk holds the group it
+ * stands on. */
+static int
+prefetch_walk(mp_state *st, OffloadGroup *from, unsigned long thread, int backwards, int regions)
+{
+    int fetched = 0, failed = 0;
+    OffloadGroup *at = (OffloadGroup *)Py_XNewRef(from);
+    while (at != NULL && !failed && (backwards ? fetched < regions : at->outputs)) {
+        if (at->thread == thread && !at->handed_back) {
+            failed = fetch_group(st, at, 1) < 0;
+            fetched += !at->outputs;
+        }
+        OffloadGroup *next = at->linked ? (backwards ? at->prev : at->next) : NULL;
+        Py_XINCREF(next);
+        Py_SETREF(at, next);
+    }
+    Py_XDECREF(at);
+    return failed ? -1 : 0;
+}
+
+/* Fetches the group's spans and, when the options pipeline, the outputs
+ * selective checkpointing offloaded in its region (linked right after it:
+ * its recompute needs them next); when prefetch_ahead too, the groups
+ * backward reaches next (the regions before it, with their outputs). */
 static int
 begin_restore(mp_state *st, OffloadGroup *group, int prefetch_ahead)
 {
@@ -158,25 +184,13 @@ begin_restore(mp_state *st, OffloadGroup *group, int prefetch_ahead)
         return -1;
     if (fetch_group(st, group, 0) < 0)
         return -1;
-    if (!opts->pipeline || !prefetch_ahead)
+    if (!opts->pipeline || group->outputs)
         return 0;
-    /* backward runs this thread's frames in reverse creation order: fetch
-     * those ahead. Fetching lets other threads run and free groups, so the
-     * walk holds the group it stands on. */
-    int fetched = 0, failed = 0;
-    OffloadGroup *ahead = group->linked ? group->prev : NULL;
-    Py_XINCREF(ahead);
-    while (ahead != NULL && fetched < opts->prefetch_depth && !failed) {
-        if (ahead->thread == group->thread) {
-            failed = fetch_group(st, ahead, 1) < 0;
-            fetched++;
-        }
-        OffloadGroup *next = ahead->linked ? ahead->prev : NULL;
-        Py_XINCREF(next);
-        Py_SETREF(ahead, next);
-    }
-    Py_XDECREF(ahead);
-    return failed ? -1 : 0;
+    if (prefetch_walk(st, group->next, group->thread, 0, 0) < 0)
+        return -1;
+    /* backward runs this thread's frames in reverse creation order */
+    return prefetch_ahead ? prefetch_walk(st, group->prev, group->thread, 1, opts->prefetch_depth)
+                          : 0;
 }
 
 int
@@ -189,9 +203,27 @@ offload_restore_group(mp_state *st, PyObject *group_obj, int prefetch_ahead,
     int result = begin_restore(st, group, prefetch_ahead) < 0 ? -1 : unpack_inputs(ctx);
     /* every view taken holds the restored storage itself; on an error,
      * what was fetched goes as well */
+    offload_discard_group(st, group_obj);
+    return result;
+}
+
+int
+offload_prefetch_group(mp_state *st, PyObject *group_obj)
+{
+    OffloadGroup *group = (OffloadGroup *)group_obj;
+    if (!st->engine->options.pipeline || group->device == NULL || group->handed_back)
+        return 0;
+    if (offload_window_retire_all(st, group->device) < 0)
+        return -1;
+    return fetch_group(st, group, 1);
+}
+
+void
+offload_discard_group(mp_state *st, PyObject *group_obj)
+{
+    OffloadGroup *group = (OffloadGroup *)group_obj;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(group->copies); i++)
         discard_restored(st, (StorageCopy *)PyTuple_GET_ITEM(group->copies, i));
-    return result;
 }
 
 static PyObject *

@@ -1,7 +1,9 @@
 /* Selective checkpointing's offload policies (MUST_CPU_OFFLOAD,
  * PREFER_CPU_OFFLOAD) in eager mode: an op's outputs that the policy keeps
  * go through the engine like a region's inputs (pool, copy-out stream,
- * window) and come back when the recompute asks for them. The caching mode
+ * window) and come back ahead of the recompute that asks for them: their
+ * group is linked after the region's inputs and prefetched with them
+ * (offload_restore.c), or when the recompute begins. The caching mode
  * around it is Python (matepoint/_sac_offload.py). */
 #include "offload.h"
 #include "offload_internal.h"
@@ -31,6 +33,7 @@ offload_sac_save_py(PyObject *module, PyObject *tensors)
      * checks each record's source version again */
     if (offload_check_forward(st, records) < 0)
         goto error;
+    ((OffloadGroup *)group)->outputs = 1;
     PyObject *result = PyTuple_Pack(2, group, saved);
     Py_DECREF(group);
     Py_DECREF(records);
@@ -83,9 +86,44 @@ offload_sac_restore_py(PyObject *module, PyObject *args)
     sac_unpack_ctx ctx = {.st = st, .saved = saved, .tensors = PyList_New(PyList_GET_SIZE(saved))};
     if (ctx.tensors == NULL)
         return NULL;
+    /* handed out once (torch's cache allows one backward): no prefetch
+     * may copy it back again */
+    ((OffloadGroup *)group)->handed_back = 1;
     if (offload_restore_group(st, group, 0, sac_unpack, &ctx) < 0) {
         Py_DECREF(ctx.tensors);
         return NULL;
     }
     return ctx.tensors;
+}
+
+static int
+check_group(mp_state *st, PyObject *group, const char *function)
+{
+    if (Py_IS_TYPE(group, st->offload_group_type))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "matepoint: %s takes an offload group, got %.100s", function,
+                 Py_TYPE(group)->tp_name);
+    return -1;
+}
+
+PyObject *
+offload_sac_prefetch_py(PyObject *module, PyObject *group)
+{
+    mp_state *st = mp_state_of(module);
+    if (check_group(st, group, "_sac_prefetch") < 0 || offload_prefetch_group(st, group) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyObject *
+offload_sac_discard_py(PyObject *module, PyObject *group)
+{
+    mp_state *st = mp_state_of(module);
+    if (check_group(st, group, "_sac_discard") < 0)
+        return NULL;
+    /* its region's recompute is over: what it did not reach (an early stop)
+     * is not worth copying back again */
+    ((OffloadGroup *)group)->handed_back = 1;
+    offload_discard_group(st, group);
+    Py_RETURN_NONE;
 }
