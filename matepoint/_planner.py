@@ -1,7 +1,7 @@
 """Budget planner: per block of a chain, keep its activations, recompute it,
 recompute it and offload its input, or recompute it selectively (keeping the
-outputs of its matmuls, convolutions and attention), so that activation
-memory fits a budget at the least step time.
+outputs of its matmuls, convolutions and attention, or offloading them with
+its input), so that activation memory fits a budget at the least step time.
 
 ``matepoint.plan(blocks, x, budget_bytes=...)`` profiles each block once,
 solves the choice exactly in C (csrc/planner) and returns a :class:`Plan`
@@ -33,7 +33,9 @@ from matepoint._timing import time_call
 
 log = logging.getLogger("matepoint.planner")
 
-CHOICES = ("keep", "recompute", "offload", "selective")
+CHOICES = ("keep", "recompute", "offload", "selective", "offload+selective")
+# the choices that need the offload engine
+_OFFLOADING = frozenset((CHOICES.index("offload"), CHOICES.index("offload+selective")))
 MIB = float(1 << 20)
 # byte counts stay within the solver's 64-bit arithmetic
 MAX_BYTES = (1 << 63) - 1
@@ -134,8 +136,8 @@ class Plan:
     :meth:`save` and :meth:`load` keep it as JSON so a run can reuse it.
 
     Attributes:
-        choices: per block, ``"keep"``, ``"recompute"``, ``"offload"`` or
-            ``"selective"``.
+        choices: per block, ``"keep"``, ``"recompute"``, ``"offload"``,
+            ``"selective"`` or ``"offload+selective"``.
         profiles: what each block measured (:class:`BlockProfile`).
         budget_bytes: the activation budget it was planned for.
         unit_bytes: the solver's memory quantum.
@@ -223,12 +225,12 @@ class Plan:
                  f"{max(peak for _, peak in rows) / MIB:.1f} MiB, step {step_s * 1e3:.2f}"
                  f" ms ({'pipelined' if self.pipeline else 'unpipelined'} copies)"
                  + (f"; {self.note}" if self.note else ""),
-                 f"{'block':>5} {'choice':>9} {'held MiB':>9} {'peak MiB':>9} {'input MiB':>9} "
+                 f"{'block':>5} {'choice':>17} {'held MiB':>9} {'peak MiB':>9} {'input MiB':>9} "
                  f"{'act MiB':>9} {'time ms':>9}"]
         for i, (choice, p, (seconds, peak)) in enumerate(zip(self.choices, self.profiles, rows)):
             held = {"keep": p.activation_bytes, "recompute": p.input_bytes, "offload": 0,
-                    "selective": p.selective_bytes}[choice]
-            lines.append(f"{i:>5} {choice:>9} {held / MIB:>9.2f} {peak / MIB:>9.2f} "
+                    "selective": p.selective_bytes, "offload+selective": 0}[choice]
+            lines.append(f"{i:>5} {choice:>17} {held / MIB:>9.2f} {peak / MIB:>9.2f} "
                          f"{p.input_bytes / MIB:>9.2f} {p.activation_bytes / MIB:>9.2f} "
                          f"{seconds * 1e3:>9.3f}")
         return "\n".join(lines)
@@ -311,9 +313,10 @@ class PlannedBlock(nn.Module):
         block: the module or callable to run.
         choice: ``"keep"`` (run as is), ``"recompute"`` (checkpointed, its
             input kept on the device), ``"offload"`` (checkpointed, its
-            input offloaded to host memory) or ``"selective"`` (checkpointed,
-            the outputs of its matmuls, convolutions and attention kept);
-            anything else is a ValueError.
+            input offloaded to host memory), ``"selective"`` (checkpointed,
+            the outputs of its matmuls, convolutions and attention kept) or
+            ``"offload+selective"`` (as selective, those outputs and its
+            input offloaded); anything else is a ValueError.
         prefetch: whether its recompute may start bringing back the input of
             the offloaded region before it.
     """
@@ -366,12 +369,30 @@ def selective_context() -> Tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
+def _offload_selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any
+                              ) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_CPU_OFFLOAD if func.overloadpacket in SELECTIVE_SAVED_OPS \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def offload_selective_context() -> Tuple[Any, Any]:
+    """The ``context_fn`` of the offload+selective choice: the outputs
+    selective saves go to host memory (kept where offload cannot run)."""
+    return create_selective_checkpoint_contexts(_offload_selective_policy)
+
+
 def _choice_options(choice: str, prefetch: bool) -> Dict[str, Any]:
     """The checkpoint keyword arguments that run ``choice``."""
-    options = {"use_reentrant": False, "matepoint_offload": choice == "offload",
-               "matepoint_prefetch": prefetch}
+    offload_selective = choice == "offload+selective"
+    # offload+selective neither prefetches nor is prefetched (the planner's
+    # model): its restore brings back only its own input
+    options = {"use_reentrant": False,
+               "matepoint_offload": choice == "offload" or offload_selective,
+               "matepoint_prefetch": prefetch and not offload_selective}
     if choice == "selective":
         options["context_fn"] = selective_context
+    elif offload_selective:
+        options["context_fn"] = offload_selective_context
     return options
 
 
@@ -379,8 +400,8 @@ def apply_choice(block: Callable, choice: str, prefetch: bool = True) -> Callabl
     """Makes ``block`` run as ``choice`` says; returns what to call.
 
     A module is changed in place (its ``forward`` replaced on the instance
-    for ``"recompute"``, ``"offload"`` and ``"selective"``, its own ``forward`` back for
-    ``"keep"``) and returned; any other callable comes back wrapped in a
+    for any choice but ``"keep"``, its own ``forward`` back for ``"keep"``)
+    and returned; any other callable comes back wrapped in a
     :class:`PlannedBlock`.
     """
     if not isinstance(choice, str) or choice not in CHOICES:
@@ -396,11 +417,13 @@ def apply_choice(block: Callable, choice: str, prefetch: bool = True) -> Callabl
 
 def planned_choice(block: nn.Module) -> str:
     """What ``block`` runs as: ``"keep"`` (its own forward), ``"recompute"``,
-    ``"offload"`` or ``"selective"`` (checkpointed by :meth:`Plan.apply` or
-    :func:`matepoint.checkpoint_module`)."""
+    ``"offload"``, ``"selective"`` or ``"offload+selective"`` (checkpointed by
+    :meth:`Plan.apply` or :func:`matepoint.checkpoint_module`)."""
     if not is_checkpointed(block):
         return "keep"
     options = block.forward.options
+    if options.get("context_fn") is offload_selective_context:
+        return "offload+selective"
     if options.get("matepoint_offload"):
         return "offload"
     return "selective" if options.get("context_fn") is selective_context else "recompute"
@@ -409,7 +432,8 @@ def planned_choice(block: nn.Module) -> str:
 def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
          unit_bytes: Optional[int] = None, pipeline: Optional[bool] = None,
          bandwidth_bytes_per_s: Optional[float] = None, repeats: int = 3) -> Plan:
-    """Chooses keep / recompute / offload / selective per block within ``budget_bytes``.
+    """Chooses keep / recompute / offload / selective / offload+selective per
+    block within ``budget_bytes``.
 
     Args:
         blocks: run in order, each on the previous one's output (as
@@ -433,8 +457,8 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
 
     Offload is planned only where it can run: when the sample inputs are
     CUDA tensors (or CPU tensors standing for them on the simulated GPU of
-    test builds) and the ``offload`` option is on. Otherwise every block is kept or recomputed,
-    and the plan's ``note`` (also in its table) says why.
+    test builds) and the ``offload`` option is on (offload+selective too). Otherwise no
+    block offloads, and the plan's ``note`` (also in its table) says why.
 
     Returns:
         A :class:`Plan`.
@@ -530,7 +554,7 @@ def solve(profiles: List[BlockProfile], budget_bytes: int, unit_bytes: int,
         budget_bytes: the activation budget.
         unit_bytes: the solver's memory quantum.
         pipeline: whether backward prefetches offloaded inputs.
-        offload: False leaves offload out (only keep and recompute).
+        offload: False leaves offload and offload+selective out.
         note: why offload was left out, for the plan's table.
 
     Raises:
@@ -539,7 +563,7 @@ def solve(profiles: List[BlockProfile], budget_bytes: int, unit_bytes: int,
     units = _units(profiles, unit_bytes, offload)
     budget_units = budget_bytes // unit_bytes
     solved = _C._plan_solve(units, budget_units, pipeline)
-    if solved is None or (not offload and CHOICES.index("offload") in solved[0]):
+    if solved is None or (not offload and _OFFLOADING.intersection(solved[0])):
         raise PlanError(budget_bytes, _smallest_budget(units, pipeline, offload) * unit_bytes)
     choices, seconds, peak_units = solved
     result = Plan([CHOICES[c] for c in choices], profiles, budget_bytes, unit_bytes, pipeline,
@@ -575,6 +599,15 @@ def default_unit(budget_bytes: int) -> int:
     return max(1024, 1 << max(0, math.ceil(math.log2(max(1, budget_bytes // 100_000)))))
 
 
+def _selective_copy_s(p: BlockProfile) -> float:
+    """One-way copy of the input and the selective saves: copy_s scaled by
+    bytes (a block without input bytes gives no bandwidth: never chosen)."""
+    nbytes = p.input_bytes if p.selective_bytes is None else p.selective_bytes
+    if p.input_bytes == 0:
+        return 0.0 if nbytes == 0 else _NO_OFFLOAD_COPY_S
+    return p.copy_s * (nbytes / p.input_bytes)
+
+
 def _units(profiles: List[BlockProfile], unit_bytes: int, offload: bool = True) -> List[Tuple]:
     def up(nbytes: int) -> int:
         return -(-nbytes // unit_bytes)
@@ -582,7 +615,8 @@ def _units(profiles: List[BlockProfile], unit_bytes: int, offload: bool = True) 
              up(p.input_bytes), up(p.activation_bytes),
              up(p.keep_work_bytes()), up(p.checkpoint_work_bytes()),
              _UNMEASURED_S if p.selective_s is None else p.selective_s,
-             up(p.input_bytes if p.selective_bytes is None else p.selective_bytes))
+             up(p.input_bytes if p.selective_bytes is None else p.selective_bytes),
+             _selective_copy_s(p) if offload else _NO_OFFLOAD_COPY_S)
             for p in profiles]
 
 
@@ -598,7 +632,7 @@ def _smallest_budget(units: List[Tuple], pipeline: bool, offload: bool) -> int:
 
     def fits(budget: int) -> bool:
         solved = _C._plan_solve(units, budget, pipeline)
-        return solved is not None and CHOICES.index("offload") not in solved[0]
+        return solved is not None and not _OFFLOADING.intersection(solved[0])
 
     while low < high:
         middle = (low + high) // 2

@@ -129,7 +129,8 @@ def test_measured_peak_stays_within_the_prediction(offload_heap_memory) -> None:
         assert plan.predicted_peak_bytes <= budget_mib * MIB
         assert measured <= 1.05 * plan.predicted_peak_bytes
         assert measured >= 0.8 * plan.predicted_peak_bytes  # the model is not vacuous
-    assert {"keep", "offload", "selective"} <= seen
+    # offload+selective may take every place offload would
+    assert {"keep", "selective"} <= seen and {"offload", "offload+selective"} & seen
 
 
 def test_too_small_a_budget_names_the_smallest_feasible(offload) -> None:

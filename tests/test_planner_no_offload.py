@@ -66,4 +66,5 @@ def test_plan_offloads_where_it_can_run(offload_heap_memory) -> None:
     plan = profiled(model, x)
     assert plan.offload and plan.note == ""
     budget = smallest(plan.profiles, True)
-    assert "offload" in solve(plan.profiles, budget, 1024, True).choices
+    choices = solve(plan.profiles, budget, 1024, True).choices
+    assert {"offload", "offload+selective"} & set(choices), choices

@@ -1,7 +1,8 @@
 /* Python face of the budget planner (planner/planner.h). Blocks arrive as a
  * sequence of (forward_s, backward_s, copy_s, input_units,
  * activation_units, keep_work_units, checkpoint_work_units, selective_s,
- * selective_units) tuples; choices as a bytes object of PLAN_* values. The solver runs without the GIL. */
+ * selective_units, selective_copy_s) tuples; choices as a bytes object of
+ * PLAN_* values. The solver runs without the GIL. */
 #include "plan.h"
 
 #include "planner/planner.h"
@@ -14,21 +15,21 @@ block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
 {
     long long units[5];
     if (!PyTuple_Check(item) ||
-        !PyArg_ParseTuple(item, "dddLLLLdL", &block->forward_s, &block->backward_s,
+        !PyArg_ParseTuple(item, "dddLLLLdLd", &block->forward_s, &block->backward_s,
                           &block->copy_s, &units[0], &units[1], &units[2], &units[3],
-                          &block->selective_s, &units[4])) {
+                          &block->selective_s, &units[4], &block->selective_copy_s)) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
                      "block %zd: expected (forward_s, backward_s, copy_s, input_units, "
                      "activation_units, keep_work_units, checkpoint_work_units, selective_s, "
-                     "selective_units)",
+                     "selective_units, selective_copy_s)",
                      index);
         return -1;
     }
     int negative = !(block->forward_s >= 0 && block->backward_s >= 0 && block->copy_s >= 0 &&
-                     block->selective_s >= 0) ||
+                     block->selective_s >= 0 && block->selective_copy_s >= 0) ||
                    !isfinite(block->forward_s + block->backward_s + block->copy_s +
-                             block->selective_s);
+                             block->selective_s + block->selective_copy_s);
     for (int k = 0; k < 5; k++) {
         negative |= units[k] < 0;
         /* sums of units over a chain must not wrap: keep each far below 2^64 */
@@ -156,8 +157,8 @@ blocks_and_choices(PyObject *sequence, Py_buffer *choices, plan_block **blocks, 
     const uint8_t *values = choices->buf;
     for (int i = 0; i < *n; i++) {
         if (values[i] >= PLAN_CHOICES) {
-            PyErr_Format(PyExc_ValueError, "choice %d of block %d is not 0, 1, 2 or 3", values[i],
-                         i);
+            PyErr_Format(PyExc_ValueError, "choice %d of block %d is not 0 to %d", values[i], i,
+                         PLAN_CHOICES - 1);
             goto error;
         }
     }

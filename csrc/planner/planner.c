@@ -46,7 +46,8 @@ positive(double value)
     return value > 0 ? value : 0;
 }
 
-/* Compute time of a block plus its exposed copy out. */
+/* Compute time of a block plus its exposed copy out (and, for
+ * offload+selective, its copy back, which nothing hides). */
 static double
 own_time(const plan_block *b, int choice)
 {
@@ -54,6 +55,9 @@ own_time(const plan_block *b, int choice)
         return b->forward_s + b->backward_s;
     if (choice == PLAN_SELECTIVE)
         return b->selective_s;
+    if (choice == PLAN_OFFLOAD_SELECTIVE)
+        return b->selective_s + positive(b->selective_copy_s - b->forward_s) +
+               b->selective_copy_s;
     double time = 2 * b->forward_s + b->backward_s;
     return choice == PLAN_OFFLOAD ? time + positive(b->copy_s - b->forward_s) : time;
 }
@@ -111,11 +115,14 @@ plan_evaluate(const plan_block *blocks, int n, const uint8_t *choices, int pipel
 }
 
 /* The DP's state after block i: units held so far, and whether block i
- * offloaded (all the next block needs to know of it: keep, recompute and
- * selective look alike from there). best[row * width + s] is the least time of
- * blocks 0..i ending in that state; parent[i] tells, per state, block i's
- * choice and the previous row, packed as choice | row << 2. */
+ * offloaded (all the next block needs to know of it: keep, recompute,
+ * selective and offload+selective, whose copy back is its own, look alike
+ * from there). best[row * width + s] is the least time of blocks 0..i ending
+ * in that state; parent[i] tells, per state, block i's choice and the
+ * previous row, packed as choice | row << CHOICE_BITS. */
 enum { ROW_STAYED = 0, ROW_OFFLOADED = 1, ROWS = 2 };
+enum { CHOICE_BITS = 3, CHOICE_MASK = (1 << CHOICE_BITS) - 1 };
+_Static_assert(PLAN_CHOICES <= CHOICE_MASK + 1, "a parent byte holds the choice");
 
 typedef struct {
     uint64_t width;             /* budget + 1 */
@@ -175,7 +182,7 @@ held_limit(const plan_block *b, int c, uint64_t prefetch, uint64_t budget, uint6
     return (int64_t)(limit < reach ? limit : reach);
 }
 
-/* Keeping, recomputing or selecting block i looks the same from either row, but for
+/* Any choice but offload for block i looks the same from either row, but for
  * the previous block's copy back, which nothing hides then: take the
  * better row per state once. */
 static void
@@ -191,8 +198,9 @@ dp_merge_rows(dp_tables *t, double copy_back)
 }
 
 /* Row ROW_STAYED of the next step: keep (shifted by its activations),
- * recompute (shifted by its input) and selective (shifted by its input and
- * saved outputs) from the merged row. The hot loops. */
+ * recompute (shifted by its input), selective (shifted by its input and
+ * saved outputs) and offload+selective (not shifted) from the merged row.
+ * The hot loops. */
 static void
 dp_fill_stayed(dp_tables *t, uint8_t *parent, const plan_block *b, uint64_t budget,
                uint64_t reach)
@@ -200,7 +208,8 @@ dp_fill_stayed(dp_tables *t, uint8_t *parent, const plan_block *b, uint64_t budg
     double *to = t->next;
     for (uint64_t s = 0; s <= reach; s++)
         to[s] = UNREACHABLE;
-    static const int stayed[] = {PLAN_KEEP, PLAN_RECOMPUTE, PLAN_SELECTIVE};
+    static const int stayed[] = {PLAN_KEEP, PLAN_RECOMPUTE, PLAN_SELECTIVE,
+                                 PLAN_OFFLOAD_SELECTIVE};
     for (int k = 0; k < (int)(sizeof stayed / sizeof stayed[0]); k++) {
         int c = stayed[k];
         int64_t limit = held_limit(b, c, 0, budget, t->reach);
@@ -214,7 +223,8 @@ dp_fill_stayed(dp_tables *t, uint8_t *parent, const plan_block *b, uint64_t budg
             uint8_t old_parent = row_parent[s];
             int better = time < old;
             row[s] = better ? time : old;
-            row_parent[s] = better ? (uint8_t)(c | t->merged_row[s] << 2) : old_parent;
+            row_parent[s] =
+                better ? (uint8_t)(c | t->merged_row[s] << CHOICE_BITS) : old_parent;
         }
     }
 }
@@ -239,7 +249,7 @@ dp_fill_offloaded(dp_tables *t, uint8_t *parent, const plan_block *b, const plan
         double o = (int64_t)s <= from_offloaded ? offloaded[s] + extra_offloaded : UNREACHABLE;
         int take = o < a;
         to[s] = take ? o : a;
-        to_parent[s] = (uint8_t)(PLAN_OFFLOAD | take << 2);
+        to_parent[s] = (uint8_t)(PLAN_OFFLOAD | take << CHOICE_BITS);
     }
 }
 
@@ -253,7 +263,7 @@ dp_step(dp_tables *t, const plan_block *blocks, int i, uint64_t budget, int pipe
     for (int c = 0; c < PLAN_CHOICES; c++)
         most_held = held_units(b, c) > most_held ? held_units(b, c) : most_held;
     uint64_t reach = t->reach + most_held < budget ? t->reach + most_held : budget;
-    /* keep, recompute and selective never prefetch the previous input: it comes back whole */
+    /* only offload prefetches the previous input: otherwise it comes back whole */
     dp_merge_rows(t, copy_back_time(previous, b, PLAN_KEEP, pipeline));
     dp_fill_stayed(t, parent, b, budget, reach);
     dp_fill_offloaded(t, parent, b, previous, budget, reach, pipeline);
@@ -326,9 +336,9 @@ plan_solve(const plan_block *blocks, int n, uint64_t budget, int pipeline, uint8
     size_t cells = (size_t)ROWS * t.width;
     for (int i = n - 1; i >= 0; i--) {
         uint8_t packed = t.parent[(size_t)i * cells + (size_t)row * t.width + held];
-        choices[i] = packed & 3;
+        choices[i] = packed & CHOICE_MASK;
         held -= held_units(&blocks[i], choices[i]);
-        row = packed >> 2;
+        row = packed >> CHOICE_BITS;
     }
     dp_free(&t);
     *cost = plan_evaluate(blocks, n, choices, pipeline);

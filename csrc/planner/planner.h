@@ -5,11 +5,13 @@
  *
  * A fourth choice, selective, checkpoints the block under a policy that saves
  * the outputs of its expensive operations (matmuls, attention) and
- * recomputes the rest.
+ * recomputes the rest. A fifth, offload+selective, also offloads its input
+ * and those saved outputs (selective's policy with MUST_CPU_OFFLOAD).
  *
  * Cost model (units of memory are the caller's quantum, times seconds):
  *   held (after its forward)   keep: act   recompute: in   offload: 0
  *                              selective: selective (its input included)
+ *                              offload+selective: 0
  *   work (its own peak, over its forward, recompute and backward, on top
  *   of what blocks before it hold)   keep: keep_work   else: checkpoint_work
  *   while block i runs backward, block i-1's input is being prefetched when
@@ -19,7 +21,11 @@
  *   forward and backward measured together under the policy); an offload adds the part of its
  *   copy out its own forward does not hide, and the part of its copy back
  *   that the backward of the next block does not hide (all of it for the
- *   last block, or without pipeline).
+ *   last block, or without pipeline). offload+selective: selective_s plus
+ *   the part of its copy out (selective_copy_s: input and saved outputs)
+ *   its forward does not hide, plus all of its copy back (it neither
+ *   prefetches nor is prefetched: its outputs come back when the recompute
+ *   reaches them).
  *
  * plan_solve() is an exact dynamic program over (block, memory held so far,
  * previous choice): O(n * budget) time, n * budget * 3 bytes of memory.
@@ -29,7 +35,14 @@
 
 #include <stdint.h>
 
-enum { PLAN_KEEP = 0, PLAN_RECOMPUTE = 1, PLAN_OFFLOAD = 2, PLAN_SELECTIVE = 3, PLAN_CHOICES = 4 };
+enum {
+    PLAN_KEEP = 0,
+    PLAN_RECOMPUTE = 1,
+    PLAN_OFFLOAD = 2,
+    PLAN_SELECTIVE = 3,
+    PLAN_OFFLOAD_SELECTIVE = 4,
+    PLAN_CHOICES = 5
+};
 
 typedef struct {
     double forward_s, backward_s;
@@ -38,6 +51,7 @@ typedef struct {
     uint64_t keep_work_units, checkpoint_work_units;
     double selective_s;             /* forward + backward under the selective policy */
     uint64_t selective_units;       /* held when selective: input and saved outputs */
+    double selective_copy_s;        /* one-way copy of the input and saved outputs */
 } plan_block;
 
 typedef struct {

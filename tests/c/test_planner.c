@@ -30,20 +30,23 @@ random_chain(plan_block *blocks, int n)
 {
     for (int i = 0; i < n; i++) {
         uint64_t in = rng_next() % 7, act = rng_next() % 13;
-        double forward_s = rng_unit(), backward_s = 2 * rng_unit();
+        uint64_t selective = in + (act > 0 ? rng_next() % act : 0);
+        double forward_s = rng_unit(), backward_s = 2 * rng_unit(), copy_s = 3 * rng_unit();
         blocks[i] = (plan_block){
-            .forward_s = forward_s, .backward_s = backward_s, .copy_s = 3 * rng_unit(),
+            .forward_s = forward_s, .backward_s = backward_s, .copy_s = copy_s,
             .input_units = in, .activation_units = act,
             .keep_work_units = act + rng_next() % 7,
             .checkpoint_work_units = in + act + rng_next() % 7,
             /* between keep and recompute in both time and memory, as measured */
             .selective_s = forward_s + backward_s + forward_s * rng_unit(),
-            .selective_units = in + (act > 0 ? rng_next() % act : 0),
+            .selective_units = selective,
+            /* the copy's time grows with the bytes copied, as measured */
+            .selective_copy_s = in > 0 ? copy_s * (double)selective / (double)in : rng_unit(),
         };
     }
 }
 
-/* The fastest plan's time within `budget` by trying all 4^n, or INFINITY;
+/* The fastest plan's time within `budget` by trying all 5^n, or INFINITY;
  * *smallest receives the least peak of any plan. */
 static double
 brute_force(const plan_block *blocks, int n, uint64_t budget, int pipeline, uint64_t *smallest)
@@ -109,10 +112,11 @@ test_frontier(void)
 static void
 test_selective_chosen(void)
 {
-    plan_block block = {.forward_s = 1, .backward_s = 2, .input_units = 1,
+    /* offload costs too much to matter here */
+    plan_block block = {.forward_s = 1, .backward_s = 2, .copy_s = 1e30, .input_units = 1,
                         .activation_units = 10, .keep_work_units = 10,
                         .checkpoint_work_units = 11, .selective_s = 3.2,
-                        .selective_units = 4};
+                        .selective_units = 4, .selective_copy_s = 1e30};
     plan_block blocks[4] = {block, block, block, block};
     uint8_t choices[4];
     plan_cost cost;
@@ -122,6 +126,31 @@ test_selective_chosen(void)
         CHECK(choices[i] == PLAN_SELECTIVE);
     CHECK(choices[3] == PLAN_KEEP);
     CHECK(fabs(cost.time_s - (3 * 3.2 + 3)) < 1e-12 && cost.peak_units == 22);
+}
+
+/* At a budget where a block's input at most can be held, offloading the
+ * selective saves beats offloading whole blocks (O O O K takes 3 * 5 + 0.1
+ * + 3 s), unless its copy costs more than the recompute it saves. */
+static void
+test_offload_selective_chosen(void)
+{
+    plan_block block = {.forward_s = 1, .backward_s = 2, .copy_s = 0.1, .input_units = 1,
+                        .activation_units = 10, .keep_work_units = 10,
+                        .checkpoint_work_units = 11, .selective_s = 3.2,
+                        .selective_units = 4, .selective_copy_s = 0.4};
+    plan_block blocks[4] = {block, block, block, block};
+    uint8_t choices[4];
+    plan_cost cost;
+    CHECK(plan_solve(blocks, 4, 12, 1, choices, &cost) == 0);
+    for (int i = 0; i < 3; i++)
+        CHECK(choices[i] == PLAN_OFFLOAD_SELECTIVE);
+    CHECK(choices[3] == PLAN_KEEP);
+    CHECK(fabs(cost.time_s - (3 * (3.2 + 0.4) + 3)) < 1e-12 && cost.peak_units == 11);
+    for (int i = 0; i < 4; i++)
+        blocks[i].selective_copy_s = 2.0;
+    CHECK(plan_solve(blocks, 4, 12, 1, choices, &cost) == 0);
+    for (int i = 0; i < 3; i++)
+        CHECK(choices[i] == PLAN_OFFLOAD);
 }
 
 static void
@@ -152,6 +181,7 @@ main(void)
     }
     test_frontier();
     test_selective_chosen();
+    test_offload_selective_chosen();
     test_edges();
     return check_report("test_planner");
 }
