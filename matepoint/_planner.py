@@ -777,6 +777,10 @@ def _selective_saved_bytes(block: Callable, args: Tuple, resident: set) -> int:
     input aside (the forward runs with gradients, as in training)."""
     with _SavedOutputs(resident) as counter:
         block(*args)
+    # the mode sits in a reference cycle: without this, the outputs it
+    # holds would stay until the garbage collector runs, on top of the
+    # timed runs that follow
+    counter.kept.clear()
     return sum(counter.storages.values())
 
 
