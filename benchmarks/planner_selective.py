@@ -1,12 +1,15 @@
 """The planner's selective choice on a transformer block stack (CPU).
 
-At a budget between "all recomputed" and "all kept", compares the plan with
-the selective choice against the best whole-block plan (keep / recompute
-only, from the same profiles) at the same budget: predicted step time of
-each, and the measured time of each (median of interleaved rounds, so that
-load on the machine falls on both alike).
+At budgets between "all recomputed" and "all kept" (by default 25, 50 and
+75% of the way), compares the plan with the selective choice against the
+best whole-block plan (keep / recompute only, from the same profiles) at the
+same budget: predicted step time of each, and the measured time of each
+(median of interleaved rounds, so that load on the machine falls on all
+plans alike). Issue 23's target: at some budget the predicted gain is at
+least 10% and measured agrees with predicted within 10% for both plans.
 
-    python benchmarks/planner_selective.py [--layers 6] [--rounds 9] [--json out.json]
+    python benchmarks/planner_selective.py [--layers 6] [--rounds 7]
+        [--budgets 0.25,0.5,0.75] [--json out.json]
 """
 from __future__ import annotations
 
@@ -15,17 +18,18 @@ import dataclasses
 import json
 import logging
 import statistics
-import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
 
 import matepoint
 from matepoint._planner import predict, solve
+from matepoint._timing import time_call
 
 log = logging.getLogger("matepoint.planner_selective")
 MIB = float(1 << 20)
+PLANS = ("selective", "whole")
 
 
 def stack(layers: int, width: int) -> nn.Sequential:
@@ -41,56 +45,93 @@ def step(model: nn.Module, x: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def run(layers: int, rounds: int, repeats: int) -> Dict[str, Any]:
+def run(layers: int, rounds: int, repeats: int, fractions: List[float]) -> Dict[str, Any]:
     model, x = stack(layers, 256), torch.randn(8, 256, 256)
     probe = matepoint.plan(model, x, budget_bytes=1 << 40, repeats=repeats)
     profiles, unit = probe.profiles, probe.unit_bytes
     whole = [dataclasses.replace(p, selective_s=None, selective_bytes=None) for p in profiles]
     kept = predict(profiles, ["keep"] * layers, unit, False)[0]
     recomputed = predict(profiles, ["recompute"] * layers, unit, False)[0]
-    budget = (kept + recomputed) // 2
-    selective = solve(profiles, budget, unit, False, offload=False)
-    best_whole = solve(whole, budget, unit, False, offload=False)
-    timings: Dict[str, List[float]] = {"selective": [], "whole": []}
-    plans = {"selective": selective, "whole": best_whole}
-    for _ in range(rounds):
-        for name, plan in plans.items():
-            plan.apply(model)
+    rows = []
+    for fraction in fractions:
+        budget = recomputed + int(fraction * (kept - recomputed))
+        rows.append({"fraction": fraction, "budget_bytes": budget,
+                     "selective": solve(profiles, budget, unit, False, offload=False),
+                     "whole": solve(whole, budget, unit, False, offload=False)})
+    # each distinct plan measured once a round, the order turned each round
+    # so that no plan always runs first or last
+    distinct = {tuple(row[name].choices): row[name] for row in rows for name in PLANS}
+    order = list(distinct)
+    timings: Dict[Tuple[str, ...], List[float]] = {key: [] for key in order}
+    log.info("profiled; measuring %d distinct plans, %d rounds", len(order), rounds)
+    for round_ in range(rounds):
+        log.info("round %d of %d", round_ + 1, rounds)
+        for key in order[round_ % len(order):] + order[:round_ % len(order)]:
+            distinct[key].apply(model)
             step(model, x)  # warm-up after switching
-            begun = time.perf_counter()
-            step(model, x)
-            timings[name].append(time.perf_counter() - begun)
-    result = {"layers": layers, "budget_bytes": budget, "all_kept_bytes": kept,
-              "all_recomputed_bytes": recomputed, "torch": torch.__version__}
-    for name, plan in plans.items():
-        measured = statistics.median(timings[name])
-        result[name] = {"choices": plan.choices, "predicted_s": plan.predicted_time_s,
-                        "predicted_peak_bytes": plan.predicted_peak_bytes,
-                        "measured_s": measured,
-                        "measured_over_predicted": measured / plan.predicted_time_s}
-    result["predicted_gain"] = 1 - selective.predicted_time_s / best_whole.predicted_time_s
-    result["measured_gain"] = 1 - result["selective"]["measured_s"] / result["whole"]["measured_s"]
+            timings[key].append(time_call(lambda: step(model, x), 1)[0])
+    result: Dict[str, Any] = {"layers": layers, "rounds": rounds, "repeats": repeats,
+                              "all_kept_bytes": kept, "all_recomputed_bytes": recomputed,
+                              "torch": torch.__version__, "budgets": []}
+    for row in rows:
+        entry: Dict[str, Any] = {"fraction": row["fraction"], "budget_bytes": row["budget_bytes"]}
+        for name in PLANS:
+            plan = row[name]
+            measured = statistics.median(timings[tuple(plan.choices)])
+            entry[name] = {"choices": plan.choices, "predicted_s": plan.predicted_time_s,
+                           "predicted_peak_bytes": plan.predicted_peak_bytes,
+                           "measured_s": measured,
+                           "measured_over_predicted": measured / plan.predicted_time_s}
+        for kind in ("predicted", "measured"):
+            entry[f"{kind}_gain"] = 1 - (entry["selective"][f"{kind}_s"]
+                                         / entry["whole"][f"{kind}_s"])
+        entry["target_met"] = entry["predicted_gain"] >= 0.10 and all(
+            abs(entry[name]["measured_over_predicted"] - 1) <= 0.10 for name in PLANS)
+        result["budgets"].append(entry)
     return result
+
+
+def fractions_argument(text: str) -> List[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"--budgets must be comma-separated fractions from 0 (all recomputed) to 1 "
+            f"(all kept), not {text!r}")
+    return values
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--repeats", type=int, default=3, help="plan()'s timing repeats")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5, help="plan()'s timing repeats")
+    parser.add_argument("--budgets", type=fractions_argument, default=[0.25, 0.5, 0.75],
+                        help="where the budgets lie from all recomputed (0) to all kept (1)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    result = run(args.layers, args.rounds, args.repeats)
-    log.info("budget %.1f MiB (all kept %.1f, all recomputed %.1f)", result["budget_bytes"] / MIB,
-             result["all_kept_bytes"] / MIB, result["all_recomputed_bytes"] / MIB)
-    for name in ("selective", "whole"):
-        r = result[name]
-        log.info("%-9s %s: predicted %.1f ms, measured %.1f ms (x%.3f), peak %.1f MiB", name,
-                 r["choices"], r["predicted_s"] * 1e3, r["measured_s"] * 1e3,
-                 r["measured_over_predicted"], r["predicted_peak_bytes"] / MIB)
-    log.info("selective vs best whole-block plan: predicted %.1f%% faster, measured %.1f%%",
-             result["predicted_gain"] * 100, result["measured_gain"] * 100)
+    result = run(args.layers, args.rounds, args.repeats, args.budgets)
+    log.info("all kept %.1f MiB, all recomputed %.1f MiB", result["all_kept_bytes"] / MIB,
+             result["all_recomputed_bytes"] / MIB)
+    log.info("| budget | plan | choices | predicted | measured | measured / predicted "
+             "| peak (predicted) | gain predicted | gain measured |")
+    log.info("|---|---|---|---|---|---|---|---|---|")
+    for entry in result["budgets"]:
+        for name in PLANS:
+            r = entry[name]
+            gains = (f"{entry['predicted_gain'] * 100:.1f}% | {entry['measured_gain'] * 100:.1f}%"
+                     if name == "selective" else " | ")
+            log.info("| %.0f%%: %.1f MiB | %s | %s | %.0f ms | %.0f ms | %.3f | %.1f MiB | %s |",
+                     entry["fraction"] * 100, entry["budget_bytes"] / MIB, name,
+                     " ".join(c[0].upper() for c in r["choices"]), r["predicted_s"] * 1e3,
+                     r["measured_s"] * 1e3, r["measured_over_predicted"],
+                     r["predicted_peak_bytes"] / MIB, gains)
+    met = [e["fraction"] for e in result["budgets"] if e["target_met"]]
+    log.info("target (predicted gain >= 10%%, both plans measured within 10%%): %s",
+             "met at " + ", ".join(f"{f:.0%}" for f in met) if met else "missed at every budget")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump(result, file, indent=1)

@@ -701,8 +701,17 @@ def _fresh_inputs(args: Tuple) -> Tuple:
     return _detached(args, requires_grad=True)
 
 
-def _timed(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    return statistics.median(time_call(run, repeats, device=device))
+def _timed_in_turn(runs: List[Callable[[], Any]], device: torch.device,
+                   repeats: int) -> List[float]:
+    """The median seconds of each of ``runs``, timed in turn ``repeats``
+    times over: a burst of load on a shared machine then falls on every run
+    alike (timed one after the other, it fell on whichever ran during it,
+    and the planner compared choices measured under different loads)."""
+    samples: List[List[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, times in zip(runs, samples):
+            times.extend(time_call(run, 1, device=device))
+    return [statistics.median(times) for times in samples]
 
 
 def _backward(out: Any) -> None:
@@ -735,11 +744,15 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
         output_bytes = _storage_bytes(_tensors_in(out))
         # the next block needs the values, not this block's activations
         out = _detached(out)
-        with torch.no_grad():
-            forward_s = _timed(lambda: block(*args), device, repeats)
-        both_s = _timed(lambda: _backward(block(*args)), device, repeats)
-        selective_s, selective_saved = _profile_selective(block, args, device, repeats,
-                                                          resident)
+        runs = [lambda: _forward_only(block, args), lambda: _backward(block(*args))]
+        try:
+            selective_run, selective_saved = _profile_selective(block, args, resident)
+            forward_s, both_s, selective_s = _timed_in_turn(runs + [selective_run], device,
+                                                            repeats)
+        except RuntimeError as error:
+            log.info("matepoint.plan: a block cannot run selective (%s); not planned", error)
+            (forward_s, both_s), selective_s, selective_saved = \
+                _timed_in_turn(runs, device, repeats), None, None
     input_bytes = _storage_bytes(_tensors_in(args))
     backward_s = max(both_s - forward_s, 0.0)
     if selective_s is not None:
@@ -754,20 +767,20 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
     return profile, out
 
 
-def _profile_selective(block: Callable, args: Tuple, device: torch.device, repeats: int,
-                       resident: set) -> Tuple[Optional[float], Optional[int]]:
-    """(seconds of forward + backward, bytes of the outputs kept) of the
-    block under the selective policy; (None, None) where the policy cannot
-    run it (the block is then never planned selective)."""
+def _forward_only(block: Callable, args: Tuple) -> None:
+    with torch.no_grad():
+        block(*args)
+
+
+def _profile_selective(block: Callable, args: Tuple, resident: set
+                       ) -> Tuple[Callable[[], None], int]:
+    """(a run of the block's forward + backward under the selective policy,
+    bytes of the outputs it keeps after its forward)."""
     options = _choice_options("selective", False)
-    try:
-        saved = _selective_saved_bytes(block, args, resident)
-        seconds = _timed(lambda: _backward(_C.checkpoint(_call, block, args, {}, **options)),
-                         device, repeats)
-    except RuntimeError as error:
-        log.info("matepoint.plan: a block cannot run selective (%s); not planned", error)
-        return None, None
-    return seconds, saved
+
+    def run() -> None:
+        _backward(_C.checkpoint(_call, block, args, {}, **options))
+    return run, _selective_saved_bytes(block, args, resident)
 
 
 class _SavedOutputs(TorchDispatchMode):
@@ -798,6 +811,10 @@ def _selective_saved_bytes(block: Callable, args: Tuple, resident: set) -> int:
     input aside (the forward runs with gradients, as in training)."""
     with _SavedOutputs(resident) as counter:
         block(*args)
+    # the mode sits in a reference cycle: without this, the outputs it
+    # holds would stay until the garbage collector runs, on top of the
+    # timed runs that follow
+    counter.kept.clear()
     return sum(counter.storages.values())
 
 

@@ -150,7 +150,8 @@ def test_apply_plans_any_module_tree_names_and_keywords_kept() -> None:
     recomputed, _ = predict(plan.profiles, ["recompute"] * 4, 1024, True)
     tight = matepoint.apply(Encoder(), budget_bytes=(kept + recomputed) // 2)
     assert_bitwise_equal(flat(expected), flat(encoder_steps(tight, 3)))
-    assert "recompute" in matepoint.planned(tight).choices
+    # some block checkpointed; recompute or selective, whichever timed faster
+    assert set(matepoint.planned(tight).choices) & {"recompute", "selective"}
     # eval and no_grad run the blocks as they are
     tight.eval()
     with torch.no_grad():

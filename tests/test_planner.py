@@ -364,3 +364,57 @@ def test_apply_keeps_names_and_passes_keyword_arguments(offload) -> None:
     again = matepoint.plan(model.blocks, x, budget_bytes=1 << 30, repeats=1)
     assert again.choices == ["keep"] * 4
     assert again.profiles[1].activation_bytes > 2 * again.profiles[1].input_bytes
+
+
+class FakeClock:
+    """Stands for time.perf_counter while blocks do pretend work: each unit
+    of work takes one second, three from the ``burst_from``-th unit on (the
+    machine loaded by others)."""
+
+    def __init__(self, burst_from: float = float("inf")) -> None:
+        self.now, self.done, self.burst_from = 0.0, 0, burst_from
+
+    def work(self, units: int) -> None:
+        for _ in range(units):
+            self.now += 3.0 if self.done >= self.burst_from else 1.0
+            self.done += 1
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class Work(torch.autograd.Function):
+    """Pretend work on ``clock``: one unit forward, two backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, clock: FakeClock) -> torch.Tensor:
+        clock.work(1)
+        ctx.clock = clock
+        ctx.save_for_backward(x)   # a saved tensor: checkpointed, it is recomputed
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.clock.work(2)
+        (x,) = ctx.saved_tensors
+        return grad * 2 + 0 * x, None
+
+
+def work_profile(monkeypatch, clock: FakeClock) -> BlockProfile:
+    from matepoint import _timing
+    monkeypatch.setattr(_timing, "time", clock)
+    return matepoint.plan([lambda x: Work.apply(x, clock)], torch.ones(4, requires_grad=True),
+                          budget_bytes=MIB, repeats=7).profiles[0]
+
+
+def test_a_burst_of_load_falls_on_every_choice_alike(monkeypatch) -> None:
+    """Keep, recompute and selective times of a block are measured in turn:
+    a burst of load late in its profiling leaves their medians (and so the
+    planner's comparison of choices) as they are without it."""
+    quiet_clock = FakeClock()
+    quiet = work_profile(monkeypatch, quiet_clock)
+    # forward 1, backward 2; selective runs the forward again (recompute)
+    assert (quiet.forward_s, quiet.backward_s, quiet.selective_s) == (1.0, 2.0, 4.0)
+    # the machine three times slower for the last quarter of the profiling
+    loaded = work_profile(monkeypatch, FakeClock(burst_from=quiet_clock.done * 3 / 4))
+    assert (loaded.forward_s, loaded.backward_s, loaded.selective_s) == (1.0, 2.0, 4.0)
