@@ -245,7 +245,6 @@ def test_the_budget_holds_the_whole_step_with_its_head() -> None:
     model = matepoint.apply(BigHead(), budget_bytes=budget, unit_bytes=1024)
     got = [big_head_step(model) for _ in range(2)]   # measure, then planned
     plan = matepoint.planned(model)
-    assert plan.choices != ["keep"] * 4
     with PeakMeter(torch.device("cpu")) as meter:
         got.append(big_head_step(model))
     assert plan.predicted_peak_bytes <= budget
@@ -254,4 +253,5 @@ def test_the_budget_holds_the_whole_step_with_its_head() -> None:
     # prediction here, the plan within 0.5% of the budget)
     assert meter.peak_bytes <= budget * 1.01, (meter.peak_bytes, budget, plan.choices)
     assert abs(meter.peak_bytes / plan.predicted_peak_bytes - 1) <= 0.05
+    assert plan.choices != ["keep"] * 4
     assert_bitwise_equal(flat(expected), flat(got))
