@@ -498,9 +498,8 @@ def apply(model: nn.Module, budget_bytes: int,
     ``nn.Sequential``; their ``forward`` is replaced on the instance, so names
     and ``state_dict`` keys stay and keyword arguments pass through. The first
     training step checkpoints and measures every block and what the model
-    holds outside them; from the next, each is kept, recomputed or offloaded
-    as planned within the budget less that (:func:`planned`): the budget
-    bounds the whole step's activations. New input shapes are planned again. ``budget_bytes``, ``unit_bytes``, ``pipeline``,
+    holds outside them; from the next, each runs as planned (:func:`planned`)
+    so that the whole step stays within the budget; new shapes are replanned. ``budget_bytes``, ``unit_bytes``, ``pipeline``,
     ``repeats``: see :func:`plan`; ``**checkpoint_kwargs``: see :func:`checkpoint`.
     """
     from matepoint._enable import _CHECKPOINT_KEYWORDS

@@ -218,11 +218,10 @@ def enable(model: nn.Module, budget_bytes: Optional[int] = None, *,
     PEFT, keeps matepoint (with the keyword arguments it passes, and its
     ``every_n_layers``). Returns ``model``.
 
-    With ``budget_bytes``, ``unit_bytes``, ``repeats`` (as for :func:`plan`)
-    the first training step measures each layer and what the model holds
-    outside them (embeddings, head, loss), and from the next each runs as
-    planned within the budget less that (:func:`planned`; new shapes are
-    planned again): the budget bounds the whole step's activations.
+    With ``budget_bytes`` (the whole step's activations), ``unit_bytes``,
+    ``repeats`` (see :func:`plan`) the first training step measures each
+    layer and what the model holds outside them (head, loss), and from the
+    next each runs as planned (:func:`planned`).
     """
     unknown = sorted(set(checkpoint_kwargs) - _CHECKPOINT_KEYWORDS)
     if unknown:
