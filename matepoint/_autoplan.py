@@ -497,9 +497,9 @@ def apply(model: nn.Module, budget_bytes: int,
     inside one), by default the children of the longest ``nn.ModuleList`` or
     ``nn.Sequential``; their ``forward`` is replaced on the instance, so names
     and ``state_dict`` keys stay and keyword arguments pass through. The first
-    training step checkpoints and measures every block and what the model
-    holds outside them; from the next, each runs as planned (:func:`planned`)
-    so that the whole step stays within the budget; new shapes are replanned. ``budget_bytes``, ``unit_bytes``, ``pipeline``,
+    training step measures every block and what the model holds outside
+    them; from the next, each runs as planned (:func:`planned`), the whole
+    step within the budget. ``budget_bytes``, ``unit_bytes``, ``pipeline``,
     ``repeats``: see :func:`plan`; ``**checkpoint_kwargs``: see :func:`checkpoint`.
     """
     from matepoint._enable import _CHECKPOINT_KEYWORDS

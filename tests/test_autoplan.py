@@ -254,4 +254,10 @@ def test_the_budget_holds_the_whole_step_with_its_head() -> None:
     assert meter.peak_bytes <= budget * 1.01, (meter.peak_bytes, budget, plan.choices)
     assert abs(meter.peak_bytes / plan.predicted_peak_bytes - 1) <= 0.05
     assert plan.choices != ["keep"] * 4
+    # a budget the blocks alone meet but no whole step does: the error names the step's smallest
+    small = matepoint.apply(BigHead(), budget_bytes=blocks_kept, unit_bytes=1024)
+    big_head_step(small)
+    with pytest.raises(matepoint.PlanError, match="smallest budget any plan meets") as error:
+        big_head_step(small)
+    assert error.value.smallest_budget_bytes > outside.head_bytes > blocks_kept
     assert_bitwise_equal(flat(expected), flat(got))
