@@ -6,8 +6,9 @@ gradients equal those of the model without checkpointing, bit for bit.
 The budgets run from "all kept" down to the smallest any plan meets. The
 measured peak is that of a whole training step (embedding, final norm,
 logits and loss included) above what was in use before it, parameters'
-gradients allocated beforehand; the planner's budget covers the decoder
-layers only (the logits and loss come on top: see RESULTS.md).
+gradients allocated beforehand. The budget bounds that whole step: the
+measuring step also measures what the model holds outside its decoder
+layers, and the layers are planned within the rest.
 
     python benchmarks/planner_enable.py [--layers 8] [--json out.json]
 """
@@ -24,7 +25,7 @@ import torch.nn as nn
 
 import matepoint
 from matepoint._meter import PeakMeter
-from matepoint._planner import predict, solve
+from matepoint._autoplan import _PLANNER, plan_step
 
 log = logging.getLogger("matepoint.planner_enable")
 MIB = float(1 << 20)
@@ -68,10 +69,13 @@ def run(layers: int, batch: int, seq: int) -> List[Dict[str, Any]]:
     for _ in range(2):
         step(probe, ids)
     profiles = matepoint.planned(probe).profiles
+    outside = probe.__dict__[_PLANNER][0].outside
+    log.info("outside the layers: %.2f MiB held, head %.2f MiB", outside.held_bytes / MIB,
+             outside.head_bytes / MIB)
     unit = 1024
-    kept, _ = predict(profiles, ["keep"] * layers, unit, True)
+    kept = plan_step(profiles, 1 << 40, outside, unit, True, offload=False).predicted_peak_bytes
     try:
-        solve(profiles, 1, unit, True, offload=False)
+        plan_step(profiles, 1, outside, unit, True, offload=False)
     except matepoint.PlanError as error:
         smallest = error.smallest_budget_bytes
     # each model measures itself again: 2% over the smallest leaves room for the spread
@@ -84,14 +88,22 @@ def run(layers: int, batch: int, seq: int) -> List[Dict[str, Any]]:
         plan = matepoint.planned(model)
         measured = measured_peak(model, ids)
         exact = all(torch.equal(a, b) for a, b in zip(expected, got))
+        outside = model.__dict__[_PLANNER][0].outside
         rows.append({"budget_bytes": budget, "predicted_bytes": plan.predicted_peak_bytes,
+                     "held_outside_bytes": outside.held_bytes,
+                     "head_bytes": outside.head_bytes,
                      "measured_bytes": measured, "bit_identical": exact,
                      "kept": plan.choices.count("keep"),
-                     "recomputed": plan.choices.count("recompute")})
+                     "recomputed": plan.choices.count("recompute"),
+                     "selective": plan.choices.count("selective")})
         log.info("budget %.2f MiB: predicted %.2f MiB, measured %.2f MiB (%+.1f%%), %d kept, "
-                 "%d recomputed, gradients %s", budget / MIB, plan.predicted_peak_bytes / MIB,
+                 "%d recomputed, %d selective, gradients %s (outside: %.2f MiB held, head "
+                 "%.2f MiB)",
+                 budget / MIB, plan.predicted_peak_bytes / MIB,
                  measured / MIB, 100 * (measured / plan.predicted_peak_bytes - 1),
-                 rows[-1]["kept"], rows[-1]["recomputed"], "bit-identical" if exact else "DIFFER")
+                 rows[-1]["kept"], rows[-1]["recomputed"], rows[-1]["selective"],
+                 "bit-identical" if exact else "DIFFER",
+                 outside.held_bytes / MIB, outside.head_bytes / MIB)
     return rows
 
 

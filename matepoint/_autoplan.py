@@ -16,7 +16,9 @@ different plans would unbalance DDP/FSDP and hang tensor parallelism.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import logging
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -26,15 +28,19 @@ import torch.nn as nn
 
 from matepoint._C import checkpoint, is_recomputing
 from matepoint._composable import CheckpointedForward, _call, is_checkpointed, uncheckpoint_module
-from matepoint._meter import copy_bandwidth
+from matepoint._meter import (_cuda_allocated, _host_bytes_in_use, _HostSampler,
+                              _warm_up_host_sampler, copy_bandwidth, host_meter_available)
 from matepoint._options import settings
-from matepoint._planner import (BlockProfile, Plan, _check_plan_arguments, _choice_options,
-                                _detached, _state_preserved, _tensors_in, default_unit,
-                                no_offload_reason, profile_block, reduce_profiles, solve)
+from matepoint._planner import (BlockProfile, Plan, PlanError, _check_plan_arguments,
+                                _choice_options, _detached, _state_preserved, _storage_bytes,
+                                _tensors_in, default_unit, no_offload_reason, profile_block,
+                                reduce_profiles, solve)
 
 log = logging.getLogger("matepoint.planner")
 Key = Tuple[Any, ...]
 _PLANNER = "_matepoint_planner"
+# a head's autograd graph is a few nodes; a walk this long went into the blocks
+_MAX_HEAD_NODES = 10_000
 
 
 def shape_key(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Key:
@@ -47,6 +53,205 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Outside:
+    """What a measured step held outside its planned blocks.
+
+    ``held_bytes``: held while every block runs (what the model made before
+    the first block, such as masks and rotary tables, and what its head
+    leaves until backward is done); ``head_bytes``: the peak after the last
+    block (the head, the loss and their backward) above what the blocks hold
+    and ``held_bytes``."""
+
+    held_bytes: int = 0
+    head_bytes: int = 0
+
+
+def plan_step(profiles: List[BlockProfile], budget_bytes: int, outside: Outside,
+              unit_bytes: int, pipeline: bool, offload: bool = True, note: str = "") -> Plan:
+    """:func:`solve` for blocks that run inside a training step.
+
+    The blocks are planned within ``budget_bytes - outside.held_bytes``, the
+    head's peak counted where it occurs: on top of everything the blocks
+    hold after the last one. The plan's ``predicted_peak_bytes`` is the whole
+    step's; a budget no plan meets raises :class:`PlanError` naming the
+    smallest budget for the whole step."""
+    # the head as one more block: nothing held, no time, its peak its work either way
+    head = BlockProfile(0.0, 0.0, 0.0, 0, 0, 0, outside.head_bytes, 0)
+    inner = budget_bytes - outside.held_bytes
+    try:
+        solved = solve(profiles + [head], max(inner, 1), unit_bytes, pipeline, offload, note)
+    except PlanError as error:
+        raise PlanError(budget_bytes, error.smallest_budget_bytes + outside.held_bytes) from None
+    peak = solved.predicted_peak_bytes + outside.held_bytes
+    if peak > budget_bytes:
+        raise PlanError(budget_bytes, peak)
+    return dataclasses.replace(solved, choices=solved.choices[:-1], profiles=list(profiles),
+                               budget_bytes=budget_bytes, predicted_peak_bytes=peak)
+
+
+def _in_use(device: torch.device) -> int:
+    return _cuda_allocated(device) if device.type == "cuda" else _host_bytes_in_use()
+
+
+def _measurable(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and host_meter_available())
+
+
+class _HeadForward:
+    """The most bytes in use on ``device`` from its creation until
+    :meth:`close` (on the CPU sampled after every aten operation)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = _in_use(device)
+        self.sampler: Optional[_HostSampler] = None
+        if device.type == "cuda":
+            _cuda_allocated(device, reset_peak=True)
+        else:
+            _warm_up_host_sampler()
+            self.sampler = _HostSampler(self._sample)
+            self.sampler.__enter__()
+
+    def _sample(self, in_use: int) -> None:
+        self.peak = max(self.peak, in_use)
+
+    def close(self) -> int:
+        if self.sampler is not None:
+            self.sampler.__exit__(None, None, None)
+            self.sampler = None
+        elif self.device.type == "cuda":
+            self._sample(_cuda_allocated(self.device, peak=True))
+        return self.peak
+
+
+class _OutsideMeter:
+    """Measures :class:`Outside` in a measured step, beside the blocks.
+
+    The head's forward is sampled from the last block's return to the end
+    of the model's forward; its backward at the boundaries of its autograd
+    nodes (between the model's outputs and the last block's output), until
+    the gradient reaches the last block. Only the model's own forward and
+    backward are seen: a loss computed outside it counts by what it leaves."""
+
+    def __init__(self, device: torch.device, start: int,
+                 gradless: List[torch.Tensor]) -> None:
+        self.device = device
+        self.start = start
+        self.gradless = gradless
+        self.before: Optional[int] = None
+        self.records = 0            # what the checkpointed blocks left beyond their outputs
+        self.ready = 0              # in use as the latest block's checkpoint starts
+        self.held_after = 0         # in use after the latest block, its output aside
+        self.head = 0
+        self.leftover = 0
+        self.forward: Optional[_HeadForward] = None
+        self.stops: set = set()     # the blocks' outputs' autograd nodes
+        self.handles: List[Any] = []
+        self.reached = False
+
+    def block_starts(self, args: Tuple[Any, ...]) -> None:
+        if self.forward is not None:
+            self.forward.close()
+            self.forward = None
+        if self.before is None:
+            inputs = _storage_bytes(_tensors_in(args))
+            self.before = max(0, _in_use(self.device) - self.start - inputs)
+
+    def block_measured(self) -> None:
+        """The block was profiled; its checkpoint in the step starts now."""
+        self.ready = _in_use(self.device)
+
+    def block_ended(self, out: Any) -> None:
+        tensors = _tensors_in(out)
+        output_bytes = _storage_bytes(tensors)
+        self.held_after = _in_use(self.device) - output_bytes
+        self.records += max(0, self.held_after - self.ready)
+        self.head = output_bytes
+        for tensor in tensors:
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                self.stops.add(tensor.grad_fn)
+                tensor.register_hook(self._backward_reached)
+        self.forward = _HeadForward(self.device)
+
+    def forward_ended(self, output: Any) -> None:
+        """The model's forward returned ``output``: the head's forward is
+        done; watch its backward."""
+        if self.forward is None:
+            return
+        self.head = max(self.head, self.forward.close() - self.held_after)
+        self.forward = None
+        for node in _nodes_between(_tensors_in(output), self.stops):
+            self.handles.append(node.register_prehook(self._sample))
+            self.handles.append(node.register_hook(self._sample))
+
+    def _sample(self, *gradients: Any) -> None:
+        self.head = max(self.head, _in_use(self.device) - self.held_after)
+
+    def _backward_reached(self, gradient: torch.Tensor) -> None:
+        if self.reached:
+            return
+        self.reached = True
+        self._sample()
+        # what the head still holds now stays through every block's backward;
+        # the gradient that arrived is the block's to count, new parameter
+        # gradients are nobody's activations
+        grads = [p.grad for p in self.gradless if p.grad is not None]
+        waiting = _storage_bytes([gradient]) + _storage_bytes(grads)
+        self.leftover = max(0, _in_use(self.device) - self.held_after - waiting)
+        self._release()
+
+    def _release(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.stops = set()
+
+    def finish(self) -> Outside:
+        """The figures measured (zeros for what the step never reached)."""
+        if self.forward is not None:
+            self.forward.close()
+            self.forward = None
+        self._release()
+        # what the blocks' forwards keep beyond their inputs (autograd's graph,
+        # the checkpoints' own records: on the CPU, heap memory) grows to
+        # `records` by the last block and stays through the head
+        held = (self.before or 0) + self.records + self.leftover
+        return Outside(held, max(0, self.head - self.leftover))
+
+
+def _nodes_between(outputs: List[torch.Tensor], stops: set) -> List[Any]:
+    """The autograd nodes from ``outputs`` back to (not into) ``stops``,
+    parameters' gradient accumulators left out."""
+    nodes: List[Any] = []
+    seen: set = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack and len(nodes) < _MAX_HEAD_NODES:
+        node = stack.pop()
+        if node in seen or node in stops:
+            continue
+        seen.add(node)
+        nodes.append(node)
+        stack.extend(following for following, _ in node.next_functions
+                     if following is not None and type(following).__name__ != "AccumulateGrad")
+    return nodes
+
+
+def _reduce_outside(outside: Outside) -> Outside:
+    """The max of each figure over the ranks (as :func:`reduce_profiles`)."""
+    import torch.distributed as dist
+
+    if not _distributed():
+        return outside
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    figures = torch.tensor([outside.held_bytes, outside.head_bytes], dtype=torch.float64,
+                           device=device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    held, head = (int(v) for v in figures.cpu().tolist())
+    return Outside(held, head)
 
 
 class _StepPlan:
@@ -63,10 +268,13 @@ class _StepPlan:
 class StepPlanner:
     """Chooses, per block of one model, how it runs, from a measured step.
 
+    The measured step also measures what the model holds outside its blocks
+    (:class:`Outside`: the embedding's output, masks, the head and its loss);
+    the blocks are planned within the budget less that (:func:`plan_step`).
+
     Args:
         name: the model's class name, for messages.
-        budget_bytes: the activation budget of a step (as for
-            :func:`matepoint.plan`).
+        budget_bytes: the activation budget of a whole step.
         unit_bytes, pipeline, repeats: as for :func:`matepoint.plan`.
         checkpoint_kwargs: what every checkpointed block passes to
             :func:`matepoint.checkpoint` (the plan's choice wins for
@@ -93,33 +301,54 @@ class StepPlanner:
         self.note: Optional[str] = None
         self.bandwidth: Optional[float] = None
         self.warned = False
+        self.outside = Outside()    # what the last solve counted outside the blocks
+        self.meter: Optional[_OutsideMeter] = None
+        self.start: Optional[Tuple[torch.device, int, List[torch.Tensor]]] = None
 
     @property
     def plan(self) -> Optional[Plan]:
         """The plan the last step ran (None until one was solved)."""
         return self.current.plan if self.current is not None else None
 
-    def begin_step(self) -> None:
-        """A training forward of the model starts: solve what the last step
+    def begin_step(self, model: nn.Module) -> None:
+        """A training forward of ``model`` starts: solve what the last step
         measured, and let the next block call pick the plan."""
         if self.measuring and self.measured:
             self._solve()
         self.measuring = False
         self.first_call = True
+        # where this step starts from, should it be measured
+        tensors = itertools.chain(model.parameters(), model.buffers())
+        device = next((t.device for t in tensors), torch.device("cpu"))
+        self.start = None
+        if _measurable(device):
+            # gradients this step creates are the parameters', not activations
+            gradless = [p for p in model.parameters() if p.grad is None]
+            self.start = (device, _in_use(device), gradless)
+
+    def end_forward(self, output: Any) -> None:
+        """The model's forward returned ``output``."""
+        if self.meter is not None:
+            self.meter.forward_ended(output)
 
     def _solve(self) -> None:
         order = [index for index, _, _ in self.measured]
         keys = [key for _, key, _ in self.measured]
         profiles = reduce_profiles([profile for _, _, profile in self.measured])
         self.measured = []
+        outside = self.meter.finish() if self.meter is not None else Outside()
+        self.meter = None
+        self.outside = _reduce_outside(outside)
         budget = self.budget_bytes
         pipeline = settings.current.pipeline if self.pipeline is None else self.pipeline
-        plan = solve(profiles, budget, self.unit_bytes or default_unit(budget), bool(pipeline),
-                     offload=self.note is None, note=self.note or "")
+        plan = plan_step(profiles, budget, self.outside, self.unit_bytes or default_unit(budget),
+                         bool(pipeline), offload=self.note is None, note=self.note or "")
         self.plans[self.step_key] = _StepPlan(plan, order, keys)
-        log.info("matepoint: planned %s within %d bytes: %s", self.name, budget, plan.choices)
+        log.info("matepoint: planned %s within %d bytes (%d held outside its blocks, head "
+                 "%d): %s", self.name, budget, self.outside.held_bytes,
+                 self.outside.head_bytes, plan.choices)
 
-    def _start_step(self, key: Key) -> None:
+    def _start_step(self, key: Key, args: Tuple[Any, ...]) -> None:
         self.first_call = False
         self.step_key = key
         self.current = self.plans.get(key)
@@ -138,6 +367,11 @@ class StepPlanner:
                      self.name)
         self.measuring = True
         self.measured = []
+        devices = [t.device for t in _tensors_in(args)][:1]
+        if self.meter is not None:
+            self.meter.finish()
+        self.meter = _OutsideMeter(*self.start) \
+            if self.start is not None and devices == [self.start[0]] else None
 
     def _warn_once(self, message: str) -> None:
         if not self.warned:
@@ -153,11 +387,18 @@ class StepPlanner:
             return function(*args, **kwargs)
         key = shape_key(args, kwargs)
         if self.first_call:
-            self._start_step(key)
+            self._start_step(key, args)
         if self.measuring:
+            if self.meter is not None:
+                self.meter.block_starts(args)
             self._measure(index, owner, function, args, kwargs, key)
-            return checkpoint(_call, function, args, kwargs,
-                              **{**self.checkpoint_kwargs, "matepoint_offload": False})
+            if self.meter is not None:
+                self.meter.block_measured()
+            out = checkpoint(_call, function, args, kwargs,
+                             **{**self.checkpoint_kwargs, "matepoint_offload": False})
+            if self.meter is not None:
+                self.meter.block_ended(out)
+            return out
         planned = self.current.choices.get(index) if self.current is not None else None
         if planned is None or planned[2] != key:
             # a block the measured step did not run, or with other shapes: the safe choice
@@ -256,9 +497,9 @@ def apply(model: nn.Module, budget_bytes: int,
     inside one), by default the children of the longest ``nn.ModuleList`` or
     ``nn.Sequential``; their ``forward`` is replaced on the instance, so names
     and ``state_dict`` keys stay and keyword arguments pass through. The first
-    training step checkpoints and measures every block; from the next, each
-    is kept, recomputed or offloaded as planned (:func:`planned`); new input
-    shapes are planned again. ``budget_bytes``, ``unit_bytes``, ``pipeline``,
+    training step measures every block and what the model holds outside
+    them; from the next, each runs as planned (:func:`planned`), the whole
+    step within the budget. ``budget_bytes``, ``unit_bytes``, ``pipeline``,
     ``repeats``: see :func:`plan`; ``**checkpoint_kwargs``: see :func:`checkpoint`.
     """
     from matepoint._enable import _CHECKPOINT_KEYWORDS
@@ -292,7 +533,18 @@ class _BeginStep:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():
-            self.planner.begin_step()
+            self.planner.begin_step(module)
+
+
+class _EndForward:
+    """The model's forward hook (run on errors too): a measured step's head
+    ends its forward there."""
+
+    def __init__(self, planner: StepPlanner) -> None:
+        self.planner = planner
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.planner.end_forward(output)
 
 
 def attach(model: nn.Module, planner: Optional[StepPlanner]) -> None:
@@ -300,9 +552,12 @@ def attach(model: nn.Module, planner: Optional[StepPlanner]) -> None:
     old = model.__dict__.pop(_PLANNER, None)
     if old is not None:
         model._forward_pre_hooks.pop(old[1], None)
+        model._forward_hooks.pop(old[2], None)
+        model._forward_hooks_always_called.pop(old[2], None)
     if planner is not None:
-        hook_id = model.register_forward_pre_hook(_BeginStep(planner)).id
-        model.__dict__[_PLANNER] = (planner, hook_id)
+        begin_id = model.register_forward_pre_hook(_BeginStep(planner)).id
+        end_id = model.register_forward_hook(_EndForward(planner), always_call=True).id
+        model.__dict__[_PLANNER] = (planner, begin_id, end_id)
 
 
 def planned(model: nn.Module) -> Optional[Plan]:

@@ -218,9 +218,10 @@ def enable(model: nn.Module, budget_bytes: Optional[int] = None, *,
     PEFT, keeps matepoint (with the keyword arguments it passes, and its
     ``every_n_layers``). Returns ``model``.
 
-    With ``budget_bytes``, ``unit_bytes``, ``repeats`` (as for :func:`plan`)
-    the first training step measures each layer, and from the next each runs
-    as planned (:func:`planned`; new shapes are planned again).
+    With ``budget_bytes`` (the whole step's activations), ``unit_bytes``,
+    ``repeats`` (see :func:`plan`) the first training step measures each
+    layer and what the model holds outside them (head, loss), and from the
+    next each runs as planned (:func:`planned`).
     """
     unknown = sorted(set(checkpoint_kwargs) - _CHECKPOINT_KEYWORDS)
     if unknown:

@@ -40,6 +40,19 @@ def flat(steps):
     return [t for step in steps for t in step]
 
 
+def halfway_budget(model: nn.Module) -> int:
+    """Halfway between the step peaks of all kept and of the smallest plan,
+    from ``model``'s measured step (the outside of its blocks counted)."""
+    from matepoint._autoplan import _PLANNER, plan_step
+
+    profiles = matepoint.planned(model).profiles
+    outside = model.__dict__[_PLANNER][0].outside
+    kept = plan_step(profiles, 1 << 40, outside, 1024, True, offload=False)
+    with pytest.raises(matepoint.PlanError) as error:
+        plan_step(profiles, 1, outside, 1024, True, offload=False)
+    return (kept.predicted_peak_bytes + error.value.smallest_budget_bytes) // 2
+
+
 IDS = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
@@ -57,13 +70,10 @@ def test_enable_with_a_budget_measures_then_runs_the_plan() -> None:
     assert list(model.state_dict()) == keys
     assert_bitwise_equal(flat(expected), flat(got))
     # a budget that fits only some kept layers: the plan mixes, gradients stay exact
-    kept, _ = predict(plan.profiles, ["keep"] * 3, 1024, True)
-    recomputed, _ = predict(plan.profiles, ["recompute"] * 3, 1024, True)
-    budget = (kept + recomputed) // 2
-    tight = matepoint.enable(llama(), budget_bytes=budget, unit_bytes=1024)
+    tight = matepoint.enable(llama(), budget_bytes=halfway_budget(model), unit_bytes=1024)
     assert_bitwise_equal(flat(expected), flat(llama_steps(tight, IDS, 3)))
     choices = matepoint.planned(tight).choices
-    assert "recompute" in choices and "keep" in choices, choices
+    assert choices != ["keep"] * 3 and "keep" in choices, choices
 
 
 def test_enable_recomputes_only_the_planned_layers() -> None:
@@ -145,10 +155,8 @@ def test_apply_plans_any_module_tree_names_and_keywords_kept() -> None:
     assert_bitwise_equal(flat(expected), flat(encoder_steps(model, 3)))
     plan = matepoint.planned(model)
     assert plan.choices == ["keep"] * 4
-    # tighter: between all kept and all recomputed, still exact
-    kept, _ = predict(plan.profiles, ["keep"] * 4, 1024, True)
-    recomputed, _ = predict(plan.profiles, ["recompute"] * 4, 1024, True)
-    tight = matepoint.apply(Encoder(), budget_bytes=(kept + recomputed) // 2)
+    # tighter: between all kept and the smallest plan, still exact
+    tight = matepoint.apply(Encoder(), budget_bytes=halfway_budget(model), unit_bytes=1024)
     assert_bitwise_equal(flat(expected), flat(encoder_steps(tight, 3)))
     # some block checkpointed; recompute or selective, whichever timed faster
     assert set(matepoint.planned(tight).choices) & {"recompute", "selective"}
@@ -178,3 +186,79 @@ def test_a_budget_no_plan_meets_names_the_smallest() -> None:
     encoder_steps(model, 1)
     with pytest.raises(matepoint.PlanError, match="smallest budget any plan meets"):
         encoder_steps(model, 1)
+
+
+class BigHead(nn.Module):
+    """Small residual MLP blocks under a head whose logits and loss outweigh them."""
+
+    def __init__(self, depth: int = 4, width: int = 32, classes: int = 2048) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x, labels):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return nn.functional.cross_entropy(self.head(x), labels)
+
+
+HEAD_X = torch.randn(128, 16, generator=torch.Generator().manual_seed(3))
+HEAD_LABELS = torch.randint(0, 2048, (128,), generator=torch.Generator().manual_seed(4))
+
+
+def big_head_step(model: nn.Module):
+    model.train()
+    loss = model(HEAD_X, HEAD_LABELS)
+    loss.backward()
+    grads = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=False)
+    return grads
+
+
+def test_the_budget_holds_the_whole_step_with_its_head() -> None:
+    from matepoint._autoplan import _PLANNER, plan_step
+    from matepoint._meter import PeakMeter, host_meter_available
+
+    if not host_meter_available():
+        pytest.skip("measuring CPU memory needs glibc's mallinfo2")
+    expected = [big_head_step(BigHead()) for _ in range(3)]
+    probe = matepoint.apply(BigHead(), budget_bytes=1 << 40)
+    for _ in range(2):
+        big_head_step(probe)
+    profiles = matepoint.planned(probe).profiles
+    outside = probe.__dict__[_PLANNER][0].outside
+    logits = HEAD_X.shape[0] * 2048 * 4
+    assert outside.head_bytes >= 2 * logits      # logits and log-softmax at least
+    kept = plan_step(profiles, 1 << 40, outside, 1024, True, offload=False)
+    assert kept.choices == ["keep"] * 4
+    with pytest.raises(matepoint.PlanError) as error:
+        plan_step(profiles, 1, outside, 1024, True, offload=False)
+    smallest = error.value.smallest_budget_bytes
+    budget = (smallest + kept.predicted_peak_bytes) // 2
+    # the blocks alone, all kept, fit this budget: planning them alone would keep them all
+    blocks_kept, _ = predict(profiles, ["keep"] * 4, 1024, True)
+    assert blocks_kept < budget
+    model = matepoint.apply(BigHead(), budget_bytes=budget, unit_bytes=1024)
+    got = [big_head_step(model) for _ in range(2)]   # measure, then planned
+    plan = matepoint.planned(model)
+    with PeakMeter(torch.device("cpu")) as meter:
+        got.append(big_head_step(model))
+    assert plan.predicted_peak_bytes <= budget
+    # planned alone, the blocks were all kept and the step peaked ~7% over the
+    # budget; 1% is room for the heap meter's spread (measured ~0.4% over the
+    # prediction here, the plan within 0.5% of the budget)
+    assert meter.peak_bytes <= budget * 1.01, (meter.peak_bytes, budget, plan.choices)
+    assert abs(meter.peak_bytes / plan.predicted_peak_bytes - 1) <= 0.05
+    assert plan.choices != ["keep"] * 4
+    # a budget the blocks alone meet but no whole step does: the error names the step's smallest
+    small = matepoint.apply(BigHead(), budget_bytes=blocks_kept, unit_bytes=1024)
+    big_head_step(small)
+    with pytest.raises(matepoint.PlanError, match="smallest budget any plan meets") as error:
+        big_head_step(small)
+    assert error.value.smallest_budget_bytes > outside.head_bytes > blocks_kept
+    assert_bitwise_equal(flat(expected), flat(got))
