@@ -8,8 +8,13 @@ same budget: predicted step time of each, and the measured time of each
 plans alike). Issue 23's target: at some budget the predicted gain is at
 least 10% and measured agrees with predicted within 10% for both plans.
 
-    python benchmarks/planner_selective.py [--layers 6] [--rounds 7]
-        [--budgets 0.25,0.5,0.75] [--json out.json]
+Two stacks (`--block`): `encoder`, torch's post-norm
+`nn.TransformerEncoderLayer` with GELU; `llama`, a pre-norm decoder block as
+in Llama (RMSNorm, rotary position embedding, causal attention, SwiGLU),
+whose many elementwise outputs are what selective recomputation drops.
+
+    python benchmarks/planner_selective.py [--block encoder|llama] [--layers 6]
+        [--rounds 7] [--budgets 0.25,0.5,0.75] [--json out.json]
 """
 from __future__ import annotations
 
@@ -22,9 +27,10 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import matepoint
-from matepoint._planner import predict, solve
+from matepoint._planner import default_unit, predict, solve
 from matepoint._timing import time_call
 
 log = logging.getLogger("matepoint.planner_selective")
@@ -32,8 +38,53 @@ MIB = float(1 << 20)
 PLANS = ("selective", "whole")
 
 
-def stack(layers: int, width: int) -> nn.Sequential:
+class RMSNorm(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class LlamaBlock(nn.Module):
+    """A Llama decoder block on a (batch, tokens, width) tensor."""
+
+    def __init__(self, width: int, heads: int, hidden: int, tokens: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_norm, self.mlp_norm = RMSNorm(width), RMSNorm(width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.out = nn.Linear(width, width, bias=False)
+        self.gate_up = nn.Linear(width, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+        half = width // heads // 2
+        angles = torch.outer(torch.arange(tokens, dtype=torch.float32),
+                             10000.0 ** (-torch.arange(half, dtype=torch.float32) / half))
+        self.register_buffer("cos", torch.cat((angles, angles), -1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat((angles, angles), -1).sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        q, k, v = (t.view(batch, tokens, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(self.attention_norm(x)).chunk(3, dim=-1))
+        q, k = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(batch, tokens, width))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def stack(block: str, layers: int, width: int, tokens: int) -> nn.Sequential:
     torch.manual_seed(0)
+    if block == "llama":
+        hidden = (8 * width // 3 + 15) // 16 * 16   # Llama's 8/3 of the width
+        return nn.Sequential(*[LlamaBlock(width, 4, hidden, tokens) for _ in range(layers)])
     return nn.Sequential(*[
         nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, activation="gelu",
                                    batch_first=True)
@@ -45,10 +96,15 @@ def step(model: nn.Module, x: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def run(layers: int, rounds: int, repeats: int, fractions: List[float]) -> Dict[str, Any]:
-    model, x = stack(layers, 256), torch.randn(8, 256, 256)
+def run(block: str, layers: int, shape: Tuple[int, int, int], rounds: int, repeats: int,
+        fractions: List[float]) -> Dict[str, Any]:
+    batch, tokens, width = shape
+    model, x = stack(block, layers, width, tokens), torch.randn(batch, tokens, width)
     probe = matepoint.plan(model, x, budget_bytes=1 << 40, repeats=repeats)
-    profiles, unit = probe.profiles, probe.unit_bytes
+    profiles = probe.profiles
+    # the unit of the budgets compared, not of the probe's unbounded one
+    # (16 MiB there: coarser than a block's input)
+    unit = default_unit(sum(p.input_bytes + p.activation_bytes for p in profiles))
     whole = [dataclasses.replace(p, selective_s=None, selective_bytes=None) for p in profiles]
     kept = predict(profiles, ["keep"] * layers, unit, False)[0]
     recomputed = predict(profiles, ["recompute"] * layers, unit, False)[0]
@@ -70,7 +126,8 @@ def run(layers: int, rounds: int, repeats: int, fractions: List[float]) -> Dict[
             distinct[key].apply(model)
             step(model, x)  # warm-up after switching
             timings[key].append(time_call(lambda: step(model, x), 1)[0])
-    result: Dict[str, Any] = {"layers": layers, "rounds": rounds, "repeats": repeats,
+    result: Dict[str, Any] = {"block": block, "layers": layers, "shape": shape,
+                              "unit_bytes": unit, "rounds": rounds, "repeats": repeats,
                               "all_kept_bytes": kept, "all_recomputed_bytes": recomputed,
                               "torch": torch.__version__, "budgets": []}
     for row in rows:
@@ -105,7 +162,10 @@ def fractions_argument(text: str) -> List[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block", choices=("encoder", "llama"), default="encoder")
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--shape", type=lambda t: tuple(int(v) for v in t.split("x")),
+                        default=(8, 256, 256), help="batch x tokens x width (8x256x256)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5, help="plan()'s timing repeats")
     parser.add_argument("--budgets", type=fractions_argument, default=[0.25, 0.5, 0.75],
@@ -113,7 +173,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    result = run(args.layers, args.rounds, args.repeats, args.budgets)
+    result = run(args.block, args.layers, args.shape, args.rounds, args.repeats, args.budgets)
     log.info("all kept %.1f MiB, all recomputed %.1f MiB", result["all_kept_bytes"] / MIB,
              result["all_recomputed_bytes"] / MIB)
     log.info("| budget | plan | choices | predicted | measured | measured / predicted "
