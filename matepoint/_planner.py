@@ -432,8 +432,7 @@ def planned_choice(block: nn.Module) -> str:
 def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
          unit_bytes: Optional[int] = None, pipeline: Optional[bool] = None,
          bandwidth_bytes_per_s: Optional[float] = None, repeats: int = 3) -> Plan:
-    """Chooses keep / recompute / offload / selective / offload+selective per
-    block within ``budget_bytes``.
+    """Chooses keep, recompute, offload, selective or offload+selective per block.
 
     Args:
         blocks: run in order, each on the previous one's output (as
@@ -457,8 +456,8 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
 
     Offload is planned only where it can run: when the sample inputs are
     CUDA tensors (or CPU tensors standing for them on the simulated GPU of
-    test builds) and the ``offload`` option is on (offload+selective too). Otherwise no
-    block offloads, and the plan's ``note`` (also in its table) says why.
+    test builds) and the ``offload`` option is on; otherwise no block
+    offloads (offload+selective neither), and the plan's ``note`` says why.
 
     Returns:
         A :class:`Plan`.
