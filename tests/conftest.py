@@ -6,6 +6,7 @@ from typing import Callable, Sequence
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -183,6 +184,19 @@ def run_in_thread(function: Callable[[], object]) -> None:
     thread.join()
     if errors:
         raise errors[0]
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operators run, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def assert_bitwise_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:

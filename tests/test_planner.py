@@ -11,7 +11,7 @@ import matepoint
 from matepoint import _meter
 from matepoint._meter import PeakMeter, host_meter_available
 from matepoint._planner import BlockProfile, Plan, planned_choice, solve
-from conftest import assert_bitwise_equal
+from conftest import OpCounter, assert_bitwise_equal
 
 MIB = 1 << 20
 
@@ -61,19 +61,6 @@ def test_every_choice_gives_the_unplanned_gradients(offload) -> None:
     got = step(planned, x)
     assert matepoint.pool_stats()["hits"] + matepoint.pool_stats()["misses"] == before + 2
     assert_bitwise_equal(expected, got)
-
-
-class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten operators run, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("choice", ["recompute", "selective"])

@@ -8,7 +8,7 @@ import torch.nn as nn
 import matepoint
 from matepoint import _C
 from matepoint._planner import BlockProfile, Plan, planned_choice, predict, solve
-from conftest import assert_bitwise_equal
+from conftest import OpCounter, assert_bitwise_equal
 
 MIB = 1 << 20
 BATCH, WIDTH = 32, 64
@@ -19,19 +19,6 @@ def chain(depth: int) -> nn.Sequential:
     return nn.Sequential(*[
         nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
         for _ in range(depth)])
-
-
-class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten operators run, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def gradients(model: nn.Module, x: torch.Tensor):
