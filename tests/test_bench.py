@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from matepoint._meter import host_meter_available
+from matepoint._planner import CHOICES
 from matepoint.bench import cli, report
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
@@ -53,6 +54,10 @@ def test_cpu_bench_writes_results_with_matching_gradients(tmp_path) -> None:
     assert summary[("latent", 6, "matepoint")]["reference"] == "torch"
     auto = [e for e in summary.values() if e["mode"] == "matepoint-auto"]
     assert all(e["predicted_peak_bytes"] <= e["budget_bytes"] for e in auto)
+    # every choice the planner has is counted, and the counts add up to the depth
+    plans = [r for r in payload["rows"] if r["mode"] == "matepoint-auto"]
+    assert plans and all(tuple(r["plan"]) == CHOICES and sum(r["plan"].values()) == r["depth"]
+                         for r in plans)
     assert payload["overhead_us"]["matepoint"] > 0
     assert payload["held_bytes"]["matepoint"] < payload["held_bytes"]["none"]
     if host_meter_available():  # memory against torch's, from the heap meter

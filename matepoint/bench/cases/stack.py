@@ -68,8 +68,9 @@ def build(spec: Dict[str, Any], mode: str, device: torch.device) -> Workload:
     parameters = [p for block in blocks for p in block.parameters()]
     extra: Dict[str, Any] = {}
     if mode == "matepoint-auto":
+        from matepoint._planner import CHOICES
         run_blocks, plan = planned(blocks, x, spec.get("budget_gib"))
-        extra = {"plan": {c: plan.choices.count(c) for c in ("keep", "recompute", "offload")},
+        extra = {"plan": {c: plan.choices.count(c) for c in CHOICES},
                  "budget_bytes": plan.budget_bytes,
                  "predicted_peak_bytes": plan.predicted_peak_bytes}
         step = chain_step(list(run_blocks), x, None)
