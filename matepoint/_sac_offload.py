@@ -18,6 +18,11 @@ nothing can be offloaded (CPU tensors, offload turned off, tensors under
 it) raises when backward needs it, as torch's cache does, and even with
 ``allow_cache_entry_mutation=True``: its host copy no longer matches it.
 
+Outputs of ops run after the last tensor the region saved for backward
+(often a block's last matmul, whose output only a residual sum takes) are
+let go when the region's forward ends, offloaded or not: the recompute
+stops at that tensor, before those ops, so it never asks for them.
+
 matepoint's checkpoint calls :func:`adapt` on the forward context before
 the region runs; nothing here is public.
 """
@@ -45,6 +50,10 @@ _storage_key: Callable[[Any, Any], Any] = getattr(
     torch_checkpoint, "_sac_storage_key", lambda func, args: func)
 _is_compiling: Callable[..., bool] = getattr(
     torch_checkpoint, "_is_compiling", lambda func, args, kwargs: False)
+# ops torch's caching mode runs without storing anything, and its mark of
+# an op stored as "recompute"
+_IGNORED_OPS = getattr(torch_checkpoint, "SAC_IGNORED_OPS", frozenset())
+_RECOMPUTE = getattr(torch_checkpoint, "_RECOMPUTE", None)
 
 
 class _OffloadedGroup:
@@ -189,30 +198,86 @@ class _OffloadPolicies:
         return policy
 
 
+class _Unreached:
+    """Stands, in torch's selective-checkpoint storage, for an output the
+    recompute never reaches: the op ran after the last tensor the region
+    saved, where an early-stopping recompute ends."""
+
+    __slots__ = ()
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        del allow_cache_entry_mutation
+        raise RuntimeError(
+            "matepoint: the recompute reached an op run after the last tensor the region "
+            "saved, whose selective-checkpoint output was let go when the forward ended; "
+            "this is a bug in matepoint, please report it")
+
+
+_UNREACHED = _Unreached()
+
+
 class _OffloadingMode:
     """Mixed into torch's caching mode (or a subclass of it): after torch
-    stored an op's output, one its policy offloads goes to the host."""
+    stored an op's output, one its policy offloads goes to the host; and
+    when the forward ends, the outputs of the ops run after the region's
+    last saved tensor are let go (the early-stopping recompute stops at that
+    tensor, so it never asks for them: torch would hold them until the
+    region's backward)."""
 
     policy_fn: _OffloadPolicies
     storage: Any
     func_counter: Any
     _matepoint_offloaded: List[_OffloadedGroup]
+    _matepoint_frame: Any           # the region's frame while tails are tracked, else None
+    _matepoint_tail: List[Tuple[Any, int]]   # storage slots filled since the last save
+    _matepoint_tail_saved: int      # the frame's saved count when the tail began
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         policies = self.policy_fn
         policies.offload = False
         policies.translate = not _is_compiling(func, args, kwargs or {})
+        frame = self._matepoint_frame if policies.translate else None
+        if frame is not None and frame._saved_count != self._matepoint_tail_saved:
+            self._matepoint_tail_saved = frame._saved_count
+            self._matepoint_tail = []
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
+        if func in _IGNORED_OPS or not (policies.offload or frame is not None):
+            return out
+        key = _storage_key(func, args)
+        index = self.func_counter[key] - 1
+        if frame is not None:
+            self._matepoint_tail.append((key, index))
         if policies.offload:
             policies.offload = False
-            key = _storage_key(func, args)
-            index = self.func_counter[key] - 1
             self.storage[key][index] = _offload_entry(self.storage[key][index], out,
                                                       self._matepoint_offloaded)
         return out
 
+    def _drop_unreached(self) -> None:
+        dropped: List[_OffloadedGroup] = []
+        for key, index in self._matepoint_tail:
+            entries = self.storage.get(key)
+            entry = entries.get(index) if entries is not None else None
+            if entry is None or entry is _RECOMPUTE:
+                continue
+            for leaf in tree_leaves(entry):
+                if isinstance(leaf, _OffloadedEntry):
+                    dropped.append(leaf._owner)
+            entries[index] = _UNREACHED
+        for group in dropped:
+            group._release()
+        # the list is shared with the recompute mode, which prefetches it
+        self._matepoint_offloaded[:] = [
+            group for group in self._matepoint_offloaded
+            if not any(group is gone for gone in dropped)]
+        self._matepoint_tail = []
+
     def __exit__(self, *exc_info: Any) -> Any:
+        frame, self._matepoint_frame = self._matepoint_frame, None
+        if frame is not None and exc_info[0] is None and \
+                frame._saved_count == self._matepoint_tail_saved:
+            self._drop_unreached()
         for group in self._matepoint_offloaded:
             group.seal()
         return super().__exit__(*exc_info)  # type: ignore[misc]
@@ -254,16 +319,20 @@ def _adapt_class(mode: Any, mixin: type) -> None:
     mode.__class__ = adapted
 
 
-def adapt(mode: Any, recompute: Any = None) -> None:
+def adapt(mode: Any, recompute: Any = None, frame: Any = None) -> None:
     """Makes torch's selective-checkpoint caching mode ``mode`` honour
-    offload policies (in place: its class and policy_fn change), and its
-    recompute mode ``recompute`` (torch's cached mode, when given) prefetch
-    what ``mode`` offloaded."""
-    if not _OFFLOAD_POLICIES or isinstance(mode, _OffloadingMode):
+    offload policies and let go of what the recompute of ``frame`` (the
+    region's checkpoint frame, when given) will not reach (in place: its
+    class and policy_fn change), and its recompute mode ``recompute``
+    (torch's cached mode, when given) prefetch what ``mode`` offloaded."""
+    if isinstance(mode, _OffloadingMode):
         return
     groups: List[_OffloadedGroup] = []
     mode.policy_fn = _OffloadPolicies(mode.policy_fn)
     mode._matepoint_offloaded = groups
+    mode._matepoint_frame = frame if frame is not None and frame._early_stop else None
+    mode._matepoint_tail = []
+    mode._matepoint_tail_saved = -1
     _adapt_class(mode, _OffloadingMode)
     if _CachedMode is not None and isinstance(recompute, _CachedMode) and \
             not isinstance(recompute, _PrefetchingMode):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import matepoint
@@ -308,34 +309,32 @@ def matmul_last(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(torch.tanh(x), weight)
 
 
-def device_copies(group: Any) -> int:
-    """Device tensors the engine holds for an offloaded output's group (the
-    copies back it made), seen through the objects the group references."""
-    copies = [item for ref in gc.get_referents(group) if isinstance(ref, tuple)
-              for item in ref]
-    return sum(isinstance(ref, torch.Tensor) for copy in copies for ref in gc.get_referents(copy))
-
-
-def test_outputs_the_recompute_never_reaches_leave_the_device(offload) -> None:
+def test_outputs_the_recompute_never_reaches_are_let_go_after_the_forward(offload) -> None:
     """An early stop skips the ops after the last saved tensor: their
-    outputs were prefetched with the region, and leave the device when its
-    recompute ends, though the graph (retain_graph) still holds them."""
+    offloaded outputs leave the host when the forward ends, and never come
+    back: only the regions' inputs are fetched."""
     torch.manual_seed(0)
     x = torch.randn(8, 32, requires_grad=True)
     weights = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
-    modes = Modes(CheckpointPolicy.MUST_CPU_OFFLOAD)
-    h = x
-    for weight in weights:
-        h = matepoint.checkpoint(matmul_last, h, weight, context_fn=modes)
+
+    def forward(policy: CheckpointPolicy) -> Tuple[torch.Tensor, Modes, int]:
+        modes = Modes(policy)
+        h = x
+        for weight in weights:
+            h = matepoint.checkpoint(matmul_last, h, weight, context_fn=modes)
+        return h, modes, matepoint.pool_stats()["bytes_in_use"]
+
+    _, _, inputs_only = forward(CheckpointPolicy.MUST_SAVE)
+    gc.collect()
+    h, modes, in_use = forward(CheckpointPolicy.MUST_CPU_OFFLOAD)
+    assert in_use == inputs_only > 0
+    assert [mode._matepoint_offloaded for mode in modes.forward] == [[]] * len(weights)
     prefetched = fetches()[0]
-    h.sum().backward(retain_graph=True)
-    groups = [group._group for mode in modes.forward for group in mode._matepoint_offloaded]
-    assert len(groups) == len(weights) and None not in groups     # none was asked for
-    # yet each came back ahead, as did the inputs (two spans) of all but the last region
-    assert fetches()[0] - prefetched == len(weights) + 2 * (len(weights) - 1)
-    assert [device_copies(group) for group in groups] == [0] * len(weights)
+    h.sum().backward()
+    # the inputs (two spans) of all but the last region
+    assert fetches()[0] - prefetched == 2 * (len(weights) - 1)
     got = [x.grad] + [w.grad for w in weights]
-    del h, groups
+    del h
     x.grad = None
     for weight in weights:
         weight.grad = None
@@ -344,3 +343,38 @@ def test_outputs_the_recompute_never_reaches_leave_the_device(offload) -> None:
         h = matmul_last(h, weight)
     h.sum().backward()
     assert_bitwise_equal([x.grad] + [w.grad for w in weights], got)
+    del h
+    gc.collect()
+    assert matepoint.pool_stats()["bytes_in_use"] == 0
+
+
+def residual_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # the sum saves nothing: the matmul's output is needed by no backward
+    # and, the matmul running after the last saved tensor, by no recompute
+    return x + torch.mm(torch.tanh(x), weight)
+
+
+def cached_tensors(modes: Modes) -> int:
+    return sum(isinstance(getattr(leaf, "val", None), torch.Tensor)
+               for mode in modes.forward for entries in mode.storage.values()
+               for entry in entries.values() for leaf in tree_leaves(entry))
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "full-recompute"])
+def test_saved_outputs_the_recompute_never_reaches_are_let_go(early_stop: bool) -> None:
+    """MUST_SAVE alike: torch would hold the matmul's output until backward;
+    held only when the recompute runs the whole region."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    weight = torch.randn(32, 32, requires_grad=True)
+    modes = Modes(CheckpointPolicy.MUST_SAVE)
+    y = matepoint.checkpoint(residual_matmul, x, weight, context_fn=modes,
+                             early_stop=early_stop)
+    assert cached_tensors(modes) == (0 if early_stop else 1)
+    with CountMM() as counter:
+        y.square().sum().backward()
+    assert counter.count == 2      # the matmul's backward alone: none recomputed
+    got = [x.grad, weight.grad]
+    x.grad = weight.grad = None
+    residual_matmul(x, weight).square().sum().backward()
+    assert_bitwise_equal([x.grad, weight.grad], got)

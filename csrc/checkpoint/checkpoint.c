@@ -292,12 +292,14 @@ check_respect_hooks(PyObject *value)
     return -1;
 }
 
-/* Selective checkpointing's offload policies: torch's eager caching mode
- * recomputes those ops; matepoint/_sac_offload.py makes it keep their
- * outputs on the host, through the offload engine, instead, and the
- * recompute mode bring them back ahead of use. */
+/* Selective checkpointing, adapted by matepoint/_sac_offload.py: torch's
+ * eager caching mode recomputes the ops an offload policy names, so their
+ * outputs are kept on the host instead, through the offload engine, and the
+ * recompute mode brings them back ahead of use; and the outputs of ops the
+ * early-stopping recompute never reaches (run after the last tensor the
+ * region saved) are let go when the forward ends. */
 static int
-adapt_offload_policies(mp_state *st, PyObject *forward, PyObject *recompute)
+adapt_selective(mp_state *st, PyObject *forward, PyObject *recompute, Frame *frame)
 {
     if (forward == NULL)
         return 0;
@@ -306,8 +308,9 @@ adapt_offload_policies(mp_state *st, PyObject *forward, PyObject *recompute)
     if (selective <= 0)
         return selective;
     PyObject *adapter = PyImport_ImportModule("matepoint._sac_offload");
-    PyObject *done = adapter ? PyObject_CallMethod(adapter, "adapt", "OO", forward,
-                                                   recompute ? recompute : Py_None)
+    PyObject *done = adapter ? PyObject_CallMethod(adapter, "adapt", "OOO", forward,
+                                                   recompute ? recompute : Py_None,
+                                                   (PyObject *)frame)
                              : NULL;
     Py_XDECREF(adapter);
     Py_XDECREF(done);
@@ -443,7 +446,7 @@ checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObjec
     frame->early_stop = (char)global_override(st, "_enable_checkpoint_early_stop", early_stop);
     if (resolve_contexts(st, opts, &forward, &frame->recompute_context, &frame->error_cb) < 0 ||
         pass_respect_hooks(st, forward, opts->respect_saved_tensors_hooks) < 0 ||
-        adapt_offload_policies(st, forward, frame->recompute_context) < 0 ||
+        adapt_selective(st, forward, frame->recompute_context, frame) < 0 ||
         frame_capture(frame, args, fn_kwargs, preserve_rng, offload_override) < 0)
         goto done;
     uint64_t outer_tag = alloc_link_tag(&st->alloc, alloc_region_tag(frame->region_id, TAG_FORWARD));

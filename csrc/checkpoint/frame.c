@@ -3,7 +3,9 @@
 #include "base/compat.h"
 #include "base/hooks.h"
 
+#include <stddef.h>
 #include <string.h>
+#include <structmember.h>
 
 /* ---- Holder ------------------------------------------------------------ */
 
@@ -158,8 +160,20 @@ frame_dealloc(Frame *self)
     Py_DECREF(tp);
 }
 
+/* Read by the selective-checkpoint caching mode (matepoint/_sac_offload.py):
+ * an op run once the forward has saved as many tensors as it ends with is
+ * never reached by an early-stopping recompute. */
+static PyMemberDef frame_members[] = {
+    {"_saved_count", T_PYSSIZET, offsetof(Frame, n_holders), READONLY,
+     "tensors saved for backward so far in the region's forward"},
+    {"_early_stop", T_BOOL, offsetof(Frame, early_stop), READONLY,
+     "the recompute stops at the last tensor the forward saved"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyType_Slot frame_slots[] = {
     {Py_tp_dealloc, frame_dealloc},
+    {Py_tp_members, frame_members},
     {Py_tp_traverse, frame_traverse},
     {Py_tp_clear, frame_clear},
     {Py_tp_call, frame_pack},
