@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from matepoint import _C
@@ -782,39 +782,31 @@ def _profile_selective(block: Callable, args: Tuple, resident: set
     return run, _selective_saved_bytes(block, args, resident)
 
 
-class _SavedOutputs(TorchDispatchMode):
-    """Counts the distinct storages the selective policy would keep: the
-    outputs of SELECTIVE_SAVED_OPS, those in ``resident`` left out."""
-
-    def __init__(self, resident: set) -> None:
-        super().__init__()
-        self.resident = resident
-        self.storages: Dict[int, int] = {}
-        # held until counted: a freed storage's address may come back
-        self.kept: List[torch.Tensor] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple = (),
-                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in SELECTIVE_SAVED_OPS:
-            for tensor in _tensors_in(out):
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() not in self.resident:
-                    self.storages[storage.data_ptr()] = storage.nbytes()
-                    self.kept.append(tensor)
-        return out
-
-
 def _selective_saved_bytes(block: Callable, args: Tuple, resident: set) -> int:
     """Bytes the selective choice keeps after the block's forward, its
-    input aside (the forward runs with gradients, as in training)."""
-    with _SavedOutputs(resident) as counter:
-        block(*args)
-    # the mode sits in a reference cycle: without this, the outputs it
-    # holds would stay until the garbage collector runs, on top of the
-    # timed runs that follow
-    counter.kept.clear()
-    return sum(counter.storages.values())
+    input aside: the distinct storages left in the selective cache when the
+    forward ends (those after the last saved tensor are let go then; the
+    forward runs with gradients, as in training)."""
+    modes: List[Any] = []
+
+    def context() -> Tuple[Any, Any]:
+        pair = selective_context()
+        modes.append(pair[0])
+        return pair
+
+    options = dict(_choice_options("selective", False), context_fn=context)
+    out = _C.checkpoint(_call, block, args, {}, **options)
+    storages: Dict[int, int] = {}
+    for entries in modes[0].storage.values():
+        for entry in entries.values():
+            for leaf in tree_leaves(entry):
+                value = getattr(leaf, "val", None)
+                if isinstance(value, torch.Tensor):
+                    storage = value.untyped_storage()
+                    if storage.data_ptr() not in resident:
+                        storages[storage.data_ptr()] = storage.nbytes()
+    del out
+    return sum(storages.values())
 
 
 def _peaks(block: Callable, args: Tuple, device: torch.device) -> Tuple[int, int]:

@@ -85,8 +85,10 @@ def test_profile_measures_the_selective_choice() -> None:
     model, x = chain(3, 64), torch.randn(32, 64)
     plan = matepoint.plan(model, x, budget_bytes=64 * MIB, repeats=1)
     for p in plan.profiles:
-        # it keeps both linears' outputs (32x256 and 32x64 floats), not the GELU's
-        assert p.selective_bytes == p.input_bytes + 32 * 256 * 4 + 32 * 64 * 4
+        # it keeps the first linear's output (32x256 floats), not the GELU's,
+        # nor the second's: the recompute stops before it, and the next block
+        # holds it as its input
+        assert p.selective_bytes == p.input_bytes + 32 * 256 * 4
         assert p.selective_s > 0
     assert plan.choices == ["keep"] * 3   # all fits: nothing to trade
     rows = plan.frontier()
