@@ -48,8 +48,8 @@ _NO_OFFLOAD_COPY_S = 1e30
 # A block whose selective run was not measured (a plan saved before it was)
 # is given this time: never chosen, as it holds at least what recompute does.
 _UNMEASURED_S = 1e30
-# The least a selective run is taken to cost over keeping, relative.
-_SELECTIVE_OVER_KEEP = 1e-6
+# The least a selective or recompute run is taken to cost over keeping, relative.
+_OVER_KEEP = 1e-6
 Blocks = Union[nn.Sequential, nn.ModuleList, Sequence[Callable]]
 
 
@@ -115,6 +115,15 @@ class BlockProfile:
     # its forward (its input and the saved outputs); None: not measured
     selective_s: Optional[float] = None
     selective_bytes: Optional[int] = None
+    # forward + backward checkpointed, its recompute included (which stops
+    # at the last saved tensor: often less than a second forward); None:
+    # taken as 2 forward_s + backward_s (a plan saved before it was measured)
+    recompute_s: Optional[float] = None
+
+    def checkpointed_s(self) -> float:
+        """Forward + backward when recomputed."""
+        return 2 * self.forward_s + self.backward_s if self.recompute_s is None \
+            else self.recompute_s
 
     def keep_work_bytes(self) -> int:
         """Its own peak when kept: forward, or backward over what it saved."""
@@ -295,15 +304,16 @@ def _check_loaded(plan: Plan) -> None:
                          f"not {_show(plan.predicted_time_s)}")
     for i, profile in enumerate(plan.profiles):
         values = dataclasses.astuple(profile)
-        # seconds, then byte counts; the selective pair may be absent (None)
-        sizes = values[3:8] + tuple(v for v in values[9:] if v is not None)
+        # seconds, then byte counts, then the ones that may be absent (None)
+        sizes = values[3:8] + tuple(v for v in values[9:10] if v is not None)
         given = values[:8] + tuple(v for v in values[8:] if v is not None)
         if not all(_finite_number(v) and v >= 0 for v in given) or \
                 not all(isinstance(v, int) and v <= MAX_BYTES for v in sizes) or \
                 (values[8] is None) != (values[9] is None):
             raise ValueError(f"block {i} has {values}: times must be finite numbers >= 0 "
                              f"and sizes ints from 0 to 2**63 - 1 (selective_s and "
-                             f"selective_bytes both given or both null)")
+                             f"selective_bytes both given or both null; recompute_s "
+                             f"may be null)")
 
 
 class PlannedBlock(nn.Module):
@@ -615,7 +625,8 @@ def _units(profiles: List[BlockProfile], unit_bytes: int, offload: bool = True) 
              up(p.keep_work_bytes()), up(p.checkpoint_work_bytes()),
              _UNMEASURED_S if p.selective_s is None else p.selective_s,
              up(p.input_bytes if p.selective_bytes is None else p.selective_bytes),
-             _selective_copy_s(p) if offload else _NO_OFFLOAD_COPY_S)
+             _selective_copy_s(p) if offload else _NO_OFFLOAD_COPY_S,
+             p.checkpointed_s())
             for p in profiles]
 
 
@@ -743,26 +754,31 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
         output_bytes = _storage_bytes(_tensors_in(out))
         # the next block needs the values, not this block's activations
         out = _detached(out)
-        runs = [lambda: _forward_only(block, args), lambda: _backward(block(*args))]
+        options = _choice_options("recompute", False)
+        runs = [lambda: _forward_only(block, args), lambda: _backward(block(*args)),
+                lambda: _backward(_C.checkpoint(_call, block, args, {}, **options))]
         try:
             selective_run, selective_saved = _profile_selective(block, args, resident)
-            forward_s, both_s, selective_s = _timed_in_turn(runs + [selective_run], device,
-                                                            repeats)
+            forward_s, both_s, recompute_s, selective_s = _timed_in_turn(
+                runs + [selective_run], device, repeats)
         except RuntimeError as error:
             log.info("matepoint.plan: a block cannot run selective (%s); not planned", error)
-            (forward_s, both_s), selective_s, selective_saved = \
+            (forward_s, both_s, recompute_s), selective_s, selective_saved = \
                 _timed_in_turn(runs, device, repeats), None, None
     input_bytes = _storage_bytes(_tensors_in(args))
     backward_s = max(both_s - forward_s, 0.0)
+    # recompute and selective run all that keep runs and more: a timing as
+    # fast is noise, which would otherwise make them win where everything
+    # fits (a hair slower so that keep wins the tie)
+    least = (forward_s + backward_s) * (1 + _OVER_KEEP)
+    recompute_s = max(recompute_s, least)
     if selective_s is not None:
-        # selective runs all that keep runs and more: a timing as fast is
-        # noise, which would otherwise make it win where everything fits (a
-        # hair slower so that keep wins the tie)
-        selective_s = max(selective_s, (forward_s + backward_s) * (1 + _SELECTIVE_OVER_KEEP))
+        selective_s = max(selective_s, least)
         selective_saved += input_bytes
     profile = BlockProfile(forward_s, backward_s, input_bytes / bandwidth,
                            input_bytes, activation_bytes, output_bytes,
-                           forward_peak, backward_peak, selective_s, selective_saved)
+                           forward_peak, backward_peak, selective_s, selective_saved,
+                           recompute_s)
     return profile, out
 
 

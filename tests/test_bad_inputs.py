@@ -251,7 +251,8 @@ def bad_plan_files():
         yield name, data
     for field, value in [("forward_s", math.inf), ("copy_s", math.nan), ("input_bytes", -1),
                          ("input_bytes", 1.5), ("activation_bytes", 2**64),
-                         ("output_bytes", "x"), ("forward_peak_bytes", True)]:
+                         ("output_bytes", "x"), ("forward_peak_bytes", True),
+                         ("recompute_s", -1.0), ("recompute_s", "2")]:
         data = json.loads(json.dumps(good))
         data["profiles"][1][field] = value
         yield f"profile {field}={value!r}", data

@@ -12,15 +12,16 @@ KEEP, RECOMPUTE, OFFLOAD, SELECTIVE, OFFLOAD_SELECTIVE = 0, 1, 2, 3, 4
 def model_cost(blocks, choices, pipeline):
     """The cost model of csrc/planner/planner.h, written out plainly."""
     time, peak, held = 0.0, 0, 0
-    for i, (fwd, bwd, copy, inp, act, keep_work, checkpoint_work, sel_s, sel, sel_copy) in \
-            enumerate(blocks):
+    for i, block in enumerate(blocks):
+        fwd, bwd, copy, inp, act, keep_work, checkpoint_work, sel_s, sel, sel_copy = block[:10]
+        recompute_s = block[10] if len(block) > 10 else 2 * fwd + bwd
         c = choices[i]
         work = keep_work if c == KEEP else checkpoint_work
         prefetch_from_next = pipeline and i > 0 and choices[i - 1] == OFFLOAD and c == OFFLOAD
         prefetch = blocks[i - 1][3] if prefetch_from_next else 0
         peak = max(peak, held + work + prefetch)
         time += fwd + bwd if c == KEEP else sel_s if c in (SELECTIVE, OFFLOAD_SELECTIVE) \
-            else 2 * fwd + bwd
+            else recompute_s
         if c == OFFLOAD_SELECTIVE:   # out behind its forward, back with nothing to hide it
             time += max(0.0, sel_copy - fwd) + sel_copy
         if c == OFFLOAD:
@@ -40,11 +41,14 @@ def random_chain(rng, length):
         fwd, bwd, copy = rng.uniform(0, 1), rng.uniform(0, 2), rng.uniform(0, 3)
         sel = inp + rng.randint(0, act)
         # selective: between keep and recompute in time and memory, as measured;
-        # its copy grows with the bytes copied
-        chain.append((fwd, bwd, copy, inp, act,
-                      act + rng.randint(0, 6), inp + act + rng.randint(0, 6),
-                      fwd + bwd + rng.uniform(0, fwd), sel,
-                      copy * sel / inp if inp else rng.uniform(0, 3)))
+        # its copy grows with the bytes copied; the recompute may stop early
+        # (every other block leaves its time to the solver's default, 2f+b)
+        block = (fwd, bwd, copy, inp, act,
+                 act + rng.randint(0, 6), inp + act + rng.randint(0, 6),
+                 fwd + bwd + rng.uniform(0, fwd), sel,
+                 copy * sel / inp if inp else rng.uniform(0, 3))
+        chain.append(block + (fwd * (1 + rng.uniform(0, 1)) + bwd,) if rng.random() < 0.5
+                     else block)
     return chain
 
 
@@ -114,6 +118,10 @@ def test_bad_blocks_are_refused() -> None:
         _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1 << 50, 1.0)], 10, True)
     with pytest.raises(ValueError, match="non-negative"):
         _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, -1.0)], 10, True)
+    with pytest.raises(ValueError, match="non-negative"):
+        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, -3.0)], 10, True)
+    with pytest.raises(TypeError, match="block 0: .*recompute_s"):
+        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0)], 10, True)
     with pytest.raises(TypeError, match="selective_units, selective_copy_s"):
         _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1)], 10, True)
     with pytest.raises(ValueError, match="3 choices for 1 blocks"):

@@ -1,7 +1,8 @@
 /* Python face of the budget planner (planner/planner.h). Blocks arrive as a
  * sequence of (forward_s, backward_s, copy_s, input_units,
  * activation_units, keep_work_units, checkpoint_work_units, selective_s,
- * selective_units, selective_copy_s) tuples; choices as a bytes object of
+ * selective_units, selective_copy_s[, recompute_s]) tuples (recompute_s
+ * 2 * forward_s + backward_s when left out); choices as a bytes object of
  * PLAN_* values. The solver runs without the GIL. */
 #include "plan.h"
 
@@ -14,22 +15,27 @@ static int
 block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
 {
     long long units[5];
+    block->recompute_s = -1.0;
     if (!PyTuple_Check(item) ||
-        !PyArg_ParseTuple(item, "dddLLLLdLd", &block->forward_s, &block->backward_s,
+        !PyArg_ParseTuple(item, "dddLLLLdLd|d", &block->forward_s, &block->backward_s,
                           &block->copy_s, &units[0], &units[1], &units[2], &units[3],
-                          &block->selective_s, &units[4], &block->selective_copy_s)) {
+                          &block->selective_s, &units[4], &block->selective_copy_s,
+                          &block->recompute_s)) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
                      "block %zd: expected (forward_s, backward_s, copy_s, input_units, "
                      "activation_units, keep_work_units, checkpoint_work_units, selective_s, "
-                     "selective_units, selective_copy_s)",
+                     "selective_units, selective_copy_s[, recompute_s])",
                      index);
         return -1;
     }
+    if (PyTuple_GET_SIZE(item) < 11)
+        block->recompute_s = 2 * block->forward_s + block->backward_s;
     int negative = !(block->forward_s >= 0 && block->backward_s >= 0 && block->copy_s >= 0 &&
-                     block->selective_s >= 0 && block->selective_copy_s >= 0) ||
+                     block->selective_s >= 0 && block->selective_copy_s >= 0 &&
+                     block->recompute_s >= 0) ||
                    !isfinite(block->forward_s + block->backward_s + block->copy_s +
-                             block->selective_s + block->selective_copy_s);
+                             block->selective_s + block->selective_copy_s + block->recompute_s);
     for (int k = 0; k < 5; k++) {
         negative |= units[k] < 0;
         /* sums of units over a chain must not wrap: keep each far below 2^64 */

@@ -58,7 +58,7 @@ own_time(const plan_block *b, int choice)
     if (choice == PLAN_OFFLOAD_SELECTIVE)
         return b->selective_s + positive(b->selective_copy_s - b->forward_s) +
                b->selective_copy_s;
-    double time = 2 * b->forward_s + b->backward_s;
+    double time = b->recompute_s;
     return choice == PLAN_OFFLOAD ? time + positive(b->copy_s - b->forward_s) : time;
 }
 

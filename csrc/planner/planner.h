@@ -17,8 +17,10 @@
  *   while block i runs backward, block i-1's input is being prefetched when
  *   both offload (pipeline): +in[i-1]
  *   peak = max over i of (held by blocks before i) + work[i] + prefetch[i]
- *   time: keep f+b, recompute/offload 2f+b, selective: selective_s (its
- *   forward and backward measured together under the policy); an offload adds the part of its
+ *   time: keep f+b, recompute/offload recompute_s, selective selective_s
+ *   (each its forward and backward measured together, checkpointed: a
+ *   recompute stops at the last saved tensor, so it costs less than a
+ *   second forward where ops follow it); an offload adds the part of its
  *   copy out its own forward does not hide, and the part of its copy back
  *   that the backward of the next block does not hide (all of it for the
  *   last block, or without pipeline). offload+selective: selective_s plus
@@ -46,6 +48,7 @@ enum {
 
 typedef struct {
     double forward_s, backward_s;
+    double recompute_s;             /* forward + backward checkpointed, recompute included */
     double copy_s;                  /* one-way copy of the input */
     uint64_t input_units, activation_units;
     uint64_t keep_work_units, checkpoint_work_units;

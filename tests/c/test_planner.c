@@ -34,6 +34,8 @@ random_chain(plan_block *blocks, int n)
         double forward_s = rng_unit(), backward_s = 2 * rng_unit(), copy_s = 3 * rng_unit();
         blocks[i] = (plan_block){
             .forward_s = forward_s, .backward_s = backward_s, .copy_s = copy_s,
+            /* a second forward at most: the recompute may stop early */
+            .recompute_s = forward_s * (1 + rng_unit()) + backward_s,
             .input_units = in, .activation_units = act,
             .keep_work_units = act + rng_next() % 7,
             .checkpoint_work_units = in + act + rng_next() % 7,
@@ -113,8 +115,8 @@ static void
 test_selective_chosen(void)
 {
     /* offload costs too much to matter here */
-    plan_block block = {.forward_s = 1, .backward_s = 2, .copy_s = 1e30, .input_units = 1,
-                        .activation_units = 10, .keep_work_units = 10,
+    plan_block block = {.forward_s = 1, .backward_s = 2, .recompute_s = 4, .copy_s = 1e30,
+                        .input_units = 1, .activation_units = 10, .keep_work_units = 10,
                         .checkpoint_work_units = 11, .selective_s = 3.2,
                         .selective_units = 4, .selective_copy_s = 1e30};
     plan_block blocks[4] = {block, block, block, block};
@@ -134,8 +136,8 @@ test_selective_chosen(void)
 static void
 test_offload_selective_chosen(void)
 {
-    plan_block block = {.forward_s = 1, .backward_s = 2, .copy_s = 0.1, .input_units = 1,
-                        .activation_units = 10, .keep_work_units = 10,
+    plan_block block = {.forward_s = 1, .backward_s = 2, .recompute_s = 4, .copy_s = 0.1,
+                        .input_units = 1, .activation_units = 10, .keep_work_units = 10,
                         .checkpoint_work_units = 11, .selective_s = 3.2,
                         .selective_units = 4, .selective_copy_s = 0.4};
     plan_block blocks[4] = {block, block, block, block};
@@ -156,7 +158,7 @@ test_offload_selective_chosen(void)
 static void
 test_edges(void)
 {
-    plan_block blocks[2] = {{.forward_s = 1, .backward_s = 1, .input_units = 1,
+    plan_block blocks[2] = {{.forward_s = 1, .backward_s = 1, .recompute_s = 3, .input_units = 1,
                              .activation_units = 1, .keep_work_units = 2,
                              .checkpoint_work_units = 3, .selective_s = 3,
                              .selective_units = 1}};
