@@ -15,7 +15,6 @@ static int
 block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
 {
     long long units[5];
-    block->recompute_s = -1.0;
     if (!PyTuple_Check(item) ||
         !PyArg_ParseTuple(item, "dddLLLLdLd|d", &block->forward_s, &block->backward_s,
                           &block->copy_s, &units[0], &units[1], &units[2], &units[3],
