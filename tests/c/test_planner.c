@@ -108,18 +108,27 @@ test_frontier(void)
     CHECK(plan_frontier(blocks, 8, 1, 1, points) == 1);
 }
 
+/* Four alike blocks, forward 1 s, backward 2, selective 3.2; the times
+ * of their copies (the input, the selective saves) as given. */
+static void
+four_blocks(plan_block *blocks, double copy_s, double selective_copy_s)
+{
+    plan_block block = {.forward_s = 1, .backward_s = 2, .recompute_s = 4, .copy_s = copy_s,
+                        .input_units = 1, .activation_units = 10, .keep_work_units = 10,
+                        .checkpoint_work_units = 11, .selective_s = 3.2,
+                        .selective_units = 4, .selective_copy_s = selective_copy_s};
+    for (int i = 0; i < 4; i++)
+        blocks[i] = block;
+}
+
 /* A chain where saving the expensive outputs is the best trade: selective
  * is chosen at a budget between all recomputed and all kept (the best plan
  * of keep and recompute alone, R R K K, takes 14 s). */
 static void
 test_selective_chosen(void)
 {
-    /* offload costs too much to matter here */
-    plan_block block = {.forward_s = 1, .backward_s = 2, .recompute_s = 4, .copy_s = 1e30,
-                        .input_units = 1, .activation_units = 10, .keep_work_units = 10,
-                        .checkpoint_work_units = 11, .selective_s = 3.2,
-                        .selective_units = 4, .selective_copy_s = 1e30};
-    plan_block blocks[4] = {block, block, block, block};
+    plan_block blocks[4];
+    four_blocks(blocks, 1e30, 1e30);    /* offload costs too much to matter here */
     uint8_t choices[4];
     plan_cost cost;
     CHECK(plan_solve(blocks, 4, 3 * 4 + 11, 0, choices, &cost) == 0);
@@ -136,11 +145,8 @@ test_selective_chosen(void)
 static void
 test_offload_selective_chosen(void)
 {
-    plan_block block = {.forward_s = 1, .backward_s = 2, .recompute_s = 4, .copy_s = 0.1,
-                        .input_units = 1, .activation_units = 10, .keep_work_units = 10,
-                        .checkpoint_work_units = 11, .selective_s = 3.2,
-                        .selective_units = 4, .selective_copy_s = 0.4};
-    plan_block blocks[4] = {block, block, block, block};
+    plan_block blocks[4];
+    four_blocks(blocks, 0.1, 0.4);
     uint8_t choices[4];
     plan_cost cost;
     CHECK(plan_solve(blocks, 4, 12, 1, choices, &cost) == 0);
