@@ -389,3 +389,31 @@ def test_saved_outputs_the_recompute_never_reaches_are_let_go(early_stop: bool) 
     x.grad = weight.grad = None
     residual_matmul(x, weight).square().sum().backward()
     assert_bitwise_equal([x.grad, weight.grad], got)
+
+
+def test_a_checkpoint_nested_in_a_selective_region_keeps_its_gradients() -> None:
+    """The inner region's saves go to its own frame, not the outer one's
+    count: the outer cache lets go of the last matmul only, and both
+    regions recompute exactly."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    weights = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
+
+    def outer(h: torch.Tensor) -> torch.Tensor:
+        h = torch.mm(torch.sin(h), weights[0])
+        h = matepoint.checkpoint(residual_matmul, h, weights[1])
+        return residual_matmul(h, weights[2])
+
+    outer(x).square().sum().backward()
+    expected = [x.grad] + [w.grad for w in weights]
+    x.grad = None
+    for weight in weights:
+        weight.grad = None
+    modes = Modes(CheckpointPolicy.MUST_SAVE)
+    y = matepoint.checkpoint(outer, x, context_fn=modes)
+    # the first matmul's output and the inner region's (the outer mode sees
+    # its ops too, and the outer recompute reruns it before its last save);
+    # the last matmul's, after that save, let go
+    assert cached_tensors(modes) == 2
+    y.square().sum().backward()
+    assert_bitwise_equal(expected, [x.grad] + [w.grad for w in weights])
