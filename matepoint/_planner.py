@@ -17,7 +17,7 @@ import math
 import numbers
 import os
 import statistics
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -686,11 +686,14 @@ def _device_of(sample_inputs: Tuple) -> torch.device:
     return tensors[0].device
 
 
-def _storage_bytes(tensors: List[torch.Tensor]) -> int:
+def _storage_bytes(tensors: List[torch.Tensor], resident: AbstractSet[int] = frozenset()) -> int:
+    """Bytes of the distinct storages of ``tensors``, those whose data
+    pointer is in ``resident`` left out."""
     seen: Dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in resident:
+            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -812,21 +815,17 @@ def _selective_saved_bytes(block: Callable, args: Tuple, resident: set) -> int:
 
     options = dict(_choice_options("selective", False), context_fn=context)
     out = _C.checkpoint(_call, block, args, {}, **options)
-    storages: Dict[int, int] = {}
-    for entries in modes[0].storage.values():
-        for entry in entries.values():
-            for leaf in tree_leaves(entry):
-                value = getattr(leaf, "val", None)
-                if isinstance(value, torch.Tensor):
-                    storage = value.untyped_storage()
-                    if storage.data_ptr() not in resident:
-                        storages[storage.data_ptr()] = storage.nbytes()
+    cached = [leaf.val for entries in modes[0].storage.values() for entry in entries.values()
+              for leaf in tree_leaves(entry)
+              if isinstance(getattr(leaf, "val", None), torch.Tensor)]
+    nbytes = _storage_bytes(cached, resident)
+    del cached
     # the first selective run in a process leaves its cache in cyclic
     # garbage (later runs free it at once): emptied here, it cannot stay
     # until the collector runs, on top of the timed runs that follow
     modes[0].storage.clear()
     del out
-    return sum(storages.values())
+    return nbytes
 
 
 def _peaks(block: Callable, args: Tuple, device: torch.device) -> Tuple[int, int]:
