@@ -8,9 +8,10 @@ from typing import Any, Callable, ContextManager, Sequence, Tuple, TypeVar, Unio
 
 _T = TypeVar("_T")
 # (forward_s, backward_s, copy_s, input_units, activation_units,
-#  keep_work_units, checkpoint_work_units, selective_s, selective_units) of
-#  one block, for the planner
-_Block = Tuple[float, float, float, int, int, int, int, float, int]
+#  keep_work_units, checkpoint_work_units, selective_s, selective_units,
+#  selective_copy_s[, recompute_s[, attention_s, attention_units,
+#  attention_copy_s]]) of one block, for the planner
+_Block = Tuple[Union[float, int], ...]
 
 TEST_BUILD: int
 HAS_SAVED_TENSOR: int

@@ -149,9 +149,9 @@ PyDoc_STRVAR(allocator_reset_peaks_doc,
 PyDoc_STRVAR(allocator_empty_cache_doc,
 "_allocator_empty_cache($module, /)\n--\n\nGive the allocator's cached, unused segments back to the device.");
 PyDoc_STRVAR(plan_solve_doc,
-"_plan_solve($module, blocks, budget_units, pipeline, /)\n--\n\nThe fastest plan within budget_units: (choices bytes, seconds, peak units), or None.\nblocks: (forward_s, backward_s, copy_s, input_units, activation_units,\nkeep_work_units, checkpoint_work_units, selective_s, selective_units) tuples.");
+"_plan_solve($module, blocks, budget_units, pipeline, /)\n--\n\nThe fastest plan within budget_units: (choices bytes, seconds, peak units), or None.\nblocks: (forward_s, backward_s, copy_s, input_units, activation_units,\nkeep_work_units, checkpoint_work_units, selective_s, selective_units,\nselective_copy_s[, recompute_s[, attention_s, attention_units, attention_copy_s]])\ntuples.");
 PyDoc_STRVAR(plan_evaluate_doc,
-"_plan_evaluate($module, blocks, choices, pipeline, /)\n--\n\n(seconds, peak units) of the plan choices (bytes of 0 keep, 1 recompute, 2 offload).");
+"_plan_evaluate($module, blocks, choices, pipeline, /)\n--\n\n(seconds, peak units) of the plan choices (bytes of 0 keep, 1 recompute, 2 offload,\n3 selective, 4 offload+selective, 5 attention, 6 offload+attention).");
 PyDoc_STRVAR(plan_min_budget_doc,
 "_plan_min_budget($module, blocks, pipeline, /)\n--\n\nThe smallest budget in units that any plan of blocks fits in.");
 PyDoc_STRVAR(plan_frontier_doc,

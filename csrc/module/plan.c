@@ -1,9 +1,11 @@
 /* Python face of the budget planner (planner/planner.h). Blocks arrive as a
  * sequence of (forward_s, backward_s, copy_s, input_units,
  * activation_units, keep_work_units, checkpoint_work_units, selective_s,
- * selective_units, selective_copy_s[, recompute_s]) tuples (recompute_s
- * 2 * forward_s + backward_s when left out); choices as a bytes object of
- * PLAN_* values. The solver runs without the GIL. */
+ * selective_units, selective_copy_s[, recompute_s[, attention_s,
+ * attention_units, attention_copy_s]]) tuples: recompute_s is 2 * forward_s
+ * + backward_s when left out, and the attention policy unmeasured (never
+ * chosen); choices as a bytes object of PLAN_* values. The solver runs
+ * without the GIL. */
 #include "plan.h"
 
 #include "planner/planner.h"
@@ -11,31 +13,62 @@
 #include <limits.h>
 #include <math.h>
 
+/* The time of a policy not measured: any plan using it costs more than
+ * every plan without, as Python's planner gives its unmeasured ones. */
+#define UNMEASURED_S 1e30
+
+static const char block_fields[] =
+    "(forward_s, backward_s, copy_s, input_units, activation_units, keep_work_units, "
+    "checkpoint_work_units, selective_s, selective_units, selective_copy_s[, recompute_s[, "
+    "attention_s, attention_units, attention_copy_s]])";
+
+/* Fills in what a shorter tuple leaves out; -1 with an exception where it
+ * gives the attention policy in part. */
+static int
+block_defaults(Py_ssize_t size, Py_ssize_t index, plan_block *block, long long units[6])
+{
+    if (size == 12 || size == 13) {
+        PyErr_Format(PyExc_TypeError, "block %zd: attention_s, attention_units and "
+                     "attention_copy_s come together; expected %s", index, block_fields);
+        return -1;
+    }
+    if (size < 11)
+        block->recompute_s = 2 * block->forward_s + block->backward_s;
+    if (size < 14) {
+        block->attention.time_s = UNMEASURED_S;
+        units[5] = units[0];
+        block->attention.copy_s = UNMEASURED_S;
+    }
+    return 0;
+}
+
 static int
 block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
 {
-    long long units[5];
+    long long units[6];
     if (!PyTuple_Check(item) ||
-        !PyArg_ParseTuple(item, "dddLLLLdLd|d", &block->forward_s, &block->backward_s,
+        !PyArg_ParseTuple(item, "dddLLLLdLd|ddLd", &block->forward_s, &block->backward_s,
                           &block->copy_s, &units[0], &units[1], &units[2], &units[3],
-                          &block->selective_s, &units[4], &block->selective_copy_s,
-                          &block->recompute_s)) {
+                          &block->selective.time_s, &units[4], &block->selective.copy_s,
+                          &block->recompute_s, &block->attention.time_s, &units[5],
+                          &block->attention.copy_s)) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError,
-                     "block %zd: expected (forward_s, backward_s, copy_s, input_units, "
-                     "activation_units, keep_work_units, checkpoint_work_units, selective_s, "
-                     "selective_units, selective_copy_s[, recompute_s])",
-                     index);
+        PyErr_Format(PyExc_TypeError, "block %zd: expected %s", index, block_fields);
         return -1;
     }
-    if (PyTuple_GET_SIZE(item) < 11)
-        block->recompute_s = 2 * block->forward_s + block->backward_s;
-    int negative = !(block->forward_s >= 0 && block->backward_s >= 0 && block->copy_s >= 0 &&
-                     block->selective_s >= 0 && block->selective_copy_s >= 0 &&
-                     block->recompute_s >= 0) ||
-                   !isfinite(block->forward_s + block->backward_s + block->copy_s +
-                             block->selective_s + block->selective_copy_s + block->recompute_s);
-    for (int k = 0; k < 5; k++) {
+    if (block_defaults(PyTuple_GET_SIZE(item), index, block, units) < 0)
+        return -1;
+    double times[] = {block->forward_s, block->backward_s, block->copy_s, block->recompute_s,
+                      block->selective.time_s, block->selective.copy_s,
+                      block->attention.time_s, block->attention.copy_s};
+    int negative = 0;
+    double sum = 0;
+    for (size_t k = 0; k < sizeof times / sizeof times[0]; k++) {
+        negative |= !(times[k] >= 0);
+        sum += times[k];
+    }
+    negative |= !isfinite(sum);
+    for (int k = 0; k < 6; k++) {
         negative |= units[k] < 0;
         /* sums of units over a chain must not wrap: keep each far below 2^64 */
         if (units[k] > (1LL << 42)) {
@@ -53,7 +86,8 @@ block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
     block->activation_units = (uint64_t)units[1];
     block->keep_work_units = (uint64_t)units[2];
     block->checkpoint_work_units = (uint64_t)units[3];
-    block->selective_units = (uint64_t)units[4];
+    block->selective.units = (uint64_t)units[4];
+    block->attention.units = (uint64_t)units[5];
     return 0;
 }
 

@@ -9,13 +9,40 @@
 /* infinite, so adding a block's time to it needs no check */
 #define UNREACHABLE INFINITY
 
+/* The saving policy a choice runs under, or NULL for keep, recompute and
+ * offload. */
+static const plan_policy *
+policy_of(const plan_block *b, int choice)
+{
+    switch (choice) {
+    case PLAN_SELECTIVE:
+    case PLAN_OFFLOAD_SELECTIVE:
+        return &b->selective;
+    case PLAN_ATTENTION:
+    case PLAN_OFFLOAD_ATTENTION:
+        return &b->attention;
+    default:
+        return NULL;
+    }
+}
+
+/* Whether a policy's saved outputs go to the host with its input. */
+static int
+offloads_saved(int choice)
+{
+    return choice == PLAN_OFFLOAD_SELECTIVE || choice == PLAN_OFFLOAD_ATTENTION;
+}
+
 static uint64_t
 held_units(const plan_block *b, int choice)
 {
-    return choice == PLAN_KEEP        ? b->activation_units
-           : choice == PLAN_RECOMPUTE ? b->input_units
-           : choice == PLAN_SELECTIVE ? b->selective_units
-                                      : 0;
+    if (choice == PLAN_KEEP)
+        return b->activation_units;
+    if (choice == PLAN_RECOMPUTE)
+        return b->input_units;
+    if (choice == PLAN_OFFLOAD || offloads_saved(choice))
+        return 0;
+    return policy_of(b, choice)->units;
 }
 
 static uint64_t
@@ -46,18 +73,18 @@ positive(double value)
     return value > 0 ? value : 0;
 }
 
-/* Compute time of a block plus its exposed copy out (and, for
- * offload+selective, its copy back, which nothing hides). */
+/* Compute time of a block plus its exposed copy out (and, for the
+ * offloaded policies, their copy back, which nothing hides). */
 static double
 own_time(const plan_block *b, int choice)
 {
     if (choice == PLAN_KEEP)
         return b->forward_s + b->backward_s;
-    if (choice == PLAN_SELECTIVE)
-        return b->selective_s;
-    if (choice == PLAN_OFFLOAD_SELECTIVE)
-        return b->selective_s + positive(b->selective_copy_s - b->forward_s) +
-               b->selective_copy_s;
+    const plan_policy *policy = policy_of(b, choice);
+    if (policy != NULL && offloads_saved(choice))
+        return policy->time_s + positive(policy->copy_s - b->forward_s) + policy->copy_s;
+    if (policy != NULL)
+        return policy->time_s;
     double time = b->recompute_s;
     return choice == PLAN_OFFLOAD ? time + positive(b->copy_s - b->forward_s) : time;
 }
@@ -115,9 +142,9 @@ plan_evaluate(const plan_block *blocks, int n, const uint8_t *choices, int pipel
 }
 
 /* The DP's state after block i: units held so far, and whether block i
- * offloaded (all the next block needs to know of it: keep, recompute,
- * selective and offload+selective, whose copy back is its own, look alike
- * from there). best[row * width + s] is the least time of blocks 0..i ending
+ * offloaded (all the next block needs to know of it: every other choice,
+ * the offloaded policies' copies back being their own, looks alike from
+ * there). best[row * width + s] is the least time of blocks 0..i ending
  * in that state; parent[i] tells, per state, block i's choice and the
  * previous row, packed as choice | row << CHOICE_BITS. */
 enum { ROW_STAYED = 0, ROW_OFFLOADED = 1, ROWS = 2 };
@@ -198,9 +225,9 @@ dp_merge_rows(dp_tables *t, double copy_back)
 }
 
 /* Row ROW_STAYED of the next step: keep (shifted by its activations),
- * recompute (shifted by its input), selective (shifted by its input and
- * saved outputs) and offload+selective (not shifted) from the merged row.
- * The hot loops. */
+ * recompute (shifted by its input), selective and attention (shifted by
+ * their input and saved outputs) and their offloaded forms (not shifted)
+ * from the merged row. The hot loops. */
 static void
 dp_fill_stayed(dp_tables *t, uint8_t *parent, const plan_block *b, uint64_t budget,
                uint64_t reach)
@@ -208,8 +235,8 @@ dp_fill_stayed(dp_tables *t, uint8_t *parent, const plan_block *b, uint64_t budg
     double *to = t->next;
     for (uint64_t s = 0; s <= reach; s++)
         to[s] = UNREACHABLE;
-    static const int stayed[] = {PLAN_KEEP, PLAN_RECOMPUTE, PLAN_SELECTIVE,
-                                 PLAN_OFFLOAD_SELECTIVE};
+    static const int stayed[] = {PLAN_KEEP, PLAN_RECOMPUTE, PLAN_SELECTIVE, PLAN_OFFLOAD_SELECTIVE,
+                                 PLAN_ATTENTION, PLAN_OFFLOAD_ATTENTION};
     for (int k = 0; k < (int)(sizeof stayed / sizeof stayed[0]); k++) {
         int c = stayed[k];
         int64_t limit = held_limit(b, c, 0, budget, t->reach);
@@ -352,7 +379,7 @@ plan_max_budget(const plan_block *blocks, int n)
     uint64_t total = 0;
     for (int i = 0; i < n; i++)
         total += blocks[i].input_units * 2 + blocks[i].activation_units +
-                 blocks[i].selective_units +
+                 blocks[i].selective.units + blocks[i].attention.units +
                  blocks[i].keep_work_units + blocks[i].checkpoint_work_units;
     return total;
 }

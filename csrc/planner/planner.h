@@ -6,28 +6,33 @@
  * A fourth choice, selective, checkpoints the block under a policy that saves
  * the outputs of its expensive operations (matmuls, attention) and
  * recomputes the rest. A fifth, offload+selective, also offloads its input
- * and those saved outputs (selective's policy with MUST_CPU_OFFLOAD).
+ * and those saved outputs (selective's policy with MUST_CPU_OFFLOAD). The
+ * sixth and seventh, attention and offload+attention, do the same under a
+ * policy that saves only the attention outputs: at long context attention
+ * costs the most per byte it saves, the matmuls far less.
  *
  * Cost model (units of memory are the caller's quantum, times seconds):
  *   held (after its forward)   keep: act   recompute: in   offload: 0
- *                              selective: selective (its input included)
- *                              offload+selective: 0
+ *                              selective, attention: their policy's units
+ *                              (its input included)
+ *                              offload+selective, offload+attention: 0
  *   work (its own peak, over its forward, recompute and backward, on top
  *   of what blocks before it hold)   keep: keep_work   else: checkpoint_work
  *   while block i runs backward, block i-1's input is being prefetched when
  *   both offload (pipeline): +in[i-1]
  *   peak = max over i of (held by blocks before i) + work[i] + prefetch[i]
- *   time: keep f+b, recompute/offload recompute_s, selective selective_s
+ *   time: keep f+b, recompute/offload recompute_s, selective and
+ *   attention their policy's time_s
  *   (each its forward and backward measured together, checkpointed: a
  *   recompute stops at the last saved tensor, so it costs less than a
  *   second forward where ops follow it); an offload adds the part of its
  *   copy out its own forward does not hide, and the part of its copy back
  *   that the backward of the next block does not hide (all of it for the
- *   last block, or without pipeline). offload+selective: selective_s plus
- *   the part of its copy out (selective_copy_s: input and saved outputs)
+ *   last block, or without pipeline). offload+selective: its policy's time_s
+ *   plus the part of its copy out (copy_s: input and saved outputs)
  *   its forward does not hide, plus all of its copy back (it neither
  *   prefetches nor is prefetched: its outputs come back when the recompute
- *   reaches them).
+ *   reaches them). offload+attention: the same under its policy.
  *
  * plan_solve() is an exact dynamic program over (block, memory held so far,
  * previous choice): O(n * budget) time, n * budget * 3 bytes of memory.
@@ -43,8 +48,17 @@ enum {
     PLAN_OFFLOAD = 2,
     PLAN_SELECTIVE = 3,
     PLAN_OFFLOAD_SELECTIVE = 4,
-    PLAN_CHOICES = 5
+    PLAN_ATTENTION = 5,
+    PLAN_OFFLOAD_ATTENTION = 6,
+    PLAN_CHOICES = 7
 };
+
+/* A checkpoint policy that saves some outputs and recomputes the rest. */
+typedef struct {
+    double time_s;                  /* forward + backward under the policy */
+    uint64_t units;                 /* held after the forward: input and saved outputs */
+    double copy_s;                  /* one-way copy of the input and saved outputs */
+} plan_policy;
 
 typedef struct {
     double forward_s, backward_s;
@@ -52,9 +66,8 @@ typedef struct {
     double copy_s;                  /* one-way copy of the input */
     uint64_t input_units, activation_units;
     uint64_t keep_work_units, checkpoint_work_units;
-    double selective_s;             /* forward + backward under the selective policy */
-    uint64_t selective_units;       /* held when selective: input and saved outputs */
-    double selective_copy_s;        /* one-way copy of the input and saved outputs */
+    plan_policy selective;          /* saves matmul, convolution and attention outputs */
+    plan_policy attention;          /* saves attention outputs only */
 } plan_block;
 
 typedef struct {
