@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -33,9 +34,10 @@ from matepoint._timing import time_call
 
 log = logging.getLogger("matepoint.planner")
 
-CHOICES = ("keep", "recompute", "offload", "selective", "offload+selective")
+CHOICES = ("keep", "recompute", "offload", "selective", "offload+selective", "attention",
+           "offload+attention")
 # the choices that need the offload engine
-_OFFLOADING = frozenset((CHOICES.index("offload"), CHOICES.index("offload+selective")))
+_OFFLOADING = frozenset(CHOICES.index(c) for c in CHOICES if c.startswith("offload"))
 MIB = float(1 << 20)
 # byte counts stay within the solver's 64-bit arithmetic
 MAX_BYTES = (1 << 63) - 1
@@ -45,8 +47,9 @@ MAX_FRONTIER_POINTS = 1 << 20
 # with one costs more than every plan without, so the exact solver picks one
 # only when nothing else fits (and solve() then raises instead).
 _NO_OFFLOAD_COPY_S = 1e30
-# A block whose selective run was not measured (a plan saved before it was)
-# is given this time: never chosen, as it holds at least what recompute does.
+# A block whose selective or attention run was not measured (a plan saved
+# before it was, a block without attention) is given this time: never
+# chosen, as it holds at least what recompute does.
 _UNMEASURED_S = 1e30
 # The least a selective or recompute run is taken to cost over keeping, relative.
 _OVER_KEEP = 1e-6
@@ -119,6 +122,10 @@ class BlockProfile:
     # at the last saved tensor: often less than a second forward); None:
     # taken as 2 forward_s + backward_s (a plan saved before it was measured)
     recompute_s: Optional[float] = None
+    # as selective_s and selective_bytes, under the policy that saves only
+    # attention outputs; None: not measured (a block without attention)
+    attention_s: Optional[float] = None
+    attention_bytes: Optional[int] = None
 
     def checkpointed_s(self) -> float:
         """Forward + backward when recomputed."""
@@ -146,7 +153,8 @@ class Plan:
 
     Attributes:
         choices: per block, ``"keep"``, ``"recompute"``, ``"offload"``,
-            ``"selective"`` or ``"offload+selective"``.
+            ``"selective"``, ``"offload+selective"``, ``"attention"`` or
+            ``"offload+attention"``.
         profiles: what each block measured (:class:`BlockProfile`).
         budget_bytes: the activation budget it was planned for.
         unit_bytes: the solver's memory quantum.
@@ -237,8 +245,11 @@ class Plan:
                  f"{'block':>5} {'choice':>17} {'held MiB':>9} {'peak MiB':>9} {'input MiB':>9} "
                  f"{'act MiB':>9} {'time ms':>9}"]
         for i, (choice, p, (seconds, peak)) in enumerate(zip(self.choices, self.profiles, rows)):
-            held = {"keep": p.activation_bytes, "recompute": p.input_bytes, "offload": 0,
-                    "selective": p.selective_bytes, "offload+selective": 0}[choice]
+            held = {"keep": p.activation_bytes, "recompute": p.input_bytes,
+                    "selective": p.selective_bytes, "attention": p.attention_bytes
+                    }.get(choice, 0)
+            if held is None:   # a policy not measured: the model gives it its input
+                held = p.input_bytes
             lines.append(f"{i:>5} {choice:>17} {held / MIB:>9.2f} {peak / MIB:>9.2f} "
                          f"{p.input_bytes / MIB:>9.2f} {p.activation_bytes / MIB:>9.2f} "
                          f"{seconds * 1e3:>9.3f}")
@@ -304,16 +315,18 @@ def _check_loaded(plan: Plan) -> None:
                          f"not {_show(plan.predicted_time_s)}")
     for i, profile in enumerate(plan.profiles):
         values = dataclasses.astuple(profile)
-        # seconds, then byte counts, then the ones that may be absent (None)
-        sizes = values[3:8] + tuple(v for v in values[9:10] if v is not None)
+        # the figures that may be absent (None) come after the others
+        policies = [(profile.selective_s, profile.selective_bytes),
+                    (profile.attention_s, profile.attention_bytes)]
+        sizes = values[3:8] + tuple(nbytes for _, nbytes in policies if nbytes is not None)
         given = values[:8] + tuple(v for v in values[8:] if v is not None)
         if not all(_finite_number(v) and v >= 0 for v in given) or \
                 not all(isinstance(v, int) and v <= MAX_BYTES for v in sizes) or \
-                (values[8] is None) != (values[9] is None):
+                any((seconds is None) != (nbytes is None) for seconds, nbytes in policies):
             raise ValueError(f"block {i} has {values}: times must be finite numbers >= 0 "
                              f"and sizes ints from 0 to 2**63 - 1 (selective_s and "
-                             f"selective_bytes both given or both null; recompute_s "
-                             f"may be null)")
+                             f"selective_bytes both given or both null, attention_s and "
+                             f"attention_bytes too; recompute_s may be null)")
 
 
 class PlannedBlock(nn.Module):
@@ -324,9 +337,11 @@ class PlannedBlock(nn.Module):
         choice: ``"keep"`` (run as is), ``"recompute"`` (checkpointed, its
             input kept on the device), ``"offload"`` (checkpointed, its
             input offloaded to host memory), ``"selective"`` (checkpointed,
-            the outputs of its matmuls, convolutions and attention kept) or
-            ``"offload+selective"`` (as selective, those outputs and its
-            input offloaded); anything else is a ValueError.
+            the outputs of its matmuls, convolutions and attention kept),
+            ``"attention"`` (checkpointed, the outputs of its attention
+            kept), or ``"offload+selective"`` and ``"offload+attention"``
+            (as those, the kept outputs and the input offloaded); anything
+            else is a ValueError.
         prefetch: whether its recompute may start bringing back the input of
             the offloaded region before it.
     """
@@ -368,9 +383,26 @@ SELECTIVE_SAVED_OPS = _aten_packets(
     "_scaled_dot_product_cudnn_attention")
 
 
-def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if func.overloadpacket in SELECTIVE_SAVED_OPS \
-        else CheckpointPolicy.PREFER_RECOMPUTE
+# The outputs the attention choice keeps: at long context attention costs
+# the most recompute time per byte it holds.
+ATTENTION_SAVED_OPS = _aten_packets(
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+
+
+def _saving_policy(saved_ops: frozenset, saved_as: CheckpointPolicy) -> Callable[..., Any]:
+    """A ``context_fn`` policy: ``saved_as`` for the outputs of ``saved_ops``,
+    recompute for the rest."""
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return saved_as if func.overloadpacket in saved_ops \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+_selective_policy = _saving_policy(SELECTIVE_SAVED_OPS, CheckpointPolicy.MUST_SAVE)
+_offload_selective_policy = _saving_policy(SELECTIVE_SAVED_OPS, CheckpointPolicy.MUST_CPU_OFFLOAD)
+_attention_policy = _saving_policy(ATTENTION_SAVED_OPS, CheckpointPolicy.MUST_SAVE)
+_offload_attention_policy = _saving_policy(ATTENTION_SAVED_OPS, CheckpointPolicy.MUST_CPU_OFFLOAD)
 
 
 def selective_context() -> Tuple[Any, Any]:
@@ -379,30 +411,39 @@ def selective_context() -> Tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def _offload_selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any
-                              ) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_CPU_OFFLOAD if func.overloadpacket in SELECTIVE_SAVED_OPS \
-        else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def offload_selective_context() -> Tuple[Any, Any]:
     """The ``context_fn`` of the offload+selective choice: the outputs
     selective saves go to host memory (kept where offload cannot run)."""
     return create_selective_checkpoint_contexts(_offload_selective_policy)
 
 
+def attention_context() -> Tuple[Any, Any]:
+    """The ``context_fn`` of the attention choice: save the outputs of
+    attention, recompute the rest (the matmuls included)."""
+    return create_selective_checkpoint_contexts(_attention_policy)
+
+
+def offload_attention_context() -> Tuple[Any, Any]:
+    """The ``context_fn`` of the offload+attention choice: the outputs
+    attention saves go to host memory (kept where offload cannot run)."""
+    return create_selective_checkpoint_contexts(_offload_attention_policy)
+
+
+# the choices checkpointed under a policy, and its context_fn
+_CONTEXTS = {"selective": selective_context, "offload+selective": offload_selective_context,
+             "attention": attention_context, "offload+attention": offload_attention_context}
+
+
 def _choice_options(choice: str, prefetch: bool) -> Dict[str, Any]:
     """The checkpoint keyword arguments that run ``choice``."""
-    offload_selective = choice == "offload+selective"
-    # offload+selective neither prefetches nor is prefetched (the planner's
-    # model): its restore brings back only its own input
+    offloads_saved = choice in ("offload+selective", "offload+attention")
+    # offload+selective and offload+attention neither prefetch nor are
+    # prefetched (the planner's model): a restore brings back only its input
     options = {"use_reentrant": False,
-               "matepoint_offload": choice == "offload" or offload_selective,
-               "matepoint_prefetch": prefetch and not offload_selective}
-    if choice == "selective":
-        options["context_fn"] = selective_context
-    elif offload_selective:
-        options["context_fn"] = offload_selective_context
+               "matepoint_offload": choice == "offload" or offloads_saved,
+               "matepoint_prefetch": prefetch and not offloads_saved}
+    if choice in _CONTEXTS:
+        options["context_fn"] = _CONTEXTS[choice]
     return options
 
 
@@ -427,22 +468,22 @@ def apply_choice(block: Callable, choice: str, prefetch: bool = True) -> Callabl
 
 def planned_choice(block: nn.Module) -> str:
     """What ``block`` runs as: ``"keep"`` (its own forward), ``"recompute"``,
-    ``"offload"``, ``"selective"`` or ``"offload+selective"`` (checkpointed by
-    :meth:`Plan.apply` or :func:`matepoint.checkpoint_module`)."""
+    ``"offload"``, ``"selective"``, ``"offload+selective"``, ``"attention"``
+    or ``"offload+attention"`` (checkpointed by :meth:`Plan.apply` or
+    :func:`matepoint.checkpoint_module`)."""
     if not is_checkpointed(block):
         return "keep"
     options = block.forward.options
-    if options.get("context_fn") is offload_selective_context:
-        return "offload+selective"
-    if options.get("matepoint_offload"):
-        return "offload"
-    return "selective" if options.get("context_fn") is selective_context else "recompute"
+    for choice, context_fn in _CONTEXTS.items():
+        if options.get("context_fn") is context_fn:
+            return choice
+    return "offload" if options.get("matepoint_offload") else "recompute"
 
 
 def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
          unit_bytes: Optional[int] = None, pipeline: Optional[bool] = None,
          bandwidth_bytes_per_s: Optional[float] = None, repeats: int = 3) -> Plan:
-    """Chooses keep, recompute, offload, selective or offload+selective per block.
+    """Chooses keep, recompute, offload, selective or attention per block.
 
     Args:
         blocks: run in order, each on the previous one's output (as
@@ -467,7 +508,14 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
     Offload is planned only where it can run: when the sample inputs are
     CUDA tensors (or CPU tensors standing for them on the simulated GPU of
     test builds) and the ``offload`` option is on; otherwise no block
-    offloads (offload+selective neither), and the plan's ``note`` says why.
+    offloads (offload+selective and offload+attention neither), and the
+    plan's ``note`` says why.
+
+    Selective saves the outputs of a block's matmuls, convolutions and
+    attention and recomputes the rest; attention saves only the attention
+    outputs (measured where the block runs fused attention,
+    ``scaled_dot_product_attention``): at long context they cost the most
+    time per byte to recompute.
 
     Returns:
         A :class:`Plan`.
@@ -563,7 +611,7 @@ def solve(profiles: List[BlockProfile], budget_bytes: int, unit_bytes: int,
         budget_bytes: the activation budget.
         unit_bytes: the solver's memory quantum.
         pipeline: whether backward prefetches offloaded inputs.
-        offload: False leaves offload and offload+selective out.
+        offload: False leaves the choices that offload out.
         note: why offload was left out, for the plan's table.
 
     Raises:
@@ -608,10 +656,10 @@ def default_unit(budget_bytes: int) -> int:
     return max(1024, 1 << max(0, math.ceil(math.log2(max(1, budget_bytes // 100_000)))))
 
 
-def _selective_copy_s(p: BlockProfile) -> float:
-    """One-way copy of the input and the selective saves: copy_s scaled by
-    bytes (a block without input bytes gives no bandwidth: never chosen)."""
-    nbytes = p.input_bytes if p.selective_bytes is None else p.selective_bytes
+def _policy_copy_s(p: BlockProfile, nbytes: int) -> float:
+    """One-way copy of the input and a policy's saves (``nbytes`` in all):
+    copy_s scaled by bytes (a block without input bytes gives no bandwidth:
+    never chosen)."""
     if p.input_bytes == 0:
         return 0.0 if nbytes == 0 else _NO_OFFLOAD_COPY_S
     return p.copy_s * (nbytes / p.input_bytes)
@@ -620,13 +668,17 @@ def _selective_copy_s(p: BlockProfile) -> float:
 def _units(profiles: List[BlockProfile], unit_bytes: int, offload: bool = True) -> List[Tuple]:
     def up(nbytes: int) -> int:
         return -(-nbytes // unit_bytes)
+
+    def policy(p: BlockProfile, seconds: Optional[float], nbytes: Optional[int]) -> Tuple:
+        """(seconds, held units, copy seconds) of a policy, unmeasured: never chosen."""
+        held = p.input_bytes if nbytes is None else nbytes
+        return (_UNMEASURED_S if seconds is None else seconds, up(held),
+                _policy_copy_s(p, held) if offload else _NO_OFFLOAD_COPY_S)
     return [(p.forward_s, p.backward_s, p.copy_s if offload else _NO_OFFLOAD_COPY_S,
              up(p.input_bytes), up(p.activation_bytes),
              up(p.keep_work_bytes()), up(p.checkpoint_work_bytes()),
-             _UNMEASURED_S if p.selective_s is None else p.selective_s,
-             up(p.input_bytes if p.selective_bytes is None else p.selective_bytes),
-             _selective_copy_s(p) if offload else _NO_OFFLOAD_COPY_S,
-             p.checkpointed_s())
+             *policy(p, p.selective_s, p.selective_bytes), p.checkpointed_s(),
+             *policy(p, p.attention_s, p.attention_bytes))
             for p in profiles]
 
 
@@ -761,27 +813,27 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
         runs = [lambda: _forward_only(block, args), lambda: _backward(block(*args)),
                 lambda: _backward(_C.checkpoint(_call, block, args, {}, **options))]
         try:
-            selective_run, selective_saved = _profile_selective(block, args, resident)
-            forward_s, both_s, recompute_s, selective_s = _timed_in_turn(
-                runs + [selective_run], device, repeats)
+            policies = _profile_policies(block, args, resident)
+            timed = _timed_in_turn(runs + [run for run, _ in policies.values()], device,
+                                   repeats)
         except RuntimeError as error:
             log.info("matepoint.plan: a block cannot run selective (%s); not planned", error)
-            (forward_s, both_s, recompute_s), selective_s, selective_saved = \
-                _timed_in_turn(runs, device, repeats), None, None
+            policies, timed = {}, _timed_in_turn(runs, device, repeats)
+    forward_s, both_s, recompute_s = timed[:3]
     input_bytes = _storage_bytes(_tensors_in(args))
     backward_s = max(both_s - forward_s, 0.0)
-    # recompute and selective run all that keep runs and more: a timing as
-    # fast is noise, which would otherwise make them win where everything
+    # recompute and the policies run all that keep runs and more: a timing
+    # as fast is noise, which would otherwise make them win where everything
     # fits (a hair slower so that keep wins the tie)
     least = (forward_s + backward_s) * (1 + _OVER_KEEP)
     recompute_s = max(recompute_s, least)
-    if selective_s is not None:
-        selective_s = max(selective_s, least)
-        selective_saved += input_bytes
+    measured = {choice: (max(seconds, least), saved + input_bytes)
+                for (choice, (_, saved)), seconds in zip(policies.items(), timed[3:])}
     profile = BlockProfile(forward_s, backward_s, input_bytes / bandwidth,
                            input_bytes, activation_bytes, output_bytes,
-                           forward_peak, backward_peak, selective_s, selective_saved,
-                           recompute_s)
+                           forward_peak, backward_peak,
+                           *measured.get("selective", (None, None)), recompute_s,
+                           *measured.get("attention", (None, None)))
     return profile, out
 
 
@@ -790,42 +842,51 @@ def _forward_only(block: Callable, args: Tuple) -> None:
         block(*args)
 
 
-def _profile_selective(block: Callable, args: Tuple, resident: set
-                       ) -> Tuple[Callable[[], None], int]:
-    """(a run of the block's forward + backward under the selective policy,
-    bytes of the outputs it keeps after its forward)."""
-    options = _choice_options("selective", False)
+def _profile_policies(block: Callable, args: Tuple, resident: set
+                      ) -> Dict[str, Tuple[Callable[[], None], int]]:
+    """Per policy the block can run, a run of its forward + backward under
+    it and the bytes of the outputs it keeps after its forward: selective
+    always, attention where it keeps any (the block runs fused attention)."""
+    policies = {}
+    for choice in ("selective", "attention"):
+        kept, nbytes = _policy_saved_bytes(block, args, resident, choice)
+        if kept or choice == "selective":
+            options = _choice_options(choice, False)
+            policies[choice] = (functools.partial(_run_checkpointed, block, args, options),
+                                nbytes)
+    return policies
 
-    def run() -> None:
-        _backward(_C.checkpoint(_call, block, args, {}, **options))
-    return run, _selective_saved_bytes(block, args, resident)
+
+def _run_checkpointed(block: Callable, args: Tuple, options: Dict[str, Any]) -> None:
+    _backward(_C.checkpoint(_call, block, args, {}, **options))
 
 
-def _selective_saved_bytes(block: Callable, args: Tuple, resident: set) -> int:
-    """Bytes the selective choice keeps after the block's forward, its
-    input aside: the distinct storages left in the selective cache when the
-    forward ends (those after the last saved tensor are let go then; the
-    forward runs with gradients, as in training)."""
+def _policy_saved_bytes(block: Callable, args: Tuple, resident: set, choice: str
+                        ) -> Tuple[int, int]:
+    """(how many outputs, their bytes) the policy of ``choice`` keeps after
+    the block's forward, its input aside: the distinct storages left in the
+    policy's cache when the forward ends (those after the last saved tensor
+    are let go then; the forward runs with gradients, as in training)."""
     modes: List[Any] = []
 
     def context() -> Tuple[Any, Any]:
-        pair = selective_context()
+        pair = _CONTEXTS[choice]()
         modes.append(pair[0])
         return pair
 
-    options = dict(_choice_options("selective", False), context_fn=context)
+    options = dict(_choice_options(choice, False), context_fn=context)
     out = _C.checkpoint(_call, block, args, {}, **options)
     cached = [leaf.val for entries in modes[0].storage.values() for entry in entries.values()
               for leaf in tree_leaves(entry)
               if isinstance(getattr(leaf, "val", None), torch.Tensor)]
-    nbytes = _storage_bytes(cached, resident)
+    kept, nbytes = len(cached), _storage_bytes(cached, resident)
     del cached
     # the first selective run in a process leaves its cache in cyclic
     # garbage (later runs free it at once): emptied here, it cannot stay
     # until the collector runs, on top of the timed runs that follow
     modes[0].storage.clear()
     del out
-    return nbytes
+    return kept, nbytes
 
 
 def _peaks(block: Callable, args: Tuple, device: torch.device) -> Tuple[int, int]:

@@ -1,0 +1,184 @@
+"""The planner's attention choices: a block checkpointed under a policy that
+saves only its attention outputs (fused scaled_dot_product_attention) and
+recomputes the rest, matmuls included; offload+attention also sends those
+outputs and its input to host memory."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import matepoint
+from matepoint import _C
+from matepoint._planner import BlockProfile, Plan, planned_choice, predict, solve
+from conftest import OpCounter, assert_bitwise_equal
+
+MIB = 1 << 20
+BATCH, TOKENS, WIDTH, HEADS = 2, 16, 32, 4
+SDPA = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+class Attention(nn.Module):
+    """Causal self-attention with a residual: qkv projection, fused
+    attention, output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(BATCH, TOKENS, HEADS, -1).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(attended.transpose(1, 2).reshape(BATCH, TOKENS, WIDTH))
+
+
+def chain(depth: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Attention() for _ in range(depth)])
+
+
+def mlp_chain(depth: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[
+        nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+        for _ in range(depth)])
+
+
+def sample() -> torch.Tensor:
+    return torch.randn(BATCH, TOKENS, WIDTH)
+
+
+def gradients(model: nn.Module, x: torch.Tensor):
+    grads = [x.grad] + [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def unplanned_gradients(model: nn.Module, x: torch.Tensor):
+    x_leaf = x.clone().requires_grad_(True)
+    model(x_leaf).square().mean().backward()
+    return gradients(model, x_leaf)
+
+
+def profile(attention_s: float = 3.5e-3, copy_s: float = 1e-4) -> BlockProfile:
+    """1 MiB in, 10 MiB saved; selective keeps 4 MiB in 3.4 ms, attention
+    2 MiB in ``attention_s``, a recompute 4 ms (inputs included)."""
+    return BlockProfile(1e-3, 2e-3, copy_s, MIB, 10 * MIB, MIB, 0, 0, 3.4e-3, 4 * MIB, 4e-3,
+                        attention_s, 2 * MIB)
+
+
+def test_profile_measures_what_attention_keeps() -> None:
+    """It keeps the fused attention's output and log-sum-exp, nothing else;
+    a block without fused attention leaves the choice unmeasured."""
+    plan = matepoint.plan(chain(3), sample(), budget_bytes=64 * MIB, repeats=1)
+    out_bytes, logsumexp_bytes = BATCH * TOKENS * WIDTH * 4, BATCH * HEADS * TOKENS * 4
+    for p in plan.profiles:
+        assert p.attention_bytes == p.input_bytes + out_bytes + logsumexp_bytes
+        assert p.attention_s >= (p.forward_s + p.backward_s)
+        # selective keeps the qkv projection's output as well
+        assert p.selective_bytes == p.attention_bytes + BATCH * TOKENS * 3 * WIDTH * 4
+    plan = matepoint.plan(mlp_chain(2), sample(), budget_bytes=64 * MIB, repeats=1)
+    assert [(p.attention_s, p.attention_bytes) for p in plan.profiles] == [(None, None)] * 2
+    recomputed = predict(plan.profiles, ["recompute"] * 2, 1024, True)[0]
+    assert "attention" not in solve(plan.profiles, recomputed, 1024, True,
+                                    offload=False).choices
+
+
+@pytest.mark.parametrize("choice", ["recompute", "selective", "attention"])
+def test_attention_recomputes_matmuls_but_not_attention(choice: str) -> None:
+    model, x = chain(2), sample()
+    expected = unplanned_gradients(model, x)
+    Plan([choice] * 2, [profile()] * 2, 64 * MIB, 1024, True, 0, 0.0).apply(model)
+    assert [planned_choice(b) for b in model] == [choice] * 2
+    x_leaf = x.clone().requires_grad_(True)
+    loss = model(x_leaf).square().mean()
+    with OpCounter() as backward:
+        loss.backward()
+    assert_bitwise_equal(expected, gradients(model, x_leaf))
+    # recompute reruns the qkv projection and the attention, attention the
+    # projection alone, selective neither; the output projection comes after
+    # the last saved tensor, so no recompute reaches it
+    assert backward.counts.get("addmm", 0) == {"recompute": 2, "selective": 0, "attention": 2}[
+        choice]
+    assert backward.counts.get(SDPA, 0) == (2 if choice == "recompute" else 0)
+
+
+@pytest.mark.parametrize("gpu", ["offload", "simulated"])
+def test_offload_attention_moves_attention_outputs_and_gives_exact_gradients(request,
+                                                                             gpu: str) -> None:
+    """On the simulated GPU (keeping up, or as far behind as CUDA allows):
+    an offload+attention block sends its input and its attention's two
+    outputs through the pool, brings them back as its recompute reaches
+    them, and the gradients are bit-identical."""
+    request.getfixturevalue(gpu)
+    model, x = chain(3), sample()
+    expected = unplanned_gradients(model, x)
+    choices = ["offload+attention", "offload+attention", "keep"]
+    Plan(choices, [profile()] * 3, 64 * MIB, 1024, True, 0, 0.0).apply(model)
+    assert [planned_choice(b) for b in model] == choices
+    stats = matepoint.pool_stats()
+    start, copies = stats["hits"] + stats["misses"], _C._sim_stats()["copies_run"]
+    x_leaf = x.clone().requires_grad_(True)
+    loss = model(x_leaf).square().mean()
+    stats = matepoint.pool_stats()
+    assert stats["hits"] + stats["misses"] - start == 2 * 3   # input, output, log-sum-exp
+    if gpu == "offload":
+        assert stats["bytes_in_use"] == 2 * (BATCH * TOKENS * WIDTH * 4 * 2
+                                             + BATCH * HEADS * TOKENS * 4)
+    with OpCounter() as backward:
+        loss.backward()
+    assert backward.counts.get(SDPA, 0) == 0 and backward.counts.get("addmm", 0) == 2
+    assert _C._sim_stats()["copies_run"] - copies == 2 * 2 * 3   # all out, all back
+    assert matepoint.pool_stats()["bytes_in_use"] == 0
+    assert_bitwise_equal(expected, gradients(model, x_leaf))
+
+
+def test_attention_is_planned_at_its_modelled_cost() -> None:
+    """Where little more than the inputs fits, keeping only the attention
+    outputs beats recomputing whole blocks; offloading them beats offloading
+    the inputs alone while their copy is cheap, and neither is planned
+    where it was not measured."""
+    profiles = [profile()] * 4
+    plan = solve(profiles, 17 * MIB, 1024, True, offload=False)
+    assert plan.choices == ["attention"] * 3 + ["keep"]
+    assert plan.predicted_time_s == pytest.approx(3 * 3.5e-3 + 3e-3, rel=1e-12)
+    rows = plan.table().splitlines()[2:]
+    assert [row.split()[2] for row in rows[:3]] == ["2.00"] * 3   # held MiB
+    # 1 MiB in, 2 MiB copied: 0.2 ms where the input's 1 MiB takes 0.1 ms
+    peak, seconds = predict(profiles[:1], ["offload+attention"], 1024, True)
+    assert seconds == pytest.approx(3.5e-3 + 2e-4, rel=1e-12)
+    assert peak == profiles[0].checkpoint_work_bytes()
+    assert solve(profiles, 12 * MIB, 1024, True).choices == ["offload+attention"] * 3 + ["keep"]
+    # attention as slow as a recompute, or not measured: never chosen
+    for slower in (profile(attention_s=4.5e-3),
+                   BlockProfile(1e-3, 2e-3, 1e-4, MIB, 10 * MIB, MIB, 0, 0, 3.4e-3, 4 * MIB,
+                                4e-3)):
+        assert not {"attention", "offload+attention"} & set(
+            solve([slower] * 4, 17 * MIB, 1024, True).choices + solve(
+                [slower] * 4, 12 * MIB, 1024, True).choices)
+
+
+def test_save_and_load_keep_the_choice(tmp_path) -> None:
+    plan = solve([profile()] * 4, 12 * MIB, 1024, True)
+    assert "offload+attention" in plan.choices
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    loaded = Plan.load(str(path))
+    assert loaded == plan and loaded.rows() == plan.rows()
+    data = plan.to_dict()
+    data["profiles"][0]["attention_bytes"] = None
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="attention_s and attention_bytes too"):
+        Plan.load(str(path))
+
+
+def test_table_gives_an_unmeasured_policy_its_input() -> None:
+    """A plan naming a policy its block never measured (built by hand, or
+    loaded from before attention was measured): the model holds the input
+    for it, and the table says so."""
+    unmeasured = BlockProfile(1e-3, 2e-3, 1e-4, MIB, 10 * MIB, MIB, 0, 0)
+    plan = Plan(["attention", "selective"], [unmeasured] * 2, 64 * MIB, 1024, True, 0, 0.0)
+    assert [row.split()[2] for row in plan.table().splitlines()[2:]] == ["1.00", "1.00"]
