@@ -20,16 +20,21 @@ def test_selective_bench_compares_plans_at_each_budget(tmp_path, block: str) -> 
     assert result.returncode == 0, result.stderr
     assert "largest predicted gain" in result.stderr
     payload = json.loads(out.read_text())
+    # both blocks run fused attention: the attention choice is measured
+    assert all(p["attention_bytes"] > p["input_bytes"] for p in payload["profiles"])
     budgets = payload["budgets"]
     # the asked budget, and the one of largest predicted gain (unless the same)
     assert 0.5 in [b["fraction"] for b in budgets] and 1 <= len(budgets) <= 2
     for entry in budgets:
-        selective, whole = entry["selective"], entry["whole"]
+        selective, no_attention, whole = (entry[name]
+                                          for name in ("selective", "no_attention", "whole"))
         assert len(selective["choices"]) == len(whole["choices"]) == 3
         assert set(whole["choices"]) <= {"keep", "recompute"}
-        # more choices never predict a slower plan, and both fit the budget
-        assert selective["predicted_s"] <= whole["predicted_s"] * (1 + 1e-12)
-        for plan in (selective, whole):
+        assert "attention" not in no_attention["choices"]
+        # more choices never predict a slower plan, and all fit the budget
+        assert selective["predicted_s"] <= no_attention["predicted_s"] * (1 + 1e-12)
+        assert no_attention["predicted_s"] <= whole["predicted_s"] * (1 + 1e-12)
+        for plan in (selective, no_attention, whole):
             assert plan["predicted_peak_bytes"] <= entry["budget_bytes"]
             assert plan["measured_s"] > 0
         assert entry["predicted_gain"] == pytest.approx(
