@@ -483,7 +483,7 @@ def planned_choice(block: nn.Module) -> str:
 def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
          unit_bytes: Optional[int] = None, pipeline: Optional[bool] = None,
          bandwidth_bytes_per_s: Optional[float] = None, repeats: int = 3) -> Plan:
-    """Chooses keep, recompute, offload, selective or attention per block.
+    """Chooses keep, recompute, offload, selective or attention-only per block.
 
     Args:
         blocks: run in order, each on the previous one's output (as
@@ -507,15 +507,8 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
 
     Offload is planned only where it can run: when the sample inputs are
     CUDA tensors (or CPU tensors standing for them on the simulated GPU of
-    test builds) and the ``offload`` option is on; otherwise no block
-    offloads (offload+selective and offload+attention neither), and the
-    plan's ``note`` says why.
-
-    Selective saves the outputs of a block's matmuls, convolutions and
-    attention and recomputes the rest; attention saves only the attention
-    outputs (measured where the block runs fused attention,
-    ``scaled_dot_product_attention``): at long context they cost the most
-    time per byte to recompute.
+    test builds) and the ``offload`` option is on; otherwise no choice
+    offloads, and the plan's ``note`` says why (choices: :class:`PlannedBlock`).
 
     Returns:
         A :class:`Plan`.
