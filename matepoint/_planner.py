@@ -370,32 +370,55 @@ class PlannedBlock(nn.Module):
         return f"choice={self.choice}, prefetch={self.prefetch}"
 
 
-def _aten_packets(*names: str) -> frozenset:
-    """The aten operators of those names this torch has."""
-    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
-
-
+# The outputs the attention choice keeps, by qualified name (an operator
+# outside aten registers only when its module loads): at long context
+# attention costs the most recompute time per byte it holds.
+ATTENTION_SAVED_OPS = frozenset(
+    "aten::" + name for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+        "_efficient_attention_forward", "_cudnn_attention_forward")
+) | {"torch_attn::_varlen_attn"}
 # The expensive operations whose outputs the selective choice keeps; the
 # rest (pointwise, norms, views) costs little to recompute.
-SELECTIVE_SAVED_OPS = _aten_packets(
-    "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention")
+SELECTIVE_SAVED_OPS = ATTENTION_SAVED_OPS | {
+    "aten::" + name for name in ("mm", "addmm", "bmm", "baddbmm", "convolution")}
 
 
-# The outputs the attention choice keeps: at long context attention costs
-# the most recompute time per byte it holds.
-ATTENTION_SAVED_OPS = _aten_packets(
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+def _argument(func: Any, name: str, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+    """The value of ``func``'s argument ``name`` in this call (its default
+    when left out), or None where ``func`` has no such argument."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            if name in kwargs:
+                return kwargs[name]
+            return args[index] if index < len(args) else argument.default_value
+    return None
+
+
+def _draws_random_numbers(func: Any, args: Tuple, kwargs: Dict[str, Any]) -> bool:
+    """Whether this call of ``func`` may draw from the random number
+    generator: fused attention does when its ``dropout_p`` is above zero."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    dropout_p = _argument(func, "dropout_p", args, kwargs)
+    return dropout_p is None or dropout_p > 0
 
 
 def _saving_policy(saved_ops: frozenset, saved_as: CheckpointPolicy) -> Callable[..., Any]:
     """A ``context_fn`` policy: ``saved_as`` for the outputs of ``saved_ops``,
-    recompute for the rest."""
+    recompute for the rest.
+
+    An operator that draws random numbers is recomputed: a saved output
+    skips its draw in the recompute, and every random operator after it
+    (dropout) would then draw other numbers than in the forward."""
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return saved_as if func.overloadpacket in saved_ops \
-            else CheckpointPolicy.PREFER_RECOMPUTE
+        # higher-order operators (flex_attention) have a name but no schema
+        if func.name() in saved_ops and hasattr(func, "_schema") \
+                and not _draws_random_numbers(func, args, kwargs):
+            return saved_as
+        return CheckpointPolicy.PREFER_RECOMPUTE
     return policy
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import matepoint
 from matepoint import _C
+from matepoint import _planner
 from matepoint._planner import BlockProfile, Plan, planned_choice, predict, solve
 from conftest import OpCounter, assert_bitwise_equal
 
@@ -173,6 +174,90 @@ def test_save_and_load_keep_the_choice_and_its_figures(tmp_path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="attention_s and attention_bytes too"):
         Plan.load(str(path))
+
+
+# A stand-in for fused attention with dropout on CUDA (CPU attention has no
+# dropout kernel): an operator of a saved name that draws random numbers.
+noisy_calls = []
+
+
+@torch.library.custom_op("matepoint_test::noisy_matmul", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def noisy_matmul(x: torch.Tensor, w: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    noisy_calls.append(dropout_p)
+    out = x @ w
+    return out + dropout_p * torch.rand_like(out) if dropout_p > 0 else out
+
+
+def _noisy_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    return grad @ w.T, x.T @ grad, None
+
+
+noisy_matmul.register_autograd(
+    _noisy_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(
+        *inputs[:2]))
+
+
+def _noisy_gradients(dropout_p: float, policy=None):
+    """Gradients of the noisy operator followed by dropout, under
+    ``policy`` (no checkpoint where None), from the same seed."""
+    generator = torch.Generator().manual_seed(3)
+    x, w = (torch.randn(8, 8, generator=generator, requires_grad=True) for _ in range(2))
+
+    def block(x, w):
+        return F.dropout(torch.ops.matepoint_test.noisy_matmul(x, w, dropout_p), 0.5)
+
+    torch.manual_seed(0)
+    if policy is None:
+        out = block(x, w)
+    else:
+        contexts = lambda: torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)
+        out = matepoint.checkpoint(block, x, w, use_reentrant=False, context_fn=contexts)
+    out.square().sum().backward()
+    return [x.grad, w.grad]
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.5])
+def test_a_saved_operator_drawing_random_numbers_is_recomputed(dropout_p: float) -> None:
+    """Saving its output would skip its draw in the recompute, and the
+    dropout after it would draw another mask: the policies recompute it
+    where its dropout_p is above zero, and save it otherwise."""
+    name = "matepoint_test::noisy_matmul"
+    policy = _planner._saving_policy(_planner.SELECTIVE_SAVED_OPS | {name},
+                                     _planner.CheckpointPolicy.MUST_SAVE)
+    expected = _noisy_gradients(dropout_p)
+    noisy_calls.clear()
+    assert_bitwise_equal(expected, _noisy_gradients(dropout_p, policy))
+    assert noisy_calls == [dropout_p] * (2 if dropout_p > 0 else 1)
+    # the control: saving it regardless gives other gradients
+    def regardless(ctx, func, *args, **kwargs):
+        return _planner.CheckpointPolicy.MUST_SAVE if func.name() == name \
+            else _planner.CheckpointPolicy.PREFER_RECOMPUTE
+    got = _noisy_gradients(dropout_p, regardless)
+    assert (got[0] == expected[0]).all().item() == (dropout_p == 0)
+
+
+def test_fused_attention_with_dropout_is_recomputed() -> None:
+    """The policies read dropout_p as passed, by position or by name, or
+    its default; higher-order operators (flex_attention) are recomputed."""
+    policy = _planner._attention_policy
+    save, recompute = _planner.CheckpointPolicy.MUST_SAVE, \
+        _planner.CheckpointPolicy.PREFER_RECOMPUTE
+    q = torch.randn(1, 1, 2, 2)
+    for name, dropout_at in (("_scaled_dot_product_efficient_attention", 5),
+                             ("_scaled_dot_product_flash_attention", 3),
+                             ("_scaled_dot_product_cudnn_attention", 5)):
+        func = getattr(torch.ops.aten, name).default
+        head = (q, q, q) + (None, True)[:dropout_at - 3]
+        assert policy(None, func, *head) == save
+        assert policy(None, func, *head, 0.0) == save
+        assert policy(None, func, *head, 0.1) == recompute
+        assert policy(None, func, *head, dropout_p=0.1) == recompute
+    assert policy(None, torch.ops.aten.mm.default, q, q) == recompute
+    assert _planner._selective_policy(None, torch.ops.aten.mm.default, q, q) == save
+    from torch._higher_order_ops.flex_attention import flex_attention
+    assert policy(None, flex_attention, q, q, q) == recompute
 
 
 def test_table_gives_an_unmeasured_policy_its_input() -> None:
