@@ -564,14 +564,16 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
 
 def reduce_profiles(profiles: List[BlockProfile]) -> List[BlockProfile]:
     """``profiles`` with each figure replaced by its max over the ranks of
-    the default process group; unchanged when torch.distributed is not
-    initialized. Every rank must call it with the same number of blocks."""
+    the default process group; a figure some rank did not measure (None) is
+    None on all. Unchanged when torch.distributed is not initialized. Every
+    rank must call it with the same number of blocks."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return profiles
-    # NaN stands for a figure not measured (None): the max keeps it NaN
-    rows = [[math.nan if v is None else float(v) for v in vars(p).values()] for p in profiles]
+    # infinity stands for None: the max of it is defined (NaN's is not)
+    # and no measured figure is infinite
+    rows = [[math.inf if v is None else float(v) for v in vars(p).values()] for p in profiles]
     fields = list(vars(profiles[0]))
     # float64 holds byte counts exactly below 2**53; gloo and NCCL both reduce it
     device = torch.device("cuda", torch.cuda.current_device()) \
@@ -580,7 +582,7 @@ def reduce_profiles(profiles: List[BlockProfile]) -> List[BlockProfile]:
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     reduced = []
     for row in table.cpu().tolist():
-        values = {f: (None if math.isnan(v) else v if f.endswith("_s") else int(v))
+        values = {f: (None if math.isinf(v) else v if f.endswith("_s") else int(v))
                   for f, v in zip(fields, row)}
         reduced.append(BlockProfile(**values))
     return reduced
