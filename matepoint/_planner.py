@@ -830,12 +830,13 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
         options = _choice_options("recompute", False)
         runs = [lambda: _forward_only(block, args), lambda: _backward(block(*args)),
                 lambda: _backward(_C.checkpoint(_call, block, args, {}, **options))]
+        policies = _profile_policies(block, args, resident)
         try:
-            policies = _profile_policies(block, args, resident)
             timed = _timed_in_turn(runs + [run for run, _ in policies.values()], device,
                                    repeats)
         except RuntimeError as error:
-            log.info("matepoint.plan: a block cannot run selective (%s); not planned", error)
+            log.info("matepoint.plan: a block cannot be timed under %s (%s); not planned",
+                     " and ".join(policies), error)
             policies, timed = {}, _timed_in_turn(runs, device, repeats)
     forward_s, both_s, recompute_s = timed[:3]
     input_bytes = _storage_bytes(_tensors_in(args))
@@ -867,7 +868,12 @@ def _profile_policies(block: Callable, args: Tuple, resident: set
     always, attention where it keeps any (the block runs fused attention)."""
     policies = {}
     for choice in ("selective", "attention"):
-        kept, nbytes = _policy_saved_bytes(block, args, resident, choice)
+        try:
+            kept, nbytes = _policy_saved_bytes(block, args, resident, choice)
+        except RuntimeError as error:
+            log.info("matepoint.plan: a block cannot run the %s policy (%s); not planned",
+                     choice, error)
+            continue
         if kept or choice == "selective":
             options = _choice_options(choice, False)
             policies[choice] = (functools.partial(_run_checkpointed, block, args, options),

@@ -176,6 +176,18 @@ def test_save_and_load_keep_the_choice_and_its_figures(tmp_path) -> None:
         Plan.load(str(path))
 
 
+def test_a_policy_the_block_cannot_run_is_left_unmeasured(monkeypatch) -> None:
+    """One policy failing leaves the other measured."""
+    def failing() -> None:
+        raise RuntimeError("no attention here")
+
+    monkeypatch.setitem(_planner._CONTEXTS, "attention", failing)
+    plan = matepoint.plan(chain(2), sample(), budget_bytes=64 * MIB, repeats=1)
+    for p in plan.profiles:
+        assert p.attention_s is None and p.attention_bytes is None
+        assert p.selective_s is not None and p.selective_bytes > p.input_bytes
+
+
 # A stand-in for fused attention with dropout on CUDA (CPU attention has no
 # dropout kernel): an operator of a saved name that draws random numbers.
 noisy_calls = []
