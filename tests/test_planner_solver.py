@@ -134,12 +134,17 @@ def test_bad_blocks_are_refused() -> None:
     with pytest.raises(TypeError, match="block 0: attention_s, attention_units and "
                                         "attention_copy_s come together"):
         _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0)], 10, True)
+    with pytest.raises(TypeError, match="block 0: attention_s, attention_units and "
+                                        "attention_copy_s come together"):
+        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, 1)], 10, True)
+    with pytest.raises(ValueError, match="block 0: times too large, they and their sum"):
+        _C._plan_solve([(1e308, 1e308, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 1.0)], 10, True)
     with pytest.raises(TypeError, match="block 0: .*attention_copy_s\\]\\]\\)"):
         _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, 1, 1.0, 5)],
                        10, True)
     with pytest.raises(ValueError, match="non-negative"):
         _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, -1, 1.0)], 10, True)
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(ValueError, match="must be finite"):
         _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, 1, float("inf"))],
                        10, True)
     with pytest.raises(OverflowError, match="larger unit"):

@@ -67,7 +67,6 @@ block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
         negative |= !(times[k] >= 0);
         sum += times[k];
     }
-    negative |= !isfinite(sum);
     for (int k = 0; k < 6; k++) {
         negative |= units[k] < 0;
         /* sums of units over a chain must not wrap: keep each far below 2^64 */
@@ -80,6 +79,12 @@ block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
     if (negative) {
         PyErr_Format(PyExc_ValueError, "block %zd: times and units must be non-negative numbers",
                      index);
+        return -1;
+    }
+    /* the solver adds a block's times together: their sum must stay finite */
+    if (!isfinite(sum)) {
+        PyErr_Format(PyExc_ValueError,
+                     "block %zd: times too large, they and their sum must be finite", index);
         return -1;
     }
     block->input_units = (uint64_t)units[0];
