@@ -126,6 +126,14 @@ class BlockProfile:
     # attention outputs; None: not measured (a block without attention)
     attention_s: Optional[float] = None
     attention_bytes: Optional[int] = None
+    # what each offloading choice leaves on the device, its tensors under
+    # min_offload_bytes (as set when profiled): of its input (offload), of
+    # selective_bytes (offload+selective), of attention_bytes
+    # (offload+attention); None: nothing (a plan saved before they were
+    # measured)
+    offload_stay_bytes: Optional[int] = None
+    selective_stay_bytes: Optional[int] = None
+    attention_stay_bytes: Optional[int] = None
 
     def checkpointed_s(self) -> float:
         """Forward + backward when recomputed."""
@@ -318,15 +326,23 @@ def _check_loaded(plan: Plan) -> None:
         # the figures that may be absent (None) come after the others
         policies = [(profile.selective_s, profile.selective_bytes),
                     (profile.attention_s, profile.attention_bytes)]
-        sizes = values[3:8] + tuple(nbytes for _, nbytes in policies if nbytes is not None)
+        # what an offload leaves on the device, and what it is part of
+        stays = [(profile.offload_stay_bytes, profile.input_bytes),
+                 (profile.selective_stay_bytes, profile.selective_bytes),
+                 (profile.attention_stay_bytes, profile.attention_bytes)]
+        sizes = values[3:8] + tuple(nbytes for _, nbytes in policies + stays
+                                    if nbytes is not None)
         given = values[:8] + tuple(v for v in values[8:] if v is not None)
         if not all(_finite_number(v) and v >= 0 for v in given) or \
                 not all(isinstance(v, int) and v <= MAX_BYTES for v in sizes) or \
-                any((seconds is None) != (nbytes is None) for seconds, nbytes in policies):
+                any((seconds is None) != (nbytes is None) for seconds, nbytes in policies) or \
+                any(stay is not None and (whole is None or stay > whole)
+                    for stay, whole in stays):
             raise ValueError(f"block {i} has {values}: times must be finite numbers >= 0 "
                              f"and sizes ints from 0 to 2**63 - 1 (selective_s and "
                              f"selective_bytes both given or both null, attention_s and "
-                             f"attention_bytes too; recompute_s may be null)")
+                             f"attention_bytes too; recompute_s may be null; each "
+                             f"*_stay_bytes null or at most the bytes it is part of)")
 
 
 class PlannedBlock(nn.Module):
@@ -528,9 +544,9 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
 
     Under ``torch.distributed`` (all ranks call it) one plan for all ranks.
 
-    Offload is planned only where it can run: when the sample inputs are
-    CUDA tensors (or CPU tensors standing for them on the simulated GPU of
-    test builds) and the ``offload`` option is on; otherwise no choice
+    Offload is planned only where it can run: on CUDA tensors (or the
+    simulated GPU of test builds) with the ``offload`` option on, tensors
+    under ``min_offload_bytes`` counted as staying; otherwise no choice
     offloads, and the plan's ``note`` says why (choices: :class:`PlannedBlock`).
 
     Returns:
@@ -683,21 +699,38 @@ def _policy_copy_s(p: BlockProfile, nbytes: int) -> float:
     return p.copy_s * (nbytes / p.input_bytes)
 
 
+def _policy_figures(p: BlockProfile, seconds: Optional[float], nbytes: Optional[int],
+                    stay: Optional[int]) -> Tuple[float, int, int]:
+    """(seconds, bytes held, of those the bytes an offload leaves) of a
+    policy; unmeasured, it holds what recompute holds (offloaded, what
+    offload does) at a time that is never chosen."""
+    if seconds is None or nbytes is None:
+        return _UNMEASURED_S, p.input_bytes, p.offload_stay_bytes or 0
+    return seconds, nbytes, stay or 0
+
+
 def _units(profiles: List[BlockProfile], unit_bytes: int, offload: bool = True) -> List[Tuple]:
     def up(nbytes: int) -> int:
         return -(-nbytes // unit_bytes)
 
-    def policy(p: BlockProfile, seconds: Optional[float], nbytes: Optional[int]) -> Tuple:
-        """(seconds, held units, copy seconds) of a policy, unmeasured: never chosen."""
-        held = p.input_bytes if nbytes is None else nbytes
-        return (_UNMEASURED_S if seconds is None else seconds, up(held),
-                _policy_copy_s(p, held) if offload else _NO_OFFLOAD_COPY_S)
-    return [(p.forward_s, p.backward_s, p.copy_s if offload else _NO_OFFLOAD_COPY_S,
-             up(p.input_bytes), up(p.activation_bytes),
-             up(p.keep_work_bytes()), up(p.checkpoint_work_bytes()),
-             *policy(p, p.selective_s, p.selective_bytes), p.checkpointed_s(),
-             *policy(p, p.attention_s, p.attention_bytes))
-            for p in profiles]
+    def copy_s(p: BlockProfile, held: int, stay: int) -> float:
+        """One-way copy of what moves of ``held`` bytes, ``stay`` of them staying."""
+        return _policy_copy_s(p, held - stay) if offload else _NO_OFFLOAD_COPY_S
+    rows = []
+    for p in profiles:
+        input_stay = p.offload_stay_bytes or 0
+        selective_s, selective, selective_stay = _policy_figures(
+            p, p.selective_s, p.selective_bytes, p.selective_stay_bytes)
+        attention_s, attention, attention_stay = _policy_figures(
+            p, p.attention_s, p.attention_bytes, p.attention_stay_bytes)
+        rows.append((p.forward_s, p.backward_s, copy_s(p, p.input_bytes, input_stay),
+                     up(p.input_bytes), up(p.activation_bytes),
+                     up(p.keep_work_bytes()), up(p.checkpoint_work_bytes()),
+                     selective_s, up(selective), copy_s(p, selective, selective_stay),
+                     p.checkpointed_s(),
+                     attention_s, up(attention), copy_s(p, attention, attention_stay),
+                     up(input_stay), up(selective_stay), up(attention_stay)))
+    return rows
 
 
 def _smallest_budget(units: List[Tuple], pipeline: bool, offload: bool) -> int:
@@ -832,7 +865,7 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
                 lambda: _backward(_C.checkpoint(_call, block, args, {}, **options))]
         policies = _profile_policies(block, args, resident)
         try:
-            timed = _timed_in_turn(runs + [run for run, _ in policies.values()], device,
+            timed = _timed_in_turn(runs + [run for run, _, _ in policies.values()], device,
                                    repeats)
         except RuntimeError as error:
             log.info("matepoint.plan: a block cannot be timed under %s (%s); not planned",
@@ -840,20 +873,30 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
             policies, timed = {}, _timed_in_turn(runs, device, repeats)
     forward_s, both_s, recompute_s = timed[:3]
     input_bytes = _storage_bytes(_tensors_in(args))
+    input_stay = _storage_bytes(_too_small_to_offload(_tensors_in(args)))
     backward_s = max(both_s - forward_s, 0.0)
     # recompute and the policies run all that keep runs and more: a timing
     # as fast is noise, which would otherwise make them win where everything
     # fits (a hair slower so that keep wins the tie)
     least = (forward_s + backward_s) * (1 + _OVER_KEEP)
     recompute_s = max(recompute_s, least)
-    measured = {choice: (max(seconds, least), saved + input_bytes)
-                for (choice, (_, saved)), seconds in zip(policies.items(), timed[3:])}
+    measured = {choice: (max(seconds, least), saved + input_bytes, stay + input_stay)
+                for (choice, (_, saved, stay)), seconds in zip(policies.items(), timed[3:])}
+    selective_s, selective_bytes, selective_stay = measured.get("selective", (None,) * 3)
+    attention_s, attention_bytes, attention_stay = measured.get("attention", (None,) * 3)
     profile = BlockProfile(forward_s, backward_s, input_bytes / bandwidth,
                            input_bytes, activation_bytes, output_bytes,
-                           forward_peak, backward_peak,
-                           *measured.get("selective", (None, None)), recompute_s,
-                           *measured.get("attention", (None, None)))
+                           forward_peak, backward_peak, selective_s, selective_bytes,
+                           recompute_s, attention_s, attention_bytes, input_stay,
+                           selective_stay, attention_stay)
     return profile, out
+
+
+def _too_small_to_offload(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Those of ``tensors`` an offload leaves on the device: under
+    ``min_offload_bytes``, as the offload engine decides."""
+    threshold = settings.current.min_offload_bytes
+    return [t for t in tensors if t.nbytes < threshold]
 
 
 def _forward_only(block: Callable, args: Tuple) -> None:
@@ -862,14 +905,15 @@ def _forward_only(block: Callable, args: Tuple) -> None:
 
 
 def _profile_policies(block: Callable, args: Tuple, resident: set
-                      ) -> Dict[str, Tuple[Callable[[], None], int]]:
+                      ) -> Dict[str, Tuple[Callable[[], None], int, int]]:
     """Per policy the block can run, a run of its forward + backward under
-    it and the bytes of the outputs it keeps after its forward: selective
-    always, attention where it keeps any (the block runs fused attention)."""
+    it, the bytes of the outputs it keeps after its forward, and of those
+    the bytes an offload would leave on the device: selective always,
+    attention where it keeps any (the block runs fused attention)."""
     policies = {}
     for choice in ("selective", "attention"):
         try:
-            kept, nbytes = _policy_saved_bytes(block, args, resident, choice)
+            kept, nbytes, stay = _policy_saved_bytes(block, args, resident, choice)
         except RuntimeError as error:
             log.info("matepoint.plan: a block cannot run the %s policy (%s); not planned",
                      choice, error)
@@ -877,7 +921,7 @@ def _profile_policies(block: Callable, args: Tuple, resident: set
         if kept or choice == "selective":
             options = _choice_options(choice, False)
             policies[choice] = (functools.partial(_run_checkpointed, block, args, options),
-                                nbytes)
+                                nbytes, stay)
     return policies
 
 
@@ -886,11 +930,12 @@ def _run_checkpointed(block: Callable, args: Tuple, options: Dict[str, Any]) -> 
 
 
 def _policy_saved_bytes(block: Callable, args: Tuple, resident: set, choice: str
-                        ) -> Tuple[int, int]:
-    """(how many outputs, their bytes) the policy of ``choice`` keeps after
-    the block's forward, its input aside: the distinct storages left in the
-    policy's cache when the forward ends (those after the last saved tensor
-    are let go then; the forward runs with gradients, as in training)."""
+                        ) -> Tuple[int, int, int]:
+    """(how many outputs, their bytes, the bytes of those too small to
+    offload) the policy of ``choice`` keeps after the block's forward, its
+    input aside: the distinct storages left in the policy's cache when the
+    forward ends (those after the last saved tensor are let go then; the
+    forward runs with gradients, as in training)."""
     modes: List[Any] = []
 
     def context() -> Tuple[Any, Any]:
@@ -904,13 +949,14 @@ def _policy_saved_bytes(block: Callable, args: Tuple, resident: set, choice: str
               for leaf in tree_leaves(entry)
               if isinstance(getattr(leaf, "val", None), torch.Tensor)]
     kept, nbytes = len(cached), _storage_bytes(cached, resident)
+    stay = _storage_bytes(_too_small_to_offload(cached), resident)
     del cached
     # the first selective run in a process leaves its cache in cyclic
     # garbage (later runs free it at once): emptied here, it cannot stay
     # until the collector runs, on top of the timed runs that follow
     modes[0].storage.clear()
     del out
-    return kept, nbytes
+    return kept, nbytes, stay
 
 
 def _peaks(block: Callable, args: Tuple, device: torch.device) -> Tuple[int, int]:

@@ -67,6 +67,17 @@ def _on_simulated_gpu(progress: int, device_memory: bool = True):
 
 
 @pytest.fixture
+def every_tensor_moves():
+    """min_offload_bytes=0 for one test: profiles count no tensor as too
+    small to offload."""
+    import matepoint
+    saved = matepoint.options.min_offload_bytes
+    matepoint.set_options(min_offload_bytes=0)
+    yield
+    matepoint.set_options(min_offload_bytes=saved)
+
+
+@pytest.fixture
 def offload():
     """Offload on a simulated GPU that keeps up with the CPU."""
     import sim

@@ -252,7 +252,10 @@ def bad_plan_files():
     for field, value in [("forward_s", math.inf), ("copy_s", math.nan), ("input_bytes", -1),
                          ("input_bytes", 1.5), ("activation_bytes", 2**64),
                          ("output_bytes", "x"), ("forward_peak_bytes", True),
-                         ("recompute_s", -1.0), ("recompute_s", "2")]:
+                         ("recompute_s", -1.0), ("recompute_s", "2"),
+                         # more than the input, of a policy not measured, or not a size
+                         ("offload_stay_bytes", 4097), ("offload_stay_bytes", -1),
+                         ("selective_stay_bytes", 0), ("attention_stay_bytes", 1.5)]:
         data = json.loads(json.dumps(good))
         data["profiles"][1][field] = value
         yield f"profile {field}={value!r}", data

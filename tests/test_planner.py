@@ -123,6 +123,29 @@ def test_measured_peak_stays_within_the_prediction(offload_heap_memory) -> None:
     assert {"keep", "selective"} <= seen and {"offload", "offload+selective"} & seen
 
 
+@pytest.mark.skipif(not host_meter_available(), reason="needs glibc's mallinfo2")
+def test_tensors_too_small_to_offload_count_in_the_budget(offload_heap_memory) -> None:
+    # the blocks' 512 KiB inputs stay on the device; their 2 MiB hidden outputs move
+    matepoint.set_options(min_offload_bytes=MIB)
+    model, x = chain(8, 256), torch.randn(512, 256)
+    profiles = matepoint.plan(model, x, budget_bytes=1 << 30, repeats=1).profiles
+    for p in profiles:
+        assert p.offload_stay_bytes == p.input_bytes == 512 << 10
+        # selective holds the input and the first linear's output
+        assert p.selective_stay_bytes == p.input_bytes and p.selective_bytes == (5 << 20) // 2
+    with pytest.raises(matepoint.PlanError) as caught:
+        solve(profiles, 1, 1024, True)
+    least = caught.value.smallest_budget_bytes
+    for budget in (least, least + 2 * MIB):
+        plan = solve(profiles, budget, 1024, True)
+        measured = measured_step(plan.apply(model), x)
+        print(f"budget {budget / MIB:.2f} MiB: predicted {plan.predicted_peak_bytes / MIB:.2f} "
+              f"MiB, measured {measured / MIB:.2f} MiB, {plan.choices}")
+        assert plan.predicted_peak_bytes <= budget
+        assert measured <= 1.05 * plan.predicted_peak_bytes
+        assert {"offload", "offload+selective"} & set(plan.choices)
+
+
 def test_too_small_a_budget_names_the_smallest_feasible(offload) -> None:
     model, x = chain(4, 64), torch.randn(32, 64)
     with pytest.raises(matepoint.PlanError, match="smallest budget any plan meets is") as caught:

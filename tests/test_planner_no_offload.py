@@ -29,9 +29,10 @@ def smallest(profiles, offload: bool) -> int:
     return caught.value.smallest_budget_bytes
 
 
-def test_plan_on_the_cpu_keeps_or_recomputes_and_says_why() -> None:
+def test_plan_on_the_cpu_keeps_or_recomputes_and_says_why(every_tensor_moves) -> None:
     from matepoint import _C
     assert _C._offload_device_type() == "cuda"
+    # 32 KiB inputs: profiled as movable, so that offload would lower the floor
     model, x = chain(), torch.randn(64, 128)
     plan = profiled(model, x)
     assert not plan.offload and "not on a GPU" in plan.note

@@ -18,12 +18,18 @@ def model_cost(blocks, choices, pipeline):
         fwd, bwd, copy, inp, act, keep_work, checkpoint_work, sel_s, sel, sel_copy = block[:10]
         recompute_s = block[10] if len(block) > 10 else 2 * fwd + bwd
         # attention: not measured in shorter tuples
-        att_s, att, att_copy = block[11:] if len(block) > 11 else (UNMEASURED_S, inp,
-                                                                    UNMEASURED_S)
+        att_s, att, att_copy = block[11:14] if len(block) > 11 else (UNMEASURED_S, inp,
+                                                                      UNMEASURED_S)
+        # what each offloading choice leaves on the device: nothing in shorter tuples
+        stays = dict(zip((OFFLOAD, OFFLOAD_SELECTIVE, OFFLOAD_ATTENTION),
+                         block[14:] if len(block) > 14 else (0, 0, 0)))
         c = choices[i]
         work = keep_work if c == KEEP else checkpoint_work
         prefetch_from_next = pipeline and i > 0 and choices[i - 1] == OFFLOAD and c == OFFLOAD
-        prefetch = blocks[i - 1][3] if prefetch_from_next else 0
+        previous = blocks[i - 1]
+        # what comes back of the previous input is what left the device
+        prefetch = previous[3] - (previous[14] if len(previous) > 14 else 0) \
+            if prefetch_from_next else 0
         peak = max(peak, held + work + prefetch)
         time += fwd + bwd if c == KEEP else sel_s if c in (SELECTIVE, OFFLOAD_SELECTIVE) \
             else att_s if c in (ATTENTION, OFFLOAD_ATTENTION) else recompute_s
@@ -37,7 +43,7 @@ def model_cost(blocks, choices, pipeline):
                 time += copy  # fetched when needed
             else:  # the next block's recompute and backward hide it
                 time += max(0.0, copy - blocks[i + 1][0] - blocks[i + 1][1])
-        held += {KEEP: act, RECOMPUTE: inp, SELECTIVE: sel, ATTENTION: att}.get(c, 0)
+        held += {KEEP: act, RECOMPUTE: inp, SELECTIVE: sel, ATTENTION: att, **stays}[c]
     return time, peak
 
 
@@ -56,10 +62,14 @@ def random_chain(rng, length):
                     copy * held / inp if inp else rng.uniform(0, 3))
         block = (fwd, bwd, copy, inp, act,
                  act + rng.randint(0, 6), inp + act + rng.randint(0, 6), *policy(sel))
-        # the recompute may stop early; one block in three leaves its time to
-        # the solver's default, 2f+b, and one in three its attention unmeasured
+        # the recompute may stop early; one block in four leaves its time to
+        # the solver's default, 2f+b, one in four its attention unmeasured,
+        # and one in four says what offloads leave on the device (tensors too
+        # small to move: none to all)
         recompute = (fwd * (1 + rng.uniform(0, 1)) + bwd,)
-        chain.append(rng.choice([block, block + recompute, block + recompute + policy(att)]))
+        stays = (rng.randint(0, inp), rng.randint(0, sel), rng.randint(0, att))
+        chain.append(rng.choice([block, block + recompute, block + recompute + policy(att),
+                                 block + recompute + policy(att) + stays]))
     return chain
 
 
@@ -139,9 +149,22 @@ def test_bad_blocks_are_refused() -> None:
         _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, 1)], 10, True)
     with pytest.raises(ValueError, match="block 0: times too large, they and their sum"):
         _C._plan_solve([(1e308, 1e308, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 1.0)], 10, True)
-    with pytest.raises(TypeError, match="block 0: .*attention_copy_s\\]\\]\\)"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, 1, 1.0, 5)],
-                       10, True)
+    full = (1.0, 1.0, 1.0, 2, 1, 2, 3, 2.0, 3, 1.0, 3.0, 1.0, 2, 1.0)
+    for part in (1, 2):
+        with pytest.raises(TypeError, match="block 0: offload_held_units, "
+                                            "selective_offload_held_units and "
+                                            "attention_offload_held_units come together"):
+            _C._plan_solve([full + (0,) * part], 10, True)
+    with pytest.raises(TypeError, match="block 0: .*attention_offload_held_units\\]\\]\\]\\)"):
+        _C._plan_solve([full + (0, 0, 0, 5)], 10, True)
+    for stays, name in (((3, 0, 0), "offload_held_units above input_units"),
+                        ((0, 4, 0), "selective_offload_held_units above selective_units"),
+                        ((0, 0, 3), "attention_offload_held_units above attention_units")):
+        with pytest.raises(ValueError, match=f"block 0: {name}"):
+            _C._plan_solve([full + stays], 10, True)
+    with pytest.raises(ValueError, match="non-negative"):
+        _C._plan_solve([full + (-1, 0, 0)], 10, True)
+    assert _C._plan_solve([full + (2, 3, 2)], 10, True) is not None
     with pytest.raises(ValueError, match="non-negative"):
         _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, -1, 1.0)], 10, True)
     with pytest.raises(ValueError, match="must be finite"):

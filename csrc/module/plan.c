@@ -2,10 +2,12 @@
  * sequence of (forward_s, backward_s, copy_s, input_units,
  * activation_units, keep_work_units, checkpoint_work_units, selective_s,
  * selective_units, selective_copy_s[, recompute_s[, attention_s,
- * attention_units, attention_copy_s]]) tuples: recompute_s is 2 * forward_s
- * + backward_s when left out, and the attention policy unmeasured (never
- * chosen); choices as a bytes object of PLAN_* values. The solver runs
- * without the GIL. */
+ * attention_units, attention_copy_s[, offload_held_units,
+ * selective_offload_held_units, attention_offload_held_units]]]) tuples:
+ * recompute_s is 2 * forward_s + backward_s when left out, the attention
+ * policy unmeasured (never chosen), and an offload moves everything;
+ * choices as a bytes object of PLAN_* values. The solver runs without the
+ * GIL. */
 #include "plan.h"
 
 #include "planner/planner.h"
@@ -20,24 +22,56 @@
 static const char block_fields[] =
     "(forward_s, backward_s, copy_s, input_units, activation_units, keep_work_units, "
     "checkpoint_work_units, selective_s, selective_units, selective_copy_s[, recompute_s[, "
-    "attention_s, attention_units, attention_copy_s]])";
+    "attention_s, attention_units, attention_copy_s[, offload_held_units, "
+    "selective_offload_held_units, attention_offload_held_units]]])";
+/* units[] of a block tuple, in its order */
+enum { INPUT, ACTIVATION, KEEP_WORK, CHECKPOINT_WORK, SELECTIVE, ATTENTION, OFFLOAD_HELD,
+       SELECTIVE_OFFLOAD_HELD, ATTENTION_OFFLOAD_HELD, UNIT_FIELDS };
 
 /* Fills in what a shorter tuple leaves out; -1 with an exception where it
- * gives the attention policy in part. */
+ * gives a group of fields in part. */
 static int
-block_defaults(Py_ssize_t size, Py_ssize_t index, plan_block *block, long long units[6])
+block_defaults(Py_ssize_t size, Py_ssize_t index, plan_block *block,
+               long long units[UNIT_FIELDS])
 {
-    if (size == 12 || size == 13) {
-        PyErr_Format(PyExc_TypeError, "block %zd: attention_s, attention_units and "
-                     "attention_copy_s come together; expected %s", index, block_fields);
+    if (size == 12 || size == 13 || size == 15 || size == 16) {
+        PyErr_Format(PyExc_TypeError, "block %zd: %s come together; expected %s", index,
+                     size < 14 ? "attention_s, attention_units and attention_copy_s"
+                               : "offload_held_units, selective_offload_held_units and "
+                                 "attention_offload_held_units",
+                     block_fields);
         return -1;
     }
     if (size < 11)
         block->recompute_s = 2 * block->forward_s + block->backward_s;
     if (size < 14) {
         block->attention.time_s = UNMEASURED_S;
-        units[5] = units[0];
+        units[ATTENTION] = units[INPUT];
         block->attention.copy_s = UNMEASURED_S;
+    }
+    if (size < 17)
+        units[OFFLOAD_HELD] = units[SELECTIVE_OFFLOAD_HELD] = units[ATTENTION_OFFLOAD_HELD] = 0;
+    return 0;
+}
+
+/* -1 with an exception where what an offload leaves on the device is more
+ * than it would hold kept. */
+static int
+check_offload_held(Py_ssize_t index, const long long units[UNIT_FIELDS])
+{
+    static const struct {
+        int held, whole;
+        const char *names;
+    } pairs[] = {{OFFLOAD_HELD, INPUT, "offload_held_units above input_units"},
+                 {SELECTIVE_OFFLOAD_HELD, SELECTIVE,
+                  "selective_offload_held_units above selective_units"},
+                 {ATTENTION_OFFLOAD_HELD, ATTENTION,
+                  "attention_offload_held_units above attention_units"}};
+    for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++) {
+        if (units[pairs[k].held] > units[pairs[k].whole]) {
+            PyErr_Format(PyExc_ValueError, "block %zd: %s", index, pairs[k].names);
+            return -1;
+        }
     }
     return 0;
 }
@@ -45,13 +79,15 @@ block_defaults(Py_ssize_t size, Py_ssize_t index, plan_block *block, long long u
 static int
 block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
 {
-    long long units[6];
+    long long units[UNIT_FIELDS];
     if (!PyTuple_Check(item) ||
-        !PyArg_ParseTuple(item, "dddLLLLdLd|ddLd", &block->forward_s, &block->backward_s,
-                          &block->copy_s, &units[0], &units[1], &units[2], &units[3],
-                          &block->selective.time_s, &units[4], &block->selective.copy_s,
-                          &block->recompute_s, &block->attention.time_s, &units[5],
-                          &block->attention.copy_s)) {
+        !PyArg_ParseTuple(item, "dddLLLLdLd|ddLdLLL", &block->forward_s, &block->backward_s,
+                          &block->copy_s, &units[INPUT], &units[ACTIVATION], &units[KEEP_WORK],
+                          &units[CHECKPOINT_WORK], &block->selective.time_s, &units[SELECTIVE],
+                          &block->selective.copy_s, &block->recompute_s,
+                          &block->attention.time_s, &units[ATTENTION], &block->attention.copy_s,
+                          &units[OFFLOAD_HELD], &units[SELECTIVE_OFFLOAD_HELD],
+                          &units[ATTENTION_OFFLOAD_HELD])) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "block %zd: expected %s", index, block_fields);
         return -1;
@@ -67,7 +103,7 @@ block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
         negative |= !(times[k] >= 0);
         sum += times[k];
     }
-    for (int k = 0; k < 6; k++) {
+    for (int k = 0; k < UNIT_FIELDS; k++) {
         negative |= units[k] < 0;
         /* sums of units over a chain must not wrap: keep each far below 2^64 */
         if (units[k] > (1LL << 42)) {
@@ -81,18 +117,23 @@ block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
                      index);
         return -1;
     }
+    if (check_offload_held(index, units) < 0)
+        return -1;
     /* the solver adds a block's times together: their sum must stay finite */
     if (!isfinite(sum)) {
         PyErr_Format(PyExc_ValueError,
                      "block %zd: times too large, they and their sum must be finite", index);
         return -1;
     }
-    block->input_units = (uint64_t)units[0];
-    block->activation_units = (uint64_t)units[1];
-    block->keep_work_units = (uint64_t)units[2];
-    block->checkpoint_work_units = (uint64_t)units[3];
-    block->selective.units = (uint64_t)units[4];
-    block->attention.units = (uint64_t)units[5];
+    block->input_units = (uint64_t)units[INPUT];
+    block->activation_units = (uint64_t)units[ACTIVATION];
+    block->keep_work_units = (uint64_t)units[KEEP_WORK];
+    block->checkpoint_work_units = (uint64_t)units[CHECKPOINT_WORK];
+    block->selective.units = (uint64_t)units[SELECTIVE];
+    block->attention.units = (uint64_t)units[ATTENTION];
+    block->offload_held_units = (uint64_t)units[OFFLOAD_HELD];
+    block->selective.offload_held_units = (uint64_t)units[SELECTIVE_OFFLOAD_HELD];
+    block->attention.offload_held_units = (uint64_t)units[ATTENTION_OFFLOAD_HELD];
     return 0;
 }
 

@@ -40,8 +40,10 @@ held_units(const plan_block *b, int choice)
         return b->activation_units;
     if (choice == PLAN_RECOMPUTE)
         return b->input_units;
-    if (choice == PLAN_OFFLOAD || offloads_saved(choice))
-        return 0;
+    if (choice == PLAN_OFFLOAD)
+        return b->offload_held_units;
+    if (offloads_saved(choice))
+        return policy_of(b, choice)->offload_held_units;
     return policy_of(b, choice)->units;
 }
 
@@ -60,11 +62,14 @@ prefetched(int previous_choice, int choice, int pipeline)
     return pipeline && previous_choice == PLAN_OFFLOAD && choice == PLAN_OFFLOAD;
 }
 
+/* What comes back of a prefetched input: the part that left the device. */
 static uint64_t
 prefetch_units(const plan_block *previous, int previous_choice, int choice, int pipeline)
 {
-    return previous != NULL && prefetched(previous_choice, choice, pipeline) ? previous->input_units
-                                                                              : 0;
+    if (previous == NULL || !prefetched(previous_choice, choice, pipeline) ||
+        previous->offload_held_units >= previous->input_units)
+        return 0;
+    return previous->input_units - previous->offload_held_units;
 }
 
 static double
@@ -226,8 +231,8 @@ dp_merge_rows(dp_tables *t, double copy_back)
 
 /* Row ROW_STAYED of the next step: keep (shifted by its activations),
  * recompute (shifted by its input), selective and attention (shifted by
- * their input and saved outputs) and their offloaded forms (not shifted)
- * from the merged row. The hot loops. */
+ * their input and saved outputs) and their offloaded forms (shifted by what
+ * of those is too small to move) from the merged row. The hot loops. */
 static void
 dp_fill_stayed(dp_tables *t, uint8_t *parent, const plan_block *b, uint64_t budget,
                uint64_t reach)
@@ -256,8 +261,9 @@ dp_fill_stayed(dp_tables *t, uint8_t *parent, const plan_block *b, uint64_t budg
     }
 }
 
-/* Row ROW_OFFLOADED of the next step: offload holds nothing more, so each
- * state comes from the same state of either row. */
+/* Row ROW_OFFLOADED of the next step: offload holds only the part of its
+ * input too small to move, so each state comes from the state that many
+ * units below in either row. */
 static void
 dp_fill_offloaded(dp_tables *t, uint8_t *parent, const plan_block *b, const plan_block *previous,
                   uint64_t budget, uint64_t reach, int pipeline)
@@ -269,14 +275,17 @@ dp_fill_offloaded(dp_tables *t, uint8_t *parent, const plan_block *b, const plan
     int64_t from_offloaded = held_limit(
         b, PLAN_OFFLOAD, prefetch_units(previous, PLAN_OFFLOAD, PLAN_OFFLOAD, pipeline), budget,
         t->reach);
+    uint64_t shift = held_units(b, PLAN_OFFLOAD);
     double extra = own_time(b, PLAN_OFFLOAD);
     double extra_offloaded = extra + copy_back_time(previous, b, PLAN_OFFLOAD, pipeline);
-    for (uint64_t s = 0; s <= reach; s++) {
+    for (uint64_t s = 0; s < shift && s <= reach; s++)
+        to[s] = UNREACHABLE;
+    for (uint64_t s = 0; s + shift <= reach; s++) {
         double a = (int64_t)s <= from_stayed ? stayed[s] + extra : UNREACHABLE;
         double o = (int64_t)s <= from_offloaded ? offloaded[s] + extra_offloaded : UNREACHABLE;
         int take = o < a;
-        to[s] = take ? o : a;
-        to_parent[s] = (uint8_t)(PLAN_OFFLOAD | take << CHOICE_BITS);
+        to[s + shift] = take ? o : a;
+        to_parent[s + shift] = (uint8_t)(PLAN_OFFLOAD | take << CHOICE_BITS);
     }
 }
 

@@ -12,14 +12,16 @@
  * costs the most per byte it saves, the matmuls far less.
  *
  * Cost model (units of memory are the caller's quantum, times seconds):
- *   held (after its forward)   keep: act   recompute: in   offload: 0
+ *   held (after its forward)   keep: act   recompute: in
+ *                              offload: the part of in too small to move
  *                              selective, attention: their policy's units
  *                              (its input included)
- *                              offload+selective, offload+attention: 0
+ *                              offload+selective, offload+attention: the
+ *                              part of their policy's units too small to move
  *   work (its own peak, over its forward, recompute and backward, on top
  *   of what blocks before it hold)   keep: keep_work   else: checkpoint_work
  *   while block i runs backward, block i-1's input is being prefetched when
- *   both offload (pipeline): +in[i-1]
+ *   both offload (pipeline): + the part of in[i-1] that moved
  *   peak = max over i of (held by blocks before i) + work[i] + prefetch[i]
  *   time: keep f+b, recompute/offload recompute_s, selective and
  *   attention their policy's time_s
@@ -57,14 +59,18 @@ enum {
 typedef struct {
     double time_s;                  /* forward + backward under the policy */
     uint64_t units;                 /* held after the forward: input and saved outputs */
-    double copy_s;                  /* one-way copy of the input and saved outputs */
+    double copy_s;                  /* one-way copy of what of those moves */
+    uint64_t offload_held_units;    /* of `units`, what stays on the device when
+                                     * offloaded (tensors too small to move) */
 } plan_policy;
 
 typedef struct {
     double forward_s, backward_s;
     double recompute_s;             /* forward + backward checkpointed, recompute included */
-    double copy_s;                  /* one-way copy of the input */
+    double copy_s;                  /* one-way copy of what of the input moves */
     uint64_t input_units, activation_units;
+    uint64_t offload_held_units;    /* of the input, what stays on the device when
+                                     * offloaded (tensors too small to move) */
     uint64_t keep_work_units, checkpoint_work_units;
     plan_policy selective;          /* saves matmul, convolution and attention outputs */
     plan_policy attention;          /* saves attention outputs only */

@@ -25,19 +25,30 @@ rng_unit(void)
     return (double)(rng_next() >> 11) / (double)(1ULL << 53);
 }
 
+/* Of `units`, what an offload leaves on the device (tensors too small to
+ * move): in half the chains nothing, else anything up to all of it. */
+static uint64_t
+random_stay(uint64_t units, int stays)
+{
+    return stays ? rng_next() % (units + 1) : 0;
+}
+
 static plan_policy
-random_policy(double forward_s, double backward_s, double copy_s, uint64_t in, uint64_t units)
+random_policy(double forward_s, double backward_s, double copy_s, uint64_t in, uint64_t units,
+              int stays)
 {
     return (plan_policy){
         .time_s = forward_s + backward_s + forward_s * rng_unit(),
         .units = units,
         .copy_s = in > 0 ? copy_s * (double)units / (double)in : rng_unit(),
+        .offload_held_units = random_stay(units, stays),
     };
 }
 
 static void
 random_chain(plan_block *blocks, int n)
 {
+    int stays = (int)(rng_next() % 2);
     for (int i = 0; i < n; i++) {
         uint64_t in = rng_next() % 7, act = rng_next() % 13;
         uint64_t selective = in + (act > 0 ? rng_next() % act : 0);
@@ -52,8 +63,9 @@ random_chain(plan_block *blocks, int n)
             .checkpoint_work_units = in + act + rng_next() % 7,
             /* between keep and recompute in both time and memory, as measured;
              * the copy's time grows with the bytes copied */
-            .selective = random_policy(forward_s, backward_s, copy_s, in, selective),
-            .attention = random_policy(forward_s, backward_s, copy_s, in, attention),
+            .offload_held_units = random_stay(in, stays),
+            .selective = random_policy(forward_s, backward_s, copy_s, in, selective, stays),
+            .attention = random_policy(forward_s, backward_s, copy_s, in, attention, stays),
         };
     }
 }
