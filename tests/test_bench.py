@@ -44,9 +44,11 @@ def test_cpu_bench_writes_results_with_matching_gradients(tmp_path) -> None:
     assert {case for case, _, _ in summary} >= {"stack", "latent", "gpt2", "llama"}
     assert all(e["status"] == "ok" for e in summary.values())
     # float32 on the CPU: the stacks match their reference to the bit; GPT-2's tied
-    # embedding sums in another order under any checkpointing, torch's too
+    # embedding may sum in another order under any checkpointing, torch's too (on
+    # some CPUs, not all): there matepoint's error must be torch's own
     for (case, depth, mode), e in summary.items():
-        assert e["grads"] == ("ok" if case == "gpt2" and mode != "none" else "exact"), e
+        tied = case == "gpt2" and mode != "none"
+        assert e["grads"] in (("exact", "ok") if tied else ("exact",)), e
         if case == "gpt2" and mode == "matepoint":
             assert e["grad_rel_err"] == summary[("gpt2", depth, "torch")]["grad_rel_err"]
         assert e["step_ratio"] is None or e["step_ratio"] > 0
