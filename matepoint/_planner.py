@@ -253,11 +253,7 @@ class Plan:
                  f"{'block':>5} {'choice':>17} {'held MiB':>9} {'peak MiB':>9} {'input MiB':>9} "
                  f"{'act MiB':>9} {'time ms':>9}"]
         for i, (choice, p, (seconds, peak)) in enumerate(zip(self.choices, self.profiles, rows)):
-            held = {"keep": p.activation_bytes, "recompute": p.input_bytes,
-                    "selective": p.selective_bytes, "attention": p.attention_bytes
-                    }.get(choice, 0)
-            if held is None:   # a policy not measured: the model gives it its input
-                held = p.input_bytes
+            held = _held_bytes(p, choice)
             lines.append(f"{i:>5} {choice:>17} {held / MIB:>9.2f} {peak / MIB:>9.2f} "
                          f"{p.input_bytes / MIB:>9.2f} {p.activation_bytes / MIB:>9.2f} "
                          f"{seconds * 1e3:>9.3f}")
@@ -707,6 +703,24 @@ def _policy_figures(p: BlockProfile, seconds: Optional[float], nbytes: Optional[
     if seconds is None or nbytes is None:
         return _UNMEASURED_S, p.input_bytes, p.offload_stay_bytes or 0
     return seconds, nbytes, stay or 0
+
+
+def _held_bytes(p: BlockProfile, choice: str) -> int:
+    """What a block holds on the device after its forward under ``choice``,
+    as the cost model counts it."""
+    if choice == "keep":
+        return p.activation_bytes
+    if choice == "recompute":
+        return p.input_bytes
+    if choice == "offload":
+        return p.offload_stay_bytes or 0
+    if choice.endswith("selective"):
+        _, held, stay = _policy_figures(p, p.selective_s, p.selective_bytes,
+                                        p.selective_stay_bytes)
+    else:
+        _, held, stay = _policy_figures(p, p.attention_s, p.attention_bytes,
+                                        p.attention_stay_bytes)
+    return stay if choice.startswith("offload") else held
 
 
 def _units(profiles: List[BlockProfile], unit_bytes: int, offload: bool = True) -> List[Tuple]:

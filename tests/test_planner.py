@@ -144,6 +144,10 @@ def test_tensors_too_small_to_offload_count_in_the_budget(offload_heap_memory) -
         assert plan.predicted_peak_bytes <= budget
         assert measured <= 1.05 * plan.predicted_peak_bytes
         assert {"offload", "offload+selective"} & set(plan.choices)
+        # the table's held column: the input that stays, for every offloading choice
+        for line, choice in zip(plan.table().splitlines()[2:], plan.choices):
+            if choice.startswith("offload"):
+                assert line.split()[2] == "0.50", line
 
 
 def test_too_small_a_budget_names_the_smallest_feasible(offload) -> None:
