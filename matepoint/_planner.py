@@ -326,8 +326,8 @@ def _check_loaded(plan: Plan) -> None:
         stays = [(profile.offload_stay_bytes, profile.input_bytes),
                  (profile.selective_stay_bytes, profile.selective_bytes),
                  (profile.attention_stay_bytes, profile.attention_bytes)]
-        sizes = values[3:8] + tuple(nbytes for _, nbytes in policies + stays
-                                    if nbytes is not None)
+        sizes = values[3:8] + tuple(nbytes for _, nbytes in policies if nbytes is not None) \
+            + tuple(stay for stay, _ in stays if stay is not None)
         given = values[:8] + tuple(v for v in values[8:] if v is not None)
         if not all(_finite_number(v) and v >= 0 for v in given) or \
                 not all(isinstance(v, int) and v <= MAX_BYTES for v in sizes) or \

@@ -255,6 +255,7 @@ def bad_plan_files():
                          ("recompute_s", -1.0), ("recompute_s", "2"),
                          # more than the input, of a policy not measured, or not a size
                          ("offload_stay_bytes", 4097), ("offload_stay_bytes", -1),
+                         ("offload_stay_bytes", 1.5), ("offload_stay_bytes", True),
                          ("selective_stay_bytes", 0), ("attention_stay_bytes", 1.5)]:
         data = json.loads(json.dumps(good))
         data["profiles"][1][field] = value
