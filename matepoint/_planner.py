@@ -907,10 +907,19 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
 
 
 def _too_small_to_offload(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Those of ``tensors`` an offload leaves on the device: under
-    ``min_offload_bytes``, as the offload engine decides."""
+    """Those of ``tensors`` an offload leaves on the device, as the offload
+    engine decides: parameters, tensor subclasses and layouts it does not
+    copy, and tensors under ``min_offload_bytes`` (of a DTensor, its local
+    shard is what moves)."""
     threshold = settings.current.min_offload_bytes
-    return [t for t in tensors if t.nbytes < threshold]
+
+    def stays(tensor: torch.Tensor) -> bool:
+        if isinstance(tensor, nn.Parameter):
+            return True
+        local = getattr(tensor, "_local_tensor", tensor)
+        return type(local) is not torch.Tensor or local.layout != torch.strided \
+            or local.nbytes < threshold
+    return [t for t in tensors if stays(t)]
 
 
 def _forward_only(block: Callable, args: Tuple) -> None:

@@ -150,6 +150,17 @@ def test_tensors_too_small_to_offload_count_in_the_budget(offload_heap_memory) -
                 assert line.split()[2] == "0.50", line
 
 
+def test_what_an_offload_leaves_is_what_the_engine_leaves() -> None:
+    from matepoint._planner import _too_small_to_offload
+    assert matepoint.options.min_offload_bytes == MIB
+    moved, small = torch.zeros(MIB // 4), torch.zeros(MIB // 4 - 1)
+    parameter, sparse = nn.Parameter(torch.zeros(MIB)), torch.zeros(MIB).to_sparse()
+    subclass = torch.zeros(MIB).as_subclass(type("Tagged", (torch.Tensor,), {}))
+    tensors = [moved, small, parameter, sparse, subclass, moved[: MIB // 8]]
+    assert [id(t) for t in _too_small_to_offload(tensors)] == \
+        [id(t) for t in tensors[1:]]
+
+
 def test_too_small_a_budget_names_the_smallest_feasible(offload) -> None:
     model, x = chain(4, 64), torch.randn(32, 64)
     with pytest.raises(matepoint.PlanError, match="smallest budget any plan meets is") as caught:
