@@ -126,11 +126,11 @@ class BlockProfile:
     # attention outputs; None: not measured (a block without attention)
     attention_s: Optional[float] = None
     attention_bytes: Optional[int] = None
-    # what each offloading choice leaves on the device, its tensors under
-    # min_offload_bytes (as set when profiled): of its input (offload), of
-    # selective_bytes (offload+selective), of attention_bytes
-    # (offload+attention); None: nothing (a plan saved before they were
-    # measured)
+    # what each offloading choice leaves on the device, the tensors the
+    # engine does not move (under min_offload_bytes as set when profiled,
+    # parameters): of its input (offload), of selective_bytes
+    # (offload+selective), of attention_bytes (offload+attention); None:
+    # nothing (a plan saved before they were measured)
     offload_stay_bytes: Optional[int] = None
     selective_stay_bytes: Optional[int] = None
     attention_stay_bytes: Optional[int] = None
