@@ -695,14 +695,15 @@ def _policy_copy_s(p: BlockProfile, nbytes: int) -> float:
     return p.copy_s * (nbytes / p.input_bytes)
 
 
-def _policy_figures(p: BlockProfile, seconds: Optional[float], nbytes: Optional[int],
-                    stay: Optional[int]) -> Tuple[float, int, int]:
-    """(seconds, bytes held, of those the bytes an offload leaves) of a
-    policy; unmeasured, it holds what recompute holds (offloaded, what
-    offload does) at a time that is never chosen."""
+def _policy_figures(p: BlockProfile, policy: str) -> Tuple[float, int, int]:
+    """(seconds, bytes held, of those the bytes an offload leaves) of the
+    policy ``"selective"`` or ``"attention"``; unmeasured, it holds what
+    recompute holds (offloaded, what offload does) at a time that is never
+    chosen."""
+    seconds, nbytes = getattr(p, policy + "_s"), getattr(p, policy + "_bytes")
     if seconds is None or nbytes is None:
         return _UNMEASURED_S, p.input_bytes, p.offload_stay_bytes or 0
-    return seconds, nbytes, stay or 0
+    return seconds, nbytes, getattr(p, policy + "_stay_bytes") or 0
 
 
 def _held_bytes(p: BlockProfile, choice: str) -> int:
@@ -714,12 +715,7 @@ def _held_bytes(p: BlockProfile, choice: str) -> int:
         return p.input_bytes
     if choice == "offload":
         return p.offload_stay_bytes or 0
-    if choice.endswith("selective"):
-        _, held, stay = _policy_figures(p, p.selective_s, p.selective_bytes,
-                                        p.selective_stay_bytes)
-    else:
-        _, held, stay = _policy_figures(p, p.attention_s, p.attention_bytes,
-                                        p.attention_stay_bytes)
+    _, held, stay = _policy_figures(p, choice.rpartition("+")[2])
     return stay if choice.startswith("offload") else held
 
 
@@ -733,10 +729,8 @@ def _units(profiles: List[BlockProfile], unit_bytes: int, offload: bool = True) 
     rows = []
     for p in profiles:
         input_stay = p.offload_stay_bytes or 0
-        selective_s, selective, selective_stay = _policy_figures(
-            p, p.selective_s, p.selective_bytes, p.selective_stay_bytes)
-        attention_s, attention, attention_stay = _policy_figures(
-            p, p.attention_s, p.attention_bytes, p.attention_stay_bytes)
+        selective_s, selective, selective_stay = _policy_figures(p, "selective")
+        attention_s, attention, attention_stay = _policy_figures(p, "attention")
         rows.append((p.forward_s, p.backward_s, copy_s(p, p.input_bytes, input_stay),
                      up(p.input_bytes), up(p.activation_bytes),
                      up(p.keep_work_bytes()), up(p.checkpoint_work_bytes()),
