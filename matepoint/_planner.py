@@ -881,7 +881,7 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
             policies, timed = {}, _timed_in_turn(runs, device, repeats)
     forward_s, both_s, recompute_s = timed[:3]
     input_bytes = _storage_bytes(_tensors_in(args))
-    input_stay = _storage_bytes(_too_small_to_offload(_tensors_in(args)))
+    input_stay = _storage_bytes(_left_on_device(_tensors_in(args)))
     backward_s = max(both_s - forward_s, 0.0)
     # recompute and the policies run all that keep runs and more: a timing
     # as fast is noise, which would otherwise make them win where everything
@@ -900,7 +900,7 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
     return profile, out
 
 
-def _too_small_to_offload(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+def _left_on_device(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     """Those of ``tensors`` an offload leaves on the device, as the offload
     engine decides: parameters, tensor subclasses and layouts it does not
     copy, and tensors under ``min_offload_bytes`` (of a DTensor, its local
@@ -948,8 +948,8 @@ def _run_checkpointed(block: Callable, args: Tuple, options: Dict[str, Any]) -> 
 
 def _policy_saved_bytes(block: Callable, args: Tuple, resident: set, choice: str
                         ) -> Tuple[int, int, int]:
-    """(how many outputs, their bytes, the bytes of those too small to
-    offload) the policy of ``choice`` keeps after the block's forward, its
+    """(how many outputs, their bytes, the bytes of those an offload
+    leaves) the policy of ``choice`` keeps after the block's forward, its
     input aside: the distinct storages left in the policy's cache when the
     forward ends (those after the last saved tensor are let go then; the
     forward runs with gradients, as in training)."""
@@ -966,7 +966,7 @@ def _policy_saved_bytes(block: Callable, args: Tuple, resident: set, choice: str
               for leaf in tree_leaves(entry)
               if isinstance(getattr(leaf, "val", None), torch.Tensor)]
     kept, nbytes = len(cached), _storage_bytes(cached, resident)
-    stay = _storage_bytes(_too_small_to_offload(cached), resident)
+    stay = _storage_bytes(_left_on_device(cached), resident)
     del cached
     # the first selective run in a process leaves its cache in cyclic
     # garbage (later runs free it at once): emptied here, it cannot stay

@@ -124,7 +124,7 @@ def test_measured_peak_stays_within_the_prediction(offload_heap_memory) -> None:
 
 
 @pytest.mark.skipif(not host_meter_available(), reason="needs glibc's mallinfo2")
-def test_tensors_too_small_to_offload_count_in_the_budget(offload_heap_memory) -> None:
+def test_tensors_left_on_device_count_in_the_budget(offload_heap_memory) -> None:
     # the blocks' 512 KiB inputs stay on the device; their 2 MiB hidden outputs move
     matepoint.set_options(min_offload_bytes=MIB)
     model, x = chain(8, 256), torch.randn(512, 256)
@@ -151,13 +151,13 @@ def test_tensors_too_small_to_offload_count_in_the_budget(offload_heap_memory) -
 
 
 def test_what_an_offload_leaves_is_what_the_engine_leaves() -> None:
-    from matepoint._planner import _too_small_to_offload
+    from matepoint._planner import _left_on_device
     assert matepoint.options.min_offload_bytes == MIB
     moved, small = torch.zeros(MIB // 4), torch.zeros(MIB // 4 - 1)
     parameter, sparse = nn.Parameter(torch.zeros(MIB)), torch.zeros(MIB).to_sparse()
     subclass = torch.zeros(MIB).as_subclass(type("Tagged", (torch.Tensor,), {}))
     tensors = [moved, small, parameter, sparse, subclass, moved[: MIB // 8]]
-    assert [id(t) for t in _too_small_to_offload(tensors)] == \
+    assert [id(t) for t in _left_on_device(tensors)] == \
         [id(t) for t in tensors[1:]]
 
 
