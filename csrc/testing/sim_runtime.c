@@ -145,6 +145,22 @@ const offload_runtime offload_runtime_sim = {
     .empty_bytes = sim_empty_bytes,
 };
 
+/* torch's adapter (offload_runtime_torch.c) over the simulated GPU: what
+ * only torch knows comes from torch's answers, through whatever stands in
+ * the module state for torch.cuda (a test's stand-in in Python); the rest
+ * as on the simulated GPU. */
+const offload_runtime offload_runtime_torch_sim = {
+    .name = "torch adapter over simulated",
+    .device_type = "cpu",
+    .load = sim_load,
+    .may_hold_tensors = offload_torch_may_hold_tensors,
+    .tensor_device = sim_tensor_device,
+    .current_stream = offload_torch_current_stream,
+    .record_stream = offload_torch_record_stream,
+    .has_context = offload_torch_has_context,
+    .empty_bytes = sim_empty_bytes,
+};
+
 void
 sim_runtime_fail_fetches(uint64_t skip, uint64_t count)
 {
