@@ -183,3 +183,62 @@ def test_stand_in_errors_reach_the_caller(simulated):
     standin.inside = None
     _, grads = train_step(model, x, matepoint.checkpoint)
     assert_bitwise_equal(grads, expected)
+
+
+# ---- two sweeps of one window at once (issue 34, defect 1) --------------------------------
+
+_SWEEP_SCRIPT = r'''
+import sys, threading
+import torch
+import conftest, fake_torch_cuda, matepoint, sim
+from conftest import MLP, assert_bitwise_equal, no_checkpoint, train_step
+from matepoint import _C
+
+where = sys.argv[1]
+fixture = fake_torch_cuda.adapter_runtime(conftest._on_simulated_gpu(0))
+standin = next(fixture)
+matepoint.set_options(offload_window=1)
+model, x = MLP(64, 6), torch.randn(32, 64)
+_, expected = train_step(model, x, no_checkpoint)
+swept = []
+
+def inside(name):
+    # meanwhile the GPU ran the copy, and another sweep of the window runs:
+    # a monitoring thread's pool_stats(), or this thread's own
+    if name != "record_stream":
+        return
+    _C._sim_advance(sim.EVERYTHING)
+    if where == "same thread":
+        swept.append(matepoint.pool_stats())
+    else:
+        thread = threading.Thread(target=lambda: swept.append(matepoint.pool_stats()))
+        thread.start()
+        thread.join()
+
+standin.inside = inside
+_, grads = train_step(model, x, matepoint.checkpoint)
+standin.inside = None
+assert swept, "record_stream never ran: the test proves nothing"
+assert_bitwise_equal(grads, expected)
+next(fixture, None)   # the fixture's checks: nothing held, every counter back to zero
+print("swept", len(swept), "times inside record_stream")
+'''
+
+
+@pytest.mark.parametrize("where", ["same thread", "another thread"])
+def test_window_swept_again_inside_record_stream(where):
+    """A forced retire calls record_stream, Python on a GPU: a second sweep
+    of the same window runs inside it. Each copy is retired once, none is
+    dropped from the window, gradients are exact. Before the fix the same
+    copy was retired twice (an invariant aborted): hence a subprocess."""
+    sim.require_test_build()
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(matepoint.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, tests]))
+    done = subprocess.run([sys.executable, "-c", _SWEEP_SCRIPT, where], env=env, cwd=tests,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "swept" in done.stdout
