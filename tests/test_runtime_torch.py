@@ -129,6 +129,11 @@ def test_cpu_tensors_stay_under_torchs_runtime():
             assert _C._offload_copies() == []
             assert matepoint.pool_stats()["peak_device_bytes_in_flight"] == 0
             assert standin.calls == {}       # no CUDA tensor: torch.cuda never asked
+            # the pool loads the CUDA runtime (libcudart, or none on a machine
+            # without it: then plain host memory serves)
+            matepoint.reserve_pool(1 << 12, 1)
+            assert matepoint.pool_stats()["bytes_reserved"] >= 1 << 12
+            matepoint.empty_pool()
     finally:
         matepoint.set_options(min_offload_bytes=saved)
 
