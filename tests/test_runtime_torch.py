@@ -207,30 +207,53 @@ model, x = MLP(64, 6), torch.randn(32, 64)
 _, expected = train_step(model, x, no_checkpoint)
 swept = []
 
+other, y = MLP(64, 4), torch.randn(32, 64)
+_, other_expected = train_step(other, y, no_checkpoint)
+other_out, started = [], []
+
+def forward_other():
+    # a second thread training on the same GPU: its regions add copies to
+    # the window (and sweep it) while the first sweep is inside record_stream
+    torch.manual_seed(0)
+    other.zero_grad(set_to_none=True)
+    inputs = y.detach().clone().requires_grad_(True)
+    other_out.append((inputs, other(inputs, matepoint.checkpoint)))
+    swept.append(matepoint.pool_stats())
+
 def inside(name):
     # meanwhile the GPU ran the copy, and another sweep of the window runs:
-    # a monitoring thread's pool_stats(), or this thread's own
-    if name != "record_stream":
+    # a monitoring thread's pool_stats(), this thread's own, or a second
+    # training thread's regions
+    if name != "record_stream" or (where == "training thread" and started):
         return
+    started.append(True)
     _C._sim_advance(sim.EVERYTHING)
     if where == "same thread":
         swept.append(matepoint.pool_stats())
-    else:
-        thread = threading.Thread(target=lambda: swept.append(matepoint.pool_stats()))
-        thread.start()
-        thread.join()
+        return
+    work = forward_other if where == "training thread" else \
+        (lambda: swept.append(matepoint.pool_stats()))
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
 
 standin.inside = inside
 _, grads = train_step(model, x, matepoint.checkpoint)
 standin.inside = None
 assert swept, "record_stream never ran: the test proves nothing"
 assert_bitwise_equal(grads, expected)
+if where == "training thread":
+    inputs, out = other_out.pop()
+    (out.float() ** 2).mean().backward()
+    other_grads = [inputs.grad] + [p.grad for p in other.parameters()]
+    assert_bitwise_equal(other_grads, other_expected)
+    del inputs, out
 next(fixture, None)   # the fixture's checks: nothing held, every counter back to zero
 print("swept", len(swept), "times inside record_stream")
 '''
 
 
-@pytest.mark.parametrize("where", ["same thread", "another thread"])
+@pytest.mark.parametrize("where", ["same thread", "another thread", "training thread"])
 def test_window_swept_again_inside_record_stream(where):
     """A forced retire calls record_stream, Python on a GPU: a second sweep
     of the same window runs inside it. Each copy is retired once, none is
