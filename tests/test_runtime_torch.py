@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 import conftest
 import fake_torch_cuda
@@ -57,7 +56,7 @@ def _suite() -> dict:
             if name.startswith("test_") and callable(value) and (names is None or name in names):
                 assert name not in tests, f"two suites define {name}"
                 tests[name] = value
-    assert names is None or set(names) <= set(tests), "a test named here was renamed"
+        assert names is None or set(names) <= set(tests), "a test named here was renamed"
     return tests
 
 
