@@ -146,6 +146,44 @@ valgrind:
 	  $(VALGRIND) build/valgrind/test_helpers; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
 
+# Line coverage of csrc/offload and csrc/cuda (gcc --coverage, read by gcov
+# through tests/coverage_report.py): an instrumented test build of _C in
+# build/cov (the in-place build is left alone) runs the simulated-GPU Python
+# tests, instrumented C unit tests cover csrc/cuda; fails if a function of
+# csrc/offload/offload_runtime_torch.c never ran. Minutes; not in `make test`.
+COV := build/cov
+COV_TESTS ?= tests/test_runtime_torch.py tests/test_gpu_timeline.py tests/test_offload_window.py \
+             tests/test_offload.py tests/test_sim_layouts.py tests/test_sac_offload.py
+COV_UNIT_CFLAGS := $(UNIT_CFLAGS) -O0 --coverage
+# _C's sources and flags as setup.py builds them in a test build
+# (matepoint/_build_layout.py), and where Python's headers are
+COV_LAYOUT = import runpy, sysconfig; layout = runpy.run_path("matepoint/_build_layout.py")
+COV_EXT_SOURCES = $(shell $(PY) -c '$(COV_LAYOUT); print(" ".join(layout["extension_sources"](".", True)))')
+COV_EXT_CFLAGS = $(shell $(PY) -c '$(COV_LAYOUT); print(" ".join(layout["c_flags"]({"MATEPOINT_TESTING": "1", "MATEPOINT_WERROR": "1"})))') \
+  -fPIC -fwrapv -O0 -g --coverage -Icsrc -I$(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+COV_EXT_SUFFIX = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+.PHONY: coverage
+coverage: build/ctest/test_cudart_load
+	rm -rf $(COV) && mkdir -p $(COV)/ctest
+	$(PY) setup.py -q build_ext --build-lib $(COV)/lib --build-temp $(COV)/tmp
+	$(PY) setup.py -q build_py --build-lib $(COV)/lib
+	@# _C once more, instrumented, one object per source; the allocator library stays
+	@# plain (it shares csrc/cuda's loader with _C: two libraries would write one profile)
+	set -e; for src in $(COV_EXT_SOURCES); do mkdir -p $(COV)/obj/$$(dirname $$src); \
+	  $(CC) $(COV_EXT_CFLAGS) -c $$src -o $(COV)/obj/$${src%.c}.o; done
+	$(CC) -shared --coverage -o $(COV)/lib/matepoint/_C$(COV_EXT_SUFFIX) \
+	  $(patsubst %.c,$(COV)/obj/%.o,$(COV_EXT_SOURCES)) -ldl -lpthread
+	$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/test_cudart_sim tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
+	$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/test_helpers tests/c/test_helpers.c $(SIM_SOURCES) \
+	  csrc/cuda/cudart_util.c -lpthread
+	$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/test_cudart_load tests/c/test_cudart_load.c csrc/cuda/cudart.c \
+	  -ldl -lpthread
+	$(COV)/ctest/test_cudart_sim && $(COV)/ctest/test_helpers && $(COV)/ctest/test_cudart_load $(FAKE)
+	cd $(COV)/lib && $(abspath $(PY)) -c "import matepoint._C as c; assert '$(COV)/lib' in c.__file__, c.__file__" && \
+	  $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(addprefix $(CURDIR)/,$(COV_TESTS))
+	$(PY) tests/coverage_report.py --prefix csrc/offload --prefix csrc/cuda \
+	  --require-functions csrc/offload/offload_runtime_torch.c $(COV)/obj $(COV)/ctest
+
 build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h tests/c/lock_probe.h $(ALLOC_SOURCES) $(ALLOC_HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import torch
 
@@ -13,13 +13,15 @@ from matepoint._options import show_int
 
 # the library's entry points by role: their names are defined once, in C
 _SYMBOLS = _C.ALLOCATOR_SYMBOLS
-# optional hooks torch's CUDAPluggableAllocator lets us register, by role
+# hooks torch's CUDAPluggableAllocator lets us register, by role; all but
+# record_stream are optional (see _hook_setters)
 _HOOKS = {
     "set_init_fn": "init",
     "set_reset_fn": "reset",
     "set_record_stream_fn": "record_stream",
     "set_memory_fraction_fn": "set_memory_fraction",
 }
+_REQUIRED_HOOK = "set_record_stream_fn"
 _installed = False
 
 
@@ -32,19 +34,39 @@ def allocator_path() -> str:
     return matches[0]
 
 
+def _hook_setters(pluggable: Any) -> Dict[str, Callable[[int], None]]:
+    """The hook registrations torch's binding offers, by setter name.
+
+    Without set_record_stream_fn torch would ignore every
+    ``Tensor.record_stream`` under a pluggable allocator, without a word,
+    and memory read on another stream (matepoint's own offload copies
+    included) could be handed out while that stream still uses it: such a
+    torch is refused, before anything is installed."""
+    binding = pluggable._allocator
+    setters = {name: getattr(binding, name, None) for name in _HOOKS}
+    if setters[_REQUIRED_HOOK] is None:
+        raise RuntimeError(
+            "matepoint.install_allocator: this torch's CUDAPluggableAllocator cannot register a "
+            "record_stream hook (it has no set_record_stream_fn): under it Tensor.record_stream "
+            "would be silently ignored and memory still used by another stream could be "
+            "handed out, corrupting data. Nothing was installed: keep torch's allocator, or "
+            "use a torch whose pluggable allocator has set_record_stream_fn")
+    return {name: setter for name, setter in setters.items() if setter is not None}
+
+
 def install_allocator() -> bool:
     """Make matepoint's allocator torch's CUDA allocator for this process.
 
     Call it at program start, before anything touches CUDA memory. Under it,
-    torch.cuda.memory_stats() raises (torch cannot see inside a pluggable
-    allocator): use matepoint.memory_stats(). Out of memory raises
-    torch.OutOfMemoryError as under torch's allocator, through a small C++
-    unit the first call compiles and caches (about a second; stopped after
-    MATEPOINT_BUILD_TIMEOUT seconds, default 120; see matepoint/_oom.py).
+    torch.cuda.memory_stats() raises: use matepoint.memory_stats(). Out of
+    memory raises torch.OutOfMemoryError, through a small C++ unit the first
+    call compiles and caches (MATEPOINT_BUILD_TIMEOUT; see matepoint/_oom.py).
 
     Returns whether out of memory raises torch.OutOfMemoryError. When it
     cannot (no C++ compiler, a failed build), a RuntimeWarning says why: out
     of memory then stops the process. A second call returns the same answer.
+    Refused (RuntimeError, nothing installed) where torch would ignore
+    record_stream under it (no set_record_stream_fn): data could be corrupted.
     """
     global _installed
     if _installed:
@@ -58,12 +80,11 @@ def install_allocator() -> bool:
     path = allocator_path()
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, _SYMBOLS["malloc"],
                                                           _SYMBOLS["free"])
+    setters = _hook_setters(pluggable)
     library = ctypes.CDLL(path)
     raises = _oom.attach_oom_handler(library)
-    for setter, role in _HOOKS.items():
-        register = getattr(pluggable._allocator, setter, None)
-        if register is not None:
-            register(ctypes.cast(getattr(library, _SYMBOLS[role]), ctypes.c_void_p).value)
+    for setter, register in setters.items():
+        register(ctypes.cast(getattr(library, _SYMBOLS[_HOOKS[setter]]), ctypes.c_void_p).value)
     torch.cuda.memory.change_current_allocator(pluggable)
     _C._attach_allocator(path)
     _installed = True

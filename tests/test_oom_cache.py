@@ -262,9 +262,13 @@ def test_bad_build_timeout_is_refused(value: str, monkeypatch: pytest.MonkeyPatc
 INSTALL_SCRIPT = textwrap.dedent("""
     import json, warnings, torch, matepoint
 
+    class Binding:   # the one hook torch must offer (install_allocator refuses without it)
+        def set_record_stream_fn(self, address):
+            pass
+
     class Pluggable:
         def __init__(self, path, malloc, free):
-            self._allocator = object()
+            self._allocator = Binding()
 
     torch.cuda.is_available = lambda: True
     torch.cuda.is_initialized = lambda: False

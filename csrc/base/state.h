@@ -49,6 +49,12 @@ typedef struct mp_state {
     PyObject *module_type;              /* torch.nn.Module */
     PyObject *top_hooks;                /* torch._C._autograd._top_saved_tensors_default_hooks */
     PyObject *current_raw_stream;       /* torch._C._cuda_getCurrentRawStream, or NULL */
+    /* the rest of torch's CUDA API the offload adapter calls (a test build
+     * swaps in a stand-in: csrc/testing/testing_torch.c); NULL when absent */
+    PyObject *has_primary_context;      /* torch._C._cuda_hasPrimaryContext, or NULL */
+    PyObject *cuda_default_stream;      /* torch.cuda.default_stream, or NULL */
+    PyObject *cuda_external_stream;     /* torch.cuda.ExternalStream, or NULL */
+    PyObject *tensor_record_stream;     /* torch.Tensor.record_stream, or NULL */
     PyObject *torch_empty;              /* torch.empty */
     PyObject *torch_empty_strided;      /* torch.empty_strided */
     PyObject *uint8_dtype;              /* torch.uint8 */

@@ -264,6 +264,10 @@ static const struct torch_entry torch_entries[] = {
     ENTRY(module_type, "torch.nn", "Module", 0),
     ENTRY(top_hooks, "torch._C._autograd", "_top_saved_tensors_default_hooks", 0),
     ENTRY(current_raw_stream, "torch._C", "_cuda_getCurrentRawStream", 1),
+    ENTRY(has_primary_context, "torch._C", "_cuda_hasPrimaryContext", 1),
+    ENTRY(cuda_default_stream, "torch.cuda", "default_stream", 1),
+    ENTRY(cuda_external_stream, "torch.cuda", "ExternalStream", 1),
+    ENTRY(tensor_record_stream, "torch", "Tensor.record_stream", 1),
     ENTRY(torch_empty, "torch", "empty", 0),
     ENTRY(torch_empty_strided, "torch", "empty_strided", 0),
     ENTRY(uint8_dtype, "torch", "uint8", 0),
@@ -387,7 +391,8 @@ module_exec(PyObject *module)
     X(str_requires_grad) X(str_is_cpu)                                                         \
     X(unpack_hook) X(tensor_class) X(module_type) X(top_hooks) X(current_raw_stream)          \
     X(torch_empty) X(torch_empty_strided) X(uint8_dtype) X(offload_unpack)                    \
-    X(current_user_hooks) X(hooks_below) X(torch_keywords)
+    X(current_user_hooks) X(hooks_below) X(torch_keywords) X(has_primary_context)              \
+    X(cuda_default_stream) X(cuda_external_stream) X(tensor_record_stream)
 
 #define STATE_TYPE_FIELDS(X) X(frame_type) X(holder_type) X(recompute_hook_type) X(slot_type) \
     X(node_type) X(storage_copy_type) X(tensor_record_type) X(offload_group_type)          \

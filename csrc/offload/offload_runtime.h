@@ -43,4 +43,16 @@ typedef struct offload_runtime {
 
 extern const offload_runtime offload_runtime_torch;
 
+/* torch's answers of offload_runtime_torch, for the test build's runtime
+ * that runs them over the simulated GPU. They reach torch only through
+ * the entry points the module state looked up once (base/state.h:
+ * current_raw_stream, has_primary_context, cuda_default_stream,
+ * cuda_external_stream, tensor_record_stream), so a test can put a
+ * torch.cuda stand-in written in Python in their place; being Python, it
+ * may hand the GIL to another thread inside any of them, as torch may. */
+int offload_torch_may_hold_tensors(mp_state *st);
+int offload_torch_current_stream(mp_state *st, int device, void **stream);
+int offload_torch_record_stream(mp_state *st, PyObject *storage, int device, void *stream);
+int offload_torch_has_context(mp_state *st, int device);
+
 #endif

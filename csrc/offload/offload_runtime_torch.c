@@ -12,8 +12,8 @@ torch_load(void)
     return rt;
 }
 
-static int
-torch_may_hold_tensors(mp_state *st)
+int
+offload_torch_may_hold_tensors(mp_state *st)
 {
     return st->current_raw_stream != NULL;
 }
@@ -38,13 +38,22 @@ torch_tensor_device(mp_state *st, PyObject *tensor, PyObject *device_obj, int *i
     return 1;
 }
 
+/* 0 when torch has `entry` (one of the state's CUDA entry points), else
+ * -1 with an error: a CPU build of torch has none of them. */
 static int
-torch_current_stream(mp_state *st, int device, void **stream)
+require(PyObject *entry, const char *what)
 {
-    if (st->current_raw_stream == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "matepoint: this torch build has no CUDA streams");
+    if (entry != NULL)
+        return 0;
+    PyErr_Format(PyExc_RuntimeError, "matepoint: this torch build has no CUDA (no %s)", what);
+    return -1;
+}
+
+int
+offload_torch_current_stream(mp_state *st, int device, void **stream)
+{
+    if (require(st->current_raw_stream, "torch._C._cuda_getCurrentRawStream") < 0)
         return -1;
-    }
     PyObject *raw = PyObject_CallFunction(st->current_raw_stream, "i", device);
     if (raw == NULL)
         return -1;
@@ -58,28 +67,26 @@ torch_current_stream(mp_state *st, int device, void **stream)
 static PyObject *
 stream_object(mp_state *st, int device, void *stream)
 {
-    PyObject *cuda = PyObject_GetAttrString(st->torch_module, "cuda");
-    if (cuda == NULL)
+    if (stream == NULL)
+        return require(st->cuda_default_stream, "torch.cuda.default_stream") < 0
+                   ? NULL : PyObject_CallFunction(st->cuda_default_stream, "i", device);
+    if (require(st->cuda_external_stream, "torch.cuda.ExternalStream") < 0)
         return NULL;
-    PyObject *result;
-    if (stream == NULL) {
-        result = PyObject_CallMethod(cuda, "default_stream", "i", device);
-    } else {
-        PyObject *external = PyObject_GetAttrString(cuda, "ExternalStream");
-        PyObject *args = external ? Py_BuildValue("(N)", PyLong_FromVoidPtr(stream)) : NULL;
-        PyObject *kwargs = args ? Py_BuildValue("{si}", "device", device) : NULL;
-        result = kwargs ? PyObject_Call(external, args, kwargs) : NULL;
-        Py_XDECREF(external);
-        Py_XDECREF(args);
-        Py_XDECREF(kwargs);
-    }
-    Py_DECREF(cuda);
+    PyObject *args = Py_BuildValue("(N)", PyLong_FromVoidPtr(stream));
+    PyObject *kwargs = args ? Py_BuildValue("{si}", "device", device) : NULL;
+    PyObject *result = kwargs ? PyObject_Call(st->cuda_external_stream, args, kwargs) : NULL;
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
     return result;
 }
 
-static int
-torch_record_stream(mp_state *st, PyObject *storage, int device, void *stream)
+/* record_stream of a tensor viewing all of `storage`: torch records
+ * tensors, not storages. */
+int
+offload_torch_record_stream(mp_state *st, PyObject *storage, int device, void *stream)
 {
+    if (require(st->tensor_record_stream, "torch.Tensor.record_stream") < 0)
+        return -1;
     PyObject *stream_obj = stream_object(st, device, stream);
     PyObject *device_obj = stream_obj ? PyObject_GetAttr(storage, st->str_device) : NULL;
     PyObject *kwargs = device_obj ? Py_BuildValue("{sOsO}", "dtype", st->uint8_dtype, "device",
@@ -87,7 +94,8 @@ torch_record_stream(mp_state *st, PyObject *storage, int device, void *stream)
     PyObject *args = kwargs ? Py_BuildValue("((i))", 0) : NULL;
     PyObject *empty = args ? PyObject_Call(st->torch_empty, args, kwargs) : NULL;
     PyObject *view = empty ? PyObject_CallMethod(empty, "set_", "O", storage) : NULL;
-    PyObject *done = view ? PyObject_CallMethod(view, "record_stream", "O", stream_obj) : NULL;
+    PyObject *done = view ? PyObject_CallFunctionObjArgs(st->tensor_record_stream, view,
+                                                         stream_obj, NULL) : NULL;
     Py_XDECREF(stream_obj);
     Py_XDECREF(device_obj);
     Py_XDECREF(kwargs);
@@ -98,12 +106,12 @@ torch_record_stream(mp_state *st, PyObject *storage, int device, void *stream)
     return done == NULL ? -1 : 0;
 }
 
-static int
-torch_has_context(mp_state *st, int device)
+int
+offload_torch_has_context(mp_state *st, int device)
 {
-    PyObject *c = PyObject_GetAttrString(st->torch_module, "_C");
-    PyObject *answer = c ? PyObject_CallMethod(c, "_cuda_hasPrimaryContext", "i", device) : NULL;
-    Py_XDECREF(c);
+    if (require(st->has_primary_context, "torch._C._cuda_hasPrimaryContext") < 0)
+        return -1;
+    PyObject *answer = PyObject_CallFunction(st->has_primary_context, "i", device);
     if (answer == NULL)
         return -1;
     int has = PyObject_IsTrue(answer);
@@ -127,10 +135,10 @@ const offload_runtime offload_runtime_torch = {
     .name = "cuda",
     .device_type = "cuda",
     .load = torch_load,
-    .may_hold_tensors = torch_may_hold_tensors,
+    .may_hold_tensors = offload_torch_may_hold_tensors,
     .tensor_device = torch_tensor_device,
-    .current_stream = torch_current_stream,
-    .record_stream = torch_record_stream,
-    .has_context = torch_has_context,
+    .current_stream = offload_torch_current_stream,
+    .record_stream = offload_torch_record_stream,
+    .has_context = offload_torch_has_context,
     .empty_bytes = torch_empty_bytes,
 };

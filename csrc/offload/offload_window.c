@@ -1,4 +1,5 @@
 #include "offload_internal.h"
+#include "base/compat.h"
 #include "streams.h"
 
 int
@@ -58,36 +59,81 @@ order_producer_after_copy(mp_state *st, StorageCopy *copy)
 /* Retires a source: at once when its copy completed, else in stream order.
  * `force` 0 only drops completed ones; `ask` 0 takes the copy as not
  * completed without asking. Returns 1 if dropped, 0 if kept, -1 on error
- * (kept: the source may still be read). */
+ * (kept: the source may still be read). Idempotent: a copy retired
+ * already, before or while its producer was ordered (record_stream runs
+ * Python, which may sweep), is dropped and counted once. */
 static int
 retire_source(mp_state *st, StorageCopy *copy, int force, int ask)
 {
     offload_engine *engine = st->engine;
+    if (copy->source == NULL)
+        return 1;
     int completed = ask ? copy_completed(engine, copy) : copy->d2h_done == NULL;
     if (completed < 0 || (!completed && !force))
         return completed;
     if (!completed && order_producer_after_copy(st, copy) < 0)
         return -1;
-    MP_ASSERT(copy->source != NULL);
+    if (copy->source == NULL)
+        return 1;
     MP_ASSERT(engine->device_bytes_in_flight >= copy->nbytes);
     engine->device_bytes_in_flight -= copy->nbytes;
     Py_CLEAR(copy->source);
     return 1;
 }
 
+static Py_ssize_t
+count_held(PyObject *list)
+{
+    Py_ssize_t held = 0;
+    for (Py_ssize_t i = 0; list != NULL && i < PyList_GET_SIZE(list); i++)
+        held += ((StorageCopy *)PyList_GET_ITEM(list, i))->source != NULL;
+    return held;
+}
+
+/* The copies of `walked` still held, and those of `added` (NULL: none),
+ * in region order: each list is in that order (the order the copies were
+ * queued), so a stable merge keeps it. A new list, or NULL with an error;
+ * runs no Python code. */
+static PyObject *
+merge_held(PyObject *walked, PyObject *added)
+{
+    PyObject *merged = PyList_New(count_held(walked) + count_held(added));
+    Py_ssize_t i = 0, j = 0, out = 0, n = PyList_GET_SIZE(walked);
+    Py_ssize_t m = added != NULL ? PyList_GET_SIZE(added) : 0;
+    while (merged != NULL && (i < n || j < m)) {
+        StorageCopy *a = i < n ? (StorageCopy *)PyList_GET_ITEM(walked, i) : NULL;
+        StorageCopy *b = j < m ? (StorageCopy *)PyList_GET_ITEM(added, j) : NULL;
+        StorageCopy *next = b == NULL || (a != NULL && a->region <= b->region) ? a : b;
+        if (next == a)
+            i++;
+        else
+            j++;
+        if (next->source != NULL)
+            PyList_SET_ITEM(merged, out++, Py_NewRef((PyObject *)next));
+    }
+    MP_ASSERT(merged == NULL || out == PyList_GET_SIZE(merged));
+    return merged;
+}
+
 /* Retires the sources of the window's copies that completed, and of those
- * of regions before `force_below_region` in stream order. The copies kept
- * move to a fresh list, so no slot of the old one is released twice;
- * releasing may run code that comes back here, so the old list is held. */
+ * of regions before `force_below_region` in stream order.
+ *
+ * Retiring in stream order calls record_stream, which on a GPU runs
+ * torch's Python code: another sweep of this window may run inside it
+ * (a second thread training on the device, a thread calling pool_stats(),
+ * or this thread again). So the list is taken out of the window before it
+ * is walked: the inner sweep sees only copies added since, no copy is
+ * walked by two sweeps, and what is kept is merged back with whatever the
+ * window holds by then. (Were the list walked in place, the same copy
+ * would be retired twice and one sweep's list would overwrite the
+ * other's, losing a copy from the window.) */
 static int
 sweep(mp_state *st, offload_device *device, uint64_t force_below_region)
 {
     if (device->in_flight == NULL || PyList_GET_SIZE(device->in_flight) == 0)
         return 0;  /* every recompute sweeps: the common case costs nothing */
-    PyObject *kept = PyList_New(0);
-    if (kept == NULL)
-        return -1;
-    PyObject *list = Py_NewRef(device->in_flight);
+    PyObject *list = device->in_flight;     /* the window's reference, now ours */
+    device->in_flight = NULL;               /* offload_window_add makes a new one */
     int result = 0, ask = 1;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(list, i);
@@ -106,13 +152,27 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region)
             ask = 0;
         if (released < 0)
             result = -1;
-        if (released <= 0 && PyList_Append(kept, (PyObject *)copy) < 0) {
-            Py_DECREF(kept);
-            Py_DECREF(list);
-            return -1;
-        }
     }
-    Py_SETREF(device->in_flight, kept);
+    /* an error stays pending: the merge runs no Python code */
+    PyObject *merged = merge_held(list, device->in_flight);
+    if (merged == NULL) {
+        /* out of memory: the walked list goes back whole (retiring is
+         * idempotent), followed by the copies added meanwhile; should that
+         * fail too, those are lost from the window (their sources stay held
+         * until their copies die) and the first MemoryError is reported */
+        PyObject *added = device->in_flight;
+        device->in_flight = list;
+        if (added != NULL) {
+            PyObject *pending = mp_take_exception();
+            if (PyList_SetSlice(list, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, added) < 0)
+                PyErr_Clear();
+            if (pending != NULL)
+                mp_restore_exception(pending);
+            Py_DECREF(added);
+        }
+        return -1;
+    }
+    Py_XSETREF(device->in_flight, merged);
     Py_DECREF(list);
     return result;
 }

@@ -44,6 +44,26 @@ storage_ptr(PyObject *storage, void **ptr)
     return PyErr_Occurred() ? -1 : 0;
 }
 
+/* 1 for a plain strided tensor, 0 for a sparse, mkldnn or nested one
+ * (no storage of its own to ask about: its storage raises), -1 on error.
+ * The engine leaves those where they are (offload_inspect.c) but asks the
+ * runtime for their device first. */
+static int
+has_plain_storage(mp_state *st, PyObject *tensor)
+{
+    PyObject *layout = PyObject_GetAttrString(tensor, "layout");
+    PyObject *strided = layout ? PyObject_GetAttrString(st->torch_module, "strided") : NULL;
+    int same = strided == NULL ? -1 : layout == strided;
+    Py_XDECREF(layout);
+    Py_XDECREF(strided);
+    if (same <= 0)
+        return same;
+    PyObject *nested = PyObject_GetAttrString(tensor, "is_nested");
+    int is_nested = nested == NULL ? -1 : PyObject_IsTrue(nested);
+    Py_XDECREF(nested);
+    return is_nested < 0 ? -1 : !is_nested;
+}
+
 static int
 sim_tensor_device(mp_state *st, PyObject *tensor, PyObject *device_obj, int *index)
 {
@@ -54,6 +74,9 @@ sim_tensor_device(mp_state *st, PyObject *tensor, PyObject *device_obj, int *ind
     Py_DECREF(type);
     if (!is_cpu)
         return 0;
+    int plain = has_plain_storage(st, tensor);
+    if (plain <= 0)
+        return plain;
     PyObject *storage = PyObject_CallMethod(tensor, "untyped_storage", NULL);
     void *ptr = NULL;
     int failed = storage == NULL || storage_ptr(storage, &ptr) < 0;
@@ -142,6 +165,22 @@ const offload_runtime offload_runtime_sim = {
     .current_stream = sim_current_stream,
     .record_stream = sim_record_stream,
     .has_context = sim_has_context,
+    .empty_bytes = sim_empty_bytes,
+};
+
+/* torch's adapter (offload_runtime_torch.c) over the simulated GPU: what
+ * only torch knows comes from torch's answers, through whatever stands in
+ * the module state for torch.cuda (a test's stand-in in Python); the rest
+ * as on the simulated GPU. */
+const offload_runtime offload_runtime_torch_sim = {
+    .name = "torch adapter over simulated",
+    .device_type = "cpu",
+    .load = sim_load,
+    .may_hold_tensors = offload_torch_may_hold_tensors,
+    .tensor_device = sim_tensor_device,
+    .current_stream = offload_torch_current_stream,
+    .record_stream = offload_torch_record_stream,
+    .has_context = offload_torch_has_context,
     .empty_bytes = sim_empty_bytes,
 };
 

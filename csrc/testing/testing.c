@@ -394,5 +394,7 @@ int
 testing_add_functions(PyObject *module)
 {
     cudart_sim_set_sync_observer(note_sync);
+    if (testing_torch_add_functions(module) < 0)
+        return -1;
     return PyModule_AddFunctions(module, testing_methods);
 }

@@ -32,6 +32,14 @@ int testing_add_functions(PyObject *module);
 /* The offload runtime over the simulated GPU (sim_runtime.c). */
 extern const offload_runtime offload_runtime_sim;
 
+/* torch's adapter over the simulated GPU (sim_runtime.c): current stream,
+ * record_stream and context queries through the module state's torch.cuda
+ * entry points, which a test replaces with a stand-in (testing_torch.c). */
+extern const offload_runtime offload_runtime_torch_sim;
+
+/* The test controls of torch's adapter (testing_torch.c). */
+int testing_torch_add_functions(PyObject *module);
+
 /* Links matepoint's allocator library (at `path`) to the simulated GPU:
  * its CUDA backend runs over the simulated table, and every block it hands
  * out is poisoned after its stream caught up. 0, or -1 with an error. */

@@ -1,0 +1,126 @@
+"""install_allocator()'s registration with torch, run without a GPU over a
+stand-in for torch's side: ``torch.cuda.memory.CUDAPluggableAllocator``
+(with the hook setters of its ``_allocator`` binding),
+``change_current_allocator``, ``is_available`` and ``is_initialized``.
+Every hook is registered with the address of the library's own entry
+point; a torch whose binding cannot pass record_stream on is refused
+(issue 34, defect 8), with nothing installed."""
+from __future__ import annotations
+
+import ctypes
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+import matepoint
+from matepoint import _C, _allocator, _oom
+
+SETTERS = ("set_init_fn", "set_reset_fn", "set_record_stream_fn", "set_memory_fraction_fn")
+# the library's entry point each setter must receive (the names csrc/base/alloc_link.c exports)
+EXPECTED = {"set_init_fn": "matepoint_init", "set_reset_fn": "matepoint_reset",
+            "set_record_stream_fn": "matepoint_record_stream",
+            "set_memory_fraction_fn": "matepoint_set_memory_fraction"}
+
+
+class Binding:
+    """torch._C._cuda_CUDAAllocator as far as the hooks go: the setters
+    present are `offered`; each records the address it got."""
+
+    def __init__(self, offered) -> None:
+        self.registered: Dict[str, int] = {}
+        for name in offered:
+            setattr(self, name, self._setter(name))
+
+    def _setter(self, name: str):
+        def register(address: int) -> None:
+            assert isinstance(address, int) and address != 0, (name, address)
+            assert name not in self.registered, f"{name} registered twice"
+            self.registered[name] = address
+        return register
+
+
+class TorchSide:
+    """The stand-in for torch's part, recording what install_allocator() did."""
+
+    def __init__(self, offered) -> None:
+        self.offered = offered
+        self.created: List[tuple] = []
+        self.bindings: List[Binding] = []
+        self.current: Optional[object] = None
+        self.attached: List[str] = []
+
+    def pluggable(self, path: str, malloc: str, free: str):
+        side = self
+
+        class Pluggable:
+            def __init__(self) -> None:
+                self._allocator = Binding(side.offered)
+                side.bindings.append(self._allocator)
+
+        side.created.append((path, malloc, free))
+        return Pluggable()
+
+
+@pytest.fixture
+def torch_side(monkeypatch, request):
+    side = TorchSide(getattr(request, "param", SETTERS))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", side.pluggable)
+    monkeypatch.setattr(torch.cuda.memory, "change_current_allocator",
+                        lambda allocator: setattr(side, "current", allocator))
+    # matepoint's own side stays real but for what would make it global:
+    # the link to the library (memory_stats) and the OOM unit's build
+    monkeypatch.setattr(_C, "_attach_allocator", side.attached.append)
+    monkeypatch.setattr(_oom, "attach_oom_handler", lambda library: True)
+    monkeypatch.setattr(_allocator, "_installed", False)
+    yield side
+
+
+def _address(name: str) -> int:
+    library = ctypes.CDLL(_allocator.allocator_path())
+    return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+
+
+def test_every_hook_is_registered_with_its_entry_point(torch_side):
+    assert matepoint.install_allocator() is True
+    path = _allocator.allocator_path()
+    assert torch_side.created == [(path, "matepoint_malloc", "matepoint_free")]
+    (binding,) = torch_side.bindings
+    assert binding.registered == {setter: _address(name) for setter, name in EXPECTED.items()}
+    assert torch_side.current is not None and torch_side.current._allocator is binding
+    assert torch_side.attached == [path]
+    assert _allocator.is_installed()
+    # a second call installs nothing more (its answer is the OOM handler's, stubbed here)
+    matepoint.install_allocator()
+    assert len(torch_side.created) == 1 and torch_side.attached == [path]
+
+
+@pytest.mark.parametrize("torch_side", [("set_record_stream_fn",)], indirect=True)
+def test_optional_hooks_may_be_missing(torch_side):
+    """init, reset (empty_cache) and memory fraction are optional."""
+    assert matepoint.install_allocator() is True
+    (binding,) = torch_side.bindings
+    assert binding.registered == {"set_record_stream_fn": _address("matepoint_record_stream")}
+    assert torch_side.current is not None
+
+
+@pytest.mark.parametrize("torch_side", [("set_init_fn", "set_reset_fn",
+                                         "set_memory_fraction_fn")], indirect=True)
+def test_a_torch_that_would_ignore_record_stream_is_refused(torch_side):
+    with pytest.raises(RuntimeError, match="no set_record_stream_fn.*record_stream would be "
+                                           "silently ignored.*Nothing was installed"):
+        matepoint.install_allocator()
+    (binding,) = torch_side.bindings
+    assert binding.registered == {}
+    assert torch_side.current is None and torch_side.attached == []
+    assert not _allocator.is_installed()
+
+
+def test_refused_when_cuda_was_used_already(torch_side, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="before CUDA is first used"):
+        matepoint.install_allocator()
+    assert torch_side.created == [] and torch_side.current is None
+    assert not _allocator.is_installed()
