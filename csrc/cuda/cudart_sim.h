@@ -103,6 +103,11 @@ int cudart_sim_peek_last_error(void);
  * fail with `status` (and set the last error) without doing anything. */
 void cudart_sim_fail(cudart_sim_entry entry, uint64_t skip, uint64_t count, int status);
 
+/* The next `skip` calls of cudaStreamWaitEvent run normally, the `count`
+ * after them return success and queue nothing: a test drops one wait at a
+ * time to prove that each one the engine issues is needed. */
+void cudart_sim_drop_waits(uint64_t skip, uint64_t count);
+
 /* Called (on the calling thread, the simulation locked: it must not call
  * back) by every call that makes the host wait for the GPU:
  * cudaEventSynchronize, cudaStreamSynchronize, cudaDeviceSynchronize,

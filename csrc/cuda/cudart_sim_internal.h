@@ -72,6 +72,7 @@ typedef struct {
     uint64_t next_order;
     uint64_t progress_per_call;
     sim_failure failures[SIM_ENTRY_COUNT];
+    sim_failure dropped_waits;  /* cudart_sim_drop_waits; status unused */
     cudart_sim_observer sync_observer;
     cudart_sim_stats stats;
 } sim_world;
@@ -118,6 +119,8 @@ int sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry);
 /* Takes the lock, counts the call, runs the configured progress; returns
  * an injected failure's status, else success. */
 int sim_enter(cudart_sim_entry entry);
+/* Whether this cudaStreamWaitEvent is one cudart_sim_drop_waits drops. */
+int sim_take_dropped_wait(void);
 /* Releases the lock; a failing status becomes the thread's last error. */
 int sim_leave(int status);
 

@@ -251,6 +251,32 @@ sim_fail(PyObject *module, PyObject *args)
 }
 
 static PyObject *
+sim_drop(PyObject *module, PyObject *args)
+{
+    (void)module;
+    const char *name;
+    unsigned long long skip, count;
+    if (!PyArg_ParseTuple(args, "sKK:_sim_drop", &name, &skip, &count))
+        return NULL;
+    if (strcmp(name, cudart_sim_entry_name(SIM_STREAM_WAIT_EVENT)) == 0)
+        cudart_sim_drop_waits(skip, count);
+    else if (strcmp(name, "record_stream") == 0)
+        sim_runtime_drop_records(skip, count);
+    else
+        return PyErr_Format(PyExc_ValueError, "simulated GPU: only cudaStreamWaitEvent and "
+                            "record_stream can be dropped, not %s", name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+sim_records_made(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(sim_runtime_records_made());
+}
+
+static PyObject *
 sim_fail_fetches(PyObject *module, PyObject *args)
 {
     (void)module;
@@ -370,6 +396,13 @@ static PyMethodDef testing_methods[] = {
      "_sim_fail($module, name, skip, count, status, /)\n--\n\n"
      "The next skip calls of the runtime call name succeed, the count after them fail with "
      "status."},
+    {"_sim_drop", sim_drop, METH_VARARGS,
+     "_sim_drop($module, name, skip, count, /)\n--\n\n"
+     "The next skip calls of name (cudaStreamWaitEvent or record_stream) run, the count "
+     "after them succeed and do nothing."},
+    {"_sim_records_made", sim_records_made, METH_NOARGS,
+     "_sim_records_made($module, /)\n--\n\n"
+     "The engine's record_stream calls over the simulated GPU so far."},
     {"_sim_fail_fetches", sim_fail_fetches, METH_VARARGS,
      "_sim_fail_fetches($module, skip, count, /)\n--\n\n"
      "The next skip copies back find device memory, the count after them raise "
