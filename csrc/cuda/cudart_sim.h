@@ -100,7 +100,10 @@ int cudart_sim_device_of(const void *ptr);
 int cudart_sim_peek_last_error(void);
 
 /* The next `skip` calls of `entry` run normally, the `count` after them
- * fail with `status` (and set the last error) without doing anything. */
+ * fail with `status` (and set the last error) without doing anything;
+ * but the calls that release (cudaStreamDestroy, cudaEventDestroy,
+ * cudaFree, cudaFreeHost) release all the same, as when CUDA reports an
+ * earlier asynchronous error from them. */
 void cudart_sim_fail(cudart_sim_entry entry, uint64_t skip, uint64_t count, int status);
 
 /* The next `skip` calls of cudaStreamWaitEvent run normally, the `count`
