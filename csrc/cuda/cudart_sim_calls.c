@@ -148,6 +148,8 @@ sim_stream_wait_event(void *stream, void *event_handle, unsigned flags)
     sim_stream *s = sim_resolve(stream);
     if (status == CUDART_SUCCESS && s == NULL)
         status = CUDART_ERROR_INVALID_HANDLE;
+    if (status == CUDART_SUCCESS)
+        sim_log_wait_locked(s, event);
     /* a dropped wait counts among the calls whether or not it had work to wait for */
     if (status != CUDART_SUCCESS || sim_take_dropped_wait() ||
         event->completed >= event->recorded)
@@ -212,6 +214,7 @@ sim_event_record(void *event_handle, void *stream)
     if (status != CUDART_SUCCESS)
         return sim_leave(status);
     uint64_t generation = ++event->recorded;
+    event->recorded_on = s->created ? (void *)s : NULL;
     event->refs++;
     status = sim_push_locked(s, (sim_op){.kind = OP_RECORD, .event = event, .generation = generation});
     if (status != CUDART_SUCCESS) {

@@ -18,6 +18,9 @@
  *   _sim_drop(name, skip, count)    calls that succeed and do nothing ("cudaStreamWaitEvent",
  *                                   or the engine's "record_stream"): each wait proven needed
  *   _sim_records_made() -> int      the engine's record_stream calls so far
+ *   _sim_log_waits(on) / _sim_wait_log() -> list of dict   every cudaStreamWaitEvent: the
+ *                                   streams it joins (the waiter, the event's last record's)
+ *   _offload_streams() -> {device: {"copy_out": h, "copy_in": h}}
  *   _sim_forget_contexts()          no device has a context (as in a new process)
  *   _sim_attach_allocator(path) -> where   matepoint's allocator library over the
  *                                   simulated GPU; `where` (a C function address)
