@@ -3,6 +3,7 @@
  * cudart_sim_calls.c. */
 #include "cudart_sim_internal.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 sim_world sim_gpu = {.lock = PTHREAD_MUTEX_INITIALIZER};
@@ -134,6 +135,36 @@ cudart_sim_fail(cudart_sim_entry entry, uint64_t skip, uint64_t count, int statu
         return;
     pthread_mutex_lock(&sim_gpu.lock);
     sim_gpu.failures[entry] = (sim_failure){.skip = skip, .count = count, .status = status};
+    pthread_mutex_unlock(&sim_gpu.lock);
+}
+
+void
+cudart_sim_log_waits(int on)
+{
+    pthread_mutex_lock(&sim_gpu.lock);
+    free(sim_gpu.wait_log);
+    sim_gpu.wait_log = NULL;
+    sim_gpu.wait_log_count = sim_gpu.wait_log_capacity = 0;
+    sim_gpu.wait_log_on = on;
+    pthread_mutex_unlock(&sim_gpu.lock);
+}
+
+size_t
+cudart_sim_wait_log(cudart_sim_wait *out, size_t max)
+{
+    pthread_mutex_lock(&sim_gpu.lock);
+    size_t count = sim_gpu.wait_log_count;
+    if (out != NULL && count > 0)
+        memcpy(out, sim_gpu.wait_log, (count < max ? count : max) * sizeof(*out));
+    pthread_mutex_unlock(&sim_gpu.lock);
+    return count;
+}
+
+void
+cudart_sim_drop_waits(uint64_t skip, uint64_t count)
+{
+    pthread_mutex_lock(&sim_gpu.lock);
+    sim_gpu.dropped_waits = (sim_failure){.skip = skip, .count = count};
     pthread_mutex_unlock(&sim_gpu.lock);
 }
 

@@ -100,8 +100,32 @@ int cudart_sim_device_of(const void *ptr);
 int cudart_sim_peek_last_error(void);
 
 /* The next `skip` calls of `entry` run normally, the `count` after them
- * fail with `status` (and set the last error) without doing anything. */
+ * fail with `status` (and set the last error) without doing anything;
+ * but the calls that release (cudaStreamDestroy, cudaEventDestroy,
+ * cudaFree, cudaFreeHost) release all the same, as when CUDA reports an
+ * earlier asynchronous error from them. */
 void cudart_sim_fail(cudart_sim_entry entry, uint64_t skip, uint64_t count, int status);
+
+/* The next `skip` calls of cudaStreamWaitEvent run normally, the `count`
+ * after them return success and queue nothing: a test drops one wait at a
+ * time to prove that each one the engine issues is needed. */
+void cudart_sim_drop_waits(uint64_t skip, uint64_t count);
+
+/* One cudaStreamWaitEvent: the waiting stream and the stream the event was
+ * last recorded on, each as its device and handle (NULL: the legacy
+ * stream); dropped ones too. */
+typedef struct {
+    int waiter_device;
+    void *waiter;
+    int source_device;          /* -1: the event was never recorded */
+    void *source;
+} cudart_sim_wait;
+
+/* Starts (clearing it) or stops a log of every cudaStreamWaitEvent call;
+ * cudart_sim_wait_log copies up to `max` entries out and returns how many
+ * the log holds. Tests name each wait by the streams it joins. */
+void cudart_sim_log_waits(int on);
+size_t cudart_sim_wait_log(cudart_sim_wait *out, size_t max);
 
 /* Called (on the calling thread, the simulation locked: it must not call
  * back) by every call that makes the host wait for the GPU:

@@ -70,13 +70,14 @@ sim_host_alloc(void **ptr, size_t bytes, unsigned flags)
     return sim_leave(status);
 }
 
+/* Frees, like destroys, release their memory even when an injected
+ * failure (an earlier asynchronous error) is reported. */
 static int
 sim_free_host(void *ptr)
 {
-    int status = sim_enter(SIM_FREE_HOST);
-    if (status == CUDART_SUCCESS && ptr != NULL)
-        status = sim_free_range_locked(ptr, 1, SIM_FREE_HOST);
-    return sim_leave(status);
+    int injected = sim_enter(SIM_FREE_HOST);
+    int status = ptr != NULL ? sim_free_range_locked(ptr, 1, SIM_FREE_HOST) : CUDART_SUCCESS;
+    return sim_leave(status != CUDART_SUCCESS ? status : injected);
 }
 
 static int
@@ -95,10 +96,9 @@ sim_malloc(void **ptr, size_t bytes)
 static int
 sim_free(void *ptr)
 {
-    int status = sim_enter(SIM_FREE);
-    if (status == CUDART_SUCCESS && ptr != NULL)
-        status = sim_free_range_locked(ptr, 0, SIM_FREE);
-    return sim_leave(status);
+    int injected = sim_enter(SIM_FREE);
+    int status = ptr != NULL ? sim_free_range_locked(ptr, 0, SIM_FREE) : CUDART_SUCCESS;
+    return sim_leave(status != CUDART_SUCCESS ? status : injected);
 }
 
 static int
@@ -121,14 +121,16 @@ sim_stream_create(void **stream, unsigned flags)
     return sim_leave(status);
 }
 
+/* An injected failure of a destroy stands for what CUDA documents these
+ * calls may return: an error of earlier asynchronous work. The handle is
+ * released all the same. */
 static int
 sim_stream_destroy(void *stream)
 {
-    int status = sim_enter(SIM_STREAM_DESTROY);
+    int injected = sim_enter(SIM_STREAM_DESTROY);
     sim_stream *s = stream == NULL ? NULL : sim_resolve(stream);
-    if (status == CUDART_SUCCESS && s == NULL)
-        status = CUDART_ERROR_INVALID_HANDLE;
-    if (status == CUDART_SUCCESS) {
+    int status = s == NULL ? CUDART_ERROR_INVALID_HANDLE : injected;
+    if (s != NULL) {
         /* as in CUDA, queued work still runs; the stream goes once it has */
         s->destroyed = 1;
         if (s->count == 0)
@@ -146,7 +148,11 @@ sim_stream_wait_event(void *stream, void *event_handle, unsigned flags)
     sim_stream *s = sim_resolve(stream);
     if (status == CUDART_SUCCESS && s == NULL)
         status = CUDART_ERROR_INVALID_HANDLE;
-    if (status != CUDART_SUCCESS || event->completed >= event->recorded)
+    if (status == CUDART_SUCCESS)
+        sim_log_wait_locked(s, event);
+    /* a dropped wait counts among the calls whether or not it had work to wait for */
+    if (status != CUDART_SUCCESS || sim_take_dropped_wait() ||
+        event->completed >= event->recorded)
         return sim_leave(status);
     event->refs++;
     status = sim_push_locked(s, (sim_op){.kind = OP_WAIT, .event = event,
@@ -191,11 +197,9 @@ sim_event_create(void **event, unsigned flags)
 static int
 sim_event_destroy(void *event)
 {
-    int status = sim_enter(SIM_EVENT_DESTROY);
-    if (status == CUDART_SUCCESS) {
-        mp_counter_sub(&sim_gpu.stats.events_live, 1);
-        sim_event_release(event);
-    }
+    int status = sim_enter(SIM_EVENT_DESTROY);   /* released all the same (above) */
+    mp_counter_sub(&sim_gpu.stats.events_live, 1);
+    sim_event_release(event);
     return sim_leave(status);
 }
 
@@ -210,6 +214,7 @@ sim_event_record(void *event_handle, void *stream)
     if (status != CUDART_SUCCESS)
         return sim_leave(status);
     uint64_t generation = ++event->recorded;
+    event->recorded_on = s->created ? (void *)s : NULL;
     event->refs++;
     status = sim_push_locked(s, (sim_op){.kind = OP_RECORD, .event = event, .generation = generation});
     if (status != CUDART_SUCCESS) {

@@ -26,6 +26,7 @@ typedef struct {
     uint64_t completed;         /* generation of the last record that ran */
     int device;                 /* current when the event was created */
     int refs;                   /* the caller's handle plus queued operations */
+    void *recorded_on;          /* handle of the stream of the last record (NULL: legacy) */
 } sim_event;
 
 typedef enum { OP_COPY, OP_RECORD, OP_WAIT } op_kind;
@@ -72,6 +73,10 @@ typedef struct {
     uint64_t next_order;
     uint64_t progress_per_call;
     sim_failure failures[SIM_ENTRY_COUNT];
+    sim_failure dropped_waits;  /* cudart_sim_drop_waits; status unused */
+    cudart_sim_wait *wait_log;  /* cudart_sim_log_waits: every wait while on */
+    size_t wait_log_count, wait_log_capacity;
+    int wait_log_on;
     cudart_sim_observer sync_observer;
     cudart_sim_stats stats;
 } sim_world;
@@ -118,6 +123,10 @@ int sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry);
 /* Takes the lock, counts the call, runs the configured progress; returns
  * an injected failure's status, else success. */
 int sim_enter(cudart_sim_entry entry);
+/* Appends a wait to the log while logging is on (a full log drops it). */
+void sim_log_wait_locked(const sim_stream *waiter, const sim_event *event);
+/* Whether this cudaStreamWaitEvent is one cudart_sim_drop_waits drops. */
+int sim_take_dropped_wait(void);
 /* Releases the lock; a failing status becomes the thread's last error. */
 int sim_leave(int status);
 

@@ -304,6 +304,43 @@ sim_enter(cudart_sim_entry entry)
     return failure->status;
 }
 
+void
+sim_log_wait_locked(const sim_stream *waiter, const sim_event *event)
+{
+    if (!sim_gpu.wait_log_on)
+        return;
+    if (sim_gpu.wait_log_count == sim_gpu.wait_log_capacity) {
+        size_t capacity = sim_gpu.wait_log_capacity ? 2 * sim_gpu.wait_log_capacity : 64;
+        cudart_sim_wait *grown = realloc(sim_gpu.wait_log, capacity * sizeof(*grown));
+        if (grown == NULL)
+            return;
+        sim_gpu.wait_log = grown;
+        sim_gpu.wait_log_capacity = capacity;
+    }
+    const sim_stream *source = event->recorded_on;
+    /* a legacy source is known only by the device its event belongs to */
+    sim_gpu.wait_log[sim_gpu.wait_log_count++] = (cudart_sim_wait){
+        .waiter_device = waiter->device,
+        .waiter = waiter->created ? (void *)waiter : NULL,
+        .source_device = event->recorded == 0 ? -1 : event->device,
+        .source = (void *)source,
+    };
+}
+
+int
+sim_take_dropped_wait(void)
+{
+    sim_failure *drop = &sim_gpu.dropped_waits;
+    if (drop->skip > 0) {
+        drop->skip--;
+        return 0;
+    }
+    if (drop->count == 0)
+        return 0;
+    drop->count--;
+    return 1;
+}
+
 int
 sim_leave(int status)
 {

@@ -29,17 +29,28 @@ offload_engine_options(offload_engine *engine)
 }
 
 /* Waits for the device's copies out and gives its streams and events back. */
+/* A destroy that fails leaves nothing to undo: the handle is forgotten
+ * either way. Its error must not stay as the last one, which torch would
+ * raise from its next, unrelated kernel launch. */
+static void
+forget_failure(const cudart *rt, int status)
+{
+    if (status != CUDART_SUCCESS)
+        (void)rt->get_last_error();
+}
+
 static void
 device_free(offload_engine *engine, offload_device *device)
 {
+    const cudart *rt = engine->rt;
     offload_window_drain(engine, device);
     for (int i = 0; i < device->spare_count; i++)
-        (void)engine->rt->event_destroy(device->spare[i]);
+        forget_failure(rt, rt->event_destroy(device->spare[i]));
     PyMem_Free(device->spare);
     if (device->ordering != NULL)
-        (void)engine->rt->event_destroy(device->ordering);
-    (void)engine->rt->stream_destroy(device->copy_out);
-    (void)engine->rt->stream_destroy(device->copy_in);
+        forget_failure(rt, rt->event_destroy(device->ordering));
+    forget_failure(rt, rt->stream_destroy(device->copy_out));
+    forget_failure(rt, rt->stream_destroy(device->copy_in));
     PyMem_Free(device);
 }
 

@@ -79,7 +79,9 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
         copy_advance(copy, COPY_COMPLETED);
     }
     offload_engine_leave_device(st, device->index, previous);
-    if (copy->block.fallback)
+    /* a failed copy has its error set, which a warning must not meet: the
+     * warning waits for a copy into pageable memory that works */
+    if (!failed && copy->block.fallback)
         warn_fallback_once(engine);
     if (failed || offload_window_add(engine, device, copy, storage, producer) < 0)
         return -1;

@@ -21,6 +21,12 @@ typedef void (*handout_fn)(int device, void *stream, void *ptr, uint64_t bytes);
  * sim_runtime_attach_allocator with the GIL held and never changed. */
 static void (*allocator_record_stream)(void *ptr, void *stream);
 
+/* record_stream calls made, and those dropped (sim_runtime_drop_records);
+ * guarded by the GIL. */
+static struct {
+    uint64_t made, skip, count;
+} record_calls;
+
 /* Copies back that find no device memory (sim_runtime_fail_fetches);
  * guarded by the GIL. */
 static struct {
@@ -102,6 +108,13 @@ sim_record_stream(mp_state *st, PyObject *storage, int device, void *stream)
     (void)st;
     (void)device;
     void *ptr;
+    record_calls.made++;
+    if (record_calls.skip > 0) {
+        record_calls.skip--;
+    } else if (record_calls.count > 0) {
+        record_calls.count--;
+        return 0;   /* dropped: the test proves this record is needed */
+    }
     if (allocator_record_stream == NULL)
         return 0;
     if (storage_ptr(storage, &ptr) < 0)
@@ -189,6 +202,19 @@ sim_runtime_fail_fetches(uint64_t skip, uint64_t count)
 {
     failing_fetches.skip = skip;
     failing_fetches.count = count;
+}
+
+void
+sim_runtime_drop_records(uint64_t skip, uint64_t count)
+{
+    record_calls.skip = skip;
+    record_calls.count = count;
+}
+
+uint64_t
+sim_runtime_records_made(void)
+{
+    return record_calls.made;
 }
 
 void

@@ -251,6 +251,96 @@ sim_fail(PyObject *module, PyObject *args)
 }
 
 static PyObject *
+sim_drop(PyObject *module, PyObject *args)
+{
+    (void)module;
+    const char *name;
+    unsigned long long skip, count;
+    if (!PyArg_ParseTuple(args, "sKK:_sim_drop", &name, &skip, &count))
+        return NULL;
+    if (strcmp(name, cudart_sim_entry_name(SIM_STREAM_WAIT_EVENT)) == 0)
+        cudart_sim_drop_waits(skip, count);
+    else if (strcmp(name, "record_stream") == 0)
+        sim_runtime_drop_records(skip, count);
+    else
+        return PyErr_Format(PyExc_ValueError, "simulated GPU: only cudaStreamWaitEvent and "
+                            "record_stream can be dropped, not %s", name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+sim_log_waits(PyObject *module, PyObject *on)
+{
+    (void)module;
+    int enable = PyObject_IsTrue(on);
+    if (enable < 0)
+        return NULL;
+    cudart_sim_log_waits(enable);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+handle_or_none(void *handle)
+{
+    return handle == NULL ? Py_NewRef(Py_None) : PyLong_FromVoidPtr(handle);
+}
+
+static PyObject *
+sim_wait_log(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    size_t count = cudart_sim_wait_log(NULL, 0);
+    cudart_sim_wait *waits = PyMem_Calloc(count ? count : 1, sizeof(*waits));
+    if (waits == NULL)
+        return PyErr_NoMemory();
+    size_t held = cudart_sim_wait_log(waits, count);   /* the log may have grown since */
+    if (held < count)
+        count = held;
+    PyObject *list = PyList_New(0);
+    for (size_t i = 0; list != NULL && i < count; i++) {
+        PyObject *row = Py_BuildValue("{sisNsisN}", "waiter_device", waits[i].waiter_device,
+                                      "waiter", handle_or_none(waits[i].waiter),
+                                      "source_device", waits[i].source_device, "source",
+                                      handle_or_none(waits[i].source));
+        if (row == NULL || PyList_Append(list, row) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(row);
+    }
+    PyMem_Free(waits);
+    return list;
+}
+
+static PyObject *
+offload_streams(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    offload_engine *engine = offload_engine_of(module);
+    PyObject *streams = PyDict_New();
+    for (int i = 0; streams != NULL && i < MAX_CUDA_DEVICES; i++) {
+        offload_device *device = engine->cuda[i];
+        if (device == NULL)
+            continue;
+        PyObject *pair = Py_BuildValue("{sNsN}", "copy_out", handle_or_none(device->copy_out),
+                                       "copy_in", handle_or_none(device->copy_in));
+        PyObject *key = pair ? PyLong_FromLong(i) : NULL;
+        if (key == NULL || PyDict_SetItem(streams, key, pair) < 0)
+            Py_CLEAR(streams);
+        Py_XDECREF(key);
+        Py_XDECREF(pair);
+    }
+    return streams;
+}
+
+static PyObject *
+sim_records_made(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(sim_runtime_records_made());
+}
+
+static PyObject *
 sim_fail_fetches(PyObject *module, PyObject *args)
 {
     (void)module;
@@ -370,6 +460,23 @@ static PyMethodDef testing_methods[] = {
      "_sim_fail($module, name, skip, count, status, /)\n--\n\n"
      "The next skip calls of the runtime call name succeed, the count after them fail with "
      "status."},
+    {"_sim_drop", sim_drop, METH_VARARGS,
+     "_sim_drop($module, name, skip, count, /)\n--\n\n"
+     "The next skip calls of name (cudaStreamWaitEvent or record_stream) run, the count "
+     "after them succeed and do nothing."},
+    {"_sim_log_waits", sim_log_waits, METH_O,
+     "_sim_log_waits($module, on, /)\n--\n\n"
+     "Start (clearing it) or stop the log of every cudaStreamWaitEvent."},
+    {"_sim_wait_log", sim_wait_log, METH_NOARGS,
+     "_sim_wait_log($module, /)\n--\n\n"
+     "Each logged wait: waiter_device, waiter, source_device, source (handles; None for a "
+     "legacy stream; source_device -1 for an event never recorded)."},
+    {"_offload_streams", offload_streams, METH_NOARGS,
+     "_offload_streams($module, /)\n--\n\n"
+     "The engine's copy_out and copy_in stream handles, per device it copied on."},
+    {"_sim_records_made", sim_records_made, METH_NOARGS,
+     "_sim_records_made($module, /)\n--\n\n"
+     "The engine's record_stream calls over the simulated GPU so far."},
     {"_sim_fail_fetches", sim_fail_fetches, METH_VARARGS,
      "_sim_fail_fetches($module, skip, count, /)\n--\n\n"
      "The next skip copies back find device memory, the count after them raise "

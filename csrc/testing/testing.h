@@ -15,6 +15,12 @@
  *   _sim_peek_last_error() -> int   the thread's CUDA last error, left in place
  *   _sim_fail(name, skip, count, status)   inject failures of a runtime call
  *   _sim_fail_fetches(skip, count)  copies back that find no device memory (OOM)
+ *   _sim_drop(name, skip, count)    calls that succeed and do nothing ("cudaStreamWaitEvent",
+ *                                   or the engine's "record_stream"): each wait proven needed
+ *   _sim_records_made() -> int      the engine's record_stream calls so far
+ *   _sim_log_waits(on) / _sim_wait_log() -> list of dict   every cudaStreamWaitEvent: the
+ *                                   streams it joins (the waiter, the event's last record's)
+ *   _offload_streams() -> {device: {"copy_out": h, "copy_in": h}}
  *   _sim_forget_contexts()          no device has a context (as in a new process)
  *   _sim_attach_allocator(path) -> where   matepoint's allocator library over the
  *                                   simulated GPU; `where` (a C function address)
@@ -48,6 +54,11 @@ int sim_runtime_attach_allocator(PyObject *path);
 /* The next `skip` copies back find device memory, the `count` after them
  * raise torch.OutOfMemoryError. */
 void sim_runtime_fail_fetches(uint64_t skip, uint64_t count);
+
+/* The next `skip` record_stream calls of the engine run, the `count` after
+ * them do nothing; and how many it made so far. */
+void sim_runtime_drop_records(uint64_t skip, uint64_t count);
+uint64_t sim_runtime_records_made(void);
 
 /* Where the harness allocates: the thread's current device and stream. */
 void sim_runtime_where(int *device, void **stream);

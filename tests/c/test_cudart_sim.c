@@ -215,6 +215,65 @@ test_host_memory_is_counted(void)
     CHECK(cudart_sim_get_stats().host_bytes_live == before);
 }
 
+/* A dropped wait queues nothing: the consumer's copy runs before the
+ * producer's, as it would on a GPU whose engine forgot the wait. */
+static void
+test_a_dropped_wait_orders_nothing(void)
+{
+    void *producer, *consumer, *produced, *pinned = NULL;
+    char a[4] = "abc", c[4] = "";
+    CHECK(rt->host_alloc(&pinned, 4, CUDART_HOST_ALLOC_PORTABLE) == CUDART_SUCCESS);
+    char *b = pinned;
+    b[0] = '\0';
+    rt->stream_create(&producer, 0);
+    rt->stream_create(&consumer, 0);
+    rt->event_create(&produced, 0);
+    uint64_t waits = cudart_sim_get_stats().calls[SIM_STREAM_WAIT_EVENT];
+    cudart_sim_drop_waits(0, 1);
+    rt->memcpy_async(b, a, 4, 0, producer);          /* kind 0: no pageable side */
+    rt->event_record(produced, producer);
+    CHECK(rt->stream_wait_event(consumer, produced, 0) == CUDART_SUCCESS);
+    CHECK(cudart_sim_get_stats().calls[SIM_STREAM_WAIT_EVENT] == waits + 1);
+    rt->memcpy_async(c, b, 4, 0, consumer);
+    CHECK(rt->stream_synchronize(consumer) == CUDART_SUCCESS);
+    CHECK(c[0] == '\0');                            /* read before it was written */
+    CHECK(rt->event_query(produced) == CUDART_ERROR_NOT_READY);
+    (void)rt->get_last_error();
+    /* the next wait is kept */
+    rt->stream_wait_event(consumer, produced, 0);
+    rt->memcpy_async(c, b, 4, 0, consumer);
+    CHECK(rt->stream_synchronize(consumer) == CUDART_SUCCESS && strcmp(c, "abc") == 0);
+    rt->event_destroy(produced);
+    rt->stream_destroy(producer);
+    rt->stream_destroy(consumer);
+    rt->free_host(pinned);
+}
+
+/* A release that reports an injected failure (an earlier asynchronous
+ * error) still releases: nothing stays live, the error is the last one. */
+static void
+test_failed_releases_release(void)
+{
+    void *stream, *event, *pinned = NULL, *device = NULL;
+    cudart_sim_stats before = cudart_sim_get_stats();
+    rt->stream_create(&stream, 0);
+    rt->event_create(&event, 0);
+    rt->host_alloc(&pinned, 64, CUDART_HOST_ALLOC_PORTABLE);
+    rt->malloc(&device, 64);
+    cudart_sim_fail(SIM_STREAM_DESTROY, 0, 1, 700);
+    cudart_sim_fail(SIM_EVENT_DESTROY, 0, 1, 700);
+    cudart_sim_fail(SIM_FREE_HOST, 0, 1, 700);
+    cudart_sim_fail(SIM_FREE, 0, 1, 700);
+    CHECK(rt->stream_destroy(stream) == 700 && rt->get_last_error() == 700);
+    CHECK(rt->event_destroy(event) == 700 && rt->get_last_error() == 700);
+    CHECK(rt->free_host(pinned) == 700 && rt->get_last_error() == 700);
+    CHECK(rt->free(device) == 700 && rt->get_last_error() == 700);
+    cudart_sim_stats after = cudart_sim_get_stats();
+    CHECK(after.streams_live == before.streams_live && after.events_live == before.events_live);
+    CHECK(after.host_bytes_live == before.host_bytes_live);
+    CHECK(after.device_bytes_live[0] == before.device_bytes_live[0]);
+}
+
 int
 main(void)
 {
@@ -229,6 +288,8 @@ main(void)
     test_destroyed_handles_finish_their_work();
     test_progress_per_call_lets_the_gpu_catch_up();
     test_host_memory_is_counted();
+    test_a_dropped_wait_orders_nothing();
+    test_failed_releases_release();
     CHECK(cudart_sim_get_stats().events_live == 0 && cudart_sim_get_stats().streams_live == 0);
     return check_report("test_cudart_sim");
 }

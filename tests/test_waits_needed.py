@@ -1,0 +1,163 @@
+"""Every wait and record_stream the offload engine issues is needed, proven
+on the simulated GPU by data. Each scenario runs once as is, logging every
+cudaStreamWaitEvent by the streams it joins (the waiting stream and the one
+its event was recorded on: compute, copy out, copy in) and counting the
+engine's record_stream calls; then once per call with that one call dropped
+(it succeeds and does nothing). A dropped call must show up BY DATA:
+gradients that differ from the run without offload (poison read by a copy
+or kernel that ran too early), or an error.
+
+Two adversaries run each scenario, since a missing wait shows under one or
+the other: a GPU far behind (copies run only when something waits for
+them: a reader not ordered after a copy reads what was there before), and
+a copy engine that keeps up while kernels lag (a copy not ordered after its
+producer reads poison). Every kind of wait (its pair of streams) must be
+proven needed by some dropped instance under some adversary; a kind whose
+removal changes nothing is either redundant (remove it from the engine,
+saying why) or a blind spot of the simulator (close it)."""
+from __future__ import annotations
+
+import gc
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.nn as nn
+
+import matepoint
+import sim
+from matepoint import _C
+
+from conftest import MLP, assert_bitwise_equal, no_checkpoint, train_step
+
+WIDTH, BATCH, DEPTH = 32, 16, 5
+WAIT = "cudaStreamWaitEvent"
+RECORD = "record_stream"
+ADVERSARIES = {"GPU far behind": 0, "copies keep up": sim.EVERYTHING}
+
+
+def plain(fn, x):
+    return matepoint.checkpoint(fn, x)
+
+
+def on_alternate_streams() -> Callable:
+    """Regions alternate between two side streams: each input was made on
+    the other stream, so its memory returns to a pool that never waited
+    for the copy out unless the engine records it there."""
+    streams = sim.side_streams()
+    calls = [0]
+
+    def wrap(fn, x):
+        stream = streams[calls[0] % 2]
+        calls[0] += 1
+        with sim.stream(0, stream):
+            return matepoint.checkpoint(fn, x)
+    return wrap
+
+
+@dataclass
+class Scenario:
+    name: str
+    options: dict
+    wrap: Callable[[], Callable]
+    backwards: int = 1          # backward passes over one graph (retain_graph)
+
+
+SCENARIOS = [
+    Scenario("prefetch", dict(offload_window=2, prefetch_depth=1), lambda: plain),
+    Scenario("no pipeline, window 1", dict(offload_window=1, pipeline=False), lambda: plain),
+    Scenario("side streams", dict(offload_window=1), on_alternate_streams),
+    Scenario("two backwards", dict(offload_window=2), lambda: plain, backwards=2),
+]
+
+
+def step(model: nn.Module, x: torch.Tensor, wrap: Callable, backwards: int
+         ) -> List[torch.Tensor]:
+    """train_step with `backwards` backward passes over one graph: the
+    gradients of the last one."""
+    if backwards == 1:
+        return train_step(model, x, wrap)[1]
+    torch.manual_seed(0)
+    leaf = x.detach().clone().requires_grad_(True)
+    loss = (model(leaf, wrap).float() ** 2).mean()
+    for index in range(backwards):
+        model.zero_grad(set_to_none=True)
+        leaf.grad = None
+        loss.backward(retain_graph=index + 1 < backwards)
+    return [leaf.grad] + [p.grad for p in model.parameters()]
+
+
+def run(scenario: Scenario, model: nn.Module, x: torch.Tensor) -> Tuple[Optional[List], int]:
+    """One offloaded step: its gradients (None when it raised) and the
+    engine's record_stream calls."""
+    records = _C._sim_records_made()
+    try:
+        grads = step(model, x, scenario.wrap(), scenario.backwards)
+        grads = [g.detach().clone() if g is not None else None for g in grads]
+    except RuntimeError:
+        grads = None
+    sim.finish()
+    gc.collect()
+    return grads, _C._sim_records_made() - records
+
+
+def same(grads, expected) -> bool:
+    if grads is None:
+        return False
+    try:
+        assert_bitwise_equal(grads, expected)
+    except AssertionError:
+        return False
+    return True
+
+
+def role(device: int, handle: Optional[int]) -> str:
+    engine = _C._offload_streams().get(device, {})
+    if handle is not None and handle == engine.get("copy_out"):
+        return "copy out"
+    if handle is not None and handle == engine.get("copy_in"):
+        return "copy in"
+    return "compute"     # the legacy stream or a side stream the test computes on
+
+
+def kinds_of_waits() -> List[str]:
+    return [f"{role(w['waiter_device'], w['waiter'])} waits for "
+            f"{role(w['source_device'], w['source'])}" for w in _C._sim_wait_log()]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_every_wait_and_record_is_needed(simulated, scenario: Scenario) -> None:
+    matepoint.set_options(**scenario.options)
+    torch.manual_seed(0)
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    expected = [g.detach().clone() for g in step(model, x, no_checkpoint, scenario.backwards)]
+    proven: Dict[str, int] = defaultdict(int)       # kind -> dropped instances seen in data
+    seen: Dict[str, int] = defaultdict(int)
+    try:
+        for adversary, progress in ADVERSARIES.items():
+            _C._sim_set_progress(progress)
+            _C._sim_log_waits(True)
+            grads, records = run(scenario, model, x)
+            kinds = kinds_of_waits()
+            _C._sim_log_waits(False)
+            assert same(grads, expected), f"{adversary}: the step itself is not exact"
+            assert kinds, f"{adversary}: no wait"
+            calls = [(WAIT, index, kind) for index, kind in enumerate(kinds)] + \
+                    [(RECORD, index, RECORD) for index in range(records)]
+            for call, index, kind in calls:
+                seen[kind] += 1
+                _C._sim_drop(call, index, 1)
+                try:
+                    dropped, _ = run(scenario, model, x)
+                finally:
+                    _C._sim_drop(call, 0, 0)
+                proven[kind] += not same(dropped, expected)
+    finally:
+        _C._sim_log_waits(False)
+        _C._sim_set_progress(0)
+    unproven = {kind: f"0 of {count} dropped" for kind, count in seen.items() if not proven[kind]}
+    assert unproven == {}, (
+        f"{scenario.name}: dropping these changes no data (redundant, or a blind spot of the "
+        f"simulator); proven: {dict(proven)}")
