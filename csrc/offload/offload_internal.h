@@ -23,9 +23,10 @@
  *            reference to the input's storage, at once once the D2H
  *            completed, else in stream order (see the window's invariant).
  *            offload_window_retire_*(), retire_source().
- *   return   the *host buffer* of a copy: given back to the pool when the
- *            StorageCopy dies, after the last copy reading or writing it
- *            completed (storage_copy_dealloc).
+ *   return   the *host buffer* of a copy: given back when the StorageCopy
+ *            dies, with the event of the last copy reading or writing it;
+ *            the pool reuses it once that event is seen complete
+ *            (storage_copy_dealloc, offload_return.c): no host wait.
  *   discard  the *restored copy*: the device tensor a span was copied back
  *            into, dropped once the recompute took its views, after the
  *            compute stream was ordered behind the H2D (discard_restored()).
@@ -70,6 +71,13 @@
 
 typedef struct OffloadGroup OffloadGroup;
 
+/* A host buffer of a dead copy on its way back to the pool: `event` is
+ * that of the last copy that reads or writes it (offload_return.c). */
+typedef struct {
+    pool_block block;
+    void *event;
+} returning_block;
+
 /* Copy state of one device. */
 typedef struct {
     int index;
@@ -85,6 +93,9 @@ typedef struct {
     void *ordering;
     void **spare;
     int spare_count, spare_capacity;
+    /* host buffers given back in stream order, oldest first */
+    returning_block *returning;
+    int returning_count, returning_capacity;
 } offload_device;
 
 struct offload_engine {
@@ -124,6 +135,19 @@ int offload_device_record(offload_engine *engine, offload_device *device, void *
 /* Gives back a completion event no copy needs any more (any thread with
  * the GIL, any current device). */
 void offload_device_give_event(offload_engine *engine, offload_device *device, void *event);
+
+/* Host buffers given back in stream order (offload_return.c): the pool
+ * reuses `block` once `event` completed. The device takes both; *block is
+ * zeroed. */
+void offload_return_after(offload_engine *engine, offload_device *device, pool_block *block,
+                          void *event);
+/* Gives back the buffers whose event completed, oldest first, up to the
+ * first that has not; returns how many. Never blocks. */
+int offload_return_poll(offload_engine *engine, offload_device *device);
+void offload_return_poll_all(offload_engine *engine);
+/* Waits (GIL released) for every buffer's event and gives it back: the
+ * device is going away. */
+void offload_return_drain(offload_engine *engine, offload_device *device);
 
 /* torch's current stream on device `index`. */
 int offload_engine_current_stream(mp_state *st, int index, void **stream);
@@ -217,9 +241,10 @@ int inspect_same_storage(const input_info *a, const input_info *b);
  *                   its completion event, not yet seen complete
  *   COPY_COMPLETED  the D2H completed (event seen complete, or the host
  *                   waited): the buffer holds the span
- *   COPY_RETURNED   the host buffer went back to the pool (dealloc)
+ *   COPY_RETURNED   the host buffer went back to the pool, or to its
+ *                   device's returning list with its last event (dealloc)
  * A copy that failed before its D2H was queued goes from EMPTY straight
- * to RETURNED. copy_advance() asserts every transition. */
+ * to RETURNED, and so does one that dies with its D2H still pending. copy_advance() asserts every transition. */
 typedef enum {
     COPY_EMPTY,
     COPY_QUEUED,

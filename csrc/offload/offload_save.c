@@ -23,12 +23,17 @@ warn_fallback_once(offload_engine *engine)
 
 /* A pool buffer for the copy: a cached one with the GIL held, else one
  * pinned (milliseconds, and the pool may drop its cache: cudaFreeHost
- * synchronizes the device) with the GIL released. 0, or -1 when the pool
+ * synchronizes the device) with the GIL released. Buffers of dead copies
+ * join the cache once their last copy is seen complete. 0, or -1 when the pool
  * has no memory at all. */
 static int
 acquire_buffer(offload_engine *engine, StorageCopy *copy)
 {
     if (pool_acquire_cached(engine->pool, copy->nbytes, &copy->block) == 0)
+        return 0;
+    /* buffers of dead copies whose last copy completed serve first */
+    if (offload_return_poll(engine, copy->device) > 0 &&
+        pool_acquire_cached(engine->pool, copy->nbytes, &copy->block) == 0)
         return 0;
     int status;
     Py_BEGIN_ALLOW_THREADS

