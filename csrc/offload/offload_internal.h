@@ -85,6 +85,7 @@ typedef struct {
     void *copy_in;
     PyObject *in_flight;        /* list of StorageCopy whose source is held (window section) */
     uint64_t regions;           /* checkpoint calls that offloaded here so far */
+    int outputs_open;           /* selective-checkpoint outputs joined the open region */
     OffloadGroup *first, *last; /* live groups in creation order (borrowed) */
     /* Events are made once and reused, not created and destroyed per copy:
      * `ordering` is recorded on one stream and waited on by another right
