@@ -167,3 +167,28 @@ def test_the_window_counts_regions_not_offloaded_ops(simulated, inputs_offloaded
 def selective_offload_kw(fn: Callable, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     context_fn = functools.partial(create_selective_checkpoint_contexts, offload_policy)
     return matepoint.checkpoint(fn, x, context_fn=context_fn, **kwargs)
+
+
+def test_a_producer_stream_destroyed_before_its_region_retires(simulated) -> None:
+    """Defect 6: a region run on a stream the caller then destroys (an
+    ExternalStream) is retired later without touching that stream: the
+    copy-out stream marks the source used instead. No CUDA error, exact
+    gradients."""
+    matepoint.set_options(offload_window=1)
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    handle = _C._sim_stream_create(0)
+    calls = [0]
+
+    def wrap(fn: Callable, h: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] != 2:
+            return matepoint.checkpoint(fn, h)
+        with sim.stream(0, handle):
+            out = matepoint.checkpoint(fn, h)
+        _C._sim_stream_destroy(handle)      # before the window retires the region
+        return out
+
+    _, grads = train_step(model, x, wrap)
+    sim.assert_no_cuda_error()
+    assert_bitwise_equal(grads, expected)

@@ -262,7 +262,8 @@ typedef struct {
     uint64_t nbytes;
     pool_block block;
     PyObject *source;           /* storage kept while the D2H may read it */
-    void *producer;             /* stream current when the copy was queued */
+    void *producer;             /* stream current when the copy was queued: a key
+                                 * only, never used after (it may be destroyed) */
     uint64_t region;            /* the device's region count then (window section) */
     void *d2h_done;             /* cudaEvent_t until seen complete, else NULL */
     int producer_waited;        /* the producer stream waits on d2h_done already */
@@ -351,7 +352,10 @@ PyObject *packer_new(mp_state *st, PyObject *records);
  * reference was dropped, (1) its producing stream was made to wait on its
  * completion event (cudaStreamWaitEvent with the copy's device current: a
  * NULL stream is the current device's), and (2) the source was marked used
- * by the producing stream (record_stream). A caching allocator hands a freed
+ * by the producing stream (record_stream). (1) and (2) are done only when
+ * the producer is the current stream then: the producer's handle is kept
+ * as a key, never used (a stream may be destroyed meanwhile); else the
+ * source is marked used by the copy-out stream, past the copy. A caching allocator hands a freed
  * block out again at once only to work queued later on the stream that
  * allocated it: when that is the producer, the work runs after the copy;
  * when the input came from another stream, (2) keeps the block until the
