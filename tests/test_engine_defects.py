@@ -192,3 +192,110 @@ def test_a_producer_stream_destroyed_before_its_region_retires(simulated) -> Non
     _, grads = train_step(model, x, wrap)
     sim.assert_no_cuda_error()
     assert_bitwise_equal(grads, expected)
+
+
+def test_a_prefetched_buffer_is_reused_only_past_its_copy_and_reader(simulated) -> None:
+    """Defect 3: a span prefetched while stream `a` is current comes from
+    a's allocator, is written by the copy-in stream and read on stream `b`.
+    Dropped unread (an output the recompute never took), a's next
+    allocation must not get its memory while the copy back still writes
+    it: the buffer is marked used by the copy-in stream (and by `b`)."""
+    a, b = sim.side_streams()
+    source = torch.randn(64, 64)
+    group, saved = _C._sac_offload([source])
+    del source
+    with sim.stream(0, a):
+        _C._sac_prefetch(group)                 # queued, not run: the GPU lags
+    with sim.stream(0, b):
+        (restored,) = _C._sac_restore(group, saved)
+    del restored, group, saved                  # never read
+    with sim.stream(0, a):
+        kept = torch.full((64, 64), 1.0)        # a's allocator hands out memory
+    sim.finish()                                # the copy back runs now
+    assert torch.equal(kept, torch.full((64, 64), 1.0))
+
+
+def test_regions_on_streams_prefetch_exactly(simulated) -> None:
+    """Defect 3: regions alternate between two streams in forward and
+    backward (as torch's engine runs each node on its forward stream), so
+    every prefetch allocates on one stream what another reads; with a
+    prefetch depth of 2, gradients match a run without checkpointing bit
+    for bit (stronger once the simulated kernels lag in data)."""
+    matepoint.set_options(pipeline=True, prefetch_depth=2)
+    streams = sim.side_streams()
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    calls = [0]
+
+    class OnStream(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, h: torch.Tensor, handle: int) -> torch.Tensor:
+            ctx.handle = handle
+            return h.view_as(h)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+            _C._sim_set_stream(0, ctx.handle)   # the region's backward runs on its stream
+            return grad, None
+
+    def wrap(fn: Callable, h: torch.Tensor) -> torch.Tensor:
+        handle = streams[calls[0] % 2]
+        calls[0] += 1
+        with sim.stream(0, handle):
+            return OnStream.apply(matepoint.checkpoint(fn, h), handle)
+
+    try:
+        _, grads = train_step(model, x, wrap)
+    finally:
+        _C._sim_set_stream(0, None)
+    assert_bitwise_equal(grads, expected)
+
+
+def byte_buffers(nbytes: int) -> int:
+    """uint8 tensors of `nbytes` alive: restored copies the engine made."""
+    return sum(1 for obj in gc.get_objects()
+               if isinstance(obj, torch.Tensor) and obj.dtype == torch.uint8
+               and obj.numel() == nbytes)
+
+
+def test_two_threads_fetching_one_span_keep_one_copy(simulated) -> None:
+    """Defect 7: a copy back through pageable memory runs without the GIL;
+    a second thread fetching the same span meanwhile starts its own. The
+    first one back is kept, the other's buffer and event go: no restored
+    buffer outlives its discard, and the span comes back exact."""
+    matepoint.set_options(pool_limit_bytes=1)   # pageable memory only
+    source = torch.randn(1024, 1024)      # a copy long enough for the other thread
+    expected = source.clone()
+    with pytest.warns(RuntimeWarning, match="pageable"):
+        group, saved = _C._sac_offload([source])
+    del source
+    stop = threading.Event()
+    errors: List[BaseException] = []
+
+    def fetch_and_drop() -> None:
+        try:
+            while not stop.is_set():
+                saved[0].unpack()               # fetched at need, through pageable memory
+                _C._sac_discard(group)
+        except BaseException as error:  # noqa: BLE001 (re-raised below)
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=fetch_and_drop) for _ in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        for _ in range(1000):
+            saved[0].unpack()
+            _C._sac_discard(group)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    gc.collect()
+    assert byte_buffers(expected.nbytes) == 0, "a copied-back buffer leaked"
+    (restored,) = _C._sac_restore(group, saved)
+    assert torch.equal(restored, expected)

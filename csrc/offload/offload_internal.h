@@ -268,8 +268,11 @@ typedef struct {
     void *d2h_done;             /* cudaEvent_t until seen complete, else NULL */
     int producer_waited;        /* the producer stream waits on d2h_done already */
     PyObject *fetched;          /* uint8 tensor holding the span again, or NULL */
+    void *fetched_on;           /* the stream whose allocator gave it (a key only) */
     void *h2d_done;             /* the last copy back, until the copy goes */
     int h2d_awaited;            /* the compute stream waits on h2d_done already */
+    int restoring;              /* threads taking a view of `fetched` now */
+    int discard_pending;        /* discarded meanwhile: the last of them drops it */
 } StorageCopy;
 
 typedef struct {
