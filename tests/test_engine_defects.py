@@ -299,3 +299,21 @@ def test_two_threads_fetching_one_span_keep_one_copy(simulated) -> None:
     assert byte_buffers(expected.nbytes) == 0, "a copied-back buffer leaked"
     (restored,) = _C._sac_restore(group, saved)
     assert torch.equal(restored, expected)
+
+
+def test_a_failed_wait_at_the_switch_leaves_no_cuda_error(simulated) -> None:
+    """The drain's host wait failing (the device went bad) has nothing left
+    to undo: its status is cleared from the thread's last error, where
+    torch's next launch check would find it, and everything is given back."""
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    out = model(x.clone().requires_grad_(True), matepoint.checkpoint)
+    del out
+    gc.collect()
+    _C._sim_fail("cudaEventSynchronize", 0, 1, 700)
+    _C._simulate_cuda(False)
+    try:
+        sim.assert_no_cuda_error()
+        stats = _C._sim_stats()
+        assert stats["events_live"] == 0 and stats["host_bytes_live"] == 0, stats
+    finally:
+        _C._simulate_cuda(True)

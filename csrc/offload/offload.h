@@ -21,6 +21,7 @@
  * three kinds of "release" are in offload_internal.h. Where each part lives:
  *   offload_engine.c   per-device streams and events, the pool, counters
  *   offload_window.c   copies in flight and when their sources are retired
+ *   offload_return.c   host buffers of dead copies back to the pool, in stream order
  *   offload_inspect.c  which inputs are eligible, their storage spans
  *   offload_types.c    the Python objects: copies, records, groups, packer
  *   offload_save.c     copying inputs out, building the records
