@@ -278,8 +278,9 @@ offload_discard_group(mp_state *st, PyObject *group_obj)
 }
 
 /* A view of `fetched` (the record's restored copy, NULL for an empty
- * tensor) as the record's tensor. torch's ops release the GIL: the caller
- * holds `fetched`, which another thread may discard from the copy. */
+ * tensor) as the record's tensor. torch's ops release the GIL: `fetched`
+ * stays the copy's meanwhile because the caller counts itself among the
+ * copy's restoring threads (a discard then waits for the last of them). */
 static PyObject *
 view_of_copy(mp_state *st, TensorRecord *record, PyObject *fetched)
 {
