@@ -170,7 +170,9 @@ def _offload_entry(entry: Any, out: Any, groups: List[_OffloadedGroup]) -> Any:
     if not leaves:
         return entry
     sources = [leaf.val for leaf in leaves]
-    moved: Optional[Tuple[Any, List[Any]]] = _C._sac_offload(sources)
+    # the engine's window counts regions, not ops: the region's first
+    # outputs say so
+    moved: Optional[Tuple[Any, List[Any]]] = _C._sac_offload(sources, not groups)
     if moved is None:
         return entry
     owner = _OffloadedGroup(moved[0], moved[1], sources, outputs)

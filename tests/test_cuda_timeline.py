@@ -137,3 +137,74 @@ def test_out_of_memory_in_backward_then_retry(cuda_offload) -> None:
     torch.cuda.synchronize()
     got = [leaf.grad.cpu()] + [p.grad.cpu() for p in blocks.parameters()]
     assert_exact(got, expected)
+
+
+def test_branching_graph_with_regions_on_streams(cuda_offload) -> None:
+    """Two branches of one graph run on two side streams, each region
+    checkpointed where it runs, the GPU far behind, prefetching two ahead:
+    backward runs each region's recompute on its forward stream (torch's
+    engine), so every prefetch allocates on one stream what another reads,
+    and reused memory shows as wrong gradients."""
+    matepoint.set_options(pipeline=True, prefetch_depth=2)
+    torch.manual_seed(0)
+    left = nn.ModuleList(Slow() for _ in range(DEPTH // 2)).cuda()
+    right = nn.ModuleList(Slow() for _ in range(DEPTH // 2)).cuda()
+    x = torch.randn(BATCH, WIDTH, device="cuda")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def run(wrap) -> list:
+        left.zero_grad(set_to_none=True)
+        right.zero_grad(set_to_none=True)
+        leaf = x.detach().clone().requires_grad_(True)
+        outs = []
+        for blocks, stream in zip((left, right), streams):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                h = leaf
+                for block in blocks:
+                    h = wrap(block, h)
+            outs.append(h)
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        ((outs[0] * outs[1]).float() ** 2).mean().backward()
+        torch.cuda.synchronize()
+        return [leaf.grad.cpu()] + [p.grad.cpu() for p in [*left.parameters(),
+                                                              *right.parameters()]]
+
+    expected = run(plain)
+    for _ in range(2):
+        assert_exact(run(matepoint.checkpoint), expected)
+
+
+def test_pool_stats_polled_by_another_thread_during_training(cuda_offload) -> None:
+    """A monitoring thread reading pool_stats() while the training thread
+    offloads and restores (it retires completed copies of the same window):
+    gradients stay exact and the window's counters end at zero."""
+    import threading
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Slow() for _ in range(DEPTH)).cuda()
+    x = torch.randn(BATCH, WIDTH, device="cuda")
+    devices = ["cuda"] * DEPTH
+    expected = grads_of(blocks, x, plain, devices)
+    stop = threading.Event()
+    errors: list = []
+
+    def monitor() -> None:
+        try:
+            while not stop.is_set():
+                matepoint.pool_stats()
+        except BaseException as error:  # noqa: BLE001 (re-raised below)
+            errors.append(error)
+
+    thread = threading.Thread(target=monitor)
+    thread.start()
+    try:
+        for _ in range(3):
+            assert_exact(grads_of(blocks, x, matepoint.checkpoint, devices), expected)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    torch.cuda.synchronize()
+    gc.collect()
+    assert matepoint.pool_stats()["device_bytes_in_flight"] == 0

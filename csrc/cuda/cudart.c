@@ -31,6 +31,36 @@ resolve(void *handle, void **slot, const char *name)
     return *slot != NULL;
 }
 
+/* The driver's entry points behind primary_context_active, resolved with
+ * the runtime (under `load_once`), read-only afterwards. */
+static int (*driver_device_get)(int *device, int ordinal);
+static int (*driver_primary_state)(int device, unsigned *flags, int *active);
+
+static int
+driver_primary_context_active(int device, int *active)
+{
+    int handle;
+    unsigned flags;
+    if (driver_device_get(&handle, device) != 0)
+        return CUDART_ERROR_INVALID_DEVICE;
+    return driver_primary_state(handle, &flags, active) != 0 ? CUDART_ERROR_INVALID_VALUE
+                                                            : CUDART_SUCCESS;
+}
+
+/* The driver a runtime runs over is loaded once the runtime is used;
+ * without it (or its entry points) the question stays unanswered. */
+static void
+resolve_driver(void)
+{
+    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (driver == NULL)
+        return;
+    *(void **)&driver_device_get = dlsym(driver, "cuDeviceGet");
+    *(void **)&driver_primary_state = dlsym(driver, "cuDevicePrimaryCtxGetState");
+    if (driver_device_get != NULL && driver_primary_state != NULL)
+        runtime.primary_context_active = driver_primary_context_active;
+}
+
 /* Fills `runtime` from `handle`; 1 when every entry point was found. */
 static int
 resolve_all(void *handle)
@@ -62,6 +92,7 @@ resolve_all(void *handle)
         if (!resolve(handle, symbols[i].slot, symbols[i].name))
             return 0;
     }
+    resolve_driver();
     Dl_info info;
     if (dladdr((void *)runtime.get_device, &info) != 0 && info.dli_fname != NULL)
         snprintf(origin, sizeof(origin), "%s", info.dli_fname);

@@ -53,6 +53,12 @@ typedef struct cudart {
     int (*device_synchronize)(void);
     int (*get_last_error)(void);
     const char *(*get_error_string)(int status);
+    /* Not a runtime entry point: whether `device` has its primary context
+     * (the driver's cuDevicePrimaryCtxGetState), so that switching back to
+     * a device creates none (cudaSetDevice does since CUDA 12). 0 with
+     * *active set, else nonzero (unknown; the last error is untouched).
+     * NULL where the driver lacks it: unknown too. */
+    int (*primary_context_active)(int device, int *active);
 } cudart;
 
 const cudart *cudart_load(void);

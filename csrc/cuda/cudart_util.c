@@ -22,7 +22,15 @@ cudart_enter_device(const cudart *rt, int device, int *previous, const char **fa
 void
 cudart_leave_device(const cudart *rt, int device, int previous)
 {
-    if (previous >= 0 && previous != device && rt->set_device(previous) != CUDART_SUCCESS)
+    if (previous < 0 || previous == device)
+        return;
+    /* cudaSetDevice creates the device's primary context: a thread that
+     * was on a device it never used (0, in a new thread) stays on
+     * `device`, as torch's MaybeSetDevice does. Unknown: restored. */
+    int active = 1;
+    if (rt->primary_context_active != NULL && rt->primary_context_active(previous, &active) != 0)
+        active = 1;
+    if (active && rt->set_device(previous) != CUDART_SUCCESS)
         (void)rt->get_last_error();
 }
 

@@ -22,8 +22,11 @@
 int cudart_enter_device(const cudart *rt, int device, int *previous, const char **failed);
 
 /* Makes `previous` current again after cudart_enter_device(rt, device,
- * &previous): nothing when it is `device` or negative. A failure has
- * nothing left to undo: it is cleared from the thread's last error. */
+ * &previous): nothing when it is `device` or negative, or when it has no
+ * primary context (rt->primary_context_active says so): setting it would
+ * create one (CUDA 12), so the thread stays on `device`, as torch does. A
+ * failure has nothing left to undo: it is cleared from the thread's last
+ * error. */
 void cudart_leave_device(const cudart *rt, int device, int previous);
 
 /* Writes "<what> failed: <CUDA's text> (CUDA error <status>)" into `out`

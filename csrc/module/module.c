@@ -127,7 +127,7 @@ PyDoc_STRVAR(pool_stats_doc,
 PyDoc_STRVAR(offload_device_type_doc,
 "_offload_device_type($module, /)\n--\n\ntorch's device type of the tensors offload moves: 'cuda' ('cpu' on the simulated GPU of test builds).");
 PyDoc_STRVAR(sac_offload_doc,
-"_sac_offload($module, tensors, /)\n--\n\nOffload a selectively checkpointed op's output tensors: (group, saved), or None when none moved.");
+"_sac_offload($module, tensors, opens_region=False, /)\n--\n\nOffload a selectively checkpointed op's output tensors: (group, saved), or None when none moved. opens_region: the first outputs of their region.");
 PyDoc_STRVAR(sac_restore_doc,
 "_sac_restore($module, group, saved, /)\n--\n\nThe tensors _sac_offload moved, back on their device (None where one stayed).");
 PyDoc_STRVAR(sac_prefetch_doc,
@@ -164,7 +164,7 @@ static PyMethodDef module_methods[] = {
     {"pool_stats", pool_stats, METH_NOARGS, pool_stats_doc},
     {"empty_pool", empty_pool, METH_NOARGS, empty_pool_doc},
     {"_offload_device_type", offload_device_type_py, METH_NOARGS, offload_device_type_doc},
-    {"_sac_offload", offload_sac_save_py, METH_O, sac_offload_doc},
+    {"_sac_offload", offload_sac_save_py, METH_VARARGS, sac_offload_doc},
     {"_sac_restore", offload_sac_restore_py, METH_VARARGS, sac_restore_doc},
     {"_sac_prefetch", offload_sac_prefetch_py, METH_O, sac_prefetch_doc},
     {"_sac_discard", offload_sac_discard_py, METH_O, sac_discard_doc},

@@ -21,6 +21,7 @@
  * three kinds of "release" are in offload_internal.h. Where each part lives:
  *   offload_engine.c   per-device streams and events, the pool, counters
  *   offload_window.c   copies in flight and when their sources are retired
+ *   offload_return.c   host buffers of dead copies back to the pool, in stream order
  *   offload_inspect.c  which inputs are eligible, their storage spans
  *   offload_types.c    the Python objects: copies, records, groups, packer
  *   offload_save.c     copying inputs out, building the records
@@ -74,15 +75,19 @@ int offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyOb
                         PyObject **records_out);
 /* offload_save_inputs for the outputs of an op that selective
  * checkpointing's policy offloads, saved inside the region (offload_sac.c):
- * follows the options' `enabled`, whatever hooks are around. */
-int offload_save_outputs(mp_state *st, PyObject *module, PyObject *tensors, PyObject *saved,
-                         PyObject **group_out, PyObject **records_out);
-/* Python: _sac_offload(tensors) -> (group, saved) or None when nothing
- * moved; _sac_restore(group, saved) -> the tensors (None where kept);
+ * follows the options' `enabled`, whatever hooks are around. The window
+ * counts them in the region open on their device, ending none;
+ * `opens_region` says these are the first outputs of a region (which
+ * closes the outputs of the region before, when its inputs did not). */
+int offload_save_outputs(mp_state *st, PyObject *module, PyObject *tensors, int opens_region,
+                         PyObject *saved, PyObject **group_out, PyObject **records_out);
+/* Python: _sac_offload(tensors, opens_region=False, /) -> (group, saved) or
+ * None when nothing moved (see offload_save_outputs). */
+/* Python: _sac_restore(group, saved) -> the tensors (None where kept);
  * _sac_prefetch(group) starts copying them back on the copy-in stream
  * (when the options pipeline); _sac_discard(group) drops what was copied
  * back but not handed out (the host copy stays). */
-PyObject *offload_sac_save_py(PyObject *module, PyObject *tensors);
+PyObject *offload_sac_save_py(PyObject *module, PyObject *args);
 PyObject *offload_sac_restore_py(PyObject *module, PyObject *args);
 PyObject *offload_sac_prefetch_py(PyObject *module, PyObject *group);
 PyObject *offload_sac_discard_py(PyObject *module, PyObject *group);

@@ -44,6 +44,7 @@ device_free(offload_engine *engine, offload_device *device)
 {
     const cudart *rt = engine->rt;
     offload_window_drain(engine, device);
+    offload_return_drain(engine, device);
     for (int i = 0; i < device->spare_count; i++)
         forget_failure(rt, rt->event_destroy(device->spare[i]));
     PyMem_Free(device->spare);
@@ -132,6 +133,8 @@ offload_engine_apply_limit(offload_engine *engine)
 {
     pool *p = engine->pool;
     uint64_t limit = engine->options.pool_limit_bytes;
+    /* buffers whose last copy completed join the cache the limit drops */
+    offload_return_poll_all(engine);
     if (p != NULL) {
         Py_BEGIN_ALLOW_THREADS
         pool_set_limit(p, limit);
@@ -300,19 +303,36 @@ offload_engine_pinning_device(mp_state *st)
 }
 
 static int
-has_live_copies(offload_engine *engine)
+has_live_groups(offload_engine *engine)
 {
     for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
         if (engine->cuda[i] != NULL && engine->cuda[i]->first != NULL)
             return 1;
     }
-    return engine->pool != NULL && pool_get_stats(engine->pool).blocks_in_use > 0;
+    return 0;
+}
+
+/* Copies of graphs already dropped may still be in flight, held by the
+ * windows, and their buffers on their way back: a switch of runtime is
+ * no hot path, so the host waits for them here. */
+static void
+drain_devices(offload_engine *engine)
+{
+    for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
+        if (engine->cuda[i] != NULL) {
+            offload_window_drain(engine, engine->cuda[i]);
+            offload_return_drain(engine, engine->cuda[i]);
+        }
+    }
 }
 
 int
 offload_engine_use_runtime(offload_engine *engine, const offload_runtime *runtime)
 {
-    if (has_live_copies(engine)) {
+    if (!has_live_groups(engine) && engine->rt != NULL)
+        drain_devices(engine);
+    if (has_live_groups(engine) ||
+        (engine->pool != NULL && pool_get_stats(engine->pool).blocks_in_use > 0)) {
         PyErr_SetString(PyExc_RuntimeError, "matepoint: cannot switch the CUDA runtime while "
                                             "offloaded inputs are alive");
         return -1;
@@ -378,6 +398,7 @@ offload_pool_stats(mp_state *st)
     pool_stats stats = {0};
     if (offload_window_poll_all(st) < 0)
         return NULL;
+    offload_return_poll_all(engine);
     if (engine->pool != NULL)
         stats = pool_get_stats(engine->pool);
     PyObject *dict = PyDict_New();
@@ -431,6 +452,7 @@ offload_empty_pool(mp_state *st)
 {
     if (offload_window_poll_all(st) < 0)
         return -1;
+    offload_return_poll_all(st->engine);
     pool *p = st->engine->pool;
     if (p != NULL) {
         Py_BEGIN_ALLOW_THREADS

@@ -23,9 +23,10 @@
  *            reference to the input's storage, at once once the D2H
  *            completed, else in stream order (see the window's invariant).
  *            offload_window_retire_*(), retire_source().
- *   return   the *host buffer* of a copy: given back to the pool when the
- *            StorageCopy dies, after the last copy reading or writing it
- *            completed (storage_copy_dealloc).
+ *   return   the *host buffer* of a copy: given back when the StorageCopy
+ *            dies, with the event of the last copy reading or writing it;
+ *            the pool reuses it once that event is seen complete
+ *            (storage_copy_dealloc, offload_return.c): no host wait.
  *   discard  the *restored copy*: the device tensor a span was copied back
  *            into, dropped once the recompute took its views, after the
  *            compute stream was ordered behind the H2D (discard_restored()).
@@ -70,6 +71,13 @@
 
 typedef struct OffloadGroup OffloadGroup;
 
+/* A host buffer of a dead copy on its way back to the pool: `event` is
+ * that of the last copy that reads or writes it (offload_return.c). */
+typedef struct {
+    pool_block block;
+    void *event;
+} returning_block;
+
 /* Copy state of one device. */
 typedef struct {
     int index;
@@ -77,6 +85,7 @@ typedef struct {
     void *copy_in;
     PyObject *in_flight;        /* list of StorageCopy whose source is held (window section) */
     uint64_t regions;           /* checkpoint calls that offloaded here so far */
+    int outputs_open;           /* selective-checkpoint outputs joined the open region */
     OffloadGroup *first, *last; /* live groups in creation order (borrowed) */
     /* Events are made once and reused, not created and destroyed per copy:
      * `ordering` is recorded on one stream and waited on by another right
@@ -85,6 +94,9 @@ typedef struct {
     void *ordering;
     void **spare;
     int spare_count, spare_capacity;
+    /* host buffers given back in stream order, oldest first */
+    returning_block *returning;
+    int returning_count, returning_capacity;
 } offload_device;
 
 struct offload_engine {
@@ -124,6 +136,19 @@ int offload_device_record(offload_engine *engine, offload_device *device, void *
 /* Gives back a completion event no copy needs any more (any thread with
  * the GIL, any current device). */
 void offload_device_give_event(offload_engine *engine, offload_device *device, void *event);
+
+/* Host buffers given back in stream order (offload_return.c): the pool
+ * reuses `block` once `event` completed. The device takes both; *block is
+ * zeroed. */
+void offload_return_after(offload_engine *engine, offload_device *device, pool_block *block,
+                          void *event);
+/* Gives back the buffers whose event completed, oldest first, up to the
+ * first that has not; returns how many. Never blocks. */
+int offload_return_poll(offload_engine *engine, offload_device *device);
+void offload_return_poll_all(offload_engine *engine);
+/* Waits (GIL released) for every buffer's event and gives it back: the
+ * device is going away. */
+void offload_return_drain(offload_engine *engine, offload_device *device);
 
 /* torch's current stream on device `index`. */
 int offload_engine_current_stream(mp_state *st, int index, void **stream);
@@ -217,9 +242,10 @@ int inspect_same_storage(const input_info *a, const input_info *b);
  *                   its completion event, not yet seen complete
  *   COPY_COMPLETED  the D2H completed (event seen complete, or the host
  *                   waited): the buffer holds the span
- *   COPY_RETURNED   the host buffer went back to the pool (dealloc)
+ *   COPY_RETURNED   the host buffer went back to the pool, or to its
+ *                   device's returning list with its last event (dealloc)
  * A copy that failed before its D2H was queued goes from EMPTY straight
- * to RETURNED. copy_advance() asserts every transition. */
+ * to RETURNED, and so does one that dies with its D2H still pending. copy_advance() asserts every transition. */
 typedef enum {
     COPY_EMPTY,
     COPY_QUEUED,
@@ -236,13 +262,17 @@ typedef struct {
     uint64_t nbytes;
     pool_block block;
     PyObject *source;           /* storage kept while the D2H may read it */
-    void *producer;             /* stream current when the copy was queued */
+    void *producer;             /* stream current when the copy was queued: a key
+                                 * only, never used after (it may be destroyed) */
     uint64_t region;            /* the device's region count then (window section) */
     void *d2h_done;             /* cudaEvent_t until seen complete, else NULL */
     int producer_waited;        /* the producer stream waits on d2h_done already */
     PyObject *fetched;          /* uint8 tensor holding the span again, or NULL */
+    void *fetched_on;           /* the stream whose allocator gave it (a key only) */
     void *h2d_done;             /* the last copy back, until the copy goes */
     int h2d_awaited;            /* the compute stream waits on h2d_done already */
+    int restoring;              /* threads taking a view of `fetched` now */
+    int discard_pending;        /* discarded meanwhile: the last of them drops it */
 } StorageCopy;
 
 typedef struct {
@@ -325,7 +355,10 @@ PyObject *packer_new(mp_state *st, PyObject *records);
  * reference was dropped, (1) its producing stream was made to wait on its
  * completion event (cudaStreamWaitEvent with the copy's device current: a
  * NULL stream is the current device's), and (2) the source was marked used
- * by the producing stream (record_stream). A caching allocator hands a freed
+ * by the producing stream (record_stream). (1) and (2) are done only when
+ * the producer is the current stream then: the producer's handle is kept
+ * as a key, never used (a stream may be destroyed meanwhile); else the
+ * source is marked used by the copy-out stream, past the copy. A caching allocator hands a freed
  * block out again at once only to work queued later on the stream that
  * allocated it: when that is the producer, the work runs after the copy;
  * when the input came from another stream, (2) keeps the block until the

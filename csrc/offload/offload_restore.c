@@ -23,23 +23,27 @@ tensor_ptr(PyObject *tensor, void **ptr)
  * after the offload's own D2H if still pending, and after the previous copy
  * back (the new event then covers both: the host buffer is free once it
  * completed). Queued copies may write `dst` at any time: if the event
- * cannot be recorded, the stream is drained before returning. */
+ * cannot be recorded, the stream is drained before returning. *compute
+ * receives the compute stream, *done the copy's completion event, which
+ * the caller publishes (fetch_copy). */
 static int
-start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream)
+start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream, void **compute,
+          void **done)
 {
     offload_engine *engine = st->engine;
     const cudart *rt = engine->rt;
     offload_device *device = copy->device;
-    void *compute, *stream, *done = NULL;
+    void *stream;
     int previous;
-    if (offload_engine_current_stream(st, device->index, &compute) < 0 ||
+    *done = NULL;
+    if (offload_engine_current_stream(st, device->index, compute) < 0 ||
         offload_engine_enter_device(st, device->index, &previous) < 0)
         return -1;
-    stream = on_copy_stream ? device->copy_in : compute;
+    stream = on_copy_stream ? device->copy_in : *compute;
     /* the compute stream, when it is the producer that waited on the copy
      * out, orders this copy after it already */
-    int after_d2h = copy->d2h_done == NULL || (copy->producer_waited && compute == copy->producer);
-    int failed = (on_copy_stream && offload_device_order(engine, device, stream, compute) < 0) ||
+    int after_d2h = copy->d2h_done == NULL || (copy->producer_waited && *compute == copy->producer);
+    int failed = (on_copy_stream && offload_device_order(engine, device, stream, *compute) < 0) ||
                  (!after_d2h &&
                   streams_check(rt, rt->stream_wait_event(stream, copy->d2h_done, 0),
                                 "cudaStreamWaitEvent")) ||
@@ -48,7 +52,7 @@ start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream)
                                 "cudaStreamWaitEvent")) ||
                  streams_memcpy(rt, dst, copy->block.ptr, (size_t)copy->nbytes,
                                 CUDART_MEMCPY_HOST_TO_DEVICE, stream, copy->block.fallback) < 0;
-    if (!failed && offload_device_record(engine, device, stream, &done) < 0) {
+    if (!failed && offload_device_record(engine, device, stream, done) < 0) {
         failed = 1;
         Py_BEGIN_ALLOW_THREADS
         if (rt->stream_synchronize(stream) != CUDART_SUCCESS)
@@ -56,18 +60,57 @@ start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream)
         Py_END_ALLOW_THREADS
     }
     offload_engine_leave_device(st, device->index, previous);
-    if (failed)
-        return -1;
+    return failed ? -1 : 0;
+}
+
+/* Makes `fetched`, copied back by the copy that `done` completes, the
+ * copy's restored copy. A prefetch's buffer came from the compute stream
+ * current then (`compute`) and the copy-in stream writes it: whatever
+ * stream reads it waits for `done` and, when it is another one, marks it
+ * used (await_h2d), and so does the stream current when it is discarded
+ * unread (discard_restored): it is never freed to `compute`'s allocator
+ * with the copy unordered. */
+static void
+publish_fetched(mp_state *st, StorageCopy *copy, PyObject *fetched, void *done, void *compute,
+                int on_copy_stream)
+{
+    offload_engine *engine = st->engine;
+    offload_device *device = copy->device;
     if (copy->h2d_done != NULL)
         offload_device_give_event(engine, device, copy->h2d_done);
     copy->h2d_done = done;
+    copy->fetched = Py_NewRef(fetched);
+    copy->fetched_on = compute;
     /* on the compute stream itself, what reads the span is queued after it */
     copy->h2d_awaited = !on_copy_stream;
-    return 0;
+    if (on_copy_stream)
+        engine->prefetched++;
+    else
+        engine->fetched_at_need++;
 }
 
-/* Allocating the destination lets other threads run: the copy is held
- * meanwhile, and one fetched by them in that window is taken as is. */
+/* A copy back another thread beat (fetch_copy): its buffer goes unread,
+ * to the allocator of `compute`, which made it; that stream is ordered
+ * after the copy first (a pageable copy may still be writing). */
+static int
+drop_beaten(mp_state *st, StorageCopy *copy, void *done, void *compute)
+{
+    const cudart *rt = st->engine->rt;
+    int index = copy->device->index, previous;
+    int failed = offload_engine_enter_device(st, index, &previous) < 0;
+    if (!failed) {
+        failed = streams_check(rt, rt->stream_wait_event(compute, done, 0),
+                               "cudaStreamWaitEvent");
+        offload_engine_leave_device(st, index, previous);
+    }
+    offload_device_give_event(st->engine, copy->device, done);
+    return failed ? -1 : 0;
+}
+
+/* Allocating the destination, and a pageable copy, let other threads run:
+ * the copy is held meanwhile. One fetched by another thread meanwhile is
+ * taken as is, and ours goes (drop_beaten; a pageable copy has read the
+ * host buffer before it returned, so the host buffer needs no wait). */
 static int
 fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
 {
@@ -76,18 +119,14 @@ fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
     Py_INCREF(copy);
     PyObject *fetched = st->engine->runtime->empty_bytes(st, copy->device->index,
                                                          copy->device_obj, copy->nbytes);
-    void *dst;
+    void *dst, *compute = NULL, *done = NULL;
     int failed = fetched == NULL || tensor_ptr(fetched, &dst) < 0;
-    if (!failed && copy->fetched == NULL) {
-        failed = start_h2d(st, copy, dst, on_copy_stream) < 0;
-        if (!failed) {
-            copy->fetched = Py_NewRef(fetched);
-            if (on_copy_stream)
-                st->engine->prefetched++;
-            else
-                st->engine->fetched_at_need++;
-        }
-    }
+    if (!failed && copy->fetched == NULL)
+        failed = start_h2d(st, copy, dst, on_copy_stream, &compute, &done) < 0;
+    if (!failed && done != NULL && copy->fetched == NULL)
+        publish_fetched(st, copy, fetched, done, compute, on_copy_stream);
+    else if (done != NULL)
+        failed = drop_beaten(st, copy, done, compute) < 0;
     Py_XDECREF(fetched);
     Py_DECREF(copy);
     return failed ? -1 : 0;
@@ -110,7 +149,14 @@ await_h2d(mp_state *st, StorageCopy *copy)
                                "cudaStreamWaitEvent");
     offload_engine_leave_device(st, index, previous);
     copy->h2d_awaited = !failed;
-    return failed ? -1 : 0;
+    if (failed)
+        return -1;
+    /* read on another stream than the one whose allocator it came from
+     * (a prefetch made while the region after it ran): that allocator
+     * reuses it only once this stream passed what it queues now */
+    if (copy->fetched != NULL && compute != copy->fetched_on)
+        return st->engine->runtime->record_stream(st, copy->fetched, index, compute);
+    return 0;
 }
 
 /* Discards the restored copy (the span copied back). Its memory returns to the compute stream's
@@ -122,6 +168,11 @@ discard_restored(mp_state *st, StorageCopy *copy)
 {
     if (copy->fetched == NULL)
         return;
+    if (copy->restoring > 0) {      /* another thread takes a view of it: it discards */
+        copy->discard_pending = 1;
+        return;
+    }
+    copy->discard_pending = 0;
     PyObject *pending = mp_take_exception();
     if (await_h2d(st, copy) < 0) {
         PyErr_Clear();
@@ -226,16 +277,19 @@ offload_discard_group(mp_state *st, PyObject *group_obj)
         discard_restored(st, (StorageCopy *)PyTuple_GET_ITEM(group->copies, i));
 }
 
+/* A view of `fetched` (the record's restored copy, NULL for an empty
+ * tensor) as the record's tensor. torch's ops release the GIL: `fetched`
+ * stays the copy's meanwhile because the caller counts itself among the
+ * copy's restoring threads (a discard then waits for the last of them). */
 static PyObject *
-view_of_copy(mp_state *st, TensorRecord *record)
+view_of_copy(mp_state *st, TensorRecord *record, PyObject *fetched)
 {
-    StorageCopy *copy = record->copy;
     PyObject *kwargs = Py_BuildValue("{sOsO}", "dtype", record->dtype, "device",
                                      record->device_obj);
     if (kwargs == NULL)
         return NULL;
     PyObject *result = NULL;
-    if (copy == NULL) {
+    if (fetched == NULL) {
         PyObject *args = PyTuple_Pack(2, record->size, record->stride);
         result = args ? PyObject_Call(st->torch_empty_strided, args, kwargs) : NULL;
         Py_XDECREF(args);
@@ -244,7 +298,7 @@ view_of_copy(mp_state *st, TensorRecord *record)
     }
     PyObject *args = Py_BuildValue("((i))", 0);
     PyObject *empty = args ? PyObject_Call(st->torch_empty, args, kwargs) : NULL;
-    PyObject *storage = empty ? PyObject_CallMethod(copy->fetched, "untyped_storage", NULL) : NULL;
+    PyObject *storage = empty ? PyObject_CallMethod(fetched, "untyped_storage", NULL) : NULL;
     if (storage != NULL)
         result = PyObject_CallMethod(empty, "set_", "OLOO", storage, (long long)record->offset,
                                      record->size, record->stride);
@@ -283,6 +337,8 @@ rewrap(TensorRecord *record, PyObject *local)
     return wrapped;
 }
 
+static PyObject *finish_restore(mp_state *st, TensorRecord *record, PyObject *view);
+
 /* Restores one record's tensor (the unpack hook's work); raises when the
  * input was changed in place since it was saved. */
 static PyObject *
@@ -296,12 +352,30 @@ restore_record(mp_state *st, PyObject *record_obj)
             raise_modified_input(record->input_index);
         return NULL;
     }
-    if (copy != NULL) {
-        /* fetched already by the group, unless unpacked on its own */
-        if ((copy->fetched == NULL && fetch_copy(st, copy, 0) < 0) || await_h2d(st, copy) < 0)
-            return NULL;
-    }
-    PyObject *view = view_of_copy(st, record);
+    if (copy == NULL)
+        return finish_restore(st, record, view_of_copy(st, record, NULL));
+    /* fetching, waiting and taking the view let other threads run (torch's
+     * ops release the GIL): one discarding the copy meanwhile leaves that
+     * to the last thread taking a view of it */
+    Py_INCREF(copy);
+    copy->restoring++;
+    /* fetched already by the group, unless unpacked on its own */
+    int failed = (copy->fetched == NULL && fetch_copy(st, copy, 0) < 0) ||
+                 await_h2d(st, copy) < 0;
+    MP_ASSERT(failed || copy->fetched != NULL);
+    PyObject *view = failed ? NULL : view_of_copy(st, record, copy->fetched);
+    MP_ASSERT(copy->restoring > 0);
+    if (--copy->restoring == 0 && copy->discard_pending)
+        discard_restored(st, copy);
+    Py_DECREF(copy);
+    return finish_restore(st, record, view);
+}
+
+/* The restored view as the record's tensor: a DTensor again, or requiring
+ * grad as in the forward pass. */
+static PyObject *
+finish_restore(mp_state *st, TensorRecord *record, PyObject *view)
+{
     if (record->wrapper_type != NULL)
         return rewrap(record, view);
     return st->make_saved_tensor == NULL ? with_requires_grad(view, record->requires_grad) : view;

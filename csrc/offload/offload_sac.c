@@ -9,9 +9,13 @@
 #include "offload_internal.h"
 
 PyObject *
-offload_sac_save_py(PyObject *module, PyObject *tensors)
+offload_sac_save_py(PyObject *module, PyObject *args)
 {
     mp_state *st = mp_state_of(module);
+    PyObject *tensors;
+    int opens_region = 0;
+    if (!PyArg_ParseTuple(args, "O|p:_sac_offload", &tensors, &opens_region))
+        return NULL;
     if (!PyList_Check(tensors)) {
         PyErr_Format(PyExc_TypeError, "matepoint: _sac_offload takes a list of tensors, got %.100s",
                      Py_TYPE(tensors)->tp_name);
@@ -23,7 +27,7 @@ offload_sac_save_py(PyObject *module, PyObject *tensors)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++)
         PyList_SET_ITEM(saved, i, Py_NewRef(Py_None));
-    if (offload_save_outputs(st, module, tensors, saved, &group, &records) < 0)
+    if (offload_save_outputs(st, module, tensors, opens_region, saved, &group, &records) < 0)
         goto error;
     if (group == NULL) {  /* nothing moved: the caller keeps the tensors */
         Py_DECREF(saved);

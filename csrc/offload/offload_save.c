@@ -23,12 +23,17 @@ warn_fallback_once(offload_engine *engine)
 
 /* A pool buffer for the copy: a cached one with the GIL held, else one
  * pinned (milliseconds, and the pool may drop its cache: cudaFreeHost
- * synchronizes the device) with the GIL released. 0, or -1 when the pool
+ * synchronizes the device) with the GIL released. Buffers of dead copies
+ * join the cache once their last copy is seen complete. 0, or -1 when the pool
  * has no memory at all. */
 static int
 acquire_buffer(offload_engine *engine, StorageCopy *copy)
 {
     if (pool_acquire_cached(engine->pool, copy->nbytes, &copy->block) == 0)
+        return 0;
+    /* buffers of dead copies whose last copy completed serve first */
+    if (offload_return_poll(engine, copy->device) > 0 &&
+        pool_acquire_cached(engine->pool, copy->nbytes, &copy->block) == 0)
         return 0;
     int status;
     Py_BEGIN_ALLOW_THREADS
@@ -211,15 +216,41 @@ copied_to(PyObject *copies, offload_device *device)
     return 0;
 }
 
-/* Closes the region on each device its copies went to: the window then
- * releases what it no longer allows, before the region's function runs. */
+/* A region's inputs close the region on each device they went to: the
+ * window then releases what it no longer allows, before the region's
+ * function runs. A selectively checkpointed op's outputs close nothing
+ * (the window counts regions, not ops): they join the region open on
+ * their device, which the next region closes (its inputs, or its first
+ * outputs when its inputs stayed). */
 static int
-end_regions(mp_state *st, PyObject *copies)
+end_regions(mp_state *st, PyObject *copies, int outputs)
 {
     for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
         offload_device *device = st->engine->cuda[i];
-        if (device != NULL && copied_to(copies, device) &&
-            offload_window_end_region(st, device) < 0)
+        if (device == NULL || !copied_to(copies, device))
+            continue;
+        if (outputs) {
+            device->outputs_open = 1;
+        } else {
+            device->outputs_open = 0;
+            if (offload_window_end_region(st, device) < 0)
+                return -1;
+        }
+    }
+    return 0;
+}
+
+/* A region whose inputs closed no region offloads its first outputs:
+ * the outputs of the region before, open on a device, end there. */
+static int
+close_open_outputs(mp_state *st)
+{
+    for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
+        offload_device *device = st->engine->cuda[i];
+        if (device == NULL || !device->outputs_open)
+            continue;
+        device->outputs_open = 0;
+        if (offload_window_end_region(st, device) < 0)
             return -1;
     }
     return 0;
@@ -239,11 +270,12 @@ hooks_active(mp_state *st)
     return active;
 }
 
-/* offload_save_inputs' work; `nested` says whether saved-tensor hooks
- * around the call (an outer checkpoint's) leave the tensors alone. */
+/* offload_save_inputs' work, or (`outputs`) offload_save_outputs': a
+ * region's inputs are left alone under saved-tensor hooks around the call
+ * (an outer checkpoint's); an op's outputs are saved under the region's own. */
 static int
 save_tensors(mp_state *st, PyObject *module, PyObject *function, PyObject *tensors, int enabled,
-             int nested, PyObject *saved, PyObject **group_out, PyObject **records_out)
+             int outputs, PyObject *saved, PyObject **group_out, PyObject **records_out)
 {
     Py_ssize_t n = PyList_GET_SIZE(tensors);
     *group_out = *records_out = NULL;
@@ -266,7 +298,7 @@ save_tensors(mp_state *st, PyObject *module, PyObject *function, PyObject *tenso
             input_info_clear(&infos[i]);
         candidates += eligible;
     }
-    int active = candidates > 0 && nested ? hooks_active(st) : 0;
+    int active = candidates > 0 && !outputs ? hooks_active(st) : 0;
     result = active < 0 ? -1 : 0;
     if (candidates == 0 || active != 0)
         goto done;
@@ -290,7 +322,7 @@ save_tensors(mp_state *st, PyObject *module, PyObject *function, PyObject *tenso
         Py_CLEAR(*group_out);
         goto done;
     }
-    if (end_regions(st, copies) < 0) {
+    if (end_regions(st, copies, outputs) < 0) {
         Py_CLEAR(*records_out);
         Py_CLEAR(*group_out);
         goto done;
@@ -315,16 +347,19 @@ offload_save_inputs(mp_state *st, PyObject *module, PyObject *function, PyObject
                     PyObject **records_out)
 {
     int enabled = offload_override < 0 ? st->engine->options.enabled : offload_override;
-    return save_tensors(st, module, function, tensors, enabled, 1, saved, group_out, records_out);
+    return save_tensors(st, module, function, tensors, enabled, 0, saved, group_out, records_out);
 }
 
 /* A selectively checkpointed op's outputs are saved inside the region,
  * under the region's own hooks: those do not see them, so they move. */
 int
-offload_save_outputs(mp_state *st, PyObject *module, PyObject *tensors, PyObject *saved,
-                     PyObject **group_out, PyObject **records_out)
+offload_save_outputs(mp_state *st, PyObject *module, PyObject *tensors, int opens_region,
+                     PyObject *saved, PyObject **group_out, PyObject **records_out)
 {
-    return save_tensors(st, module, Py_None, tensors, st->engine->options.enabled, 0, saved,
+    *group_out = *records_out = NULL;
+    if (opens_region && close_open_outputs(st) < 0)
+        return -1;
+    return save_tensors(st, module, Py_None, tensors, st->engine->options.enabled, 1, saved,
                         group_out, records_out);
 }
 

@@ -20,26 +20,23 @@ storage_copy_dealloc(StorageCopy *self)
     offload_engine *engine = self->module ? offload_engine_of(self->module) : NULL;
     if (engine != NULL) {
         /* the host buffer may still be read by a copy back or written by
-         * the copy out (a source released in stream order keeps its event):
-         * wait before the pool reuses it. A copy back was queued after the
-         * copy out, so waiting for it covers both. */
+         * the copy out (a source released in stream order keeps its
+         * event): it goes back with the event of the last one, and the
+         * pool reuses it once that completed, without a host wait. A copy
+         * back was queued after the copy out, so its event covers both. */
         void *last = self->h2d_done != NULL ? self->h2d_done : self->d2h_done;
-        if (last != NULL) {
-            Py_BEGIN_ALLOW_THREADS
-            (void)engine->rt->event_synchronize(last);
-            Py_END_ALLOW_THREADS
-        }
-        if (self->h2d_done != NULL)
-            offload_device_give_event(engine, self->device, self->h2d_done);
-        if (self->d2h_done != NULL) {
+        int had_block = self->block.ptr != NULL;
+        if (self->h2d_done != NULL && self->d2h_done != NULL)
             offload_device_give_event(engine, self->device, self->d2h_done);
-            copy_advance(self, COPY_COMPLETED);     /* the host waited for it above */
-        }
-        MP_ASSERT(self->state != COPY_QUEUED);
-        if (self->block.ptr != NULL) {
-            pool_release(engine->pool, &self->block);    /* return the host buffer */
+        self->h2d_done = self->d2h_done = NULL;
+        if (self->block.ptr != NULL && last != NULL)
+            offload_return_after(engine, self->device, &self->block, last);
+        else if (last != NULL)
+            offload_device_give_event(engine, self->device, last);
+        if (self->block.ptr != NULL)
+            pool_release(engine->pool, &self->block);   /* nothing copies it */
+        if (had_block)
             copy_advance(self, COPY_RETURNED);
-        }
     }
     /* a window holds a reference to every copy whose source it holds */
     MP_ASSERT(self->source == NULL);

@@ -37,23 +37,36 @@ copy_completed(offload_engine *engine, StorageCopy *copy)
     return done;
 }
 
-/* The producing stream waits for the copy, on the copy's device (its
- * NULL stream is that device's only while it is current), and the source
- * is marked used by the producer (the header's invariant). */
+/* Orders the reuse of a source's memory after its copy out, using live
+ * streams only: the producer handle is a key, never used once the call
+ * that queued the copy returned (an ExternalStream may be destroyed by
+ * then, as csrc/alloc treats its streams). When the producer is the
+ * device's current stream, that stream waits for the copy (on the copy's
+ * device: a NULL stream is that device's only while it is current) and the
+ * source is marked used by it (the header's invariant): memory is reused
+ * in stream order. Otherwise the source is marked used by the copy-out
+ * stream, which ran the copy: whichever stream allocated it reuses it
+ * once the copy-out stream passed it. */
 static int
 order_producer_after_copy(mp_state *st, StorageCopy *copy)
 {
     const cudart *rt = st->engine->rt;
     int index = copy->device->index, previous;
+    void *current;
+    if (offload_engine_current_stream(st, index, &current) < 0)
+        return -1;
+    if (current != copy->producer)
+        return st->engine->runtime->record_stream(st, copy->source, index,
+                                                  copy->device->copy_out);
     if (offload_engine_enter_device(st, index, &previous) < 0)
         return -1;
-    int failed = streams_check(rt, rt->stream_wait_event(copy->producer, copy->d2h_done, 0),
+    int failed = streams_check(rt, rt->stream_wait_event(current, copy->d2h_done, 0),
                                "cudaStreamWaitEvent (release after the copy out)");
     offload_engine_leave_device(st, index, previous);
     if (failed)
         return -1;
     copy->producer_waited = 1;
-    return st->engine->runtime->record_stream(st, copy->source, index, copy->producer);
+    return st->engine->runtime->record_stream(st, copy->source, index, current);
 }
 
 /* Retires a source: at once when its copy completed, else in stream order.
@@ -216,11 +229,16 @@ offload_window_drain(offload_engine *engine, offload_device *device)
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(device->in_flight); i++) {
         StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(device->in_flight, i);
         void *done = copy->d2h_done;
+        int status = CUDART_SUCCESS;
         if (done != NULL) {
             Py_BEGIN_ALLOW_THREADS
-            (void)engine->rt->event_synchronize(done);
+            status = engine->rt->event_synchronize(done);
             Py_END_ALLOW_THREADS
         }
+        /* nothing is left to undo: the source goes either way, and torch's
+         * next launch check must not find the failure */
+        if (status != CUDART_SUCCESS)
+            (void)engine->rt->get_last_error();
         MP_ASSERT(copy->source != NULL);
         MP_ASSERT(engine->device_bytes_in_flight >= copy->nbytes);
         engine->device_bytes_in_flight -= copy->nbytes;

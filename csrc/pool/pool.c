@@ -266,18 +266,24 @@ pool_acquire(pool *p, uint64_t bytes, pool_block *out)
     return ptr == NULL ? -1 : 0;
 }
 
-void
-pool_release(pool *p, pool_block *block)
+/* Takes an acquired block out of the in-use counters. Lock held. */
+static void
+unaccount_locked(pool *p, const pool_block *block)
 {
-    if (block->ptr == NULL)
-        return;
-    cached_buffer *node = block->fallback ? NULL : malloc(sizeof(*node));
     /* a block this pool handed out: its size is its request's class */
     MP_ASSERT(block->size == pool_class_size(block->requested));
-    pthread_mutex_lock(&p->lock);
     mp_counter_sub(&p->stats.bytes_in_use, block->size);
     mp_counter_sub(&p->stats.bytes_requested, block->requested);
     mp_counter_sub(&p->stats.blocks_in_use, 1);
+}
+
+/* Puts a block no longer counted in use into the cache; pageable memory,
+ * or a buffer with no memory for its cache entry, is freed instead. */
+static void
+cache_or_free(pool *p, pool_block *block)
+{
+    cached_buffer *node = block->fallback ? NULL : malloc(sizeof(*node));
+    pthread_mutex_lock(&p->lock);
     if (node != NULL) {
         *node = (cached_buffer){.ptr = block->ptr, .size = block->size};
         unsigned index = pool_class_index(block->size);
@@ -292,6 +298,32 @@ pool_release(pool *p, pool_block *block)
     else if (node == NULL)   /* no memory for a cache entry: give the buffer back */
         p->backend.free(p->backend.ctx, block->ptr, block->size);
     *block = (pool_block){0};
+}
+
+void
+pool_release(pool *p, pool_block *block)
+{
+    if (block->ptr == NULL)
+        return;
+    pool_release_pending(p, block);
+    cache_or_free(p, block);
+}
+
+void
+pool_release_pending(pool *p, pool_block *block)
+{
+    if (block->ptr == NULL)
+        return;
+    pthread_mutex_lock(&p->lock);
+    unaccount_locked(p, block);
+    pthread_mutex_unlock(&p->lock);
+}
+
+void
+pool_recycle(pool *p, pool_block *block)
+{
+    if (block->ptr != NULL)
+        cache_or_free(p, block);
 }
 
 uint64_t

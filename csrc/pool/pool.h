@@ -78,6 +78,17 @@ int pool_acquire(pool *p, uint64_t bytes, pool_block *out);
  * the backend. */
 int pool_acquire_cached(pool *p, uint64_t bytes, pool_block *out);
 void pool_release(pool *p, pool_block *block);
+/* A release in two steps, for a buffer a queued copy may still read or
+ * write (torch's CachingHostAllocator: counted free at once, reused once
+ * the copy's event completed): pool_release_pending() takes the block out
+ * of the in-use counters (its bytes stay reserved, outside the cache) and
+ * leaves it with the caller, who hands it to pool_recycle() once nothing
+ * uses it any more, which caches it (or frees it, as pool_release would)
+ * and zeroes it. Every pending block must be recycled before
+ * pool_destroy(). pool_recycle() calls the backend only where
+ * pool_release() does. */
+void pool_release_pending(pool *p, pool_block *block);
+void pool_recycle(pool *p, pool_block *block);
 
 /* Allocates up to `count` buffers for requests of `bytes` into the cache
  * now, so later acquisitions of that size class make no backend call;

@@ -114,12 +114,57 @@ test_recording_events_creates_reuses_and_cleans_up(void)
     CHECK(cudart_sim_get_stats().events_live == events);
 }
 
+static int
+sim_primary_context_active(int device, int *active)
+{
+    if (device < 0 || device >= CUDART_SIM_DEVICES)
+        return CUDART_ERROR_INVALID_DEVICE;
+    *active = cudart_sim_get_stats().has_context[device];
+    return CUDART_SUCCESS;
+}
+
+/* Leaving a device restores the previous one only where that creates no
+ * context: a thread on device 0, never used, that touched device 1 stays
+ * there (torch's MaybeSetDevice); a device with a context is restored. */
+static void
+test_leaving_creates_no_context(void)
+{
+    cudart with_driver = *rt;
+    with_driver.primary_context_active = sim_primary_context_active;
+    int previous = -2;
+    const char *failed = NULL;
+    cudart_sim_set_current_device(0);
+    cudart_sim_forget_contexts();          /* a new thread: on device 0, never used */
+    CHECK(cudart_enter_device(&with_driver, 1, &previous, &failed) == CUDART_SUCCESS);
+    CHECK(previous == 0 && cudart_sim_get_stats().has_context[1]);
+    cudart_leave_device(&with_driver, 1, previous);
+    CHECK(!cudart_sim_get_stats().has_context[0]);
+    CHECK(cudart_sim_current_device() == 1);
+    /* device 0 with a context: back to it */
+    cudart_sim_set_current_device(0);
+    void *stream = NULL;
+    CHECK(rt->stream_create(&stream, CUDART_STREAM_NON_BLOCKING) == CUDART_SUCCESS);
+    CHECK(cudart_sim_get_stats().has_context[0]);
+    CHECK(cudart_enter_device(&with_driver, 1, &previous, &failed) == CUDART_SUCCESS);
+    cudart_leave_device(&with_driver, 1, previous);
+    CHECK(cudart_sim_current_device() == 0);
+    rt->stream_destroy(stream);
+    /* an unanswered question restores, as before */
+    cudart_sim_set_current_device(0);
+    cudart_sim_forget_contexts();
+    CHECK(cudart_enter_device(rt, 1, &previous, &failed) == CUDART_SUCCESS);
+    cudart_leave_device(rt, 1, previous);
+    CHECK(cudart_sim_current_device() == 0);
+    CHECK(rt->get_last_error() == CUDART_SUCCESS);
+}
+
 int
 main(void)
 {
     rt = cudart_sim();
     test_host_memory_is_aligned_and_capped();
     test_entering_a_device_and_leaving_it();
+    test_leaving_creates_no_context();
     test_a_failure_is_described_and_cleared();
     test_recording_events_creates_reuses_and_cleans_up();
     return check_report("test_helpers");

@@ -59,6 +59,39 @@ test_reuse_makes_no_new_allocations(void)
     pool_destroy(p);
 }
 
+/* A buffer a copy may still use is counted free at once but is not handed
+ * out again until it is recycled (torch's host allocator: record at free,
+ * reuse once the event completed); its bytes stay reserved meanwhile. */
+static void
+test_pending_release_is_reused_only_once_recycled(void)
+{
+    pool_host_ctx ctx = {0};
+    pool *p = pool_create(pool_host_backend(&ctx), 0);
+    pool_block a, b, again, page;
+    CHECK(pool_acquire(p, 100000, &a) == 0);
+    void *first = a.ptr;
+    pool_release_pending(p, &a);
+    CHECK(a.ptr == first);                              /* still the caller's */
+    pool_stats stats = pool_get_stats(p);
+    CHECK(stats.bytes_in_use == 0 && stats.blocks_in_use == 0 && stats.bytes_requested == 0);
+    CHECK(stats.bytes_reserved == a.size && ctx.live_bytes == a.size);
+    CHECK(pool_acquire_cached(p, 100000, &b) == -1);    /* not in the cache */
+    CHECK(pool_acquire(p, 100000, &b) == 0 && b.ptr != first);
+    pool_recycle(p, &a);
+    CHECK(a.ptr == NULL);
+    CHECK(pool_acquire_cached(p, 100000, &again) == 0 && again.ptr == first);
+    pool_release(p, &again);
+    pool_release(p, &b);
+    /* pageable memory past the limit is freed when recycled, not cached */
+    pool_set_limit(p, 1);
+    CHECK(pool_acquire(p, 100000, &page) == 0 && page.fallback);
+    pool_release_pending(p, &page);
+    pool_recycle(p, &page);
+    stats = pool_get_stats(p);
+    CHECK(stats.bytes_in_use == 0 && stats.bytes_reserved == 0 && ctx.live_bytes == 0);
+    pool_destroy(p);
+}
+
 static void
 test_limit_falls_back_to_pageable_memory(void)
 {
@@ -396,6 +429,7 @@ main(void)
     test_reserve_fills_the_cache_within_the_limit();
     test_class_sizes_bound_waste();
     test_reuse_makes_no_new_allocations();
+    test_pending_release_is_reused_only_once_recycled();
     test_limit_falls_back_to_pageable_memory();
     test_backend_failure_drops_cache_then_falls_back();
     test_impossible_request_fails_cleanly();

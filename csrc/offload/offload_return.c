@@ -1,0 +1,109 @@
+/* Returning host buffers to the pool in stream order (torch's
+ * CachingHostAllocator: record at free, query at reuse).
+ *
+ * A StorageCopy that dies while a copy still reads or writes its host
+ * buffer does not make the host wait for that copy: it hands the buffer to
+ * its device with the event of the last such copy. The pool counts it
+ * free at once (pool_release_pending) and caches it again once the event
+ * is seen complete: when a span finds the pool's cache empty
+ * (offload_return_poll), when the pool's counters are read or its cache
+ * emptied, and, waiting for it, when the device goes away or the runtime
+ * changes. GIL held. */
+#include "offload_internal.h"
+#include "streams.h"
+
+#include <string.h>
+
+/* Gives the oldest entry's buffer to the pool and its event to the spares. */
+static void
+return_first(offload_engine *engine, offload_device *device)
+{
+    MP_ASSERT(device->returning_count > 0);
+    returning_block *first = &device->returning[0];
+    pool_recycle(engine->pool, &first->block);
+    offload_device_give_event(engine, device, first->event);
+    device->returning_count--;
+    memmove(device->returning, device->returning + 1,
+            (size_t)device->returning_count * sizeof(*device->returning));
+}
+
+/* The host waits for `event` without the GIL; a failure has nothing left
+ * to undo (the device is going away, or the buffer could not be queued):
+ * it is cleared from the thread's last error, where torch would find it. */
+static void
+wait_for(offload_engine *engine, void *event)
+{
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = engine->rt->event_synchronize(event);
+    Py_END_ALLOW_THREADS
+    if (status != CUDART_SUCCESS)
+        (void)engine->rt->get_last_error();
+}
+
+void
+offload_return_after(offload_engine *engine, offload_device *device, pool_block *block,
+                     void *event)
+{
+    MP_ASSERT(block->ptr != NULL && event != NULL);
+    if (device->returning_count == device->returning_capacity) {
+        int capacity = device->returning_capacity ? 2 * device->returning_capacity : 16;
+        returning_block *grown =
+            PyMem_Realloc(device->returning, (size_t)capacity * sizeof(*grown));
+        if (grown == NULL) {
+            /* no memory to remember it: the one host wait left */
+            wait_for(engine, event);
+            pool_release(engine->pool, block);
+            offload_device_give_event(engine, device, event);
+            return;
+        }
+        device->returning = grown;
+        device->returning_capacity = capacity;
+    }
+    pool_release_pending(engine->pool, block);
+    device->returning[device->returning_count++] = (returning_block){*block, event};
+    *block = (pool_block){0};
+}
+
+/* Events of one device's copy streams complete roughly in the order the
+ * copies died: the first one not complete ends the walk (as torch's host
+ * allocator stops at its first event not ready), so a lagging GPU costs
+ * one query. A failing query is cleared and ends the walk too: the buffer
+ * stays until the device goes. */
+int
+offload_return_poll(offload_engine *engine, offload_device *device)
+{
+    int returned = 0;
+    while (device->returning_count > 0) {
+        int status;
+        int done = cudart_event_done(engine->rt, device->returning[0].event, &status);
+        if (done < 0)
+            (void)engine->rt->get_last_error();
+        if (done <= 0)
+            break;
+        return_first(engine, device);
+        returned++;
+    }
+    return returned;
+}
+
+void
+offload_return_poll_all(offload_engine *engine)
+{
+    for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
+        if (engine->cuda[i] != NULL)
+            (void)offload_return_poll(engine, engine->cuda[i]);
+    }
+}
+
+void
+offload_return_drain(offload_engine *engine, offload_device *device)
+{
+    while (device->returning_count > 0) {
+        wait_for(engine, device->returning[0].event);
+        return_first(engine, device);
+    }
+    PyMem_Free(device->returning);
+    device->returning = NULL;
+    device->returning_capacity = 0;
+}
