@@ -62,7 +62,10 @@ def let_go() -> Outcome:
 def fresh_memory_step(model: nn.Module, x: torch.Tensor) -> Outcome:
     """A segment of its own for a large tensor (cudaMalloc), returned by
     matepoint's allocator once the tensor died (cudaFree); then a step."""
-    big = torch.empty(64 << 20, dtype=torch.uint8)
+    try:
+        big = torch.empty(64 << 20, dtype=torch.uint8)
+    except torch.OutOfMemoryError as error:    # its cudaMalloc failed
+        return None, f"{type(error).__name__}: {error}"
     del big
     library, _, _ = sim._attach()
     library.matepoint_reset()
