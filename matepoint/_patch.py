@@ -17,7 +17,9 @@ code objects back: nothing else was changed, so the undo is exact.
 Under ``torch.compile`` Dynamo recognises torch's checkpoint by identity and
 traces the region as its own higher-order op without running the function, so
 compiled code keeps torch's (compiled) checkpointing; eager calls go to
-matepoint.
+matepoint, and so does a region Dynamo cannot trace (a graph break inside):
+Dynamo then calls the function eagerly, and the trampoline is marked so that
+Dynamo runs it and all below it untraced, as it runs torch's original.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import threading
 import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
 
 # checkpoint options of torch's curried form (torch 2.14: checkpoint(use_reentrant=False)(fn))
 from matepoint._C import CHECKPOINT_KEYWORDS as _CURRY_OPTIONS
@@ -154,7 +158,27 @@ def _trampoline(target: types.FunctionType, route: Callable[..., Any]) -> types.
         "co_consts": tuple(route if const == _ROUTE else const for const in made.co_consts)}
     if hasattr(code, "co_qualname"):  # Python 3.11 and newer
         changes["co_qualname"] = code.co_qualname
-    return made.replace(**changes)
+    trampoline = made.replace(**changes)
+    _skip_in_dynamo(trampoline)
+    return trampoline
+
+
+def _skip_in_dynamo(code: types.CodeType) -> None:
+    """Dynamo runs ``code``, and all it calls, without tracing it.
+
+    torch's checkpoint is ``torch._disable_dynamo``-d: when a compiled
+    function calls it eagerly (Dynamo traces a region as its own op unless
+    the region has a graph break), nothing below it is compiled. The
+    trampoline must do the same: Dynamo would otherwise try to compile it as
+    a frame of its own and fail on the route, a function held as a constant.
+    Marking the code object needs only torch's C module, not torch._dynamo.
+    """
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    action = getattr(eval_frame, "_FrameAction", None)
+    if action is None or not hasattr(eval_frame, "set_code_exec_strategy"):
+        return  # a torch without per-code strategies: without Dynamo's too
+    strategy = eval_frame._FrameExecStrategy(action.SKIP, action.SKIP)
+    eval_frame.set_code_exec_strategy(code, strategy)
 
 
 def _targets() -> List[Tuple[types.FunctionType, Callable[..., Any]]]:

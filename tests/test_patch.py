@@ -177,3 +177,40 @@ def test_curried_form_of_torch_214() -> None:
     assert seen == [False, True]
     assert torch.equal(x.grad, 2 * x.detach().cos())
     assert wrapped.__name__ == "fn"
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compiled_region_with_a_graph_break_runs_matepoint(backend) -> None:
+    # Dynamo cannot trace a region with a graph break as torch's checkpoint op and
+    # calls torch's checkpoint eagerly: under the patch that is matepoint's,
+    # which Dynamo must run untraced, as it runs torch's (issue 35 item 2)
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    recomputes = Recomputes()
+
+    def block(t):
+        recomputes()
+        torch._dynamo.graph_break()
+        return lin(t)
+
+    def step():
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        compiled(x).sum().backward()
+        found = [x.grad, lin.weight.grad.clone(), lin.bias.grad.clone()]
+        lin.zero_grad(set_to_none=True)
+        return found
+
+    compiled = torch.compile(lambda x: torch_checkpoint.checkpoint(
+        block, x.cos(), use_reentrant=False).sin(), backend=backend)
+    try:
+        expected = step()                                 # torch's checkpoint
+        assert recomputes.count == 0
+        with matepoint.patch_torch_checkpoint():
+            got = step()
+        assert recomputes.count == 1
+    finally:
+        torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
