@@ -1,10 +1,12 @@
 """matepoint.patch_torch_checkpoint: torch's checkpoint runs matepoint's for
 libraries imported before the patch and after it, and the undo is exact."""
+import functools
 import importlib
 import inspect
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -214,3 +216,79 @@ def test_compiled_region_with_a_graph_break_runs_matepoint(backend) -> None:
     finally:
         torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+class Layers:
+    """A user's sequence: only len() and [index], as torch's checkpoint_sequential uses."""
+
+    def __init__(self, modules) -> None:
+        self.modules = list(modules)
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __getitem__(self, index):
+        return self.modules[index]
+
+
+def sequential_layers():
+    torch.manual_seed(0)
+    return [nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4), nn.ReLU()]
+
+
+@pytest.mark.parametrize("container", [nn.ModuleList, lambda m: nn.Sequential(*m), list, tuple,
+                                       Layers],
+                         ids=["ModuleList", "Sequential", "list", "tuple", "a-sequence"])
+@pytest.mark.parametrize("segments", [2, 3, np.int64(2), torch.tensor(3)], ids=str)
+def test_checkpoint_sequential_takes_what_torch_takes(container, segments) -> None:
+    # torch's own test_checkpoint_module_list, plus every sequence torch's takes
+    # (issue 35 item 3); the same under the patch
+    layers = sequential_layers()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def grads(run):
+        out = run(container(layers), segments, x)
+        out.sum().backward()
+        found = [out.detach(), x.grad.clone()] + [p.grad.clone() for m in layers
+                                                  for p in m.parameters()]
+        x.grad = None
+        for module in layers:
+            module.zero_grad(set_to_none=True)
+        return found
+
+    counter = Recomputes()
+    hooks = [m.register_forward_hook(counter) for m in layers]
+    expected = grads(functools.partial(torch_checkpoint.checkpoint_sequential,
+                                       use_reentrant=False))
+    assert counter.count == 0
+    got = grads(matepoint.checkpoint_sequential)
+    direct = counter.count
+    with matepoint.patch_torch_checkpoint():
+        patched = grads(functools.partial(torch_checkpoint.checkpoint_sequential,
+                                          use_reentrant=False))
+    for handle in hooks:
+        handle.remove()
+    assert direct > 0 and counter.count == 2 * direct      # matepoint's recomputes, twice
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert all(torch.equal(a, b) for a, b in zip(expected, patched))
+
+
+@pytest.mark.parametrize("functions,segments,kwargs", [
+    ((f for f in sequential_layers()), 2, {}),        # no len(): TypeError
+    ([nn.ReLU(), 3], 1, {}),                          # an element not callable: TypeError
+    (nn.ModuleDict({"a": nn.ReLU()}), 1, {}),          # [0] of a ModuleDict: KeyError
+    (sequential_layers(), 7, {}),                     # more segments than functions
+    ([], 1, {}),                                      # nothing to run: ValueError
+    (sequential_layers(), 1.5, {}),                   # not an int: TypeError
+    (sequential_layers(), 2, {"bogus": 1}),           # Unexpected keyword arguments
+], ids=["generator", "not-callable", "module-dict", "too-many", "empty", "float", "keyword"])
+def test_checkpoint_sequential_raises_where_torch_raises(functions, segments, kwargs) -> None:
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(Exception) as theirs:
+        torch_checkpoint.checkpoint_sequential(functions, segments, x, use_reentrant=False,
+                                               **kwargs)
+    with pytest.raises(Exception) as ours:
+        matepoint.checkpoint_sequential(functions, segments, x, **kwargs)
+    assert ours.type is theirs.type
+    assert "checkpoint_sequential" in str(ours.value) or ours.type is KeyError or \
+        str(ours.value) == str(theirs.value)
