@@ -71,11 +71,8 @@ def checkpoint_sequential(
     the last is checkpointed, so only segment inputs are kept during forward.
 
     Args:
-        functions: an ``nn.Sequential``, or a list, tuple, ``nn.ModuleList``
-            or any other sequence (``len()`` and ``[index]``) of callables,
-            run in order.
-        segments: how many chunks to split them into: an int (numpy's or a
-            0-dim integer tensor too) from 1 to the number of functions.
+        functions: an ``nn.Sequential``, or any sequence of callables, run in order.
+        segments: how many chunks to split them into (an int from 1 to their number).
         input: what the first function receives.
         use_reentrant: as in :func:`matepoint.checkpoint` (True warns once and
             still runs the non-reentrant way).

@@ -3,8 +3,11 @@ libraries imported before the patch and after it, and the undo is exact."""
 import functools
 import importlib
 import inspect
+import os
+import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -292,3 +295,94 @@ def test_checkpoint_sequential_raises_where_torch_raises(functions, segments, kw
     assert ours.type is theirs.type
     assert "checkpoint_sequential" in str(ours.value) or ours.type is KeyError or \
         str(ours.value) == str(theirs.value)
+
+
+# a worker module that never imports matepoint: only the patch can bring it
+WORKER = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.utils.checkpoint as tuc
+
+    def work(rank, out):
+        counted = []
+
+        def block(t):
+            mp = sys.modules.get("matepoint")
+            counted.append(bool(mp is not None and mp.is_recomputing()))
+            return torch.tanh(t * (rank + 1))
+
+        x = torch.randn(3, requires_grad=True)
+        tuc.checkpoint(block, x, use_reentrant=False).sum().backward()
+        with open(f"{out}/{rank}", "w") as handle:
+            handle.write(str(sum(counted)))
+""")
+
+
+def spawn_workers(tmp_path, patched: bool) -> list:
+    import torch.multiprocessing as torch_mp
+
+    (tmp_path / "mp_worker.py").write_text(WORKER)
+    out = tmp_path / ("patched" if patched else "plain")
+    out.mkdir()
+    sys.path.insert(0, str(tmp_path))          # the children get the parent's sys.path
+    try:
+        import mp_worker
+        if patched:
+            with matepoint.patch_torch_checkpoint():
+                torch_mp.spawn(mp_worker.work, args=(str(out),), nprocs=2)
+        else:
+            torch_mp.spawn(mp_worker.work, args=(str(out),), nprocs=2)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("mp_worker", None)
+    return [int((out / str(rank)).read_text()) for rank in range(2)]
+
+
+def test_spawned_workers_get_the_patch(tmp_path, monkeypatch) -> None:
+    # issue 35 item 4: mp.spawn (and Lightning's ddp_spawn, through
+    # torch.multiprocessing.start_processes) under the patch ran torch's checkpoint
+    monkeypatch.delenv(matepoint._patch.ENVIRONMENT, raising=False)
+    saved = originals()
+    assert spawn_workers(tmp_path, patched=False) == [0, 0]
+    assert spawn_workers(tmp_path, patched=True) == [1, 1]   # one recompute each
+    assert matepoint._patch.ENVIRONMENT not in os.environ    # taken back with the patch
+    assert all(f.__code__ is code for f, code in saved)
+
+
+def test_the_environment_variable_patches_at_import_and_while_patched(monkeypatch) -> None:
+    variable = matepoint._patch.ENVIRONMENT
+    monkeypatch.delenv(variable, raising=False)
+    with matepoint.patch_torch_checkpoint():
+        assert os.environ[variable] == "1"                   # inherited by children
+        with matepoint.patch_torch_checkpoint():
+            pass
+        assert os.environ[variable] == "1"
+    assert variable not in os.environ
+    script = ("import matepoint, torch.utils.checkpoint as t; "
+              "print(matepoint.torch_checkpoint_patched(), t.checkpoint.__code__.co_filename)")
+    for value, expected in (("1", "True <matepoint.patch_torch_checkpoint>"),
+                            ("0", "False")):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                env={**os.environ, variable: value}, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.startswith(expected)
+    monkeypatch.setenv(variable, "maybe")
+    with pytest.raises(ValueError, match=r"MATEPOINT_PATCH_TORCH_CHECKPOINT='maybe': expected "
+                                         r"one of 1/0"):
+        matepoint._patch.patch_from_environment()
+    assert not matepoint.torch_checkpoint_patched()
+
+
+def test_a_patch_that_cannot_reach_spawned_children_warns(monkeypatch) -> None:
+    import torch.multiprocessing as torch_mp
+
+    monkeypatch.setenv(matepoint._patch.ENVIRONMENT, "0")   # the user's explicit no
+    with matepoint.patch_torch_checkpoint():
+        with pytest.warns(UserWarning, match=r"MATEPOINT_PATCH_TORCH_CHECKPOINT='0': the "
+                                             r"processes started with 'spawn' run torch's") as w:
+            torch_mp.spawn(print, nprocs=0)                  # starts nothing
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch_mp.start_processes(print, nprocs=0, start_method="fork")  # inherits it
+    assert w[0].filename == __file__
+    assert os.environ[matepoint._patch.ENVIRONMENT] == "0"
