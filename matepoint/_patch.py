@@ -299,9 +299,11 @@ class TorchCheckpointPatch:
 _lock = threading.Lock()
 _active: List[TorchCheckpointPatch] = []
 _saved: List[Tuple[types.FunctionType, types.CodeType]] = []
-# whether the first patch set MATEPOINT_PATCH_TORCH_CHECKPOINT (the last undo removes it)
+# whether the first patch set MATEPOINT_PATCH_TORCH_CHECKPOINT (the last undo
+# removes it); read and written under _lock, like _active and _saved
 _environment_set = False
-# the patch MATEPOINT_PATCH_TORCH_CHECKPOINT made at import, if any
+# the patch MATEPOINT_PATCH_TORCH_CHECKPOINT made; written only by
+# patch_from_environment at import matepoint, under Python's import lock
 _from_environment: Optional[TorchCheckpointPatch] = None
 
 
