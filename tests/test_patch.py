@@ -184,12 +184,15 @@ def test_curried_form_of_torch_214() -> None:
     assert wrapped.__name__ == "fn"
 
 
+@pytest.mark.parametrize("graph_break", [True, False], ids=["graph-break", "traced"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_compiled_region_with_a_graph_break_runs_matepoint(backend) -> None:
+def test_compiled_region_with_a_graph_break_runs_matepoint(backend, graph_break) -> None:
     # Dynamo cannot trace a region with a graph break as torch's checkpoint op and
     # calls torch's checkpoint eagerly: under the patch that is matepoint's,
-    # which Dynamo must run untraced, as it runs torch's (issue 35 item 2)
+    # which Dynamo must run untraced, as it runs torch's (issue 35 item 2).
+    # A region it can trace stays torch's compiled checkpoint (README).
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -197,8 +200,9 @@ def test_compiled_region_with_a_graph_break_runs_matepoint(backend) -> None:
     recomputes = Recomputes()
 
     def block(t):
-        recomputes()
-        torch._dynamo.graph_break()
+        if graph_break:
+            recomputes()
+            torch._dynamo.graph_break()
         return lin(t)
 
     def step():
@@ -213,9 +217,12 @@ def test_compiled_region_with_a_graph_break_runs_matepoint(backend) -> None:
     try:
         expected = step()                                 # torch's checkpoint
         assert recomputes.count == 0
+        counters.clear()
         with matepoint.patch_torch_checkpoint():
             got = step()
-        assert recomputes.count == 1
+        assert recomputes.count == (1 if graph_break else 0)
+        # traced: one graph, torch's checkpoint op in it, nothing called eagerly
+        assert graph_break or not counters["graph_break"]
     finally:
         torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
