@@ -1,5 +1,7 @@
-"""torch.compile around and inside matepoint.checkpoint: exact gradients, and
-the graph break at a checkpoint is deliberate and silent."""
+"""torch.compile around and inside matepoint.checkpoint: exact gradients with
+every backend and shape (regions around user modules, in a loop or not, with
+graph breaks inside, compiled blocks inside regions), and the graph break at
+a checkpoint is deliberate and silent."""
 import subprocess
 import sys
 import textwrap
