@@ -24,7 +24,9 @@ from __future__ import annotations
 #   sys.meta_path, and leaves once it has marked checkpoint for Dynamo
 #   (importing Dynamo ourselves would cost more than a second: _compile.py).
 # torch's own modules, hooks and checkpoint are left as they are; the patch
-# of torch.utils.checkpoint is only made on request (_patch.py).
+# of torch.utils.checkpoint is only made on request (_patch.py): by a call,
+# or by MATEPOINT_PATCH_TORCH_CHECKPOINT=1 in the environment at import,
+# which a patched parent hands its spawned children.
 import sys
 import types
 from typing import Any, Dict
@@ -47,6 +49,7 @@ from matepoint._options import Options, settings as _settings
 from matepoint._options import show_int as _show_int
 from matepoint._patch import (TorchCheckpointPatch, patch_torch_checkpoint,
                               torch_checkpoint_patched, unpatch_torch_checkpoint)
+from matepoint._patch import patch_from_environment as _patch_from_environment
 from matepoint._planner import Plan, PlanError, PlannedBlock, auto_checkpoint, plan
 from matepoint._sequential import checkpoint_sequential
 
@@ -146,3 +149,4 @@ class _Module(types.ModuleType):
 # __getattr__ covers reads only)
 sys.modules[__name__].__class__ = _Module
 _compile.install()
+_patch_from_environment()

@@ -7,6 +7,8 @@ be compiled on their own. Left alone, Dynamo says so with a multi-line
 warning asking the user to file a bug. Here the break is made deliberate:
 Dynamo is told to trace a small stand-in that calls a
 ``torch.compiler.disable``-d function, which it skips without a warning.
+The region itself runs without Dynamo in the forward and in the recompute
+alike whoever calls it (csrc/checkpoint/no_dynamo.c says why).
 
 Importing torch._dynamo costs more than a second, so nothing here imports
 it: the stand-in is registered when something else imports it (as

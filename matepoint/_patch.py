@@ -17,20 +17,35 @@ code objects back: nothing else was changed, so the undo is exact.
 Under ``torch.compile`` Dynamo recognises torch's checkpoint by identity and
 traces the region as its own higher-order op without running the function, so
 compiled code keeps torch's (compiled) checkpointing; eager calls go to
-matepoint.
+matepoint, and so does a region Dynamo cannot trace (a graph break inside):
+Dynamo then calls the function eagerly, and the trampoline is marked so that
+Dynamo runs it and all below it untraced, as it runs torch's original.
+
+A patch lives in one process's memory: children started with spawn or
+forkserver begin without it. While patched, ``MATEPOINT_PATCH_TORCH_CHECKPOINT=1``
+is set in ``os.environ`` (children inherit it, and ``import matepoint`` reads
+it), and ``torch.multiprocessing.start_processes`` (``mp.spawn``, Lightning's
+``ddp_spawn``) hands each child its function wrapped in an object of this
+module, so unpickling it imports matepoint before the function runs.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
+import os
+import sys
 import threading
 import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
+
 # checkpoint options of torch's curried form (torch 2.14: checkpoint(use_reentrant=False)(fn))
 from matepoint._C import CHECKPOINT_KEYWORDS as _CURRY_OPTIONS
 from matepoint._C import checkpoint as _checkpoint
+from matepoint._options import _FALSE, _TRUE
 from matepoint._sequential import checkpoint_sequential as _checkpoint_sequential
 
 log = logging.getLogger("matepoint")
@@ -92,6 +107,59 @@ def route_checkpoint_sequential(functions: Any, segments: Any, input: Any,
     return _checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)
 
 
+ENVIRONMENT = "MATEPOINT_PATCH_TORCH_CHECKPOINT"
+
+
+class _PatchedInChild:
+    """The function a spawned child runs, carrying the patch into the child.
+
+    Unpickling this object in the child imports matepoint, which reads
+    MATEPOINT_PATCH_TORCH_CHECKPOINT (inherited from the parent) and patches
+    torch's checkpoint before ``function`` runs, even when nothing else the
+    child loads imports matepoint.
+    """
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+
+# torch.multiprocessing.start_processes' own code, as a function of its own,
+# while the patch is in force (set and cleared under _lock)
+_start_processes: Optional[Callable[..., Any]] = None
+
+
+def _outside_torch_multiprocessing() -> int:
+    """The stacklevel naming the first caller past torch.multiprocessing (mp.spawn's)."""
+    folder = os.path.dirname(importlib.import_module("torch.multiprocessing").__file__ or "")
+    frame = sys._getframe(2)   # past this and route_start_processes: the trampoline
+    level = 2
+    while frame is not None and (frame.f_code.co_filename.startswith(folder + os.sep) or
+                                 frame.f_code.co_filename == _FILE_NAME):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def route_start_processes(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """What ``torch.multiprocessing.start_processes`` runs while patched."""
+    original = _start_processes
+    if original is None:  # unpatched meanwhile by another thread: torch's own again
+        import torch.multiprocessing as torch_mp
+        return torch_mp.start_processes(function, *args, **kwargs)
+    start_method = kwargs.get("start_method", args[4] if len(args) > 4 else "spawn")
+    if start_method != "fork":
+        if os.environ.get(ENVIRONMENT, "").strip().lower() not in _TRUE:
+            warnings.warn(f"patch_torch_checkpoint() is in force but {ENVIRONMENT}="
+                          f"{os.environ.get(ENVIRONMENT)!r}: the processes started with "
+                          f"{start_method!r} run torch's checkpoint, not matepoint's",
+                          UserWarning, stacklevel=_outside_torch_multiprocessing())
+        else:
+            function = _PatchedInChild(function)
+    return original(function, *args, **kwargs)
+
+
 def _parameters(code: types.CodeType) -> Tuple[str, str]:
     """The parameter list of ``code`` and the call passing each one on, as source."""
     names = code.co_varnames
@@ -119,6 +187,7 @@ def _parameters(code: types.CodeType) -> Tuple[str, str]:
     return ", ".join(params), ", ".join(call)
 
 
+_FILE_NAME = "<matepoint.patch_torch_checkpoint>"  # the trampolines' co_filename
 _ROUTE = "matepoint: the route"  # placeholder constant, replaced by the route itself
 
 
@@ -144,7 +213,7 @@ def _trampoline(target: types.FunctionType, route: Callable[..., Any]) -> types.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SyntaxWarning)  # "str is not callable": swapped below
         # a file name of its own: tracebacks must not show lines of this file
-        exec(compile(source, "<matepoint.patch_torch_checkpoint>", "exec"),  # noqa: S102
+        exec(compile(source, _FILE_NAME, "exec"),  # noqa: S102
              namespace)
     made = namespace["_factory"](*([None] * len(free)))
     if made.co_consts.count(_ROUTE) != 1:
@@ -154,7 +223,27 @@ def _trampoline(target: types.FunctionType, route: Callable[..., Any]) -> types.
         "co_consts": tuple(route if const == _ROUTE else const for const in made.co_consts)}
     if hasattr(code, "co_qualname"):  # Python 3.11 and newer
         changes["co_qualname"] = code.co_qualname
-    return made.replace(**changes)
+    trampoline = made.replace(**changes)
+    _skip_in_dynamo(trampoline)
+    return trampoline
+
+
+def _skip_in_dynamo(code: types.CodeType) -> None:
+    """Dynamo runs ``code``, and all it calls, without tracing it.
+
+    torch's checkpoint is ``torch._disable_dynamo``-d: when a compiled
+    function calls it eagerly (Dynamo traces a region as its own op unless
+    the region has a graph break), nothing below it is compiled. The
+    trampoline must do the same: Dynamo would otherwise try to compile it as
+    a frame of its own and fail on the route, a function held as a constant.
+    Marking the code object needs only torch's C module, not torch._dynamo.
+    """
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    action = getattr(eval_frame, "_FrameAction", None)
+    if action is None or not hasattr(eval_frame, "set_code_exec_strategy"):
+        return  # a torch without per-code strategies: without Dynamo's too
+    strategy = eval_frame._FrameExecStrategy(action.SKIP, action.SKIP)
+    eval_frame.set_code_exec_strategy(code, strategy)
 
 
 def _targets() -> List[Tuple[types.FunctionType, Callable[..., Any]]]:
@@ -172,7 +261,22 @@ def _targets() -> List[Tuple[types.FunctionType, Callable[..., Any]]]:
         while isinstance(function, types.FunctionType):
             found.append((function, route))
             function = getattr(function, "__wrapped__", None)
+    # the module, not the function torch.multiprocessing.spawn shadows it with
+    torch_spawn = importlib.import_module("torch.multiprocessing.spawn")
+    # optional: a torch without it, or one whose start_processes is no plain
+    # function, keeps its own (children then need the environment variable)
+    start = getattr(torch_spawn, "start_processes", None)
+    if isinstance(start, types.FunctionType):
+        found.append((start, route_start_processes))
     return found
+
+
+def _copy_of(function: types.FunctionType) -> types.FunctionType:
+    """A new function object running ``function``'s current code."""
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
 
 
 class TorchCheckpointPatch:
@@ -195,6 +299,12 @@ class TorchCheckpointPatch:
 _lock = threading.Lock()
 _active: List[TorchCheckpointPatch] = []
 _saved: List[Tuple[types.FunctionType, types.CodeType]] = []
+# whether the first patch set MATEPOINT_PATCH_TORCH_CHECKPOINT (the last undo
+# removes it); read and written under _lock, like _active and _saved
+_environment_set = False
+# the patch MATEPOINT_PATCH_TORCH_CHECKPOINT made; written only by
+# patch_from_environment at import matepoint, under Python's import lock
+_from_environment: Optional[TorchCheckpointPatch] = None
 
 
 def patch_torch_checkpoint() -> TorchCheckpointPatch:
@@ -207,16 +317,23 @@ def patch_torch_checkpoint() -> TorchCheckpointPatch:
     code imported later. Calls with ``use_reentrant=True`` get matepoint's
     non-reentrant result (warned once). Nested calls are counted; the original
     functions come back when the last patch is undone, by
-    :func:`unpatch_torch_checkpoint` or by leaving ``with
-    matepoint.patch_torch_checkpoint():``. Compiled regions keep torch's own.
+    :func:`unpatch_torch_checkpoint` or leaving ``with patch_torch_checkpoint():``
+    (compiled regions and spawned workers: see the README).
     """
+    global _start_processes, _environment_set
     with _lock:
         if not _active:
             targets = _targets()
             trampolines = [_trampoline(function, route) for function, route in targets]
-            for (function, _), code in zip(targets, trampolines):
+            for (function, route), code in zip(targets, trampolines):
+                if route is route_start_processes:
+                    _start_processes = _copy_of(function)
                 _saved.append((function, function.__code__))
                 function.__code__ = code
+            # inherited by every child started from now on (spawned ones included)
+            if ENVIRONMENT not in os.environ:
+                os.environ[ENVIRONMENT] = "1"
+                _environment_set = True
             log.debug("matepoint: torch.utils.checkpoint now runs matepoint.checkpoint")
         handle = TorchCheckpointPatch()
         _active.append(handle)
@@ -233,7 +350,18 @@ def _release(handle: TorchCheckpointPatch) -> None:
             while _saved:
                 function, code = _saved.pop()
                 function.__code__ = code
+            _release_environment()
             log.debug("matepoint: torch.utils.checkpoint restored")
+
+
+def _release_environment() -> None:
+    """Children started from now on run torch's checkpoint again (_lock held)."""
+    global _start_processes, _environment_set
+    _start_processes = None
+    if _environment_set:
+        _environment_set = False
+        if os.environ.get(ENVIRONMENT) == "1":
+            del os.environ[ENVIRONMENT]
 
 
 def unpatch_torch_checkpoint() -> None:
@@ -253,3 +381,26 @@ def unpatch_torch_checkpoint() -> None:
 def torch_checkpoint_patched() -> bool:
     """Whether torch's checkpoint currently runs matepoint's."""
     return bool(_active)
+
+
+def patch_from_environment() -> None:
+    """Patch now if MATEPOINT_PATCH_TORCH_CHECKPOINT is set to a true value.
+
+    Called at ``import matepoint``: a process that inherits the variable (a
+    spawned worker of a patched parent, or a job started with it set) runs
+    matepoint's checkpoint wherever torch's is called, for its whole life
+    (``unpatch_torch_checkpoint()`` undoes it). 1/true/yes/on patch,
+    0/false/no/off or empty do not; anything else raises ValueError.
+    """
+    global _from_environment
+    text = os.environ.get(ENVIRONMENT)
+    if text is None:
+        return
+    lowered = text.strip().lower()
+    if lowered in _FALSE or not lowered:
+        return
+    if lowered not in _TRUE:
+        raise ValueError(f"{ENVIRONMENT}={text!r}: expected one of 1/0, true/false, yes/no, "
+                         "on/off")
+    if _from_environment is None or not _from_environment.active:
+        _from_environment = patch_torch_checkpoint()

@@ -2,6 +2,7 @@
 (no download): gradients, train/eval switches, generation, errors."""
 import contextlib
 import functools
+import inspect
 import warnings
 
 import pytest
@@ -294,3 +295,81 @@ def test_trainer_with_checkpointing_keeps_matepoint(argument) -> None:
         got = trainer_run(model, **{argument: True})
     assert counts.count > 0
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@torch.compiler.disable
+def _eagerly(function, *args, **kwargs):
+    """A layer's checkpoint function that runs the layer eagerly and keeps everything."""
+    return function(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compiled_model_after_enable(backend) -> None:
+    # issue 35 item 1: torch.compile(model) after enable failed in backward with
+    # aot_eager and inductor (layers compiled in the forward, eager in the recompute)
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    # inductor's CPU kernels add up across threads in an order that differs run to run
+    # (two runs of the same compiled model differ in the last bits at step 2): one thread
+    torch.set_num_threads(1)
+    try:
+        # the same compiled code around the layers; the layers eager, not checkpointed
+        reference = fresh(llama)
+        torch_checkpointing(reference)
+        for layer in layers_of(reference):
+            layer._gradient_checkpointing_func = _eagerly
+        expected = loss_and_grads(torch.compile(reference, backend=backend))
+        model = matepoint.enable(fresh(llama))
+        counts = Recomputes(model)
+        got = loss_and_grads(torch.compile(model, backend=backend))
+        plain = matepoint.enable(fresh(llama))
+        uncompiled_counts = Recomputes(plain)
+        uncompiled = loss_and_grads(plain)
+    finally:
+        torch._dynamo.reset()
+        torch.set_num_threads(threads)
+    assert counts.count == uncompiled_counts.count > 0
+    for reference_run in [expected] + ([uncompiled] if backend != "inductor" else []):
+        assert all(torch.equal(a, b) for a, b in zip(reference_run[0], got[0]))
+        assert all(torch.equal(a, b) for a, b in zip(reference_run[1], got[1]))
+
+
+def test_transformers_offload_is_served_by_matepoint(monkeypatch) -> None:
+    # transformers 5's activation_checkpointing_enable(offload=True) wraps torch's
+    # checkpoint in save_on_cpu (copies on the compute stream); after enable the
+    # layers run matepoint's checkpoint, which offloads checkpoint inputs itself
+    if "offload" not in inspect.signature(
+            getattr(transformers.PreTrainedModel, "activation_checkpointing_enable",
+                    lambda self: None)).parameters:
+        pytest.skip("this transformers has no activation_checkpointing_enable(offload=)")
+    import transformers.modeling_utils as modeling_utils
+
+    entered = []
+
+    class SpyOnCpu(torch.autograd.graph.save_on_cpu):
+        def __init__(self, pin_memory=False, device_type="cuda"):
+            super().__init__(pin_memory=False, device_type=device_type)  # no pinning on CPU
+
+        def __enter__(self):
+            entered.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(modeling_utils, "save_on_cpu", SpyOnCpu)
+    reference = fresh(llama)
+    reference.activation_checkpointing_enable(offload=True)
+    expected = loss_and_grads(reference)                  # transformers' own offload
+    assert entered
+    entered.clear()
+    model = matepoint.enable(fresh(llama))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # no warning: an info log only
+        model.activation_checkpointing_enable(offload=True)
+    assert all(layer._gradient_checkpointing_func.func is matepoint.checkpoint
+               for layer in layers_of(model))
+    counts = Recomputes(model)
+    got = loss_and_grads(model)
+    assert not entered and counts.count > 0
+    assert all(torch.equal(a, b) for a, b in zip(expected[0], got[0]))
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))

@@ -62,6 +62,7 @@ typedef struct mp_state {
                                       or NULL (torch before 2.14) */
     PyObject *hooks_below;         /* dict: our pack hook on the stack -> user hooks under it */
     PyObject *torch_keywords;      /* frozenset: keywords of torch's checkpoint, once needed */
+    PyObject *set_eval_frame;      /* torch._C._dynamo.eval_frame.set_eval_frame, or NULL */
 
     /* interned attribute names */
     PyObject *str_shape, *str_dtype, *str_device, *str_type, *str_index;

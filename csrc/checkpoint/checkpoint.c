@@ -1,6 +1,7 @@
 #include "checkpoint.h"
 #include "base/compat.h"
 #include "frame.h"
+#include "no_dynamo.h"
 #include "saved_inputs.h"
 #include "base/hooks.h"
 #include "tree.h"
@@ -404,7 +405,7 @@ run_forward(mp_state *st, Frame *frame, PyObject *forward, PyObject *args, PyObj
         return NULL;
     PyObject *out = NULL;
     if (forward == NULL || context_enter(st, forward) == 0) {
-        out = PyObject_Call(frame->function, args, fn_kwargs);
+        out = call_without_dynamo(st, frame->function, args, fn_kwargs);
         if (forward != NULL) {
             int suppressed = context_exit(st, forward);
             if (suppressed != 0)
@@ -506,7 +507,7 @@ checkpoint_call(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyOb
     Py_DECREF(grad);
     /* without grad nothing is saved, so there is nothing to recompute */
     if (grad == Py_False)
-        out = PyObject_Call(function, fn_args, fn_kwargs);
+        out = call_without_dynamo(st, function, fn_args, fn_kwargs);
     else
         out = checkpointed_forward(st, module, function, fn_args, fn_kwargs, &opts);
 done:

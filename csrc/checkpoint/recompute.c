@@ -8,6 +8,7 @@
 #include "base/compat.h"
 #include "base/hooks.h"
 #include "bn_guard.h"
+#include "no_dynamo.h"
 #include "saved_inputs.h"
 
 /* Per-thread recompute depth. Thread-local, so it needs no lock: each
@@ -305,7 +306,7 @@ frame_recompute(Frame *frame, PyObject *gid)
     outer_bn_modules = bn_guard_enter(bn_modules);
     uint64_t outer_tag =
         alloc_link_tag(&st->alloc, alloc_region_tag(frame->region_id, TAG_RECOMPUTE));
-    PyObject *out = PyObject_Call(frame->function, args, kwargs);
+    PyObject *out = call_without_dynamo(st, frame->function, args, kwargs);
     alloc_link_tag(&st->alloc, outer_tag);
     bn_guard_leave(outer_bn_modules);
     recompute_depth--;

@@ -272,6 +272,7 @@ static const struct torch_entry torch_entries[] = {
     ENTRY(torch_empty_strided, "torch", "empty_strided", 0),
     ENTRY(uint8_dtype, "torch", "uint8", 0),
     ENTRY(current_user_hooks, "torch.utils.checkpoint", "_current_user_saved_tensors_hooks", 1),
+    ENTRY(set_eval_frame, "torch._C", "_dynamo.eval_frame.set_eval_frame", 1),
 };
 
 static int
@@ -392,7 +393,7 @@ module_exec(PyObject *module)
     X(unpack_hook) X(tensor_class) X(module_type) X(top_hooks) X(current_raw_stream)          \
     X(torch_empty) X(torch_empty_strided) X(uint8_dtype) X(offload_unpack)                    \
     X(current_user_hooks) X(hooks_below) X(torch_keywords) X(has_primary_context)              \
-    X(cuda_default_stream) X(cuda_external_stream) X(tensor_record_stream)
+    X(cuda_default_stream) X(cuda_external_stream) X(tensor_record_stream) X(set_eval_frame)
 
 #define STATE_TYPE_FIELDS(X) X(frame_type) X(holder_type) X(recompute_hook_type) X(slot_type) \
     X(node_type) X(storage_copy_type) X(tensor_record_type) X(offload_group_type)          \
