@@ -111,11 +111,12 @@ block_cost(const plan_block *blocks, int n, const uint8_t *choices, int i, int p
     const plan_block *previous = i > 0 ? &blocks[i - 1] : NULL;
     plan_cost cost;
     cost.peak_units = held + plan_work_units(&blocks[i], choices[i]) +
-                      plan_prefetch_units(previous, i > 0 ? choices[i - 1] : -1, choices[i], pipeline);
+                      plan_prefetch_units(previous, i > 0 ? choices[i - 1] : -1, choices[i],
+                                          pipeline);
     cost.time_s = plan_own_time(&blocks[i], choices[i]);
     if (choices[i] == PLAN_OFFLOAD)
         cost.time_s += plan_copy_back_time(&blocks[i], i + 1 < n ? &blocks[i + 1] : NULL,
-                                      i + 1 < n ? choices[i + 1] : -1, pipeline);
+                                           i + 1 < n ? choices[i + 1] : -1, pipeline);
     return cost;
 }
 

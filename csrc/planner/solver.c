@@ -8,6 +8,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* infinite, so adding a block's time to it needs no check */
 #define UNREACHABLE INFINITY
@@ -110,10 +111,18 @@ held_limit(const plan_block *b, int c, uint64_t prefetch, uint64_t budget, uint6
     return (int64_t)(limit < reach ? limit : reach);
 }
 
+/* Whether a choice of block b taking `time` puts every plan through it
+ * over the bound, whatever the other blocks choose. */
+static int
+too_slow(const dp_tables *t, const plan_block *b, double time)
+{
+    return t->least_after[0] - plan_least_time(b) + time > t->bound;
+}
+
 /* The moves into row ROW_STAYED, in the order ties go to, less those that
- * never fit and those an earlier one beats in held units, working units
- * and time alike (no best plan takes them, and on a tie the earlier one
- * won anyway). Returns how many. */
+ * never fit, those too slow for the bound, and those an earlier one beats
+ * in held units, working units and time alike (no best plan takes them,
+ * and on a tie the earlier one won anyway). Returns how many. */
 static int
 stayed_moves(const dp_tables *t, const plan_block *b, dp_move *moves)
 {
@@ -128,7 +137,7 @@ stayed_moves(const dp_tables *t, const plan_block *b, dp_move *moves)
             beaten |= moves[j].held <= move.held &&
                       plan_work_units(b, moves[j].choice) <= plan_work_units(b, c) &&
                       moves[j].time <= move.time;
-        if (move.limit >= (int64_t)t->lo && !beaten)
+        if (move.limit >= (int64_t)t->lo && !beaten && !too_slow(t, b, move.time))
             moves[count++] = move;
     }
     return count;
@@ -234,7 +243,8 @@ dp_fill_stayed(dp_tables *t, const dp_move *moves, int count, uint64_t lo, uint6
             cuts[b - 1] = swap;
         }
     for (int c = 0; c + 1 < ncuts; c++) {
-        uint64_t from = cuts[c] > lo ? cuts[c] : lo, to = cuts[c + 1] < hi + 1 ? cuts[c + 1] : hi + 1;
+        uint64_t from = cuts[c] > lo ? cuts[c] : lo;
+        uint64_t to = cuts[c + 1] < hi + 1 ? cuts[c + 1] : hi + 1;
         if (from >= to)
             continue;
         dp_move active[PLAN_CHOICES];
@@ -244,6 +254,19 @@ dp_fill_stayed(dp_tables *t, const dp_move *moves, int count, uint64_t lo, uint6
                 active[nactive++] = moves[k];
         fill_stayed_range(t, active, nactive, from, to, t->next, parent + (from - lo));
     }
+}
+
+/* The most units held before block i from which offload fits, from either
+ * row (from the offloaded one its prefetch needs room); -1 where it never
+ * does, or is too slow for the bound. */
+static void
+offload_limits(const dp_tables *t, const plan_block *b, const plan_block *previous,
+               int pipeline, int64_t *from_stayed, int64_t *from_offloaded)
+{
+    uint64_t prefetch = plan_prefetch_units(previous, PLAN_OFFLOAD, PLAN_OFFLOAD, pipeline);
+    int slow = too_slow(t, b, plan_own_time(b, PLAN_OFFLOAD));
+    *from_stayed = slow ? -1 : held_limit(b, PLAN_OFFLOAD, 0, t->budget, t->hi);
+    *from_offloaded = slow ? -1 : held_limit(b, PLAN_OFFLOAD, prefetch, t->budget, t->hi);
 }
 
 /* Row ROW_OFFLOADED over [lo, hi]: offload holds only the part of its
@@ -257,10 +280,8 @@ dp_fill_offloaded(dp_tables *t, const plan_block *b, const plan_block *previous,
 {
     const double *stayed = t->best, *offloaded = t->best + t->width;
     double *to = t->next + t->width;
-    int64_t from_stayed = held_limit(b, PLAN_OFFLOAD, 0, t->budget, t->hi);
-    int64_t from_offloaded = held_limit(
-        b, PLAN_OFFLOAD, plan_prefetch_units(previous, PLAN_OFFLOAD, PLAN_OFFLOAD, pipeline), t->budget,
-        t->hi);
+    int64_t from_stayed, from_offloaded;
+    offload_limits(t, b, previous, pipeline, &from_stayed, &from_offloaded);
     uint64_t shift = plan_held_units(b, PLAN_OFFLOAD);
     double extra = plan_own_time(b, PLAN_OFFLOAD);
     double extra_offloaded = extra + plan_copy_back_time(previous, b, PLAN_OFFLOAD, pipeline);
@@ -276,6 +297,9 @@ dp_fill_offloaded(dp_tables *t, const plan_block *b, const plan_block *previous,
             to[x] = take ? o : a;
             parent[x - lo] = (uint8_t)(PLAN_OFFLOAD | take << CHOICE_BITS);
         }
+    if (from_stayed < (int64_t)t->lo && from_offloaded < (int64_t)t->lo)
+        for (; x <= hi; x++)
+            to[x] = UNREACHABLE;
     for (; x <= hi; x++) {
         int64_t s = (int64_t)(x - shift);
         double a = s <= from_stayed ? stayed[s] + extra : UNREACHABLE;
@@ -334,10 +358,8 @@ dp_step(dp_tables *t, const plan_block *blocks, int i, int pipeline)
     dp_move moves[PLAN_CHOICES];
     int count = stayed_moves(t, b, moves);
     /* the reach of the offloaded row's moves, as one more move */
-    int64_t from_stayed = held_limit(b, PLAN_OFFLOAD, 0, t->budget, t->hi);
-    int64_t from_offloaded = held_limit(
-        b, PLAN_OFFLOAD, plan_prefetch_units(previous, PLAN_OFFLOAD, PLAN_OFFLOAD, pipeline), t->budget,
-        t->hi);
+    int64_t from_stayed, from_offloaded;
+    offload_limits(t, b, previous, pipeline, &from_stayed, &from_offloaded);
     dp_move offload = {PLAN_OFFLOAD, plan_held_units(b, PLAN_OFFLOAD),
                        from_stayed > from_offloaded ? from_stayed : from_offloaded, 0};
     uint64_t lo = UINT64_MAX, hi = 0;
@@ -459,7 +481,8 @@ plan_solve_within(const plan_block *blocks, int n, uint64_t budget, int pipeline
     int row = -1;
     uint64_t held = 0;
     double time = UNREACHABLE;
-    if (none || !dp_best_final(&t, &blocks[n - 1], &row, &held, &time) || !(time <= bound + margin)) {
+    if (none || !dp_best_final(&t, &blocks[n - 1], &row, &held, &time) ||
+        !(time <= bound + margin)) {
         dp_free(&t);
         return 1;
     }
@@ -469,9 +492,29 @@ plan_solve_within(const plan_block *blocks, int n, uint64_t budget, int pipeline
     return 0;
 }
 
+/* The fastest of the plans that make one choice for every block, of those
+ * that fit: a bound the best plan meets (INFINITY where none fits). */
+static double
+uniform_bound(const plan_block *blocks, int n, uint64_t budget, int pipeline, uint8_t *choices)
+{
+    double bound = UNREACHABLE;
+    for (int c = 0; c < PLAN_CHOICES; c++) {
+        memset(choices, c, (size_t)n);
+        plan_cost cost = plan_evaluate(blocks, n, choices, pipeline);
+        bound = cost.peak_units <= budget && cost.time_s < bound ? cost.time_s : bound;
+    }
+    return bound;
+}
+
 int
 plan_solve(const plan_block *blocks, int n, uint64_t budget, int pipeline, uint8_t *choices,
            plan_cost *cost)
 {
-    return plan_solve_within(blocks, n, budget, pipeline, UNREACHABLE, choices, cost);
+    /* a bound prunes the choices no plan within it takes (those never
+     * measured, offload where it cannot run) and the states far from it */
+    double bound = n > 0 ? uniform_bound(blocks, n, budget, pipeline, choices) : UNREACHABLE;
+    int status = plan_solve_within(blocks, n, budget, pipeline, bound, choices, cost);
+    if (status == 1 && bound < UNREACHABLE)     /* only rounding could miss it: never seen */
+        status = plan_solve_within(blocks, n, budget, pipeline, UNREACHABLE, choices, cost);
+    return status;
 }
