@@ -42,8 +42,6 @@ typedef struct {
     double *least_after;        /* n + 1: the least time blocks i.. can take in any memory */
     uint64_t lo, hi;            /* span of live states after the last step */
     double *best, *next;        /* ROWS * width each, meaningful within the span */
-    double *merged;             /* width: the better row to keep or recompute from */
-    uint8_t *merged_row;        /* width: which row that was, << CHOICE_BITS */
     uint8_t *parent;            /* per step, ROWS rows over the span it wrote */
     size_t *parent_at;          /* n: where step i's parents start */
     uint64_t *span_lo, *span_hi;    /* n: the span step i wrote */
@@ -68,14 +66,12 @@ dp_alloc(dp_tables *t, const plan_block *blocks, int n, uint64_t budget, double 
     size_t cells = (size_t)ROWS * t->width;
     t->best = malloc(cells * sizeof(double));
     t->next = malloc(cells * sizeof(double));
-    t->merged = malloc(t->width * sizeof(double));
-    t->merged_row = malloc(t->width);
     t->parent = malloc((size_t)n * cells);
     t->parent_at = malloc((size_t)n * sizeof(size_t));
     t->span_lo = malloc((size_t)n * sizeof(uint64_t));
     t->span_hi = malloc((size_t)n * sizeof(uint64_t));
     t->least_after = malloc(((size_t)n + 1) * sizeof(double));
-    if (!t->best || !t->next || !t->merged || !t->merged_row || !t->parent || !t->parent_at ||
+    if (!t->best || !t->next || !t->parent || !t->parent_at ||
         !t->span_lo || !t->span_hi || !t->least_after)
         return -1;
     t->least_after[n] = 0;
@@ -89,8 +85,6 @@ dp_free(dp_tables *t)
 {
     free(t->best);
     free(t->next);
-    free(t->merged);
-    free(t->merged_row);
     free(t->parent);
     free(t->parent_at);
     free(t->span_lo);
@@ -143,50 +137,47 @@ stayed_moves(const dp_tables *t, const plan_block *b, dp_move *moves)
     return count;
 }
 
-/* Any choice but offload for block i looks the same from either row, but for
- * the previous block's copy back, which nothing hides then: take the
- * better row per state once. */
-static void
-dp_merge_rows(dp_tables *t, double copy_back)
+/* The better row to take state s from for any choice but offload, which
+ * looks the same from either but for the previous block's copy back,
+ * coming whole then (only offload prefetches the previous input): its
+ * time, and that row << CHOICE_BITS into *row. Ties go to the stayed row. */
+static inline double
+merged(const dp_tables *t, uint64_t s, double copy_back, uint8_t *row)
 {
-    const double *stayed = t->best, *offloaded = t->best + t->width;
-    for (uint64_t s = t->lo; s <= t->hi; s++) {
-        double via_offload = offloaded[s] + copy_back;
-        int take = via_offload < stayed[s];
-        t->merged[s] = take ? via_offload : stayed[s];
-        t->merged_row[s] = (uint8_t)(take << CHOICE_BITS);
-    }
+    double stayed = t->best[s], via_offload = t->best[t->width + s] + copy_back;
+    int take = via_offload < stayed;
+    *row = (uint8_t)(take << CHOICE_BITS);
+    return take ? via_offload : stayed;
 }
 
 /* States [from, to) of row ROW_STAYED, each the best of `count` moves
- * from the merged row (each reaches every state in the range): held[k]
+ * from the merged rows (each reaches every state in the range): held[k]
  * units for time[k] seconds as choice code[k]. Inlined with a constant
  * count, the loop over the moves unrolls. */
 static inline void
-fill_stayed_moves(int count, const dp_tables *t, const uint64_t *held, const double *time,
-                  const uint8_t *code, uint64_t from, uint64_t to, double *row, uint8_t *parent)
+fill_stayed_moves(int count, const dp_tables *t, double copy_back, const uint64_t *held,
+                  const double *time, const uint8_t *code, uint64_t from, uint64_t to,
+                  double *row, uint8_t *parent)
 {
-    const double *merged = t->merged;
     for (uint64_t x = from; x < to; x++) {
-        double best = merged[x - held[0]] + time[0];
-        uint64_t source = x - held[0];
-        uint8_t choice = code[0];
+        uint8_t packed, merged_row;
+        double best = merged(t, x - held[0], copy_back, &packed) + time[0];
+        packed = (uint8_t)(packed | code[0]);
         /* in order, strictly better only: ties go to the earlier choice */
         for (int k = 1; k < count; k++) {
-            double candidate = merged[x - held[k]] + time[k];
+            double candidate = merged(t, x - held[k], copy_back, &merged_row) + time[k];
             int better = candidate < best;
-            source = better ? x - held[k] : source;
-            choice = better ? code[k] : choice;
+            packed = better ? (uint8_t)(merged_row | code[k]) : packed;
             best = better ? candidate : best;
         }
         row[x] = best;
-        parent[x - from] = (uint8_t)(choice | t->merged_row[source]);
+        parent[x - from] = packed;
     }
 }
 
 static void
-fill_stayed_range(const dp_tables *t, const dp_move *moves, int count, uint64_t from,
-                  uint64_t to, double *row, uint8_t *parent)
+fill_stayed_range(const dp_tables *t, double copy_back, const dp_move *moves, int count,
+                  uint64_t from, uint64_t to, double *row, uint8_t *parent)
 {
     uint64_t held[PLAN_CHOICES];
     double time[PLAN_CHOICES];
@@ -202,16 +193,16 @@ fill_stayed_range(const dp_tables *t, const dp_move *moves, int count, uint64_t 
             row[x] = UNREACHABLE;
         break;
     case 1:
-        fill_stayed_moves(1, t, held, time, code, from, to, row, parent);
+        fill_stayed_moves(1, t, copy_back, held, time, code, from, to, row, parent);
         break;
     case 2:
-        fill_stayed_moves(2, t, held, time, code, from, to, row, parent);
+        fill_stayed_moves(2, t, copy_back, held, time, code, from, to, row, parent);
         break;
     case 3:
-        fill_stayed_moves(3, t, held, time, code, from, to, row, parent);
+        fill_stayed_moves(3, t, copy_back, held, time, code, from, to, row, parent);
         break;
     default:
-        fill_stayed_moves(count, t, held, time, code, from, to, row, parent);
+        fill_stayed_moves(count, t, copy_back, held, time, code, from, to, row, parent);
         break;
     }
 }
@@ -222,8 +213,8 @@ fill_stayed_range(const dp_tables *t, const dp_move *moves, int count, uint64_t 
  * to move) from the merged row, cut where the set of moves that reach a
  * state changes. parent[0] is state lo's. */
 static void
-dp_fill_stayed(dp_tables *t, const dp_move *moves, int count, uint64_t lo, uint64_t hi,
-               uint8_t *parent)
+dp_fill_stayed(dp_tables *t, double copy_back, const dp_move *moves, int count, uint64_t lo,
+               uint64_t hi, uint8_t *parent)
 {
     uint64_t cuts[2 * PLAN_CHOICES + 2], first[PLAN_CHOICES], end[PLAN_CHOICES];
     int ncuts = 0;
@@ -252,7 +243,8 @@ dp_fill_stayed(dp_tables *t, const dp_move *moves, int count, uint64_t lo, uint6
         for (int k = 0; k < count; k++)
             if (first[k] <= from && to <= end[k])
                 active[nactive++] = moves[k];
-        fill_stayed_range(t, active, nactive, from, to, t->next, parent + (from - lo));
+        fill_stayed_range(t, copy_back, active, nactive, from, to, t->next,
+                          parent + (from - lo));
     }
 }
 
@@ -267,6 +259,23 @@ offload_limits(const dp_tables *t, const plan_block *b, const plan_block *previo
     int slow = too_slow(t, b, plan_own_time(b, PLAN_OFFLOAD));
     *from_stayed = slow ? -1 : held_limit(b, PLAN_OFFLOAD, 0, t->budget, t->hi);
     *from_offloaded = slow ? -1 : held_limit(b, PLAN_OFFLOAD, prefetch, t->budget, t->hi);
+}
+
+/* `count` states of row ROW_OFFLOADED from both rows: their times into
+ * `row`, then their parents (the same comparison again: a loop that mixes
+ * times and bytes does not vectorize, two loops do). */
+static void
+fill_offloaded_both(const double *restrict stayed, const double *restrict offloaded,
+                    double extra, double extra_offloaded, size_t count, double *restrict row,
+                    uint8_t *restrict parent)
+{
+    for (size_t k = 0; k < count; k++) {
+        double a = stayed[k] + extra, o = offloaded[k] + extra_offloaded;
+        row[k] = o < a ? o : a;
+    }
+    for (size_t k = 0; k < count; k++)
+        parent[k] = (uint8_t)(PLAN_OFFLOAD |
+                              (offloaded[k] + extra_offloaded < stayed[k] + extra) << CHOICE_BITS);
 }
 
 /* Row ROW_OFFLOADED over [lo, hi]: offload holds only the part of its
@@ -290,13 +299,11 @@ dp_fill_offloaded(dp_tables *t, const plan_block *b, const plan_block *previous,
     for (; x <= hi && x < t->lo + shift; x++)
         to[x] = UNREACHABLE;
     uint64_t end = both + shift < hi ? both + shift + 1 : hi + 1;
-    if (from_stayed >= (int64_t)t->lo && from_offloaded >= (int64_t)t->lo)
-        for (; x < end; x++) {
-            double a = stayed[x - shift] + extra, o = offloaded[x - shift] + extra_offloaded;
-            int take = o < a;
-            to[x] = take ? o : a;
-            parent[x - lo] = (uint8_t)(PLAN_OFFLOAD | take << CHOICE_BITS);
-        }
+    if (from_stayed >= (int64_t)t->lo && from_offloaded >= (int64_t)t->lo && x < end) {
+        fill_offloaded_both(stayed + (x - shift), offloaded + (x - shift), extra,
+                            extra_offloaded, end - x, to + x, parent + (x - lo));
+        x = end;
+    }
     if (from_stayed < (int64_t)t->lo && from_offloaded < (int64_t)t->lo)
         for (; x <= hi; x++)
             to[x] = UNREACHABLE;
@@ -374,9 +381,8 @@ dp_step(dp_tables *t, const plan_block *blocks, int i, int pipeline)
     if (lo > hi)
         return 1;
     uint8_t *parent = dp_open_span(t, i, lo, hi);
-    /* only offload prefetches the previous input: otherwise it comes back whole */
-    dp_merge_rows(t, plan_copy_back_time(previous, b, PLAN_KEEP, pipeline));
-    dp_fill_stayed(t, moves, count, lo, hi, parent);
+    double copy_back = plan_copy_back_time(previous, b, PLAN_KEEP, pipeline);
+    dp_fill_stayed(t, copy_back, moves, count, lo, hi, parent);
     dp_fill_offloaded(t, b, previous, pipeline, lo, hi, parent + (hi - lo + 1));
     double *swap = t->best;
     t->best = t->next;
