@@ -87,6 +87,13 @@ def _chains() -> List[Dict[str, Any]]:
     for i, stays in enumerate((False, True, True)):
         chains.append({"name": f"random-{i}", "unit_bytes": MIB // 4,
                        "profiles": [_random_profile(rng, stays) for _ in range(30)]})
+    # blocks whose only expensive operation is attention: both policies
+    # save the same, and ties between them go to selective
+    twins = [_random_profile(rng, True) for _ in range(16)]
+    for p in twins:
+        p.attention_s, p.attention_bytes = p.selective_s, p.selective_bytes
+        p.attention_stay_bytes = p.selective_stay_bytes
+    chains.append({"name": "twin-policies", "unit_bytes": MIB // 4, "profiles": twins})
     for chain in chains:
         # some selective and attention figures unmeasured, as for blocks
         # without attention or profiled before those choices existed
@@ -167,14 +174,14 @@ def test_same_plans_as_recorded(case: Dict[str, Any]) -> None:
 
 def test_recorded_cases_cover_what_they_should() -> None:
     """The data holds ties, plans of every choice, refusals and frontiers."""
-    assert len(GOLDEN["cases"]) == 18
+    assert len(GOLDEN["cases"]) == 21
     chosen = {c for case in GOLDEN["cases"] for s in case["solves"] for c in s.get("choices", ())}
     assert chosen == {"keep", "recompute", "offload", "selective", "offload+selective",
                       "attention", "offload+attention"}
     assert any("smallest_budget_bytes" in s for case in GOLDEN["cases"] for s in case["solves"])
     assert all(math.isfinite(s.get("time_s", 0)) for case in GOLDEN["cases"]
                for s in case["solves"])
-    assert sum(case["frontier"] is not None for case in GOLDEN["cases"]) >= 12
+    assert sum(case["frontier"] is not None for case in GOLDEN["cases"]) >= 15
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
