@@ -25,6 +25,7 @@ ALLOC_SOURCES := $(filter-out csrc/alloc/entry.c,$(sort $(wildcard csrc/alloc/*.
                  csrc/cuda/cudart_util.c $(COMMON_SOURCES)
 ALLOC_HEADERS := $(wildcard csrc/alloc/*.h) csrc/cuda/cudart_util.h $(COMMON_HEADERS)
 POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c $(COMMON_SOURCES)
+PLANNER_SOURCES := $(sort $(wildcard csrc/planner/*.c))
 SIM_SOURCES := $(sort $(wildcard csrc/cuda/cudart_sim*.c)) $(COMMON_SOURCES)
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
            build/ctest/test_cudart_sim build/ctest/test_helpers
@@ -111,9 +112,9 @@ build/ctest/test_helpers: tests/c/test_helpers.c tests/c/check.h $(SIM_SOURCES) 
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_helpers.c $(SIM_SOURCES) csrc/cuda/cudart_util.c -lpthread
 
-build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h csrc/planner/planner.c csrc/planner/planner.h
+build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h $(PLANNER_SOURCES) $(wildcard csrc/planner/*.h)
 	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_planner.c csrc/planner/planner.c -lm
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_planner.c $(PLANNER_SOURCES) -lm
 
 # Operation-sequence fuzzing of allocator and pool: libFuzzer-compatible
 # harness, driven here by random inputs for a bounded time under ASan/UBSan.
@@ -135,7 +136,7 @@ valgrind:
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_alloc \
 	  tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_planner \
-	  tests/c/test_planner.c csrc/planner/planner.c -lm
+	  tests/c/test_planner.c $(PLANNER_SOURCES) -lm
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_cudart_sim \
 	  tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_helpers \

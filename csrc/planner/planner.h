@@ -37,8 +37,11 @@
  *   reaches them). offload+attention: the same under its policy.
  *
  * plan_solve() is an exact dynamic program over (block, memory held so far,
- * previous choice): O(n * budget) time, n * budget * 3 bytes of memory.
- * Pure computation: thread-safe, no global state, no Python. */
+ * previous choice): O(n * budget) time at most, n * budget * 2 bytes of
+ * parents at most (only the states reached are touched). plan_frontier()
+ * prunes each solve to plans just slower than the point before, which
+ * gives the same plans as full solves. Pure computation: thread-safe, no
+ * global state, no Python. */
 #ifndef MATEPOINT_PLANNER_H
 #define MATEPOINT_PLANNER_H
 

@@ -1,12 +1,15 @@
 /* Planner unit tests: the dynamic program against brute force over every
- * plan of short random chains, the smallest budget, the frontier's order,
- * and refusal of budgets too large for memory. */
+ * plan of short random chains, the smallest budget, the frontier's order
+ * and its points against full solves, the bounded solve's plans, and
+ * refusal of budgets too large for memory. */
 #include "check.h"
+#include "planner/model.h"
 #include "planner/planner.h"
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
 
@@ -128,6 +131,78 @@ test_frontier(void)
     CHECK(plan_min_budget(blocks, 8, 1, &smallest) == 0);
     CHECK(count == 256 || points[count - 1].peak_units == smallest);
     CHECK(plan_frontier(blocks, 8, 1, 1, points) == 1);
+}
+
+/* A bound at the best plan's time gives that plan, the same choices; a
+ * bound just under it gives none; the plan a bound gives is never slower
+ * than the bound. */
+static void
+test_bounded_solve_gives_the_same_plan(int n, int pipeline)
+{
+    plan_block blocks[16];
+    uint8_t choices[16], bounded[16];
+    plan_cost cost, bounded_cost;
+    random_chain(blocks, n);
+    uint64_t smallest;
+    CHECK(plan_min_budget(blocks, n, pipeline, &smallest) == 0);
+    for (uint64_t budget = smallest; budget < smallest + 30; budget += 4) {
+        CHECK(plan_solve(blocks, n, budget, pipeline, choices, &cost) == 0);
+        for (int k = 0; k < 3; k++) {
+            double bound = k == 0 ? cost.time_s : cost.time_s * (1 + 0.3 * k);
+            CHECK(plan_solve_within(blocks, n, budget, pipeline, bound, bounded,
+                                    &bounded_cost) == 0);
+            CHECK(memcmp(choices, bounded, (size_t)n) == 0);
+            CHECK(bounded_cost.time_s == cost.time_s &&
+                  bounded_cost.peak_units == cost.peak_units);
+        }
+        if (cost.time_s > 0)
+            CHECK(plan_solve_within(blocks, n, budget, pipeline, cost.time_s * (1 - 1e-6),
+                                    bounded, &bounded_cost) == 1);
+    }
+}
+
+/* The frontier as it was first written: a full solve from a budget every
+ * plan fits in, then from just under each point's peak. */
+static int
+frontier_by_full_solves(const plan_block *blocks, int n, int pipeline, int max_points,
+                        plan_cost *points)
+{
+    uint8_t choices[16];
+    uint64_t budget = 0;
+    int count = 0;
+    for (int i = 0; i < n; i++)
+        budget += blocks[i].input_units * 2 + blocks[i].activation_units +
+                  blocks[i].selective.units + blocks[i].attention.units +
+                  blocks[i].keep_work_units + blocks[i].checkpoint_work_units;
+    while (count < max_points) {
+        plan_cost cost;
+        if (plan_solve(blocks, n, budget, pipeline, choices, &cost) != 0)
+            break;
+        if (count > 0 && cost.time_s <= points[count - 1].time_s * (1 + 1e-12))
+            count--;
+        points[count++] = cost;
+        if (cost.peak_units == 0)
+            break;
+        budget = cost.peak_units - 1;
+    }
+    return count;
+}
+
+/* The frontier's pruned solves (each looks just above the last point's
+ * time first) give the points full solves give, bit for bit. */
+static void
+test_frontier_matches_full_solves(int n, int pipeline)
+{
+    plan_block blocks[16];
+    plan_cost points[512], expected[512];
+    random_chain(blocks, n);
+    for (int max_points = 1; max_points <= 512; max_points *= 8) {
+        int count = plan_frontier(blocks, n, pipeline, max_points, points);
+        CHECK(count == frontier_by_full_solves(blocks, n, pipeline, max_points, expected));
+        for (int i = 0; i < count; i++)
+            CHECK(points[i].time_s == expected[i].time_s &&
+                  points[i].peak_units == expected[i].peak_units);
+    }
 }
 
 /* Four alike blocks, forward 1 s, backward 2, selective 3.2; the times
@@ -260,6 +335,10 @@ main(void)
             test_against_brute_force(n, 1);
             test_against_brute_force(n, 0);
         }
+    }
+    for (int round = 0; round < 20; round++) {
+        test_bounded_solve_gives_the_same_plan(1 + round % 12, round % 2);
+        test_frontier_matches_full_solves(1 + round % 16, round % 3 != 0);
     }
     test_frontier();
     test_selective_chosen();
