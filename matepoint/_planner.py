@@ -206,8 +206,8 @@ class Plan:
         """
         blocks_list = _check_blocks(blocks, "matepoint.Plan.apply")
         if len(blocks_list) != len(self.choices):
-            raise ValueError(f"matepoint.Plan.apply: blocks must be the {len(self.choices)} "
-                             f"blocks the plan is for, got {len(blocks_list)}")
+            raise ValueError(f"matepoint.Plan.apply: blocks must be those planned (the plan is "
+                             f"for {len(self.choices)} blocks), got {len(blocks_list)}")
         # only an offloaded block right after another prefetches it: what
         # the planner's model counts
         follows_offload = [False] + [c == "offload" for c in self.choices[:-1]]

@@ -190,7 +190,7 @@ def wrong_values() -> List[Tuple[str, Callable[[], Any], type, str]]:
                                                      budget_bytes=2**300),
          ValueError, said("plan", "budget_bytes", ".*", "an int of 301 bits")),
         ("Plan.apply too few", lambda: sample_plan().apply([nn.Tanh()]), ValueError,
-         said("Plan.apply", "blocks", "the 3 blocks the plan is for", "1")),
+         said("Plan.apply", "blocks", r"those planned \(the plan is for 3 blocks\)", "1")),
         ("Plan.frontier(0)", lambda: sample_plan().frontier(0), ValueError,
          said("Plan.frontier", "max_points", ".*", "0")),
         ("reserve_pool(0)", lambda: matepoint.reserve_pool(0), ValueError,
