@@ -4,11 +4,12 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Union
 
 import torch
 
 from matepoint import _C, _oom
+from matepoint._errors import type_error, value_error
 from matepoint._options import show_int
 
 # the library's entry points by role: their names are defined once, in C
@@ -96,23 +97,40 @@ def is_installed() -> bool:
     return _installed
 
 
-def memory_stats(device: int = 0) -> Dict[str, Any]:
-    """Memory of matepoint's allocator on ``device``.
-
-    allocated/reserved bytes (current and peak), requested bytes, counts of
-    mallocs, frees, cache hits, device allocations and frees, OOM retries,
-    and ``tags``: live and peak bytes per checkpointed region and phase
-    (region 0 is memory allocated outside any checkpoint), and
-    ``oom_raises``: whether running out of memory raises
-    torch.OutOfMemoryError (False: it stops the process; install_allocator()
-    warned why).
-    """
-    accepted = "a CUDA device index (an int from 0 to the number of devices - 1)"
+def _device_index(where: str, device: Any) -> int:
+    """``device`` as a CUDA device index: an int, or what torch's own
+    ``torch.cuda.memory_stats`` takes besides (a ``torch.device`` or a
+    string such as ``"cuda:1"``; one without an index is the current device)."""
+    accepted = ("a CUDA device index (an int from 0 to the number of devices - 1), "
+                "a torch.device or a string such as 'cuda:0'")
+    if isinstance(device, (str, torch.device)):
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:   # not a device's name at all ("0", "gpu")
+            raise type_error(where, "device", accepted, device) from None
+        if parsed.type != "cuda":
+            raise value_error(where, "device", accepted, device)
+        if parsed.index is None:
+            return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        return parsed.index
     if isinstance(device, bool) or not isinstance(device, int):
-        raise TypeError(f"matepoint.memory_stats: device must be {accepted}, got {device!r}")
+        raise type_error(where, "device", accepted, device)
     if not 0 <= device < 1 << 31:
-        raise ValueError(f"matepoint.memory_stats: device must be {accepted}, "
-                         f"got {show_int(device)}")
+        raise value_error(where, "device", accepted, device)
+    return device
+
+
+def memory_stats(device: Union[int, str, torch.device] = 0) -> Dict[str, Any]:
+    """Memory of matepoint's allocator on ``device`` (int, torch.device or "cuda:N").
+
+    allocated/reserved bytes (current and peak), requested bytes, counts of mallocs, frees,
+    cache hits, device allocations and frees, OOM retries, and ``tags``: live and peak bytes
+    per checkpointed region and phase (region 0 is memory allocated outside any checkpoint),
+    and ``oom_raises``: whether running out of memory raises torch.OutOfMemoryError (False:
+    it stops the process; install_allocator() warned why). Before install_allocator() it
+    raises RuntimeError.
+    """
+    device = _device_index("matepoint.memory_stats", device)
     per_device = _C._allocator_stats()
     if device >= len(per_device):
         raise ValueError(f"matepoint.memory_stats: device must be an int from 0 to "
@@ -123,19 +141,20 @@ def memory_stats(device: int = 0) -> Dict[str, Any]:
 
 
 def reset_peak_memory_stats() -> None:
-    """Start peak counts (device and per tag) again from the current values."""
+    """Restart peak counts (device and per tag) from now; RuntimeError before install_allocator."""
     _C._allocator_reset_peaks()
 
 
 def empty_cache() -> None:
-    """Give every cached, unused segment back to the device."""
+    """Give cached, unused segments back to the device; RuntimeError before install_allocator."""
     _C._allocator_empty_cache()
 
 
-def memory_report(device: int = 0) -> str:
+def memory_report(device: Union[int, str, torch.device] = 0) -> str:
     """A table of memory per checkpointed region of CUDA device ``device``
-    (an index): peak bytes in forward and recompute, bytes still live, with
-    totals first. Needs :func:`install_allocator` first."""
+    (as for :func:`memory_stats`): peak bytes in forward and recompute, bytes
+    live, totals first. Needs :func:`install_allocator` (RuntimeError)."""
+    device = _device_index("matepoint.memory_report", device)
     stats = memory_stats(device)
     mib = 1 << 20
     lines = [

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from matepoint._C import checkpoint, is_recomputing
 from matepoint._composable import CheckpointedForward, _call, is_checkpointed, uncheckpoint_module
+from matepoint._errors import check_module, type_error
 from matepoint._meter import (_cuda_allocated, _host_bytes_in_use, _HostSampler,
                               _warm_up_host_sampler, copy_bandwidth, host_meter_available)
 from matepoint._options import settings
@@ -279,12 +280,14 @@ class StepPlanner:
         checkpoint_kwargs: what every checkpointed block passes to
             :func:`matepoint.checkpoint` (the plan's choice wins for
             ``matepoint_offload`` and ``matepoint_prefetch``).
+        where: the public function a bad argument's error names.
     """
 
     def __init__(self, name: str, budget_bytes: int, unit_bytes: Optional[int] = None,
                  pipeline: Optional[bool] = None, repeats: int = 1,
-                 checkpoint_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        _check_plan_arguments(budget_bytes, unit_bytes, pipeline, None, repeats)
+                 checkpoint_kwargs: Optional[Dict[str, Any]] = None,
+                 where: str = "matepoint.plan") -> None:
+        _check_plan_arguments(budget_bytes, unit_bytes, pipeline, None, repeats, where)
         self.name = name
         self.budget_bytes = budget_bytes
         self.unit_bytes = unit_bytes
@@ -474,8 +477,8 @@ def _selected_blocks(model: nn.Module, check_fn: Optional[Callable[[nn.Module], 
     if check_fn is None:
         return _default_blocks(model)
     if not callable(check_fn):
-        raise TypeError(f"matepoint.apply: check_fn must be a callable taking a module and "
-                        f"returning a bool, or None, not {type(check_fn).__name__}")
+        raise type_error("matepoint.apply", "check_fn",
+                         "a callable taking a module and returning a bool, or None", check_fn)
     chosen: List[nn.Module] = []
     inside: set = set()
     for module in model.modules():
@@ -504,18 +507,19 @@ def apply(model: nn.Module, budget_bytes: int,
     """
     from matepoint._enable import _CHECKPOINT_KEYWORDS
 
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"matepoint.apply needs a torch.nn.Module, got {type(model).__name__}")
+    check_module("matepoint.apply", "model", model)
     unknown = sorted(set(checkpoint_kwargs) - _CHECKPOINT_KEYWORDS)
     if unknown:
         raise TypeError(f"matepoint.apply: unknown checkpoint argument(s) {', '.join(unknown)}; "
                         f"known: {', '.join(sorted(_CHECKPOINT_KEYWORDS))}")
+    # every argument is checked before check_fn runs or anything changes
+    _check_plan_arguments(budget_bytes, unit_bytes, pipeline, None, repeats, "matepoint.apply")
     blocks = _selected_blocks(model, check_fn)
     if not blocks:
         raise ValueError(f"matepoint.apply: no block found in {type(model).__name__} (check_fn "
                          f"accepted no module, or there is no nn.ModuleList/nn.Sequential)")
     planner = StepPlanner(type(model).__name__, budget_bytes, unit_bytes, pipeline, repeats,
-                          checkpoint_kwargs)
+                          checkpoint_kwargs, where="matepoint.apply")
     for index, block in enumerate(blocks):
         if is_checkpointed(block):
             uncheckpoint_module(block)
@@ -561,7 +565,8 @@ def attach(model: nn.Module, planner: Optional[StepPlanner]) -> None:
 
 
 def planned(model: nn.Module) -> Optional[Plan]:
-    """The plan ``model`` ran by in its last training step (after :func:`apply`
-    or ``enable(model, budget_bytes=...)``), or None before one was solved."""
+    """The plan ``model`` ran by in its last training step (after :func:`apply` or
+    ``enable(model, budget_bytes=...)``), None before one is; TypeError for a non-module."""
+    check_module("matepoint.planned", "model", model)
     entry = model.__dict__.get(_PLANNER)
     return entry[0].plan if entry is not None else None

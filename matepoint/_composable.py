@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from matepoint._C import checkpoint
 from matepoint._enable import _CHECKPOINT_KEYWORDS
+from matepoint._errors import check_module
 
 
 def _call(forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -50,31 +51,30 @@ def checkpoint_module(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
     module, so parameter names and ``state_dict`` keys do not change, and
     ``fully_shard`` or DDP can be applied before or after. Positional and
     keyword arguments reach ``forward`` as they are. ``checkpoint_kwargs`` are
-    those of :func:`matepoint.checkpoint`. Undo with
-    :func:`uncheckpoint_module`. Returns ``module``.
+    those of :func:`matepoint.checkpoint`. Undo with :func:`uncheckpoint_module`.
+    Returns ``module``; one already checkpointed raises RuntimeError.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"matepoint.checkpoint_module needs a torch.nn.Module, "
-                        f"got {type(module).__name__}")
+    check_module("matepoint.checkpoint_module", "module", module)
     unknown = sorted(set(checkpoint_kwargs) - _CHECKPOINT_KEYWORDS)
     if unknown:
         raise TypeError(f"matepoint.checkpoint_module: unknown checkpoint argument(s) "
                         f"{', '.join(unknown)}; known: {', '.join(sorted(_CHECKPOINT_KEYWORDS))}")
     previous = module.__dict__.get("forward")
     if isinstance(previous, CheckpointedForward):
-        raise ValueError(f"matepoint.checkpoint_module: this {type(module).__name__} is "
-                         f"already checkpointed")
+        raise RuntimeError(f"matepoint.checkpoint_module: this {type(module).__name__} is "
+                           f"already checkpointed (call matepoint.uncheckpoint_module first)")
     module.__dict__["forward"] = CheckpointedForward(module, previous, dict(checkpoint_kwargs))
     return module
 
 
 def uncheckpoint_module(module: nn.Module) -> nn.Module:
-    """Undo :func:`checkpoint_module`: ``module``'s forward is its own again."""
-    current = module.__dict__.get("forward") if isinstance(module, nn.Module) else None
+    """Give ``module`` its own forward back (RuntimeError if :func:`checkpoint_module` is not)."""
+    check_module("matepoint.uncheckpoint_module", "module", module)
+    current = module.__dict__.get("forward")
     if not isinstance(current, CheckpointedForward):
         what = "forward was replaced since" if current is not None else "is not checkpointed"
-        raise ValueError(f"matepoint.uncheckpoint_module: this {type(module).__name__} {what} "
-                         f"(matepoint.checkpoint_module was not the last to set its forward)")
+        raise RuntimeError(f"matepoint.uncheckpoint_module: this {type(module).__name__} {what} "
+                           f"(matepoint.checkpoint_module was not the last to set its forward)")
     if current.previous is None:
         del module.__dict__["forward"]
     else:

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from matepoint._C import CHECKPOINT_KEYWORDS as _CHECKPOINT_KEYWORDS, checkpoint
+from matepoint._errors import check_module
 
 log = logging.getLogger("matepoint")
 _SETTER = "_set_gradient_checkpointing"
@@ -54,8 +55,7 @@ class _Enabled:
 
 
 def _checkpointed_layers(model: nn.Module, action: str) -> List[nn.Module]:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"matepoint.{action} needs a torch.nn.Module, got {type(model).__name__}")
+    check_module(f"matepoint.{action}", "model", model)
     name = type(model).__name__
     if getattr(model, "supports_gradient_checkpointing", True) is False:
         raise ValueError(f"matepoint.{action}: {name} does not support activation checkpointing "
@@ -234,7 +234,11 @@ def enable(model: nn.Module, budget_bytes: Optional[int] = None, *,
         from matepoint._autoplan import StepPlanner
 
         planner = StepPlanner(type(model).__name__, budget_bytes, unit_bytes, None, repeats,
-                              checkpoint_kwargs)
+                              checkpoint_kwargs, where="matepoint.enable")
+    elif unit_bytes is not None or repeats != 1:
+        # without a budget nothing is planned: these would be ignored silently
+        raise ValueError("matepoint.enable: unit_bytes and repeats need budget_bytes, "
+                         "got budget_bytes=None")
     _unmark(model)
     state = _Enabled(function, layers, planner)
     for owner in _owners(model):
@@ -255,7 +259,7 @@ def disable(model: nn.Module) -> nn.Module:
     """Stop checkpointing ``model``'s layers (undoes :func:`enable`).
 
     The library's own ``gradient_checkpointing_enable()`` then installs its
-    own checkpoint again.
+    own checkpoint again. A model never enabled is no error.
     """
     for layer in _checkpointed_layers(model, "disable"):
         layer.gradient_checkpointing = False

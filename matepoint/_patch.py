@@ -280,16 +280,27 @@ def _copy_of(function: types.FunctionType) -> types.FunctionType:
 
 
 class TorchCheckpointPatch:
-    """One :func:`patch_torch_checkpoint` call; a context manager that undoes it on exit."""
+    """One :func:`patch_torch_checkpoint` call; a context manager that undoes it on exit.
+
+    Only :func:`patch_torch_checkpoint` makes one that is in force. One made
+    directly (``TorchCheckpointPatch()``) patches nothing: its ``undo()`` does
+    nothing, and ``with`` on it, or on one already undone, raises
+    RuntimeError rather than run the block unpatched.
+    """
 
     def __init__(self) -> None:
-        self.active = True
+        self.active = False   # patch_torch_checkpoint() sets it once the patch is in force
 
     def undo(self) -> None:
-        """Undo this patch (once; later calls do nothing)."""
+        """Undo this patch (once; later calls, and calls on a patch never in
+        force, do nothing)."""
         _release(self)
 
     def __enter__(self) -> "TorchCheckpointPatch":
+        if not self.active:
+            raise RuntimeError(
+                "matepoint.TorchCheckpointPatch: this patch is not in force (made directly, "
+                "or undone already); write `with matepoint.patch_torch_checkpoint():`")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -336,6 +347,7 @@ def patch_torch_checkpoint() -> TorchCheckpointPatch:
                 _environment_set = True
             log.debug("matepoint: torch.utils.checkpoint now runs matepoint.checkpoint")
         handle = TorchCheckpointPatch()
+        handle.active = True
         _active.append(handle)
         return handle
 

@@ -61,7 +61,7 @@ def _int_argument(where: str, name: str, value: Any, low: int, high: int = MAX_B
     ValueError naming ``name`` and that range."""
     high_text = "2**63 - 1" if high == MAX_BYTES else f"{high:_}"
     message = f"{where}: {name}" if where else name
-    message += f" must be an int from {low} to {high_text}, not "
+    message += f" must be an int from {low} to {high_text}, got "
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(message + repr(value))
     if not low <= value <= high:
@@ -85,7 +85,7 @@ def _finite_number(value: Any) -> bool:
 def _path_argument(where: str, path: Any) -> Any:
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"{where}: path must be a str, bytes or os.PathLike file name, "
-                        f"not {type(path).__name__}")
+                        f"got {type(path).__name__}")
     return path
 
 
@@ -204,9 +204,10 @@ class Plan:
             for a list, a list of the same modules (non-module callables
             wrapped). Raises ValueError when the number of blocks differs.
         """
-        blocks_list = _check_blocks(blocks)
+        blocks_list = _check_blocks(blocks, "matepoint.Plan.apply")
         if len(blocks_list) != len(self.choices):
-            raise ValueError(f"the plan is for {len(self.choices)} blocks, got {len(blocks_list)}")
+            raise ValueError(f"matepoint.Plan.apply: blocks must be those planned (the plan is "
+                             f"for {len(self.choices)} blocks), got {len(blocks_list)}")
         # only an offloaded block right after another prefetches it: what
         # the planner's model counts
         follows_offload = [False] + [c == "offload" for c in self.choices[:-1]]
@@ -226,7 +227,7 @@ class Plan:
         Args:
             max_points: the most points returned (a positive int).
         """
-        _int_argument("Plan.frontier", "max_points", max_points, 1, MAX_FRONTIER_POINTS)
+        _int_argument("matepoint.Plan.frontier", "max_points", max_points, 1, MAX_FRONTIER_POINTS)
         points = _C._plan_frontier(_units(self.profiles, self.unit_bytes, self.offload),
                                    self.pipeline, max_points)
         return [(peak * self.unit_bytes, seconds) for seconds, peak in points
@@ -271,7 +272,7 @@ class Plan:
 
     def save(self, path: str) -> None:
         """Writes the plan as JSON to the file ``path`` (replacing it)."""
-        _path_argument("Plan.save", path)
+        _path_argument("matepoint.Plan.save", path)
         with open(path, "w", encoding="utf-8") as file:
             json.dump(self.to_dict(), file, indent=1)
 
@@ -280,7 +281,7 @@ class Plan:
         """Reads a plan written by :meth:`save` from the file ``path``; a file
         that is not one, or whose fields are out of range, raises ValueError
         naming the field."""
-        _path_argument("Plan.load", path)
+        _path_argument("matepoint.Plan.load", path)
         with open(path, encoding="utf-8") as file:
             try:
                 data = json.load(file)
@@ -361,11 +362,13 @@ class PlannedBlock(nn.Module):
     def __init__(self, block: Callable, choice: str, prefetch: bool = True) -> None:
         super().__init__()
         if not callable(block):
-            raise TypeError(f"PlannedBlock: block must be callable, not {type(block).__name__}")
+            raise TypeError(f"matepoint.PlannedBlock: block must be callable, "
+                            f"got {type(block).__name__}")
         if not isinstance(choice, str) or choice not in CHOICES:
-            raise ValueError(f"choice must be one of {CHOICES}, not {choice!r}")
+            raise ValueError(f"matepoint.PlannedBlock: choice must be one of {CHOICES}, "
+                             f"got {choice!r}")
         if not isinstance(prefetch, bool):
-            raise TypeError(f"PlannedBlock: prefetch must be a bool, not {prefetch!r}")
+            raise TypeError(f"matepoint.PlannedBlock: prefetch must be a bool, got {prefetch!r}")
         self.block = block
         self.choice = choice
         self.prefetch = prefetch
@@ -553,7 +556,7 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
         TypeError, ValueError: a bad argument, named in the message.
         RuntimeError: a block failed while being profiled (names its index).
     """
-    blocks_list = _check_blocks(blocks)
+    blocks_list = _check_blocks(blocks, "matepoint.plan")
     _check_plan_arguments(budget_bytes, unit_bytes, pipeline, bandwidth_bytes_per_s, repeats)
     device = _device_of(sample_inputs)
     options = settings.current
@@ -613,23 +616,25 @@ def no_offload_reason(sample_inputs: Tuple) -> Optional[str]:
 
 
 def _check_plan_arguments(budget_bytes: Any, unit_bytes: Any, pipeline: Any,
-                          bandwidth_bytes_per_s: Any, repeats: Any) -> None:
-    """TypeError or ValueError naming the first bad argument of plan()."""
-    _int_argument("matepoint.plan", "budget_bytes", budget_bytes, 1)
+                          bandwidth_bytes_per_s: Any, repeats: Any,
+                          where: str = "matepoint.plan") -> None:
+    """TypeError or ValueError naming the first bad argument of plan() (or
+    of ``where``, the public function that takes them)."""
+    _int_argument(where, "budget_bytes", budget_bytes, 1)
     if unit_bytes is not None:
-        _int_argument("matepoint.plan", "unit_bytes", unit_bytes, 1)
+        _int_argument(where, "unit_bytes", unit_bytes, 1)
     if pipeline is not None and not isinstance(pipeline, bool):
-        raise TypeError(f"matepoint.plan: pipeline must be a bool or None, not {pipeline!r}")
+        raise TypeError(f"{where}: pipeline must be a bool or None, got {pipeline!r}")
     if bandwidth_bytes_per_s is not None:
         accepted = "a finite number of bytes per second above 0, or None to measure it"
         if isinstance(bandwidth_bytes_per_s, bool) or \
                 not isinstance(bandwidth_bytes_per_s, numbers.Real):
-            raise TypeError(f"matepoint.plan: bandwidth_bytes_per_s must be {accepted}, "
-                            f"not {bandwidth_bytes_per_s!r}")
+            raise TypeError(f"{where}: bandwidth_bytes_per_s must be {accepted}, "
+                            f"got {bandwidth_bytes_per_s!r}")
         if not (_finite_number(bandwidth_bytes_per_s) and bandwidth_bytes_per_s > 0):
-            raise ValueError(f"matepoint.plan: bandwidth_bytes_per_s must be {accepted}, "
-                             f"not {_show(bandwidth_bytes_per_s)}")
-    _int_argument("matepoint.plan", "repeats", repeats, 1, MAX_REPEATS)
+            raise ValueError(f"{where}: bandwidth_bytes_per_s must be {accepted}, "
+                             f"got {_show(bandwidth_bytes_per_s)}")
+    _int_argument(where, "repeats", repeats, 1, MAX_REPEATS)
 
 
 def solve(profiles: List[BlockProfile], budget_bytes: int, unit_bytes: int,
@@ -764,19 +769,20 @@ def _smallest_budget(units: List[Tuple], pipeline: bool, offload: bool) -> int:
     return high
 
 
-def _check_blocks(blocks: Blocks) -> List[Callable]:
+def _check_blocks(blocks: Blocks, where: str) -> List[Callable]:
     if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
         blocks_list = list(blocks)
     elif isinstance(blocks, (list, tuple)):
         blocks_list = list(blocks)
     else:
-        raise TypeError("blocks must be an nn.Sequential, an nn.ModuleList or a list of "
-                        f"callables, not {type(blocks).__name__}")
+        raise TypeError(f"{where}: blocks must be an nn.Sequential, an nn.ModuleList or a list "
+                        f"of callables, got {type(blocks).__name__}")
     if not blocks_list:
-        raise ValueError("blocks is empty: nothing to plan")
+        raise ValueError(f"{where}: blocks must be a non-empty nn.Sequential, nn.ModuleList "
+                         f"or list, got an empty {type(blocks).__name__}")
     for i, block in enumerate(blocks_list):
         if not callable(block):
-            raise TypeError(f"block {i} ({type(block).__name__}) is not callable")
+            raise TypeError(f"{where}: block {i} ({type(block).__name__}) is not callable")
     return blocks_list
 
 
@@ -793,7 +799,8 @@ def _tensors_in(value: Any) -> List[torch.Tensor]:
 def _device_of(sample_inputs: Tuple) -> torch.device:
     tensors = _tensors_in(sample_inputs)
     if not tensors:
-        raise ValueError("sample_inputs hold no tensor: the planner needs the batch to profile")
+        raise ValueError("matepoint.plan: sample_inputs must be the batch to profile the "
+                         "blocks on (at least one tensor), got no tensor")
     return tensors[0].device
 
 

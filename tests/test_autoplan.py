@@ -167,7 +167,7 @@ def test_apply_plans_any_module_tree_names_and_keywords_kept() -> None:
 
 
 def test_apply_checks_its_arguments() -> None:
-    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module instance"):
         matepoint.apply(3, budget_bytes=1)
     with pytest.raises(ValueError, match="budget_bytes must be an int from 1"):
         matepoint.apply(Encoder(), budget_bytes=0)

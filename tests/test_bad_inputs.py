@@ -341,7 +341,7 @@ def test_checkpoint_sequential_functions_are_checked() -> None:
 
 def test_enable_and_disable_check_their_arguments() -> None:
     for function in (matepoint.enable, matepoint.disable):
-        with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module instance"):
             function(3)
     with pytest.raises(TypeError, match="unknown checkpoint argument"):
         matepoint.enable(nn.Linear(2, 2), budget=3)

@@ -83,15 +83,15 @@ def test_a_forward_set_on_the_instance_is_kept_and_restored() -> None:
 
 def test_errors() -> None:
     block = Block()
-    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module instance"):
         matepoint.checkpoint_module(lambda x: x)
     with pytest.raises(TypeError, match="unknown checkpoint argument"):
         matepoint.checkpoint_module(block, use_reentrent=False)
-    with pytest.raises(ValueError, match="is not checkpointed"):
+    with pytest.raises(RuntimeError, match="is not checkpointed"):
         matepoint.uncheckpoint_module(block)
     matepoint.checkpoint_module(block)
-    with pytest.raises(ValueError, match="already checkpointed"):
+    with pytest.raises(RuntimeError, match="already checkpointed"):
         matepoint.checkpoint_module(block)
     block.forward = lambda x: x
-    with pytest.raises(ValueError, match="forward was replaced since"):
+    with pytest.raises(RuntimeError, match="forward was replaced since"):
         matepoint.uncheckpoint_module(block)

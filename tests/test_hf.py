@@ -121,7 +121,7 @@ def test_models_without_support_are_named() -> None:
         matepoint.enable(Frozen())
     with pytest.raises(TypeError, match="unknown checkpoint argument"):
         matepoint.enable(fresh(gpt2), use_reentrent=False)
-    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module instance"):
         matepoint.enable(lambda x: x)
 
 

@@ -13,6 +13,7 @@ typedef struct {
     option_kind kind;
     int64_t default_value;   /* KIND_INT_OR_NONE: 0 is None */
     int64_t low, high;
+    const char *high_words;  /* `high` as errors name it */
     const char *accepted;    /* the range in words, as errors name it */
     size_t offset;           /* its field in offload_options */
     field_kind field;
@@ -23,15 +24,16 @@ typedef struct {
 /* The C core keeps counts of checkpoints in an int and byte sizes in 64
  * bits with room for sums: hence the upper bounds. */
 static const option_spec option_specs[] = {
-    {"offload", KIND_BOOL, 1, 0, 1, NULL, FIELD(enabled, FIELD_INT)},
-    {"pipeline", KIND_BOOL, 1, 0, 1, NULL, FIELD(pipeline, FIELD_INT)},
-    {"prefetch_depth", KIND_INT, 1, 0, INT_MAX, "an int from 0 to 2**31 - 1",
+    {"offload", KIND_BOOL, 1, 0, 1, NULL, NULL, FIELD(enabled, FIELD_INT)},
+    {"pipeline", KIND_BOOL, 1, 0, 1, NULL, NULL, FIELD(pipeline, FIELD_INT)},
+    {"prefetch_depth", KIND_INT, 1, 0, INT_MAX, "2**31 - 1", "an int from 0 to 2**31 - 1",
      FIELD(prefetch_depth, FIELD_INT)},
-    {"offload_window", KIND_INT, 2, 1, INT_MAX, "an int from 1 to 2**31 - 1",
+    {"offload_window", KIND_INT, 2, 1, INT_MAX, "2**31 - 1", "an int from 1 to 2**31 - 1",
      FIELD(window, FIELD_INT)},
-    {"min_offload_bytes", KIND_INT, 1 << 20, 0, INT64_MAX, "an int from 0 to 2**63 - 1",
+    {"min_offload_bytes", KIND_INT, 1 << 20, 0, INT64_MAX, "2**63 - 1",
+     "an int from 0 to 2**63 - 1",
      FIELD(min_offload_bytes, FIELD_INT64)},
-    {"pool_limit_bytes", KIND_INT_OR_NONE, 0, 1, INT64_MAX,
+    {"pool_limit_bytes", KIND_INT_OR_NONE, 0, 1, INT64_MAX, "2**63 - 1",
      "an int from 1 to 2**63 - 1, or None", FIELD(pool_limit_bytes, FIELD_UINT64)},
 };
 #define OPTION_COUNT (sizeof(option_specs) / sizeof(option_specs[0]))
@@ -80,14 +82,22 @@ show_int(PyObject *value)
                         : PyUnicode_FromFormat("an int of %zd bits", count);
 }
 
+/* The bound `value` broke, in words: a value too large names the limit
+ * (2**62 is not "negative", it is past 2**31 - 1). */
 static int
-out_of_range(const option_spec *spec, PyObject *value)
+out_of_range(const option_spec *spec, PyObject *value, int too_large)
 {
     PyObject *shown = show_int(value);
     if (shown == NULL)
         return -1;
-    PyErr_Format(PyExc_ValueError, "matepoint option %s must be %s (%s), got %U", spec->name,
-                 spec->low > 0 ? "positive" : "positive or zero", spec->accepted, shown);
+    if (too_large)
+        PyErr_Format(PyExc_ValueError, "matepoint option %s must be at most %s (%s), got %U",
+                     spec->name, spec->high_words,
+                     spec->accepted, shown);
+    else
+        PyErr_Format(PyExc_ValueError, "matepoint option %s must be %s (%s), got %U",
+                     spec->name, spec->low > 0 ? "positive" : "positive or zero",
+                     spec->accepted, shown);
     Py_DECREF(shown);
     return -1;
 }
@@ -120,7 +130,7 @@ check_value(const option_spec *spec, PyObject *value, int64_t *out)
     if (number == -1 && PyErr_Occurred())
         return -1;
     if (overflow != 0 || number < spec->low || number > spec->high)
-        return out_of_range(spec, value);
+        return out_of_range(spec, value, overflow > 0 || number > spec->high);
     *out = number;
     return 0;
 }
