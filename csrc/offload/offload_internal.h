@@ -270,6 +270,7 @@ typedef struct {
     PyObject *fetched;          /* uint8 tensor holding the span again, or NULL */
     void *fetched_on;           /* the stream whose allocator gave it (a key only) */
     void *h2d_done;             /* the last copy back, until the copy goes */
+    void *h2d_stream;           /* the stream it was queued on (a key only) */
     int h2d_awaited;            /* the compute stream waits on h2d_done already */
     int restoring;              /* threads taking a view of `fetched` now */
     int discard_pending;        /* discarded meanwhile: the last of them drops it */

@@ -43,11 +43,15 @@ start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream, void *
     /* the compute stream, when it is the producer that waited on the copy
      * out, orders this copy after it already */
     int after_d2h = copy->d2h_done == NULL || (copy->producer_waited && *compute == copy->producer);
+    /* the previous copy back reads the same host buffer: this copy's event
+     * must cover it too, for the buffer is returned once that completes;
+     * on its own stream it does already */
+    int after_h2d = copy->h2d_done == NULL || copy->h2d_stream == stream;
     int failed = (on_copy_stream && offload_device_order(engine, device, stream, *compute) < 0) ||
                  (!after_d2h &&
                   streams_check(rt, rt->stream_wait_event(stream, copy->d2h_done, 0),
                                 "cudaStreamWaitEvent")) ||
-                 (copy->h2d_done != NULL &&
+                 (!after_h2d &&
                   streams_check(rt, rt->stream_wait_event(stream, copy->h2d_done, 0),
                                 "cudaStreamWaitEvent")) ||
                  streams_memcpy(rt, dst, copy->block.ptr, (size_t)copy->nbytes,
@@ -79,6 +83,7 @@ publish_fetched(mp_state *st, StorageCopy *copy, PyObject *fetched, void *done, 
     if (copy->h2d_done != NULL)
         offload_device_give_event(engine, device, copy->h2d_done);
     copy->h2d_done = done;
+    copy->h2d_stream = on_copy_stream ? device->copy_in : compute;
     copy->fetched = Py_NewRef(fetched);
     copy->fetched_on = compute;
     /* on the compute stream itself, what reads the span is queued after it */
