@@ -21,10 +21,12 @@ typedef void (*handout_fn)(int device, void *stream, void *ptr, uint64_t bytes);
  * sim_runtime_attach_allocator with the GIL held and never changed. */
 static void (*allocator_record_stream)(void *ptr, void *stream);
 
-/* record_stream calls made, and those dropped (sim_runtime_drop_records);
+/* record_stream calls made, those dropped (sim_runtime_drop_records) and,
+ * while logging (sim_runtime_log_records), the device and stream of each;
  * guarded by the GIL. */
 static struct {
     uint64_t made, skip, count;
+    PyObject *log;              /* list of dict, or NULL */
 } record_calls;
 
 /* Copies back that find no device memory (sim_runtime_fail_fetches);
@@ -109,6 +111,15 @@ sim_record_stream(mp_state *st, PyObject *storage, int device, void *stream)
     (void)device;
     void *ptr;
     record_calls.made++;
+    if (record_calls.log != NULL) {
+        PyObject *handle = stream == NULL ? Py_NewRef(Py_None) : PyLong_FromVoidPtr(stream);
+        PyObject *row = handle ? Py_BuildValue("{sisN}", "device", device, "stream", handle)
+                               : NULL;
+        int failed = row == NULL || PyList_Append(record_calls.log, row) < 0;
+        Py_XDECREF(row);
+        if (failed)
+            return -1;
+    }
     if (record_calls.skip > 0) {
         record_calls.skip--;
     } else if (record_calls.count > 0) {
@@ -209,6 +220,20 @@ sim_runtime_drop_records(uint64_t skip, uint64_t count)
 {
     record_calls.skip = skip;
     record_calls.count = count;
+}
+
+int
+sim_runtime_log_records(int on)
+{
+    Py_CLEAR(record_calls.log);
+    return on && (record_calls.log = PyList_New(0)) == NULL ? -1 : 0;
+}
+
+PyObject *
+sim_runtime_record_log(void)
+{
+    PyObject *log = record_calls.log;
+    return log == NULL ? PyList_New(0) : PyList_GetSlice(log, 0, PyList_GET_SIZE(log));
 }
 
 uint64_t

@@ -273,10 +273,18 @@ sim_log_waits(PyObject *module, PyObject *on)
 {
     (void)module;
     int enable = PyObject_IsTrue(on);
-    if (enable < 0)
+    if (enable < 0 || sim_runtime_log_records(enable) < 0)
         return NULL;
     cudart_sim_log_waits(enable);
     Py_RETURN_NONE;
+}
+
+static PyObject *
+sim_record_log(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return sim_runtime_record_log();
 }
 
 static PyObject *
@@ -466,11 +474,14 @@ static PyMethodDef testing_methods[] = {
      "after them succeed and do nothing."},
     {"_sim_log_waits", sim_log_waits, METH_O,
      "_sim_log_waits($module, on, /)\n--\n\n"
-     "Start (clearing it) or stop the log of every cudaStreamWaitEvent."},
+     "Start (clearing it) or stop the log of every cudaStreamWaitEvent and record_stream."},
     {"_sim_wait_log", sim_wait_log, METH_NOARGS,
      "_sim_wait_log($module, /)\n--\n\n"
      "Each logged wait: waiter_device, waiter, source_device, source (handles; None for a "
      "legacy stream; source_device -1 for an event never recorded)."},
+    {"_sim_record_log", sim_record_log, METH_NOARGS,
+     "_sim_record_log($module, /)\n--\n\n"
+     "Each record_stream of the engine logged since _sim_log_waits(True): device, stream."},
     {"_offload_streams", offload_streams, METH_NOARGS,
      "_offload_streams($module, /)\n--\n\n"
      "The engine's copy_out and copy_in stream handles, per device it copied on."},

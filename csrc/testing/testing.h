@@ -19,7 +19,8 @@
  *                                   or the engine's "record_stream"): each wait proven needed
  *   _sim_records_made() -> int      the engine's record_stream calls so far
  *   _sim_log_waits(on) / _sim_wait_log() -> list of dict   every cudaStreamWaitEvent: the
- *                                   streams it joins (the waiter, the event's last record's)
+ *                                   streams it joins (the waiter, the event's last record's);
+ *                                   _sim_record_log(): each record_stream's device and stream
  *   _offload_streams() -> {device: {"copy_out": h, "copy_in": h}}
  *   _sim_forget_contexts()          no device has a context (as in a new process)
  *   _sim_attach_allocator(path) -> where   matepoint's allocator library over the
@@ -59,6 +60,10 @@ void sim_runtime_fail_fetches(uint64_t skip, uint64_t count);
  * them do nothing; and how many it made so far. */
 void sim_runtime_drop_records(uint64_t skip, uint64_t count);
 uint64_t sim_runtime_records_made(void);
+/* Starts (clearing it) or stops a log of the engine's record_stream calls;
+ * the log, a new list of {"device", "stream"} dicts. */
+int sim_runtime_log_records(int on);
+PyObject *sim_runtime_record_log(void);
 
 /* Where the harness allocates: the thread's current device and stream. */
 void sim_runtime_where(int *device, void **stream);
