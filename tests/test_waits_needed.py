@@ -37,6 +37,18 @@ RECORD = "record_stream"
 ADVERSARIES = {"GPU far behind": 0, "copies keep up": sim.EVERYTHING}
 
 
+# A record_stream on the stream current when a source is retired (its
+# producer) keeps the stream that allocated the source, when another one,
+# from reusing it before the copy out read it. The simulator cannot show it
+# yet: a kernel launch lands all the work queued on its stream, waits
+# included, so the producer's next kernel forces the copy out before the
+# other stream can allocate (a branch on the allocating stream, unordered
+# after the producer, was tried: the copy had always run). Closing it needs
+# launches that land only the work an op's memory depends on. The set is
+# exact: a kind proven here, or another one unproven, fails the test.
+KNOWN_BLIND_SPOTS = {"record_stream on compute"}
+
+
 def plain(fn, x):
     return matepoint.checkpoint(fn, x)
 
@@ -168,6 +180,6 @@ def test_every_wait_and_record_is_needed(simulated) -> None:
         _C._sim_log_waits(False)
         _C._sim_set_progress(0)
     unproven = {kind: f"0 of {count} dropped" for kind, count in seen.items() if not proven[kind]}
-    assert unproven == {}, (
+    assert set(unproven) == KNOWN_BLIND_SPOTS, (
         f"dropping these changes no data (redundant, or a blind spot of the simulator); "
         f"proven: { {kind: len(where) for kind, where in proven.items()} }")
