@@ -4,10 +4,12 @@
  *
  * The files:
  * - cudart_sim_queue.c  the "GPU": per-stream queues of copies, event
- *                       records and waits, run oldest first or as little
+ *                       records, waits and kernels, run oldest first or as little
  *                       as a blocking call needs; memory ranges handed
  *                       out; the entry and exit of every runtime call
  * - cudart_sim_calls.c  the runtime table: one function per CUDA entry point
+ * - cudart_sim_kernel.c kernels that lag in data: results kept aside,
+ *                       landed (or poison) when their stream reaches them
  * - cudart_sim.c        the state itself and the test controls
  *
  * Every function here but sim_enter() runs with `sim_gpu.lock` held
@@ -28,7 +30,17 @@ typedef struct {
     int refs;                   /* the caller's handle plus queued operations */
 } sim_event;
 
-typedef enum { OP_COPY, OP_RECORD, OP_WAIT } op_kind;
+typedef enum { OP_COPY, OP_RECORD, OP_WAIT, OP_KERNEL } op_kind;
+
+/* A kernel's results kept aside (cudart_sim_kernel.c): its write spans and
+ * their bytes, its read spans and their checksums at launch. One block. */
+typedef struct {
+    size_t n_writes, n_reads;
+    cudart_sim_span *writes;
+    cudart_sim_span *reads;
+    uint64_t *sums;
+    unsigned char *results;     /* the write spans' bytes, one after another */
+} sim_kernel;
 
 typedef struct {
     op_kind kind;
@@ -38,6 +50,7 @@ typedef struct {
     void *dst;
     const void *src;
     size_t bytes;
+    sim_kernel *kernel;         /* OP_KERNEL: owned by the op until it runs */
 } sim_op;
 
 typedef struct sim_stream {
@@ -86,6 +99,18 @@ extern _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
 /* The runtime table (cudart_sim_calls.c). */
 extern const cudart sim_table;
 
+/* ---- cudart_sim_kernel.c ------------------------------------------------- */
+
+/* Keeps the write spans' bytes aside and poisons them; NULL when out of
+ * memory (nothing changed then). */
+sim_kernel *sim_kernel_new(const cudart_sim_span *writes, size_t n_writes,
+                           const cudart_sim_span *reads, size_t n_reads);
+/* Lands the results (or poison, when a read span changed) and frees. */
+void sim_kernel_land(sim_kernel *kernel);
+/* Writes the results back at once and frees (a kernel that cannot be
+ * queued runs as a CPU kernel always did). */
+void sim_kernel_write_back(sim_kernel *kernel);
+
 /* ---- cudart_sim_queue.c -------------------------------------------------- */
 
 /* Has the event's last record run? */
@@ -108,6 +133,8 @@ void sim_use_device(int device);
 /* NULL: the legacy stream of the current device; else a live created
  * stream, or NULL when the handle is none. */
 sim_stream *sim_resolve(void *handle);
+/* The same, NULL naming `device`'s legacy stream; NULL when none. */
+sim_stream *sim_resolve_on(int device, void *handle);
 /* Memory handed out at `base` on `device` (-1: pinned host); 0 or -1. */
 int sim_add_range(void *base, size_t bytes, int device);
 sim_range *sim_find_range(const void *ptr);

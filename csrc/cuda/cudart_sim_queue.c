@@ -1,5 +1,5 @@
-/* The simulated GPU's scheduler: per-stream queues run oldest first, or
- * only as far as a blocking call needs; the memory ranges handed out; the
+/* The simulated GPU's scheduler: per-stream queues run oldest first
+ * (kernels last), or only as far as a blocking call needs; the memory ranges handed out; the
  * entry and exit of every runtime call. Contract: cudart_sim_internal.h. */
 #include "cudart_sim_internal.h"
 #include "common/host_memory.h"
@@ -46,6 +46,9 @@ op_run(sim_op *op)
         return;
     case OP_WAIT:
         sim_event_release(op->event);
+        return;
+    case OP_KERNEL:
+        sim_kernel_land(op->kernel);
         return;
     }
 }
@@ -94,19 +97,35 @@ pop_and_run_locked(sim_stream *stream)
     op_run(&op);
 }
 
-/* Runs the oldest runnable head operation of any stream; 0 if none. */
+/* The stream whose head runs next on its own: the oldest runnable head but
+ * a kernel, else the oldest kernel. Adversarial on purpose: copies go as
+ * early as their waits allow and kernels' results land as late as
+ * possible, so a copy not ordered after its producer reads poison even on
+ * a GPU that keeps up. NULL when nothing can run. */
+static sim_stream *
+next_to_run_locked(void)
+{
+    sim_stream *oldest = NULL;
+    for (int kernels = 0; kernels < 2 && oldest == NULL; kernels++) {
+        for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
+            if (s->count == 0 || (s->ops[s->head].kind == OP_KERNEL) != kernels ||
+                !op_runnable(&s->ops[s->head]))
+                continue;
+            if (oldest == NULL || s->ops[s->head].order < oldest->ops[oldest->head].order)
+                oldest = s;
+        }
+    }
+    return oldest;
+}
+
+/* Runs the head operation next_to_run_locked picks; 0 if none. */
 static int
 run_one_locked(void)
 {
-    sim_stream *oldest = NULL;
-    for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
-        if (s->count > 0 && op_runnable(&s->ops[s->head]) &&
-            (oldest == NULL || s->ops[s->head].order < oldest->ops[oldest->head].order))
-            oldest = s;
-    }
-    if (oldest == NULL)
+    sim_stream *next = next_to_run_locked();
+    if (next == NULL)
         return 0;
-    pop_and_run_locked(oldest);
+    pop_and_run_locked(next);
     return 1;
 }
 
@@ -228,6 +247,14 @@ sim_resolve(void *handle)
             return s;
     }
     return NULL;
+}
+
+sim_stream *
+sim_resolve_on(int device, void *handle)
+{
+    if (device < 0 || device >= CUDART_SIM_DEVICES)
+        return NULL;
+    return handle == NULL ? &sim_gpu.legacy[device] : sim_resolve(handle);
 }
 
 int
