@@ -42,7 +42,7 @@ uint64_t
 cudart_sim_advance(uint64_t ops)
 {
     pthread_mutex_lock(&sim_gpu.lock);
-    uint64_t ran = sim_advance_locked(ops);
+    uint64_t ran = sim_advance_locked(ops, 1);
     pthread_mutex_unlock(&sim_gpu.lock);
     return ran;
 }

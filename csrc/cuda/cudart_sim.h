@@ -20,10 +20,13 @@
  *   as poison (0xff bytes, NaN) until its stream reaches it; if what it
  *   read changed meanwhile (another stream or a copy wrote it, or it was
  *   reused), it writes poison instead. The scheduler is adversarial:
- *   when the GPU makes progress on its own, copies, records and waits run
- *   as early as their waits allow and kernels as late as possible (only
- *   when nothing else can run), so a copy not ordered after its producer
- *   reads poison even on a GPU that keeps up.
+ *   the progress made at every runtime call runs copies, records and
+ *   waits as early as their waits allow, and a kernel only when a queued
+ *   wait needs it; otherwise a kernel runs only when something needs it (a
+ *   launch or allocation on its stream, a synchronization, cudaFree, or
+ *   the test's cudart_sim_advance, which runs kernels once nothing else
+ *   can run), so a copy not ordered after its producer reads poison even
+ *   on a GPU that keeps up.
  * - An event belongs to the device current when it was created; recording
  *   it on another device's stream fails as in CUDA.
  * - Per-thread last error: every failing call sets it (cudaErrorNotReady
@@ -76,12 +79,13 @@ const cudart *cudart_sim(void);
 /* The CUDA name of an entry point ("cudaEventRecord"); NULL past the end. */
 const char *cudart_sim_entry_name(int entry);
 
-/* Runs up to `ops` queued operations, oldest runnable first; returns how
- * many ran. */
+/* Runs up to `ops` queued operations, oldest runnable first, kernels once
+ * nothing else can run; returns how many ran. */
 uint64_t cudart_sim_advance(uint64_t ops);
 
-/* Operations each runtime call runs before its own work (0: none, the GPU
- * is as far behind as the test likes). */
+/* Operations each runtime call runs before its own work, kernels only as
+ * queued waits need them (0: none, the GPU is as far behind as the test
+ * likes). */
 void cudart_sim_set_progress(uint64_t progress_per_call);
 
 /* A CPU kernel launched on `stream` of `device` (NULL: its legacy stream):

@@ -119,8 +119,9 @@ int sim_event_done(const sim_event *event);
 void sim_event_release(sim_event *event);
 /* A destroyed stream whose queue ran dry goes. */
 void sim_stream_unlink_and_free(sim_stream *stream);
-/* Runs up to `ops` runnable operations, oldest first; how many ran. */
-uint64_t sim_advance_locked(uint64_t ops);
+/* Runs up to `ops` runnable operations, oldest first but kernels last
+ * (none unless `kernels_too`); how many ran. */
+uint64_t sim_advance_locked(uint64_t ops, int kernels_too);
 /* Runs what `event` reaching `generation` needs; CUDART_SIM_DEADLOCK when
  * it can never run. */
 int sim_run_until_locked(sim_event *event, uint64_t generation);

@@ -98,15 +98,15 @@ pop_and_run_locked(sim_stream *stream)
 }
 
 /* The stream whose head runs next on its own: the oldest runnable head but
- * a kernel, else the oldest kernel. Adversarial on purpose: copies go as
- * early as their waits allow and kernels' results land as late as
- * possible, so a copy not ordered after its producer reads poison even on
- * a GPU that keeps up. NULL when nothing can run. */
+ * a kernel, else (`kernels_too` set) the oldest kernel. Adversarial on
+ * purpose: copies go as early as their waits allow and kernels' results
+ * land as late as possible, so a copy not ordered after its producer reads
+ * poison even on a GPU that keeps up. NULL when nothing can run. */
 static sim_stream *
-next_to_run_locked(void)
+next_to_run_locked(int kernels_too)
 {
     sim_stream *oldest = NULL;
-    for (int kernels = 0; kernels < 2 && oldest == NULL; kernels++) {
+    for (int kernels = 0; kernels <= kernels_too && oldest == NULL; kernels++) {
         for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
             if (s->count == 0 || (s->ops[s->head].kind == OP_KERNEL) != kernels ||
                 !op_runnable(&s->ops[s->head]))
@@ -118,22 +118,43 @@ next_to_run_locked(void)
     return oldest;
 }
 
-/* Runs the head operation next_to_run_locked picks; 0 if none. */
+static int complete_locked(sim_event *event, uint64_t generation, int depth);
+
+/* A GPU that keeps up runs what a queued wait needs, kernels included: the
+ * oldest blocked wait gets its event completed. 1 if that ran anything. */
 static int
-run_one_locked(void)
+unblock_oldest_wait_locked(void)
 {
-    sim_stream *next = next_to_run_locked();
-    if (next == NULL)
+    sim_op *oldest = NULL;
+    for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
+        sim_op *head = s->count > 0 ? &s->ops[s->head] : NULL;
+        if (head != NULL && !op_runnable(head) && (oldest == NULL || head->order < oldest->order))
+            oldest = head;
+    }
+    if (oldest == NULL)
         return 0;
+    uint64_t before = sim_gpu.stats.ops_run;
+    (void)complete_locked(oldest->event, oldest->generation, 0);
+    return sim_gpu.stats.ops_run != before;
+}
+
+/* Runs the head operation next_to_run_locked picks, or (kernels left out)
+ * what the oldest blocked wait needs; 0 if nothing ran. */
+static int
+run_one_locked(int kernels_too)
+{
+    sim_stream *next = next_to_run_locked(kernels_too);
+    if (next == NULL)
+        return kernels_too ? 0 : unblock_oldest_wait_locked();
     pop_and_run_locked(next);
     return 1;
 }
 
 uint64_t
-sim_advance_locked(uint64_t ops)
+sim_advance_locked(uint64_t ops, int kernels_too)
 {
     uint64_t ran = 0;
-    while (ran < ops && run_one_locked())
+    while (ran < ops && run_one_locked(kernels_too))
         ran++;
     return ran;
 }
@@ -299,7 +320,7 @@ sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry)
     if (range == NULL || (range->device == -1) != pinned)
         return CUDART_ERROR_INVALID_VALUE;
     sim_note_sync_locked(entry);
-    sim_advance_locked(UINT64_MAX);
+    sim_advance_locked(UINT64_MAX, 1);
     if (pinned)
         mp_counter_sub(&sim_gpu.stats.host_bytes_live, range->bytes);
     else
@@ -319,7 +340,8 @@ sim_enter(cudart_sim_entry entry)
 {
     pthread_mutex_lock(&sim_gpu.lock);
     sim_gpu.stats.calls[entry]++;
-    sim_advance_locked(sim_gpu.progress_per_call);
+    /* the GPU on its own: a kernel lands only when something needs it */
+    sim_advance_locked(sim_gpu.progress_per_call, 0);
     sim_failure *failure = &sim_gpu.failures[entry];
     if (failure->skip > 0) {
         failure->skip--;

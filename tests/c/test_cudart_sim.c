@@ -293,8 +293,9 @@ test_a_kernel_whose_input_changed_writes_poison(void)
     rt->stream_destroy(other);
 }
 
-/* Kernels land only when something forces them: a wait on an event
- * recorded after them, a sync, a launch on their stream, a cudaFree. */
+/* Kernels land only when something forces them (a launch on their
+ * stream, a cudaFree, a queued wait), never on their own by the progress
+ * of each runtime call, which runs the copies. */
 static void
 test_kernels_land_as_late_as_possible(void)
 {
@@ -310,8 +311,22 @@ test_kernels_land_as_late_as_possible(void)
     int device;
     CHECK(rt->get_device(&device) == CUDART_SUCCESS && dst == 7);  /* ran the copy */
     CHECK(out == -1);
-    CHECK(rt->malloc(&mem, 16) == CUDART_SUCCESS && out == 42);  /* then the kernel */
+    /* progress alone never lands a kernel; a launch on its stream does */
+    CHECK(rt->malloc(&mem, 16) == CUDART_SUCCESS && out == -1);
+    CHECK(cudart_sim_launch(0, compute) == CUDART_SUCCESS && out == 42);
     cudart_sim_set_progress(0);
+    /* a queued wait needs the kernel: progress lands it, then the copy runs */
+    void *produced;
+    rt->event_create(&produced, 0);
+    out = 44;
+    CHECK(cudart_sim_queue_kernel(0, compute, &write, 1, NULL, 0) == CUDART_SUCCESS);
+    rt->event_record(produced, compute);
+    rt->stream_wait_event(copies, produced, 0);
+    rt->memcpy_async(&dst, &out, sizeof(out), 0, copies);
+    cudart_sim_set_progress(100);
+    CHECK(rt->get_device(&device) == CUDART_SUCCESS && out == 44 && dst == 44);
+    cudart_sim_set_progress(0);
+    rt->event_destroy(produced);
     out = 43;
     CHECK(cudart_sim_queue_kernel(0, compute, &write, 1, NULL, 0) == CUDART_SUCCESS);
     CHECK(out == -1 && rt->free(mem) == CUDART_SUCCESS && out == 43);   /* cudaFree runs all */
