@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 from typing import Iterator, List, Optional, Tuple
 
 import pytest
@@ -123,12 +124,42 @@ def as_on_cuda(lag: bool = True) -> Iterator[None]:
     lag in data (sim_kernels.py) meanwhile. `lag` needs every tensor in the
     simulated devices' memory (device_memory()): a write landing late into
     memory torch's own allocator already gave back would corrupt the heap."""
-    with sim_autograd.backward_as_on_cuda():
+    with sim_autograd.backward_as_on_cuda(), _in_new_threads(lag):
         if not lag:
             yield
             return
         with sim_kernels.LaggingKernels():
             yield
+
+
+@contextlib.contextmanager
+def _modes(lag: bool) -> Iterator[None]:
+    with sim_autograd.StreamTags():
+        if not lag:
+            yield
+            return
+        with sim_kernels.LaggingKernels():
+            yield
+
+
+@contextlib.contextmanager
+def _in_new_threads(lag: bool) -> Iterator[None]:
+    """torch's modes are per thread: a thread a test starts meanwhile runs
+    under them too (on a GPU every thread's ops are kernels), but the
+    backward workers, which take their caller's."""
+    original = threading.Thread.run
+
+    def run(self: threading.Thread) -> None:
+        if getattr(self, "simulated_gpu_worker", False):
+            return original(self)
+        with _modes(lag):
+            return original(self)
+
+    threading.Thread.run = run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        threading.Thread.run = original  # type: ignore[method-assign]
 
 
 def finish() -> None:

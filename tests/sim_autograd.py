@@ -132,6 +132,7 @@ class _Worker:
         self.last_error = 0        # the thread's CUDA last error after its last job
         self.thread = threading.Thread(target=self._serve, daemon=True,
                                        name=f"simulated-gpu-{device}-backward")
+        self.thread.simulated_gpu_worker = True   # its modes are each caller's
         self.thread.start()
 
     def _serve(self) -> None:

@@ -96,6 +96,14 @@ void cudart_sim_set_progress(uint64_t progress_per_call);
  * CUDART_SUCCESS, or CUDART_SIM_DEADLOCK. */
 int cudart_sim_launch(int device, void *stream);
 
+/* Memory handed out by a stream-ordered allocator for work on `stream` of
+ * `device` (NULL: its legacy stream): the work queued there that still
+ * touches it, or waits for another stream (whose work may), runs first (it
+ * comes before in stream order), then it is filled with poison. Nothing else runs: unrelated kernels keep lagging,
+ * and a copy or kernel on another stream still using the memory (not
+ * ordered before its reuse) sees the poison. CUDART_SUCCESS or a status. */
+int cudart_sim_handout(int device, void *stream, void *ptr, uint64_t bytes);
+
 /* A span of memory a kernel reads or writes: `bytes` from `ptr`. */
 typedef struct {
     void *ptr;

@@ -127,6 +127,12 @@ uint64_t sim_advance_locked(uint64_t ops, int kernels_too);
 int sim_run_until_locked(sim_event *event, uint64_t generation);
 /* Runs what `stream`'s queued work needs, and that work. */
 int sim_drain_locked(sim_stream *stream);
+/* Runs `stream`'s queued work up to the last operation touching `bytes`
+ * at `ptr` or waiting for another stream (none: nothing), and what that
+ * needs. */
+int sim_drain_touching_locked(sim_stream *stream, const void *ptr, uint64_t bytes);
+/* Does a queued kernel touch the span? (cudart_sim_kernel.c) */
+int sim_kernel_touches(const sim_kernel *kernel, const char *lo, const char *hi);
 /* Queues `op` on `stream`; a CUDA status. */
 int sim_push_locked(sim_stream *stream, sim_op op);
 /* The device now has its primary context. */

@@ -111,6 +111,42 @@ sim_kernel_land(sim_kernel *kernel)
     free(kernel);
 }
 
+static int
+span_overlaps(const cudart_sim_span *span, const char *lo, const char *hi)
+{
+    const char *start = span->ptr;
+    return start < hi && lo < start + span->bytes;
+}
+
+int
+sim_kernel_touches(const sim_kernel *kernel, const char *lo, const char *hi)
+{
+    for (size_t i = 0; i < kernel->n_writes; i++) {
+        if (span_overlaps(&kernel->writes[i], lo, hi))
+            return 1;
+    }
+    for (size_t i = 0; i < kernel->n_reads; i++) {
+        if (span_overlaps(&kernel->reads[i], lo, hi))
+            return 1;
+    }
+    return 0;
+}
+
+int
+cudart_sim_handout(int device, void *stream, void *ptr, uint64_t bytes)
+{
+    if (device < 0 || device >= CUDART_SIM_DEVICES)
+        return CUDART_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim_gpu.lock);
+    sim_stream *s = sim_resolve_on(device, stream);
+    int status = s == NULL ? CUDART_ERROR_INVALID_HANDLE
+                           : sim_drain_touching_locked(s, ptr, bytes);
+    if (status == CUDART_SUCCESS)
+        memset(ptr, CUDART_SIM_POISON, (size_t)bytes);
+    pthread_mutex_unlock(&sim_gpu.lock);
+    return status;
+}
+
 int
 cudart_sim_queue_kernel(int device, void *stream, const cudart_sim_span *writes,
                         size_t n_writes, const cudart_sim_span *reads, size_t n_reads)

@@ -226,6 +226,36 @@ sim_drain_locked(sim_stream *stream)
     return run_stream_until_locked(stream, UINT64_MAX, 0);
 }
 
+static int
+op_touches(const sim_op *op, const char *lo, const char *hi)
+{
+    switch (op->kind) {
+    case OP_COPY:
+        return ((const char *)op->dst < hi && lo < (const char *)op->dst + op->bytes) ||
+               ((const char *)op->src < hi && lo < (const char *)op->src + op->bytes);
+    case OP_KERNEL:
+        return sim_kernel_touches(op->kernel, lo, hi);
+    case OP_WAIT:
+        /* what it waits for may use the memory (a copy still reading it):
+         * the new owner's work comes after it on the stream */
+        return 1;
+    case OP_RECORD:
+        return 0;
+    }
+    return 0;
+}
+
+int
+sim_drain_touching_locked(sim_stream *stream, const void *ptr, uint64_t bytes)
+{
+    const char *lo = ptr, *hi = lo + bytes;
+    for (size_t i = stream->head + stream->count; i > stream->head; i--) {
+        if (op_touches(&stream->ops[i - 1], lo, hi))
+            return run_stream_until_locked(stream, stream->ops[i - 1].order, 0);
+    }
+    return CUDART_SUCCESS;
+}
+
 int
 sim_push_locked(sim_stream *stream, sim_op op)
 {

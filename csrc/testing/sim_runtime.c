@@ -160,16 +160,16 @@ sim_runtime_where(int *device, void **stream)
 }
 
 /* A block handed out is about to be used by a CPU kernel on `stream`: the
- * stream catches up first, then the block is filled with NaN bytes, so a
+ * work queued there still touching it runs first (and nothing else: other
+ * kernels keep lagging), then the block is filled with NaN bytes, so a
  * copy still reading or writing it is seen as wrong data. */
 static void
 handout(int device, void *stream, void *ptr, uint64_t bytes)
 {
-    int status = cudart_sim_launch(device, stream);
+    int status = cudart_sim_handout(device, stream, ptr, bytes);
     if (status != CUDART_SUCCESS)
         fprintf(stderr, "simulated GPU: a kernel on device %d waits forever (%d)\n", device,
                 status);
-    memset(ptr, 0xff, (size_t)bytes);
 }
 
 int

@@ -368,6 +368,27 @@ test_ordering_streams_as_the_autograd_engine_does(void)
     rt->stream_destroy(waiter);
 }
 
+/* A stream-ordered allocator hands memory out: the work before on that
+ * stream still touching it runs first, nothing else does. */
+static void
+test_a_handout_runs_only_the_work_touching_the_memory(void)
+{
+    void *compute;
+    int32_t a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8};
+    rt->stream_create(&compute, 0);
+    cudart_sim_span on_a = {a, sizeof(a)}, on_b = {b, sizeof(b)};
+    CHECK(cudart_sim_queue_kernel(0, compute, &on_a, 1, NULL, 0) == CUDART_SUCCESS);
+    CHECK(cudart_sim_queue_kernel(0, compute, &on_b, 1, NULL, 0) == CUDART_SUCCESS);
+    /* `b`'s kernel comes last: handing `a` out runs `a`'s only */
+    CHECK(cudart_sim_handout(0, compute, a, sizeof(a)) == CUDART_SUCCESS);
+    CHECK(a[0] == -1 && a[3] == -1 && b[0] == -1);           /* poisoned; b still lags */
+    CHECK(cudart_sim_get_stats().ops_queued == 1);
+    CHECK(cudart_sim_handout(0, compute, &b[2], 8) == CUDART_SUCCESS);
+    CHECK(b[0] == 5 && b[1] == 6 && b[2] == -1 && cudart_sim_get_stats().ops_queued == 0);
+    CHECK(cudart_sim_handout(0, &on_a, a, 4) == CUDART_ERROR_INVALID_HANDLE);
+    rt->stream_destroy(compute);
+}
+
 int
 main(void)
 {
@@ -386,6 +407,7 @@ main(void)
     test_a_kernel_whose_input_changed_writes_poison();
     test_kernels_land_as_late_as_possible();
     test_ordering_streams_as_the_autograd_engine_does();
+    test_a_handout_runs_only_the_work_touching_the_memory();
     CHECK(cudart_sim_get_stats().events_live == 0 && cudart_sim_get_stats().streams_live == 0);
     return check_report("test_cudart_sim");
 }
