@@ -11,6 +11,7 @@ sim_world sim_gpu = {.lock = PTHREAD_MUTEX_INITIALIZER};
 _Thread_local int sim_current_device;
 _Thread_local int sim_last_error;
 _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
+_Thread_local int sim_handouts_deferred;
 
 static const char *const entry_names[SIM_ENTRY_COUNT] = {
     "cudaGetDeviceCount", "cudaGetDevice", "cudaSetDevice", "cudaHostAlloc", "cudaFreeHost",
@@ -101,6 +102,12 @@ cudart_sim_order_streams(int waiter_device, void *waiter, int producer_device, v
     }
     pthread_mutex_unlock(&sim_gpu.lock);
     return status;
+}
+
+void
+cudart_sim_defer_handouts(int on)
+{
+    sim_handouts_deferred = on;
 }
 
 int

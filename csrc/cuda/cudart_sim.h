@@ -104,6 +104,14 @@ int cudart_sim_launch(int device, void *stream);
  * ordered before its reuse) sees the poison. CUDART_SUCCESS or a status. */
 int cudart_sim_handout(int device, void *stream, void *ptr, uint64_t bytes);
 
+/* While set on the calling thread, a handout that would have to run work
+ * first runs nothing: the poison is queued on the stream instead, landing
+ * where the memory changes owner on the GPU's timeline. For memory only
+ * copies fill (the engine's copies back): work on another stream filling
+ * it without waiting for the stream it was handed out on lands before the
+ * poison, and is lost. Not for memory the host writes directly. */
+void cudart_sim_defer_handouts(int on);
+
 /* A span of memory a kernel reads or writes: `bytes` from `ptr`. */
 typedef struct {
     void *ptr;

@@ -95,6 +95,7 @@ extern sim_world sim_gpu;
 extern _Thread_local int sim_current_device;
 extern _Thread_local int sim_last_error;
 extern _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
+extern _Thread_local int sim_handouts_deferred;
 
 /* The runtime table (cudart_sim_calls.c). */
 extern const cudart sim_table;
@@ -105,6 +106,9 @@ extern const cudart sim_table;
  * memory (nothing changed then). */
 sim_kernel *sim_kernel_new(const cudart_sim_span *writes, size_t n_writes,
                            const cudart_sim_span *reads, size_t n_reads);
+/* A kernel that writes poison over `span` and reads nothing, leaving the
+ * memory as it is until it runs; NULL when out of memory. */
+sim_kernel *sim_kernel_new_poison(cudart_sim_span span);
 /* Lands the results (or poison, when a read span changed) and frees. */
 void sim_kernel_land(sim_kernel *kernel);
 /* Writes the results back at once and frees (a kernel that cannot be
@@ -131,6 +135,8 @@ int sim_drain_locked(sim_stream *stream);
  * at `ptr` or waiting for another stream (none: nothing), and what that
  * needs. */
 int sim_drain_touching_locked(sim_stream *stream, const void *ptr, uint64_t bytes);
+/* Would sim_drain_touching_locked run anything? */
+int sim_stream_touches(const sim_stream *stream, const void *ptr, uint64_t bytes);
 /* Does a queued kernel touch the span? (cudart_sim_kernel.c) */
 int sim_kernel_touches(const sim_kernel *kernel, const char *lo, const char *hi);
 /* Queues `op` on `stream`; a CUDA status. */

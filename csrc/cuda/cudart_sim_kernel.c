@@ -81,6 +81,17 @@ sim_kernel_new(const cudart_sim_span *writes, size_t n_writes, const cudart_sim_
     return kernel;
 }
 
+sim_kernel *
+sim_kernel_new_poison(cudart_sim_span span)
+{
+    sim_kernel *kernel = kernel_alloc(1, 0, (size_t)span.bytes);
+    if (kernel == NULL)
+        return NULL;
+    kernel->writes[0] = span;
+    memset(kernel->results, CUDART_SIM_POISON, (size_t)span.bytes);
+    return kernel;
+}
+
 void
 sim_kernel_write_back(sim_kernel *kernel)
 {
@@ -132,6 +143,22 @@ sim_kernel_touches(const sim_kernel *kernel, const char *lo, const char *hi)
     return 0;
 }
 
+/* The poison lands where the memory changes owner on the stream. */
+static int
+queue_poison_locked(sim_stream *stream, void *ptr, uint64_t bytes)
+{
+    sim_kernel *kernel = sim_kernel_new_poison((cudart_sim_span){ptr, bytes});
+    if (kernel == NULL)
+        return CUDART_ERROR_MEMORY_ALLOCATION;
+    sim_gpu.stats.kernels_queued++;
+    int status = sim_push_locked(stream, (sim_op){.kind = OP_KERNEL, .kernel = kernel});
+    if (status != CUDART_SUCCESS) {
+        mp_counter_sub(&sim_gpu.stats.kernels_queued, 1);
+        free(kernel);
+    }
+    return status;
+}
+
 int
 cudart_sim_handout(int device, void *stream, void *ptr, uint64_t bytes)
 {
@@ -139,10 +166,16 @@ cudart_sim_handout(int device, void *stream, void *ptr, uint64_t bytes)
         return CUDART_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&sim_gpu.lock);
     sim_stream *s = sim_resolve_on(device, stream);
-    int status = s == NULL ? CUDART_ERROR_INVALID_HANDLE
-                           : sim_drain_touching_locked(s, ptr, bytes);
-    if (status == CUDART_SUCCESS)
-        memset(ptr, CUDART_SIM_POISON, (size_t)bytes);
+    int status;
+    if (s == NULL) {
+        status = CUDART_ERROR_INVALID_HANDLE;
+    } else if (sim_handouts_deferred && sim_stream_touches(s, ptr, bytes)) {
+        status = queue_poison_locked(s, ptr, bytes);
+    } else {
+        status = sim_drain_touching_locked(s, ptr, bytes);
+        if (status == CUDART_SUCCESS)
+            memset(ptr, CUDART_SIM_POISON, (size_t)bytes);
+    }
     pthread_mutex_unlock(&sim_gpu.lock);
     return status;
 }

@@ -245,15 +245,30 @@ op_touches(const sim_op *op, const char *lo, const char *hi)
     return 0;
 }
 
-int
-sim_drain_touching_locked(sim_stream *stream, const void *ptr, uint64_t bytes)
+/* The last queued operation of `stream` touching the span, or -1. */
+static ptrdiff_t
+last_touching(const sim_stream *stream, const void *ptr, uint64_t bytes)
 {
     const char *lo = ptr, *hi = lo + bytes;
     for (size_t i = stream->head + stream->count; i > stream->head; i--) {
         if (op_touches(&stream->ops[i - 1], lo, hi))
-            return run_stream_until_locked(stream, stream->ops[i - 1].order, 0);
+            return (ptrdiff_t)(i - 1);
     }
-    return CUDART_SUCCESS;
+    return -1;
+}
+
+int
+sim_stream_touches(const sim_stream *stream, const void *ptr, uint64_t bytes)
+{
+    return last_touching(stream, ptr, bytes) >= 0;
+}
+
+int
+sim_drain_touching_locked(sim_stream *stream, const void *ptr, uint64_t bytes)
+{
+    ptrdiff_t last = last_touching(stream, ptr, bytes);
+    return last < 0 ? CUDART_SUCCESS
+                    : run_stream_until_locked(stream, stream->ops[last].order, 0);
 }
 
 int

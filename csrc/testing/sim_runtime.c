@@ -120,7 +120,11 @@ sim_empty_bytes(mp_state *st, int device, PyObject *device_obj, uint64_t nbytes)
     int previous = cudart_sim_current_device();
     if (cudart_sim_set_current_device(device) != CUDART_SUCCESS)
         return PyErr_Format(PyExc_RuntimeError, "simulated GPU: no device %d", device);
+    /* only the copy back fills it: its memory changes owner in stream
+     * order, so a copy not ordered after the stream loses its data */
+    cudart_sim_defer_handouts(1);
     PyObject *tensor = offload_runtime_torch.empty_bytes(st, device, device_obj, nbytes);
+    cudart_sim_defer_handouts(0);
     (void)cudart_sim_set_current_device(previous);
     return tensor;
 }

@@ -389,6 +389,47 @@ test_a_handout_runs_only_the_work_touching_the_memory(void)
     rt->stream_destroy(compute);
 }
 
+/* Memory only a copy fills changes owner in stream order: a fill on
+ * another stream not ordered after the handout stream is lost. */
+static void
+test_a_deferred_handout_poisons_in_stream_order(void)
+{
+    void *compute, *copy_in, *ordered;
+    int32_t block[4] = {1, 2, 3, 4}, fill[4] = {9, 9, 9, 9}, out = 0;
+    rt->stream_create(&compute, 0);
+    rt->stream_create(&copy_in, 0);
+    rt->event_create(&ordered, 0);
+    cudart_sim_span old_read = {block, sizeof(block)}, old_write = {&out, sizeof(out)};
+    out = 10;                                                   /* the old owner */
+    CHECK(cudart_sim_queue_kernel(0, compute, &old_write, 1, &old_read, 1) == CUDART_SUCCESS);
+    cudart_sim_defer_handouts(1);
+    CHECK(cudart_sim_handout(0, compute, block, sizeof(block)) == CUDART_SUCCESS);
+    cudart_sim_defer_handouts(0);
+    CHECK(block[0] == 1 && cudart_sim_get_stats().ops_queued == 2);  /* nothing ran */
+    rt->memcpy_async(block, fill, sizeof(fill), CUDART_MEMCPY_HOST_TO_DEVICE, copy_in);
+    CHECK(rt->stream_synchronize(copy_in) == CUDART_SUCCESS && block[0] == 9);
+    CHECK(cudart_sim_launch(0, compute) == CUDART_SUCCESS);
+    CHECK(block[0] == -1 && out == -1);        /* the fill lost; the old owner read it */
+    /* ordered after the handout stream, the fill lands after the poison */
+    out = 11;
+    CHECK(cudart_sim_queue_kernel(0, compute, &old_write, 1, &old_read, 1) == CUDART_SUCCESS);
+    cudart_sim_defer_handouts(1);
+    CHECK(cudart_sim_handout(0, compute, block, sizeof(block)) == CUDART_SUCCESS);
+    cudart_sim_defer_handouts(0);
+    rt->event_record(ordered, compute);
+    rt->stream_wait_event(copy_in, ordered, 0);
+    rt->memcpy_async(block, fill, sizeof(fill), CUDART_MEMCPY_HOST_TO_DEVICE, copy_in);
+    CHECK(rt->stream_synchronize(copy_in) == CUDART_SUCCESS && block[3] == 9 && out == 11);
+    /* nothing queued touches it: poisoned at once, as without deferring */
+    cudart_sim_defer_handouts(1);
+    CHECK(cudart_sim_handout(0, compute, block, sizeof(block)) == CUDART_SUCCESS);
+    cudart_sim_defer_handouts(0);
+    CHECK(block[0] == -1 && cudart_sim_get_stats().ops_queued == 0);
+    rt->event_destroy(ordered);
+    rt->stream_destroy(compute);
+    rt->stream_destroy(copy_in);
+}
+
 int
 main(void)
 {
@@ -408,6 +449,7 @@ main(void)
     test_kernels_land_as_late_as_possible();
     test_ordering_streams_as_the_autograd_engine_does();
     test_a_handout_runs_only_the_work_touching_the_memory();
+    test_a_deferred_handout_poisons_in_stream_order();
     CHECK(cudart_sim_get_stats().events_live == 0 && cudart_sim_get_stats().streams_live == 0);
     return check_report("test_cudart_sim");
 }
