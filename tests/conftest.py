@@ -84,7 +84,9 @@ def every_tensor_moves():
 
 @pytest.fixture
 def offload():
-    """Offload on a simulated GPU that keeps up with the CPU."""
+    """Offload on a simulated GPU that keeps up with the CPU: copies, and
+    the kernels they wait for, run at every runtime call; a kernel nothing
+    waits for lands late, so a copy not ordered after it reads poison."""
     import sim
     yield from _on_simulated_gpu(sim.EVERYTHING)
 
