@@ -238,11 +238,12 @@ def _grad_roots(args, kwargs):
     return args[0] if args else kwargs.get("outputs")
 
 
-def _tagging_apply(original: classmethod) -> classmethod:
-    """autograd.Function.apply, which __torch_function__ does not see,
+def _tagging_apply(original) -> classmethod:
+    """autograd.Function.apply (a classmethod, or a C classmethod
+    descriptor in newer torch), which __torch_function__ does not see,
     tagging the node it makes."""
     def apply(cls, *args, **kwargs):
-        out = original.__func__(cls, *args, **kwargs)
+        out = original.__get__(None, cls)(*args, **kwargs)
         if torch.is_grad_enabled():
             _tag_outputs(out, _current_place())
         return out
