@@ -29,13 +29,16 @@ def _no_hooks_left_behind():
 
 def _on_simulated_gpu(progress: int, device_memory: bool = True):
     """The offload engine over the simulated GPU (tests/sim.py), every tensor
-    eligible; the pool, the windows and the GPU's queues end empty, no CUDA
-    error is left, and every stream and event is given back. Without
+    eligible, kernels lagging in data and backward on a worker thread as on
+    CUDA (sim.as_on_cuda; no lag without device_memory); the pool, the
+    windows and the GPU's queues end empty, no CUDA error is left (on the
+    backward threads either), and every stream and event is given back. Without
     device_memory, tensors keep torch's own CPU allocator (all on device 0)."""
     import gc
     import matepoint
     from matepoint import _C
     import sim
+    import sim_autograd
     sim.require_test_build()
     saved = matepoint.options
     matepoint.set_options(min_offload_bytes=0)
@@ -44,7 +47,8 @@ def _on_simulated_gpu(progress: int, device_memory: bool = True):
     launch_errors = _C._sim_stats()["launch_errors"]
     try:
         with sim.device_memory(device_memory) as allocator:
-            yield
+            with sim.as_on_cuda(lag=device_memory):
+                yield
             sim.assert_no_cuda_error()
             sim.finish()    # the GPU catches up eventually; then nothing may be held
             gc.collect()
@@ -57,6 +61,7 @@ def _on_simulated_gpu(progress: int, device_memory: bool = True):
             if allocator is not None:
                 allocator.matepoint_reset()   # the allocator's events of pending frees go too
     finally:
+        sim_autograd.take_workers_errors()   # the next test starts clean
         _C._sim_set_progress(0)
         _C._simulate_cuda(False)
         matepoint.set_options(**{name: getattr(saved, name) for name in saved.__dataclass_fields__})
@@ -79,7 +84,9 @@ def every_tensor_moves():
 
 @pytest.fixture
 def offload():
-    """Offload on a simulated GPU that keeps up with the CPU."""
+    """Offload on a simulated GPU that keeps up with the CPU: copies, and
+    the kernels they wait for, run at every runtime call; a kernel nothing
+    waits for lands late, so a copy not ordered after it reads poison."""
     import sim
     yield from _on_simulated_gpu(sim.EVERYTHING)
 

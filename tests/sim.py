@@ -5,20 +5,28 @@ over the simulated runtime, replaces torch's CPU allocator, so every tensor
 lives in one simulated device's memory, is handed out on the thread's
 current stream of the thread's current device, is reused in stream order
 only, and is filled with NaN bytes when handed out (memory reused while a
-copy still reads or writes it shows up as wrong data). A CPU kernel runs the
-moment it is launched, so each allocation first lets its stream catch up:
-the "GPU" otherwise lags as far as a test likes."""
+copy still reads or writes it shows up as wrong data). Each allocation
+first lets its stream catch up: the "GPU" otherwise lags as far as a test
+likes.
+
+as_on_cuda() makes the rest as on a GPU: kernels lag in data
+(sim_kernels.py: an op's output reads as poison until its stream reaches
+it), and backward runs on a worker thread per device, each node on the
+device and stream it was created under (sim_autograd.py)."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
+import threading
 from typing import Iterator, List, Optional, Tuple
 
 import pytest
 
 from matepoint import _C, _oom
 from matepoint._allocator import allocator_path
+import sim_autograd
+import sim_kernels
 
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c", "host_cpu_allocator.cpp")
 EVERYTHING = 1 << 62   # operations per call: a GPU that keeps up with the CPU
@@ -82,13 +90,19 @@ def device(index: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def stream(index: int, handle: Optional[int]) -> Iterator[None]:
-    """torch.cuda.stream: `handle` is the current stream of device `index`."""
+    """torch.cuda.stream: `handle` is the current stream of device `index`,
+    with the waits a correct program makes around a side stream (its
+    kernels lag in data: without them it reads poison): the side stream
+    waits for the current one first (s.wait_stream(current)), and the
+    current one for the side stream after (current.wait_stream(s))."""
     previous = _C._sim_current_stream(index)
+    _C._sim_order_streams(index, handle, index, previous)
     _C._sim_set_stream(index, handle)
     try:
         yield
     finally:
         _C._sim_set_stream(index, previous)
+        _C._sim_order_streams(index, previous, index, handle)
 
 
 def side_streams() -> List[int]:
@@ -104,6 +118,50 @@ def long_lived_streams() -> int:
     return len(_side_streams)
 
 
+@contextlib.contextmanager
+def as_on_cuda(lag: bool = True) -> Iterator[None]:
+    """Backward as on CUDA (sim_autograd.py) and, with `lag`, kernels that
+    lag in data (sim_kernels.py) meanwhile. `lag` needs every tensor in the
+    simulated devices' memory (device_memory()): a write landing late into
+    memory torch's own allocator already gave back would corrupt the heap."""
+    with sim_autograd.backward_as_on_cuda(), _in_new_threads(lag):
+        if not lag:
+            yield
+            return
+        with sim_kernels.LaggingKernels():
+            yield
+
+
+@contextlib.contextmanager
+def _modes(lag: bool) -> Iterator[None]:
+    with sim_autograd.StreamTags():
+        if not lag:
+            yield
+            return
+        with sim_kernels.LaggingKernels():
+            yield
+
+
+@contextlib.contextmanager
+def _in_new_threads(lag: bool) -> Iterator[None]:
+    """torch's modes are per thread: a thread a test starts meanwhile runs
+    under them too (on a GPU every thread's ops are kernels), but the
+    backward workers, which take their caller's."""
+    original = threading.Thread.run
+
+    def run(self: threading.Thread) -> None:
+        if getattr(self, "simulated_gpu_worker", False):
+            return original(self)
+        with _modes(lag):
+            return original(self)
+
+    threading.Thread.run = run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        threading.Thread.run = original  # type: ignore[method-assign]
+
+
 def finish() -> None:
     """Let the "GPU" run everything queued; nothing may wait forever."""
     _C._sim_advance(EVERYTHING)
@@ -111,4 +169,8 @@ def finish() -> None:
 
 
 def assert_no_cuda_error() -> None:
+    """None on this thread, nor on the backward threads (as of their last
+    backward)."""
     assert _C._sim_peek_last_error() == 0, f"CUDA last error left: {_C._sim_peek_last_error()}"
+    left = {device: error for device, error in sim_autograd.workers_last_errors().items() if error}
+    assert not left, f"CUDA last error left on a backward thread: {left}"

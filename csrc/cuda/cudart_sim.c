@@ -11,6 +11,7 @@ sim_world sim_gpu = {.lock = PTHREAD_MUTEX_INITIALIZER};
 _Thread_local int sim_current_device;
 _Thread_local int sim_last_error;
 _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
+_Thread_local int sim_handouts_deferred;
 
 static const char *const entry_names[SIM_ENTRY_COUNT] = {
     "cudaGetDeviceCount", "cudaGetDevice", "cudaSetDevice", "cudaHostAlloc", "cudaFreeHost",
@@ -42,7 +43,7 @@ uint64_t
 cudart_sim_advance(uint64_t ops)
 {
     pthread_mutex_lock(&sim_gpu.lock);
-    uint64_t ran = sim_advance_locked(ops);
+    uint64_t ran = sim_advance_locked(ops, 1);
     pthread_mutex_unlock(&sim_gpu.lock);
     return ran;
 }
@@ -69,6 +70,44 @@ cudart_sim_launch(int device, void *stream)
     }
     pthread_mutex_unlock(&sim_gpu.lock);
     return status;
+}
+
+/* An event of the harness's own: counted nowhere, gone once its record
+ * and wait ran. */
+int
+cudart_sim_order_streams(int waiter_device, void *waiter, int producer_device, void *producer)
+{
+    pthread_mutex_lock(&sim_gpu.lock);
+    sim_stream *w = sim_resolve_on(waiter_device, waiter);
+    sim_stream *p = sim_resolve_on(producer_device, producer);
+    int status = w == NULL || p == NULL ? CUDART_ERROR_INVALID_HANDLE : CUDART_SUCCESS;
+    /* a producer with nothing queued: what it did has run */
+    int needed = status == CUDART_SUCCESS && w != p && p->count > 0;
+    sim_event *event = needed ? calloc(1, sizeof(*event)) : NULL;
+    if (needed && event == NULL)
+        status = CUDART_ERROR_MEMORY_ALLOCATION;
+    if (event != NULL) {
+        /* one reference for the handle, one per queued op */
+        *event = (sim_event){.recorded = 1, .device = p->device, .refs = 1};
+        status = sim_push_locked(p, (sim_op){.kind = OP_RECORD, .event = event,
+                                             .generation = 1});
+        if (status == CUDART_SUCCESS) {
+            event->refs++;
+            status = sim_push_locked(w, (sim_op){.kind = OP_WAIT, .event = event,
+                                                 .generation = 1});
+            if (status == CUDART_SUCCESS)
+                event->refs++;
+        }
+        sim_event_release(event);
+    }
+    pthread_mutex_unlock(&sim_gpu.lock);
+    return status;
+}
+
+void
+cudart_sim_defer_handouts(int on)
+{
+    sim_handouts_deferred = on;
 }
 
 int

@@ -7,14 +7,26 @@
  *   handle NULL means the legacy stream of the calling thread's current
  *   device (a per-thread setting, 0 in a new thread). Streams created are
  *   non-blocking (torch and matepoint create no other kind).
- * - Every operation queued on a stream (copies, event records, waits) runs
- *   only when the test advances the simulation, when a caller blocks on it
+ * - Every operation queued on a stream (copies, event records, waits,
+ *   kernels) runs only when the test advances the simulation, when a caller blocks on it
  *   (event or stream synchronization, a copy through pageable host memory),
  *   when a CPU "kernel" launches on its stream (cudart_sim_launch), or
  *   `progress_per_call` operations at every runtime call. Streams are in
  *   order; an event completes when the work queued before its last record
  *   has run; a wait captures the record it waits for. Nothing else orders
  *   work: the "GPU" lags the CPU as far as a test likes.
+ * - Kernels lag in data (cudart_sim_queue_kernel): a CPU kernel computes
+ *   at launch, but its result is kept aside and the memory it writes reads
+ *   as poison (0xff bytes, NaN) until its stream reaches it; if what it
+ *   read changed meanwhile (another stream or a copy wrote it, or it was
+ *   reused), it writes poison instead. The scheduler is adversarial:
+ *   the progress made at every runtime call runs copies, records and
+ *   waits as early as their waits allow, and a kernel only when a queued
+ *   wait needs it; otherwise a kernel runs only when something needs it (a
+ *   launch or allocation on its stream, a synchronization, cudaFree, or
+ *   the test's cudart_sim_advance, which runs kernels once nothing else
+ *   can run), so a copy not ordered after its producer reads poison even
+ *   on a GPU that keeps up.
  * - An event belongs to the device current when it was created; recording
  *   it on another device's stream fails as in CUDA.
  * - Per-thread last error: every failing call sets it (cudaErrorNotReady
@@ -50,6 +62,9 @@ typedef struct {
     uint64_t copies_run;        /* of which copies */
     uint64_t pageable_copies;   /* copies that synchronized (pageable host memory) */
     uint64_t launch_errors;     /* launches that found a last error (torch would raise) */
+    uint64_t kernels_queued;    /* kernels whose results are still kept aside */
+    uint64_t kernels_run;       /* kernels whose results landed (or poison did) */
+    uint64_t kernels_poisoned;  /* of which found what they read changed: wrote poison */
     uint64_t streams_live;      /* created and not yet gone */
     uint64_t events_live;       /* created and not yet destroyed */
     uint64_t host_bytes_live;   /* pinned host memory handed out */
@@ -64,12 +79,13 @@ const cudart *cudart_sim(void);
 /* The CUDA name of an entry point ("cudaEventRecord"); NULL past the end. */
 const char *cudart_sim_entry_name(int entry);
 
-/* Runs up to `ops` queued operations, oldest runnable first; returns how
- * many ran. */
+/* Runs up to `ops` queued operations, oldest runnable first, kernels once
+ * nothing else can run; returns how many ran. */
 uint64_t cudart_sim_advance(uint64_t ops);
 
-/* Operations each runtime call runs before its own work (0: none, the GPU
- * is as far behind as the test likes). */
+/* Operations each runtime call runs before its own work, kernels only as
+ * queued waits need them (0: none, the GPU is as far behind as the test
+ * likes). */
 void cudart_sim_set_progress(uint64_t progress_per_call);
 
 /* A CPU kernel launched on `stream` of `device` (NULL: its legacy stream):
@@ -79,6 +95,50 @@ void cudart_sim_set_progress(uint64_t progress_per_call);
  * clearing it) is counted in launch_errors, where torch would raise.
  * CUDART_SUCCESS, or CUDART_SIM_DEADLOCK. */
 int cudart_sim_launch(int device, void *stream);
+
+/* Memory handed out by a stream-ordered allocator for work on `stream` of
+ * `device` (NULL: its legacy stream): the work queued there that still
+ * touches it, or waits for another stream (whose work may), runs first (it
+ * comes before in stream order), then it is filled with poison. Nothing else runs: unrelated kernels keep lagging,
+ * and a copy or kernel on another stream still using the memory (not
+ * ordered before its reuse) sees the poison. CUDART_SUCCESS or a status. */
+int cudart_sim_handout(int device, void *stream, void *ptr, uint64_t bytes);
+
+/* While set on the calling thread, a handout that would have to run work
+ * first runs nothing: the poison is queued on the stream instead, landing
+ * where the memory changes owner on the GPU's timeline. For memory only
+ * copies fill (the engine's copies back): work on another stream filling
+ * it without waiting for the stream it was handed out on lands before the
+ * poison, and is lost. Not for memory the host writes directly. */
+void cudart_sim_defer_handouts(int on);
+
+/* A span of memory a kernel reads or writes: `bytes` from `ptr`. */
+typedef struct {
+    void *ptr;
+    uint64_t bytes;
+} cudart_sim_span;
+
+enum { CUDART_SIM_POISON = 0xff };
+
+/* A CPU kernel that just ran on `stream` of `device` (NULL: its legacy
+ * stream) after cudart_sim_launch: what it wrote (`writes`) is kept aside
+ * and those spans are poisoned now; a checksum of each span it read
+ * (`reads`, taken after the poisoning) is kept. The kernel is queued on the
+ * stream: when it runs, its results land if every read span still has its
+ * checksum, else the write spans stay poison. Spans are copied; the memory
+ * must stay allocated until the kernel ran (the simulated cudaFree and
+ * cudaFreeHost run everything first). CUDART_SUCCESS, or a CUDA status
+ * with the results written at once. */
+int cudart_sim_queue_kernel(int device, void *stream, const cudart_sim_span *writes,
+                            size_t n_writes, const cudart_sim_span *reads, size_t n_reads);
+
+/* What torch's autograd engine does between two streams (an event recorded
+ * on `producer` of `producer_device`, waited for by `waiter` of
+ * `waiter_device`; NULL: that device's legacy stream), without counting a
+ * runtime call or an event: work queued on the waiter from now on runs
+ * after the producer's work queued so far. CUDART_SUCCESS or a status. */
+int cudart_sim_order_streams(int waiter_device, void *waiter, int producer_device,
+                             void *producer);
 
 /* The calling thread's current device, read and set as cudaGetDevice and
  * cudaSetDevice do, without counting a runtime call (test harness use). */

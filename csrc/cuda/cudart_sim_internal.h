@@ -4,10 +4,12 @@
  *
  * The files:
  * - cudart_sim_queue.c  the "GPU": per-stream queues of copies, event
- *                       records and waits, run oldest first or as little
+ *                       records, waits and kernels, run oldest first or as little
  *                       as a blocking call needs; memory ranges handed
  *                       out; the entry and exit of every runtime call
  * - cudart_sim_calls.c  the runtime table: one function per CUDA entry point
+ * - cudart_sim_kernel.c kernels that lag in data: results kept aside,
+ *                       landed (or poison) when their stream reaches them
  * - cudart_sim.c        the state itself and the test controls
  *
  * Every function here but sim_enter() runs with `sim_gpu.lock` held
@@ -29,7 +31,17 @@ typedef struct {
     void *recorded_on;          /* handle of the stream of the last record (NULL: legacy) */
 } sim_event;
 
-typedef enum { OP_COPY, OP_RECORD, OP_WAIT } op_kind;
+typedef enum { OP_COPY, OP_RECORD, OP_WAIT, OP_KERNEL } op_kind;
+
+/* A kernel's results kept aside (cudart_sim_kernel.c): its write spans and
+ * their bytes, its read spans and their checksums at launch. One block. */
+typedef struct {
+    size_t n_writes, n_reads;
+    cudart_sim_span *writes;
+    cudart_sim_span *reads;
+    uint64_t *sums;
+    unsigned char *results;     /* the write spans' bytes, one after another */
+} sim_kernel;
 
 typedef struct {
     op_kind kind;
@@ -39,6 +51,7 @@ typedef struct {
     void *dst;
     const void *src;
     size_t bytes;
+    sim_kernel *kernel;         /* OP_KERNEL: owned by the op until it runs */
 } sim_op;
 
 typedef struct sim_stream {
@@ -87,9 +100,25 @@ extern sim_world sim_gpu;
 extern _Thread_local int sim_current_device;
 extern _Thread_local int sim_last_error;
 extern _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
+extern _Thread_local int sim_handouts_deferred;
 
 /* The runtime table (cudart_sim_calls.c). */
 extern const cudart sim_table;
+
+/* ---- cudart_sim_kernel.c ------------------------------------------------- */
+
+/* Keeps the write spans' bytes aside and poisons them; NULL when out of
+ * memory (nothing changed then). */
+sim_kernel *sim_kernel_new(const cudart_sim_span *writes, size_t n_writes,
+                           const cudart_sim_span *reads, size_t n_reads);
+/* A kernel that writes poison over `span` and reads nothing, leaving the
+ * memory as it is until it runs; NULL when out of memory. */
+sim_kernel *sim_kernel_new_poison(cudart_sim_span span);
+/* Lands the results (or poison, when a read span changed) and frees. */
+void sim_kernel_land(sim_kernel *kernel);
+/* Writes the results back at once and frees (a kernel that cannot be
+ * queued runs as a CPU kernel always did). */
+void sim_kernel_write_back(sim_kernel *kernel);
 
 /* ---- cudart_sim_queue.c -------------------------------------------------- */
 
@@ -99,13 +128,22 @@ int sim_event_done(const sim_event *event);
 void sim_event_release(sim_event *event);
 /* A destroyed stream whose queue ran dry goes. */
 void sim_stream_unlink_and_free(sim_stream *stream);
-/* Runs up to `ops` runnable operations, oldest first; how many ran. */
-uint64_t sim_advance_locked(uint64_t ops);
+/* Runs up to `ops` runnable operations, oldest first but kernels last
+ * (none unless `kernels_too`); how many ran. */
+uint64_t sim_advance_locked(uint64_t ops, int kernels_too);
 /* Runs what `event` reaching `generation` needs; CUDART_SIM_DEADLOCK when
  * it can never run. */
 int sim_run_until_locked(sim_event *event, uint64_t generation);
 /* Runs what `stream`'s queued work needs, and that work. */
 int sim_drain_locked(sim_stream *stream);
+/* Runs `stream`'s queued work up to the last operation touching `bytes`
+ * at `ptr` or waiting for another stream (none: nothing), and what that
+ * needs. */
+int sim_drain_touching_locked(sim_stream *stream, const void *ptr, uint64_t bytes);
+/* Would sim_drain_touching_locked run anything? */
+int sim_stream_touches(const sim_stream *stream, const void *ptr, uint64_t bytes);
+/* Does a queued kernel touch the span? (cudart_sim_kernel.c) */
+int sim_kernel_touches(const sim_kernel *kernel, const char *lo, const char *hi);
 /* Queues `op` on `stream`; a CUDA status. */
 int sim_push_locked(sim_stream *stream, sim_op op);
 /* The device now has its primary context. */
@@ -113,6 +151,8 @@ void sim_use_device(int device);
 /* NULL: the legacy stream of the current device; else a live created
  * stream, or NULL when the handle is none. */
 sim_stream *sim_resolve(void *handle);
+/* The same, NULL naming `device`'s legacy stream; NULL when none. */
+sim_stream *sim_resolve_on(int device, void *handle);
 /* Memory handed out at `base` on `device` (-1: pinned host); 0 or -1. */
 int sim_add_range(void *base, size_t bytes, int device);
 sim_range *sim_find_range(const void *ptr);

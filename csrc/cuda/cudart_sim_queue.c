@@ -1,5 +1,5 @@
-/* The simulated GPU's scheduler: per-stream queues run oldest first, or
- * only as far as a blocking call needs; the memory ranges handed out; the
+/* The simulated GPU's scheduler: per-stream queues run oldest first
+ * (kernels last), or only as far as a blocking call needs; the memory ranges handed out; the
  * entry and exit of every runtime call. Contract: cudart_sim_internal.h. */
 #include "cudart_sim_internal.h"
 #include "common/host_memory.h"
@@ -46,6 +46,9 @@ op_run(sim_op *op)
         return;
     case OP_WAIT:
         sim_event_release(op->event);
+        return;
+    case OP_KERNEL:
+        sim_kernel_land(op->kernel);
         return;
     }
 }
@@ -94,27 +97,64 @@ pop_and_run_locked(sim_stream *stream)
     op_run(&op);
 }
 
-/* Runs the oldest runnable head operation of any stream; 0 if none. */
-static int
-run_one_locked(void)
+/* The stream whose head runs next on its own: the oldest runnable head but
+ * a kernel, else (`kernels_too` set) the oldest kernel. Adversarial on
+ * purpose: copies go as early as their waits allow and kernels' results
+ * land as late as possible, so a copy not ordered after its producer reads
+ * poison even on a GPU that keeps up. NULL when nothing can run. */
+static sim_stream *
+next_to_run_locked(int kernels_too)
 {
     sim_stream *oldest = NULL;
+    for (int kernels = 0; kernels <= kernels_too && oldest == NULL; kernels++) {
+        for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
+            if (s->count == 0 || (s->ops[s->head].kind == OP_KERNEL) != kernels ||
+                !op_runnable(&s->ops[s->head]))
+                continue;
+            if (oldest == NULL || s->ops[s->head].order < oldest->ops[oldest->head].order)
+                oldest = s;
+        }
+    }
+    return oldest;
+}
+
+static int complete_locked(sim_event *event, uint64_t generation, int depth);
+
+/* A GPU that keeps up runs what a queued wait needs, kernels included: the
+ * oldest blocked wait gets its event completed. 1 if that ran anything. */
+static int
+unblock_oldest_wait_locked(void)
+{
+    sim_op *oldest = NULL;
     for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
-        if (s->count > 0 && op_runnable(&s->ops[s->head]) &&
-            (oldest == NULL || s->ops[s->head].order < oldest->ops[oldest->head].order))
-            oldest = s;
+        sim_op *head = s->count > 0 ? &s->ops[s->head] : NULL;
+        if (head != NULL && !op_runnable(head) && (oldest == NULL || head->order < oldest->order))
+            oldest = head;
     }
     if (oldest == NULL)
         return 0;
-    pop_and_run_locked(oldest);
+    uint64_t before = sim_gpu.stats.ops_run;
+    (void)complete_locked(oldest->event, oldest->generation, 0);
+    return sim_gpu.stats.ops_run != before;
+}
+
+/* Runs the head operation next_to_run_locked picks, or (kernels left out)
+ * what the oldest blocked wait needs; 0 if nothing ran. */
+static int
+run_one_locked(int kernels_too)
+{
+    sim_stream *next = next_to_run_locked(kernels_too);
+    if (next == NULL)
+        return kernels_too ? 0 : unblock_oldest_wait_locked();
+    pop_and_run_locked(next);
     return 1;
 }
 
 uint64_t
-sim_advance_locked(uint64_t ops)
+sim_advance_locked(uint64_t ops, int kernels_too)
 {
     uint64_t ran = 0;
-    while (ran < ops && run_one_locked())
+    while (ran < ops && run_one_locked(kernels_too))
         ran++;
     return ran;
 }
@@ -186,6 +226,51 @@ sim_drain_locked(sim_stream *stream)
     return run_stream_until_locked(stream, UINT64_MAX, 0);
 }
 
+static int
+op_touches(const sim_op *op, const char *lo, const char *hi)
+{
+    switch (op->kind) {
+    case OP_COPY:
+        return ((const char *)op->dst < hi && lo < (const char *)op->dst + op->bytes) ||
+               ((const char *)op->src < hi && lo < (const char *)op->src + op->bytes);
+    case OP_KERNEL:
+        return sim_kernel_touches(op->kernel, lo, hi);
+    case OP_WAIT:
+        /* what it waits for may use the memory (a copy still reading it):
+         * the new owner's work comes after it on the stream */
+        return 1;
+    case OP_RECORD:
+        return 0;
+    }
+    return 0;
+}
+
+/* The last queued operation of `stream` touching the span, or -1. */
+static ptrdiff_t
+last_touching(const sim_stream *stream, const void *ptr, uint64_t bytes)
+{
+    const char *lo = ptr, *hi = lo + bytes;
+    for (size_t i = stream->head + stream->count; i > stream->head; i--) {
+        if (op_touches(&stream->ops[i - 1], lo, hi))
+            return (ptrdiff_t)(i - 1);
+    }
+    return -1;
+}
+
+int
+sim_stream_touches(const sim_stream *stream, const void *ptr, uint64_t bytes)
+{
+    return last_touching(stream, ptr, bytes) >= 0;
+}
+
+int
+sim_drain_touching_locked(sim_stream *stream, const void *ptr, uint64_t bytes)
+{
+    ptrdiff_t last = last_touching(stream, ptr, bytes);
+    return last < 0 ? CUDART_SUCCESS
+                    : run_stream_until_locked(stream, stream->ops[last].order, 0);
+}
+
 int
 sim_push_locked(sim_stream *stream, sim_op op)
 {
@@ -230,6 +315,14 @@ sim_resolve(void *handle)
     return NULL;
 }
 
+sim_stream *
+sim_resolve_on(int device, void *handle)
+{
+    if (device < 0 || device >= CUDART_SIM_DEVICES)
+        return NULL;
+    return handle == NULL ? &sim_gpu.legacy[device] : sim_resolve(handle);
+}
+
 int
 sim_add_range(void *base, size_t bytes, int device)
 {
@@ -272,7 +365,7 @@ sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry)
     if (range == NULL || (range->device == -1) != pinned)
         return CUDART_ERROR_INVALID_VALUE;
     sim_note_sync_locked(entry);
-    sim_advance_locked(UINT64_MAX);
+    sim_advance_locked(UINT64_MAX, 1);
     if (pinned)
         mp_counter_sub(&sim_gpu.stats.host_bytes_live, range->bytes);
     else
@@ -292,7 +385,8 @@ sim_enter(cudart_sim_entry entry)
 {
     pthread_mutex_lock(&sim_gpu.lock);
     sim_gpu.stats.calls[entry]++;
-    sim_advance_locked(sim_gpu.progress_per_call);
+    /* the GPU on its own: a kernel lands only when something needs it */
+    sim_advance_locked(sim_gpu.progress_per_call, 0);
     sim_failure *failure = &sim_gpu.failures[entry];
     if (failure->skip > 0) {
         failure->skip--;

@@ -167,7 +167,11 @@ sim_empty_bytes(mp_state *st, int device, PyObject *device_obj, uint64_t nbytes)
     int previous = cudart_sim_current_device();
     if (cudart_sim_set_current_device(device) != CUDART_SUCCESS)
         return PyErr_Format(PyExc_RuntimeError, "simulated GPU: no device %d", device);
+    /* only the copy back fills it: its memory changes owner in stream
+     * order, so a copy not ordered after the stream loses its data */
+    cudart_sim_defer_handouts(1);
     PyObject *tensor = offload_runtime_torch.empty_bytes(st, device, device_obj, nbytes);
+    cudart_sim_defer_handouts(0);
     (void)cudart_sim_set_current_device(previous);
     return tensor;
 }
@@ -250,16 +254,16 @@ sim_runtime_where(int *device, void **stream)
 }
 
 /* A block handed out is about to be used by a CPU kernel on `stream`: the
- * stream catches up first, then the block is filled with NaN bytes, so a
+ * work queued there still touching it runs first (and nothing else: other
+ * kernels keep lagging), then the block is filled with NaN bytes, so a
  * copy still reading or writing it is seen as wrong data. */
 static void
 handout(int device, void *stream, void *ptr, uint64_t bytes)
 {
-    int status = cudart_sim_launch(device, stream);
+    int status = cudart_sim_handout(device, stream, ptr, bytes);
     if (status != CUDART_SUCCESS)
         fprintf(stderr, "simulated GPU: a kernel on device %d waits forever (%d)\n", device,
                 status);
-    memset(ptr, 0xff, (size_t)bytes);
 }
 
 int

@@ -110,7 +110,10 @@ sim_stats(PyObject *module, PyObject *unused)
     for (int e = 0; e < SIM_ENTRY_COUNT; e++)
         under_gil[e] = atomic_load(&synchronized_under_gil[e]);
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsNsNsNsN}", "ops_queued", (unsigned long long)s.ops_queued, "ops_run",
+        "{sKsKsKsKsKsKsKsKsKsKsKsNsNsNsN}", "ops_queued", (unsigned long long)s.ops_queued,
+        "kernels_queued", (unsigned long long)s.kernels_queued, "kernels_run",
+        (unsigned long long)s.kernels_run, "kernels_poisoned",
+        (unsigned long long)s.kernels_poisoned, "ops_run",
         (unsigned long long)s.ops_run, "copies_run", (unsigned long long)s.copies_run,
         "pageable_copies", (unsigned long long)s.pageable_copies, "launch_errors",
         (unsigned long long)s.launch_errors, "streams_live",
@@ -512,7 +515,8 @@ int
 testing_add_functions(PyObject *module)
 {
     cudart_sim_set_sync_observer(note_sync);
-    if (testing_torch_add_functions(module) < 0)
+    if (testing_torch_add_functions(module) < 0 ||
+        PyModule_AddFunctions(module, testing_methods) < 0)
         return -1;
-    return PyModule_AddFunctions(module, testing_methods);
+    return testing_add_lag_functions(module);
 }

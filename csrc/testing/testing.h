@@ -27,7 +27,12 @@
  *                                   simulated GPU; `where` (a C function address)
  *                                   tells a CPU-allocator harness the device and stream
  *   _offload_copies() -> list of (device, region, nbytes, source_held, copy_out_done)
- *   _fail_pool_acquires(n)          the next n spans find no host memory at all */
+ *   _fail_pool_acquires(n)          the next n spans find no host memory at all
+ * testing_lag.c:
+ *   _sim_kernel(d, handle, writes, reads)   a CPU kernel's results lag on its stream
+ *   _sim_order_streams(dw, waiter, dp, producer)   waiter's later work after producer's
+ *   _sim_take_last_error() -> int   the thread's CUDA last error, cleared
+ *   _sim_device_of(ptr) -> int      the device whose memory holds ptr, else -1 */
 #ifndef MATEPOINT_TESTING_TESTING_H
 #define MATEPOINT_TESTING_TESTING_H
 
@@ -35,6 +40,9 @@
 #include "offload/offload_runtime.h"
 
 int testing_add_functions(PyObject *module);
+
+/* The controls of testing_lag.c, added to `module`; 0 or -1. */
+int testing_add_lag_functions(PyObject *module);
 
 /* The offload runtime over the simulated GPU (sim_runtime.c). */
 extern const offload_runtime offload_runtime_sim;

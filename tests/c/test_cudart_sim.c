@@ -274,6 +274,221 @@ test_failed_releases_release(void)
     CHECK(after.device_bytes_live[0] == before.device_bytes_live[0]);
 }
 
+/* A kernel's output reads as poison until its stream reaches it; a copy on
+ * another stream not ordered after it copies poison, even when the GPU
+ * runs on its own (copies first, kernels last). */
+static void
+test_a_kernel_lags_in_data(void)
+{
+    void *compute, *copy_out, *produced;
+    float in[4] = {1, 2, 3, 4}, out[4], copied[4];
+    uint32_t poison;
+    memset(&poison, CUDART_SIM_POISON, sizeof(poison));
+    rt->stream_create(&compute, 0);
+    rt->stream_create(&copy_out, 0);
+    rt->event_create(&produced, 0);
+    cudart_sim_stats before = cudart_sim_get_stats();
+    CHECK(cudart_sim_launch(0, compute) == CUDART_SUCCESS);
+    for (int i = 0; i < 4; i++)
+        out[i] = in[i] * 2;                                  /* the CPU "kernel" */
+    cudart_sim_span write = {out, sizeof(out)}, read = {in, sizeof(in)};
+    CHECK(cudart_sim_queue_kernel(0, compute, &write, 1, &read, 1) == CUDART_SUCCESS);
+    CHECK(memcmp(&out[3], &poison, sizeof(poison)) == 0);   /* not landed yet */
+    /* unordered: the copy runs first though queued after the kernel */
+    rt->memcpy_async(copied, out, sizeof(out), 0, copy_out);
+    CHECK(cudart_sim_advance(1) == 1 && memcmp(&copied[0], &poison, sizeof(poison)) == 0);
+    CHECK(cudart_sim_get_stats().kernels_queued == before.kernels_queued + 1);
+    CHECK(cudart_sim_advance(1) == 1 && out[3] == 8.0f);    /* then the kernel */
+    /* ordered: the wait makes the kernel land before the copy */
+    CHECK(cudart_sim_queue_kernel(0, compute, &write, 1, &read, 1) == CUDART_SUCCESS);
+    rt->event_record(produced, compute);
+    rt->stream_wait_event(copy_out, produced, 0);
+    rt->memcpy_async(copied, out, sizeof(out), 0, copy_out);
+    CHECK(rt->stream_synchronize(copy_out) == CUDART_SUCCESS && copied[3] == 8.0f);
+    cudart_sim_stats after = cudart_sim_get_stats();
+    CHECK(after.kernels_run == before.kernels_run + 2 && after.kernels_queued == 0);
+    CHECK(after.kernels_poisoned == before.kernels_poisoned);
+    rt->event_destroy(produced);
+    rt->stream_destroy(compute);
+    rt->stream_destroy(copy_out);
+}
+
+/* A kernel still queued reads what is there when it runs: memory written
+ * meanwhile (reused, or a copy into it) leaves its outputs poison. */
+static void
+test_a_kernel_whose_input_changed_writes_poison(void)
+{
+    void *compute, *other;
+    double in[2] = {1, 2}, out[2] = {0, 0}, other_data[2] = {5, 6};
+    uint64_t poison;
+    memset(&poison, CUDART_SIM_POISON, sizeof(poison));
+    rt->stream_create(&compute, 0);
+    rt->stream_create(&other, 0);
+    uint64_t poisoned = cudart_sim_get_stats().kernels_poisoned;
+    out[0] = in[0] + in[1];
+    out[1] = in[0] - in[1];
+    cudart_sim_span write = {out, sizeof(out)}, read = {in, sizeof(in)};
+    CHECK(cudart_sim_queue_kernel(0, compute, &write, 1, &read, 1) == CUDART_SUCCESS);
+    rt->memcpy_async(in, other_data, sizeof(in), 0, other);
+    CHECK(cudart_sim_launch(0, other) == CUDART_SUCCESS && in[0] == 5.0);
+    CHECK(cudart_sim_launch(0, compute) == CUDART_SUCCESS);       /* lands now */
+    CHECK(memcmp(&out[0], &poison, sizeof(poison)) == 0 && memcmp(&out[1], &poison, 8) == 0);
+    CHECK(cudart_sim_get_stats().kernels_poisoned == poisoned + 1);
+    /* nothing written meanwhile: the results land */
+    cudart_sim_span again = {out, sizeof(out)}, read_again = {in, sizeof(in)};
+    out[0] = 11.0;
+    out[1] = -1.0;
+    CHECK(cudart_sim_queue_kernel(0, NULL, &again, 1, &read_again, 1) == CUDART_SUCCESS);
+    CHECK(cudart_sim_launch(0, NULL) == CUDART_SUCCESS && out[0] == 11.0 && out[1] == -1.0);
+    CHECK(cudart_sim_get_stats().kernels_poisoned == poisoned + 1);
+    /* bad arguments: refused, nothing queued */
+    CHECK(cudart_sim_queue_kernel(CUDART_SIM_DEVICES, NULL, &again, 1, NULL, 0) ==
+          CUDART_ERROR_INVALID_DEVICE);
+    CHECK(cudart_sim_queue_kernel(0, &poison, &again, 1, NULL, 0) ==
+          CUDART_ERROR_INVALID_HANDLE);
+    CHECK(cudart_sim_queue_kernel(0, NULL, NULL, 0, NULL, 0) == CUDART_SUCCESS);
+    CHECK(cudart_sim_get_stats().ops_queued == 0 && out[0] == 11.0);
+    rt->stream_destroy(compute);
+    rt->stream_destroy(other);
+}
+
+/* Kernels land only when something forces them (a launch on their
+ * stream, a cudaFree, a queued wait), never on their own by the progress
+ * of each runtime call, which runs the copies. */
+static void
+test_kernels_land_as_late_as_possible(void)
+{
+    void *compute, *copies, *mem = NULL;
+    int out = 0, src = 7, dst = 0;
+    rt->stream_create(&compute, 0);
+    rt->stream_create(&copies, 0);
+    out = 42;
+    cudart_sim_span write = {&out, sizeof(out)};
+    CHECK(cudart_sim_queue_kernel(0, compute, &write, 1, NULL, 0) == CUDART_SUCCESS);
+    rt->memcpy_async(&dst, &src, sizeof(src), 0, copies);
+    cudart_sim_set_progress(1);
+    int device;
+    CHECK(rt->get_device(&device) == CUDART_SUCCESS && dst == 7);  /* ran the copy */
+    CHECK(out == -1);
+    /* progress alone never lands a kernel; a launch on its stream does */
+    CHECK(rt->malloc(&mem, 16) == CUDART_SUCCESS && out == -1);
+    CHECK(cudart_sim_launch(0, compute) == CUDART_SUCCESS && out == 42);
+    cudart_sim_set_progress(0);
+    /* a queued wait needs the kernel: progress lands it, then the copy runs */
+    void *produced;
+    rt->event_create(&produced, 0);
+    out = 44;
+    CHECK(cudart_sim_queue_kernel(0, compute, &write, 1, NULL, 0) == CUDART_SUCCESS);
+    rt->event_record(produced, compute);
+    rt->stream_wait_event(copies, produced, 0);
+    rt->memcpy_async(&dst, &out, sizeof(out), 0, copies);
+    cudart_sim_set_progress(100);
+    CHECK(rt->get_device(&device) == CUDART_SUCCESS && out == 44 && dst == 44);
+    cudart_sim_set_progress(0);
+    rt->event_destroy(produced);
+    out = 43;
+    CHECK(cudart_sim_queue_kernel(0, compute, &write, 1, NULL, 0) == CUDART_SUCCESS);
+    CHECK(out == -1 && rt->free(mem) == CUDART_SUCCESS && out == 43);   /* cudaFree runs all */
+    rt->stream_destroy(compute);
+    rt->stream_destroy(copies);
+}
+
+/* The harness's own ordering (torch's engine between streams): counted as
+ * no runtime call and no event, gone once it ran. */
+static void
+test_ordering_streams_as_the_autograd_engine_does(void)
+{
+    void *producer, *waiter;
+    int out = 0, copied = 0;
+    rt->stream_create(&producer, 0);
+    rt->stream_create(&waiter, 0);
+    cudart_sim_stats before = cudart_sim_get_stats();
+    CHECK(cudart_sim_order_streams(0, waiter, 0, producer) == CUDART_SUCCESS);
+    CHECK(cudart_sim_get_stats().ops_queued == 0);               /* nothing to wait for */
+    out = 5;
+    cudart_sim_span write = {&out, sizeof(out)};
+    CHECK(cudart_sim_queue_kernel(0, producer, &write, 1, NULL, 0) == CUDART_SUCCESS);
+    CHECK(cudart_sim_order_streams(0, waiter, 0, producer) == CUDART_SUCCESS);
+    CHECK(cudart_sim_order_streams(0, producer, 0, producer) == CUDART_SUCCESS);  /* itself */
+    rt->memcpy_async(&copied, &out, sizeof(out), 0, waiter);
+    CHECK(rt->stream_synchronize(waiter) == CUDART_SUCCESS && copied == 5);
+    cudart_sim_stats after = cudart_sim_get_stats();
+    CHECK(after.events_live == before.events_live && after.ops_queued == 0);
+    CHECK(after.calls[SIM_EVENT_RECORD] == before.calls[SIM_EVENT_RECORD]);
+    CHECK(after.calls[SIM_STREAM_WAIT_EVENT] == before.calls[SIM_STREAM_WAIT_EVENT]);
+    CHECK(cudart_sim_order_streams(0, waiter, CUDART_SIM_DEVICES, NULL) ==
+          CUDART_ERROR_INVALID_HANDLE);
+    /* the legacy streams of two devices */
+    out = 6;
+    CHECK(cudart_sim_queue_kernel(1, NULL, &write, 1, NULL, 0) == CUDART_SUCCESS);
+    CHECK(cudart_sim_order_streams(0, NULL, 1, NULL) == CUDART_SUCCESS);
+    CHECK(cudart_sim_launch(0, NULL) == CUDART_SUCCESS && out == 6);
+    rt->stream_destroy(producer);
+    rt->stream_destroy(waiter);
+}
+
+/* A stream-ordered allocator hands memory out: the work before on that
+ * stream still touching it runs first, nothing else does. */
+static void
+test_a_handout_runs_only_the_work_touching_the_memory(void)
+{
+    void *compute;
+    int32_t a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8};
+    rt->stream_create(&compute, 0);
+    cudart_sim_span on_a = {a, sizeof(a)}, on_b = {b, sizeof(b)};
+    CHECK(cudart_sim_queue_kernel(0, compute, &on_a, 1, NULL, 0) == CUDART_SUCCESS);
+    CHECK(cudart_sim_queue_kernel(0, compute, &on_b, 1, NULL, 0) == CUDART_SUCCESS);
+    /* `b`'s kernel comes last: handing `a` out runs `a`'s only */
+    CHECK(cudart_sim_handout(0, compute, a, sizeof(a)) == CUDART_SUCCESS);
+    CHECK(a[0] == -1 && a[3] == -1 && b[0] == -1);           /* poisoned; b still lags */
+    CHECK(cudart_sim_get_stats().ops_queued == 1);
+    CHECK(cudart_sim_handout(0, compute, &b[2], 8) == CUDART_SUCCESS);
+    CHECK(b[0] == 5 && b[1] == 6 && b[2] == -1 && cudart_sim_get_stats().ops_queued == 0);
+    CHECK(cudart_sim_handout(0, &on_a, a, 4) == CUDART_ERROR_INVALID_HANDLE);
+    rt->stream_destroy(compute);
+}
+
+/* Memory only a copy fills changes owner in stream order: a fill on
+ * another stream not ordered after the handout stream is lost. */
+static void
+test_a_deferred_handout_poisons_in_stream_order(void)
+{
+    void *compute, *copy_in, *ordered;
+    int32_t block[4] = {1, 2, 3, 4}, fill[4] = {9, 9, 9, 9}, out = 0;
+    rt->stream_create(&compute, 0);
+    rt->stream_create(&copy_in, 0);
+    rt->event_create(&ordered, 0);
+    cudart_sim_span old_read = {block, sizeof(block)}, old_write = {&out, sizeof(out)};
+    out = 10;                                                   /* the old owner */
+    CHECK(cudart_sim_queue_kernel(0, compute, &old_write, 1, &old_read, 1) == CUDART_SUCCESS);
+    cudart_sim_defer_handouts(1);
+    CHECK(cudart_sim_handout(0, compute, block, sizeof(block)) == CUDART_SUCCESS);
+    cudart_sim_defer_handouts(0);
+    CHECK(block[0] == 1 && cudart_sim_get_stats().ops_queued == 2);  /* nothing ran */
+    rt->memcpy_async(block, fill, sizeof(fill), CUDART_MEMCPY_HOST_TO_DEVICE, copy_in);
+    CHECK(rt->stream_synchronize(copy_in) == CUDART_SUCCESS && block[0] == 9);
+    CHECK(cudart_sim_launch(0, compute) == CUDART_SUCCESS);
+    CHECK(block[0] == -1 && out == -1);        /* the fill lost; the old owner read it */
+    /* ordered after the handout stream, the fill lands after the poison */
+    out = 11;
+    CHECK(cudart_sim_queue_kernel(0, compute, &old_write, 1, &old_read, 1) == CUDART_SUCCESS);
+    cudart_sim_defer_handouts(1);
+    CHECK(cudart_sim_handout(0, compute, block, sizeof(block)) == CUDART_SUCCESS);
+    cudart_sim_defer_handouts(0);
+    rt->event_record(ordered, compute);
+    rt->stream_wait_event(copy_in, ordered, 0);
+    rt->memcpy_async(block, fill, sizeof(fill), CUDART_MEMCPY_HOST_TO_DEVICE, copy_in);
+    CHECK(rt->stream_synchronize(copy_in) == CUDART_SUCCESS && block[3] == 9 && out == 11);
+    /* nothing queued touches it: poisoned at once, as without deferring */
+    cudart_sim_defer_handouts(1);
+    CHECK(cudart_sim_handout(0, compute, block, sizeof(block)) == CUDART_SUCCESS);
+    cudart_sim_defer_handouts(0);
+    CHECK(block[0] == -1 && cudart_sim_get_stats().ops_queued == 0);
+    rt->event_destroy(ordered);
+    rt->stream_destroy(compute);
+    rt->stream_destroy(copy_in);
+}
+
 int
 main(void)
 {
@@ -290,6 +505,12 @@ main(void)
     test_host_memory_is_counted();
     test_a_dropped_wait_orders_nothing();
     test_failed_releases_release();
+    test_a_kernel_lags_in_data();
+    test_a_kernel_whose_input_changed_writes_poison();
+    test_kernels_land_as_late_as_possible();
+    test_ordering_streams_as_the_autograd_engine_does();
+    test_a_handout_runs_only_the_work_touching_the_memory();
+    test_a_deferred_handout_poisons_in_stream_order();
     CHECK(cudart_sim_get_stats().events_live == 0 && cudart_sim_get_stats().streams_live == 0);
     return check_report("test_cudart_sim");
 }
