@@ -169,29 +169,43 @@ def selective_offload_kw(fn: Callable, x: torch.Tensor, **kwargs: Any) -> torch.
     return matepoint.checkpoint(fn, x, context_fn=context_fn, **kwargs)
 
 
-def test_a_producer_stream_destroyed_before_its_region_retires(simulated) -> None:
-    """Defect 6: a region run on a stream the caller then destroys (an
-    ExternalStream) is retired later without touching that stream: the
-    copy-out stream marks the source used instead. No CUDA error, exact
-    gradients."""
+def test_a_producer_stream_is_not_used_after_its_region(simulated) -> None:
+    """Defect 6: the window retires a region's source later, when another
+    stream is current and the region's own may be gone (an ExternalStream
+    the caller destroyed). It must not use that stream's handle then: from
+    the region's end to the end of the forward, no wait is queued on it
+    (the copy-out stream marks the source used instead). The stream itself
+    stays alive, as backward runs the region's nodes on it, so exact
+    gradients can be compared."""
     matepoint.set_options(offload_window=1)
     model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
     _, expected = train_step(model, x, no_checkpoint)
-    handle = _C._sim_stream_create(0)
+    region_stream, _ = sim.side_streams()
     calls = [0]
 
     def wrap(fn: Callable, h: torch.Tensor) -> torch.Tensor:
         calls[0] += 1
         if calls[0] != 2:
             return matepoint.checkpoint(fn, h)
-        with sim.stream(0, handle):
+        with sim.stream(0, region_stream):
             out = matepoint.checkpoint(fn, h)
-        _C._sim_stream_destroy(handle)      # before the window retires the region
+        _C._sim_log_waits(True)     # from here on, its stream is as good as gone
         return out
 
-    _, grads = train_step(model, x, wrap)
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    leaf = x.detach().clone().requires_grad_(True)
+    try:
+        loss = (model(leaf, wrap).float() ** 2).mean()
+        waits = _C._sim_wait_log()
+    finally:
+        _C._sim_log_waits(False)
+    assert calls[0] == DEPTH and waits, "the later regions queued no wait at all"
+    assert [w for w in waits if w["waiter"] == region_stream] == []
+    loss.backward()
     sim.assert_no_cuda_error()
-    assert_bitwise_equal(grads, expected)
+    grads = [leaf.grad] + [p.grad for p in model.parameters()]
+    assert_bitwise_equal(grads, expected[:len(grads)])
 
 
 def test_a_prefetched_buffer_is_reused_only_past_its_copy_and_reader(simulated) -> None:
