@@ -63,10 +63,8 @@ inspect_module_buffers(mp_state *st, PyObject *function)
     return list;
 }
 
-/* Only plain strided tensors have a byte span to copy: sparse, nested and
- * mkldnn tensors stay where they are. */
-static int
-is_strided(mp_state *st, PyObject *tensor)
+int
+inspect_is_strided(mp_state *st, PyObject *tensor)
 {
     PyObject *layout = PyObject_GetAttrString(tensor, "layout");
     PyObject *strided = layout ? PyObject_GetAttrString(st->torch_module, "strided") : NULL;
@@ -162,7 +160,7 @@ inspect_plain(mp_state *st, PyObject *function, PyObject *tensor, PyObject **buf
         return -1;
     if (is_buffer_of(*buffers, tensor))
         return 0;
-    int strided = is_strided(st, tensor);
+    int strided = inspect_is_strided(st, tensor);
     if (strided <= 0)
         return strided;
     int64_t nbytes;

@@ -215,6 +215,11 @@ PyObject *inspect_module_buffers(mp_state *st, PyObject *function);
 int inspect_input(mp_state *st, PyObject *function, PyObject *tensor, PyObject **buffers,
                   input_info *info);
 
+/* 1 for a plain strided tensor, the only kind with a byte span to copy;
+ * 0 for a sparse, nested or mkldnn one (they stay where they are, and have
+ * no storage of their own to ask about), -1 on error. */
+int inspect_is_strided(mp_state *st, PyObject *tensor);
+
 /* Do two inspected inputs share one storage? */
 int inspect_same_storage(const input_info *a, const input_info *b);
 
@@ -245,7 +250,8 @@ int inspect_same_storage(const input_info *a, const input_info *b);
  *   COPY_RETURNED   the host buffer went back to the pool, or to its
  *                   device's returning list with its last event (dealloc)
  * A copy that failed before its D2H was queued goes from EMPTY straight
- * to RETURNED, and so does one that dies with its D2H still pending. copy_advance() asserts every transition. */
+ * to RETURNED, and so does one that dies with its D2H still pending.
+ * copy_advance() asserts every transition. */
 typedef enum {
     COPY_EMPTY,
     COPY_QUEUED,

@@ -10,6 +10,7 @@
 #endif
 #include "testing.h"
 #include "cuda/cudart_sim.h"
+#include "offload/offload_internal.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
@@ -52,26 +53,6 @@ storage_ptr(PyObject *storage, void **ptr)
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* 1 for a plain strided tensor, 0 for a sparse, mkldnn or nested one
- * (no storage of its own to ask about: its storage raises), -1 on error.
- * The engine leaves those where they are (offload_inspect.c) but asks the
- * runtime for their device first. */
-static int
-has_plain_storage(mp_state *st, PyObject *tensor)
-{
-    PyObject *layout = PyObject_GetAttrString(tensor, "layout");
-    PyObject *strided = layout ? PyObject_GetAttrString(st->torch_module, "strided") : NULL;
-    int same = strided == NULL ? -1 : layout == strided;
-    Py_XDECREF(layout);
-    Py_XDECREF(strided);
-    if (same <= 0)
-        return same;
-    PyObject *nested = PyObject_GetAttrString(tensor, "is_nested");
-    int is_nested = nested == NULL ? -1 : PyObject_IsTrue(nested);
-    Py_XDECREF(nested);
-    return is_nested < 0 ? -1 : !is_nested;
-}
-
 static int
 sim_tensor_device(mp_state *st, PyObject *tensor, PyObject *device_obj, int *index)
 {
@@ -82,7 +63,9 @@ sim_tensor_device(mp_state *st, PyObject *tensor, PyObject *device_obj, int *ind
     Py_DECREF(type);
     if (!is_cpu)
         return 0;
-    int plain = has_plain_storage(st, tensor);
+    /* a sparse, mkldnn or nested tensor has no storage to ask about: the
+     * engine leaves it where it is (offload_inspect.c), asking this first */
+    int plain = inspect_is_strided(st, tensor);
     if (plain <= 0)
         return plain;
     PyObject *storage = PyObject_CallMethod(tensor, "untyped_storage", NULL);
