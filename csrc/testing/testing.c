@@ -26,8 +26,8 @@ count_arg(PyObject *arg, uint64_t *out)
     return 0;
 }
 
-static int
-device_arg(PyObject *arg, int *device)
+int
+testing_device_arg(PyObject *arg, int *device)
 {
     long value = PyLong_AsLong(arg);
     if (value == -1 && PyErr_Occurred())
@@ -129,7 +129,7 @@ sim_set_device(PyObject *module, PyObject *arg)
 {
     (void)module;
     int device;
-    if (device_arg(arg, &device) < 0)
+    if (testing_device_arg(arg, &device) < 0)
         return NULL;
     (void)cudart_sim_set_current_device(device);
     Py_RETURN_NONE;
@@ -149,7 +149,7 @@ sim_stream_create(PyObject *module, PyObject *arg)
     (void)module;
     int device, previous = cudart_sim_current_device();
     void *stream = NULL;
-    if (device_arg(arg, &device) < 0)
+    if (testing_device_arg(arg, &device) < 0)
         return NULL;
     const cudart *rt = cudart_sim();
     (void)cudart_sim_set_current_device(device);
@@ -185,7 +185,7 @@ sim_set_stream(PyObject *module, PyObject *args)
     PyObject *device_obj, *handle;
     int device;
     if (!PyArg_ParseTuple(args, "OO:_sim_set_stream", &device_obj, &handle) ||
-        device_arg(device_obj, &device) < 0)
+        testing_device_arg(device_obj, &device) < 0)
         return NULL;
     void *stream = handle == Py_None ? NULL : PyLong_AsVoidPtr(handle);
     if (PyErr_Occurred())
@@ -203,7 +203,7 @@ sim_current_stream(PyObject *module, PyObject *arg)
 {
     (void)module;
     int device;
-    if (device_arg(arg, &device) < 0)
+    if (testing_device_arg(arg, &device) < 0)
         return NULL;
     void *stream = cudart_sim_current_stream(device);
     return stream == NULL ? Py_NewRef(Py_None) : PyLong_FromVoidPtr(stream);
@@ -216,7 +216,7 @@ sim_launch(PyObject *module, PyObject *args)
     PyObject *device_obj, *handle;
     int device;
     if (!PyArg_ParseTuple(args, "OO:_sim_launch", &device_obj, &handle) ||
-        device_arg(device_obj, &device) < 0)
+        testing_device_arg(device_obj, &device) < 0)
         return NULL;
     void *stream = handle == Py_None ? NULL : PyLong_AsVoidPtr(handle);
     if (PyErr_Occurred())

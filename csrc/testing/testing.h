@@ -41,6 +41,10 @@
 
 int testing_add_functions(PyObject *module);
 
+/* A simulated device number given from Python: 0, or -1 with a
+ * ValueError naming the number (or the conversion's error). */
+int testing_device_arg(PyObject *arg, int *device);
+
 /* The controls of testing_lag.c, added to `module`; 0 or -1. */
 int testing_add_lag_functions(PyObject *module);
 

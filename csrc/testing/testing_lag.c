@@ -8,21 +8,6 @@
 #include <stdlib.h>
 
 static int
-device_of(PyObject *arg, int *device)
-{
-    long value = PyLong_AsLong(arg);
-    if (value == -1 && PyErr_Occurred())
-        return -1;
-    if (value < 0 || value >= CUDART_SIM_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "simulated GPU: no device %ld (it has %d)", value,
-                     CUDART_SIM_DEVICES);
-        return -1;
-    }
-    *device = (int)value;
-    return 0;
-}
-
-static int
 stream_of(PyObject *handle, void **stream)
 {
     *stream = handle == Py_None ? NULL : PyLong_AsVoidPtr(handle);
@@ -77,7 +62,7 @@ sim_kernel(PyObject *module, PyObject *args)
     void *stream;
     if (!PyArg_ParseTuple(args, "OOOO:_sim_kernel", &device_obj, &handle, &writes_obj,
                           &reads_obj) ||
-        device_of(device_obj, &device) < 0 || stream_of(handle, &stream) < 0 ||
+        testing_device_arg(device_obj, &device) < 0 || stream_of(handle, &stream) < 0 ||
         spans_of(writes_obj, &writes, &n_writes) < 0)
         return NULL;
     if (spans_of(reads_obj, &reads, &n_reads) < 0) {
@@ -101,8 +86,9 @@ sim_order_streams(PyObject *module, PyObject *args)
     void *waiter, *producer;
     if (!PyArg_ParseTuple(args, "OOOO:_sim_order_streams", &waiter_device_obj, &waiter_obj,
                           &producer_device_obj, &producer_obj) ||
-        device_of(waiter_device_obj, &waiter_device) < 0 || stream_of(waiter_obj, &waiter) < 0 ||
-        device_of(producer_device_obj, &producer_device) < 0 ||
+        testing_device_arg(waiter_device_obj, &waiter_device) < 0 ||
+        stream_of(waiter_obj, &waiter) < 0 ||
+        testing_device_arg(producer_device_obj, &producer_device) < 0 ||
         stream_of(producer_obj, &producer) < 0)
         return NULL;
     int status = cudart_sim_order_streams(waiter_device, waiter, producer_device, producer);
