@@ -124,22 +124,23 @@ def as_on_cuda(lag: bool = True) -> Iterator[None]:
     lag in data (sim_kernels.py) meanwhile. `lag` needs every tensor in the
     simulated devices' memory (device_memory()): a write landing late into
     memory torch's own allocator already gave back would corrupt the heap."""
-    with sim_autograd.backward_as_on_cuda(), _in_new_threads(lag):
-        if not lag:
-            yield
-            return
-        with sim_kernels.LaggingKernels():
-            yield
+    with sim_autograd.backward_as_on_cuda(), _in_new_threads(lag), _lagging(lag):
+        yield
+
+
+@contextlib.contextmanager
+def _lagging(lag: bool) -> Iterator[None]:
+    if not lag:
+        yield
+        return
+    with sim_kernels.LaggingKernels():
+        yield
 
 
 @contextlib.contextmanager
 def _modes(lag: bool) -> Iterator[None]:
-    with sim_autograd.StreamTags():
-        if not lag:
-            yield
-            return
-        with sim_kernels.LaggingKernels():
-            yield
+    with sim_autograd.StreamTags(), _lagging(lag):
+        yield
 
 
 @contextlib.contextmanager
