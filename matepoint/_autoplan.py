@@ -33,8 +33,8 @@ from matepoint._meter import (_cuda_allocated, _host_bytes_in_use, _HostSampler,
 from matepoint._options import settings
 from matepoint._planner import (BlockProfile, Plan, PlanError, _check_plan_arguments,
                                 _choice_options, _detached, _state_preserved, _storage_bytes,
-                                _tensors_in, default_unit, no_offload_reason, profile_block,
-                                reduce_profiles, solve)
+                                _tensors_in, default_unit, head_profile, no_offload_reason,
+                                profile_block, reduce_profiles, solve)
 
 log = logging.getLogger("matepoint.planner")
 Key = Tuple[Any, ...]
@@ -76,20 +76,24 @@ def plan_step(profiles: List[BlockProfile], budget_bytes: int, outside: Outside,
     The blocks are planned within ``budget_bytes - outside.held_bytes``, the
     head's peak counted where it occurs: on top of everything the blocks
     hold after the last one. The plan's ``predicted_peak_bytes`` is the whole
-    step's; a budget no plan meets raises :class:`PlanError` naming the
+    step's, as are its rows and table (``outside_bytes`` and ``head_bytes``
+    set); a budget no plan meets raises :class:`PlanError` naming the
     smallest budget for the whole step."""
-    # the head as one more block: nothing held, no time, its peak its work either way
-    head = BlockProfile(0.0, 0.0, 0.0, 0, 0, 0, outside.head_bytes, 0)
     inner = budget_bytes - outside.held_bytes
     try:
-        solved = solve(profiles + [head], max(inner, 1), unit_bytes, pipeline, offload, note)
+        solved = solve(profiles + [head_profile(outside.head_bytes)], max(inner, 1), unit_bytes,
+                       pipeline, offload, note)
     except PlanError as error:
         raise PlanError(budget_bytes, error.smallest_budget_bytes + outside.held_bytes) from None
-    peak = solved.predicted_peak_bytes + outside.held_bytes
+    # the head runs as it is: its row is evaluated kept, whatever the solver
+    # gave the extra block (a tie at no time; kept holds the least)
+    stepped = dataclasses.replace(solved, choices=solved.choices[:-1], profiles=list(profiles),
+                                  budget_bytes=budget_bytes, outside_bytes=outside.held_bytes,
+                                  head_bytes=outside.head_bytes)
+    peak = max(peak for _, peak in stepped.rows())
     if peak > budget_bytes:
         raise PlanError(budget_bytes, peak)
-    return dataclasses.replace(solved, choices=solved.choices[:-1], profiles=list(profiles),
-                               budget_bytes=budget_bytes, predicted_peak_bytes=peak)
+    return dataclasses.replace(stepped, predicted_peak_bytes=peak)
 
 
 def _in_use(device: torch.device) -> int:

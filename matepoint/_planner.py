@@ -171,6 +171,11 @@ class Plan:
         offload: whether offload was among the choices; False where none
             can run (inputs not on a GPU, or the ``offload`` option off).
         note: why offload was left out, or ``""``.
+        outside_bytes, head_bytes: for a plan made from a training step
+            (``enable(model, budget_bytes=...)``, :func:`matepoint.apply`),
+            what the model holds outside its blocks through the step and its
+            head's peak after the last block; 0 for :func:`plan`. Rows, the
+            table and ``predicted_peak_bytes`` all count them.
     """
 
     choices: List[str]
@@ -182,6 +187,16 @@ class Plan:
     predicted_time_s: float
     offload: bool = True
     note: str = ""
+    outside_bytes: int = 0
+    head_bytes: int = 0
+
+    def _modelled(self) -> Tuple[List[BlockProfile], List[str]]:
+        """The profiles and choices the cost model is given: the blocks,
+        then, for a plan made from a training step, the head as one more
+        block (it runs as it is: kept)."""
+        if not (self.head_bytes or self.outside_bytes):
+            return self.profiles, self.choices
+        return self.profiles + [head_profile(self.head_bytes)], self.choices + ["keep"]
 
     def apply(self, blocks: Blocks) -> Blocks:
         """Runs each block as planned from now on, in place.
@@ -227,35 +242,45 @@ class Plan:
             max_points: the most points returned (a positive int).
         """
         _int_argument("Plan.frontier", "max_points", max_points, 1, MAX_FRONTIER_POINTS)
-        points = _C._plan_frontier(_units(self.profiles, self.unit_bytes, self.offload),
+        profiles, _ = self._modelled()
+        points = _C._plan_frontier(_units(profiles, self.unit_bytes, self.offload),
                                    self.pipeline, max_points)
-        return [(peak * self.unit_bytes, seconds) for seconds, peak in points
+        return [(peak * self.unit_bytes + self.outside_bytes, seconds) for seconds, peak in points
                 if seconds < _NO_OFFLOAD_COPY_S]
 
     def rows(self) -> List[Tuple[float, int]]:
         """Per block, (seconds, peak bytes while it runs) under the planner's
-        cost model: the seconds, copies a block leaves exposed included, add
-        up to the plan's step time and the peaks' max is its peak."""
-        codes = bytes(CHOICES.index(c) for c in self.choices)
-        costs = _C._plan_evaluate_blocks(_units(self.profiles, self.unit_bytes, self.offload),
+        cost model, and for a plan made from a training step one more row
+        for its head after the last block: the seconds, copies a block
+        leaves exposed included, add up to the plan's step time and the
+        peaks' max is its ``predicted_peak_bytes`` (what the model holds
+        outside its blocks counted in every row)."""
+        profiles, choices = self._modelled()
+        codes = bytes(CHOICES.index(c) for c in choices)
+        costs = _C._plan_evaluate_blocks(_units(profiles, self.unit_bytes, self.offload),
                                          codes, self.pipeline)
-        return [(seconds, peak * self.unit_bytes) for seconds, peak in costs]
+        return [(seconds, peak * self.unit_bytes + self.outside_bytes) for seconds, peak in costs]
 
     def table(self) -> str:
         """The plan as a readable table, one row per block; the rows' times
         add up to the step time in the header (computed by the same model)."""
         rows = self.rows()
         step_s = math.fsum(seconds for seconds, _ in rows)
+        outside = f", {self.outside_bytes / MIB:.2f} MiB held outside the blocks" \
+            if self.outside_bytes else ""
         lines = [f"matepoint plan: budget {self.budget_bytes / MIB:.1f} MiB, predicted peak "
-                 f"{max(peak for _, peak in rows) / MIB:.1f} MiB, step {step_s * 1e3:.2f}"
-                 f" ms ({'pipelined' if self.pipeline else 'unpipelined'} copies)"
-                 + (f"; {self.note}" if self.note else ""),
+                 f"{max(peak for _, peak in rows) / MIB:.1f} MiB{outside}, step "
+                 f"{step_s * 1e3:.2f} ms ({'pipelined' if self.pipeline else 'unpipelined'} "
+                 f"copies)" + (f"; {self.note}" if self.note else ""),
                  f"{'block':>5} {'choice':>17} {'held MiB':>9} {'peak MiB':>9} {'input MiB':>9} "
                  f"{'act MiB':>9} {'time ms':>9}"]
         for i, (choice, p, (seconds, peak)) in enumerate(zip(self.choices, self.profiles, rows)):
             held = _held_bytes(p, choice)
             lines.append(f"{i:>5} {choice:>17} {held / MIB:>9.2f} {peak / MIB:>9.2f} "
                          f"{p.input_bytes / MIB:>9.2f} {p.activation_bytes / MIB:>9.2f} "
+                         f"{seconds * 1e3:>9.3f}")
+        for seconds, peak in rows[len(self.choices):]:
+            lines.append(f"{'head':>5} {'-':>17} {0:>9.2f} {peak / MIB:>9.2f} {'-':>9} {'-':>9} "
                          f"{seconds * 1e3:>9.3f}")
         return "\n".join(lines)
 
@@ -312,6 +337,8 @@ def _check_loaded(plan: Plan) -> None:
     _int_argument("", "budget_bytes", plan.budget_bytes, 1)
     _int_argument("", "unit_bytes", plan.unit_bytes, 1)
     _int_argument("", "predicted_peak_bytes", plan.predicted_peak_bytes, 0)
+    _int_argument("", "outside_bytes", plan.outside_bytes, 0)
+    _int_argument("", "head_bytes", plan.head_bytes, 0)
     if not isinstance(plan.pipeline, bool):
         raise TypeError(f"pipeline must be true or false, not {plan.pipeline!r}")
     if not (_finite_number(plan.predicted_time_s) and plan.predicted_time_s >= 0):
@@ -684,6 +711,13 @@ def auto_checkpoint(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
 def default_unit(budget_bytes: int) -> int:
     """A power of two that keeps the solver's tables near 100k units."""
     return max(1024, 1 << max(0, math.ceil(math.log2(max(1, budget_bytes // 100_000)))))
+
+
+def head_profile(head_bytes: int) -> BlockProfile:
+    """A model's head after its last block as one more block for the cost
+    model: it holds nothing, takes no time, and its peak is ``head_bytes``
+    above what the blocks hold, kept or checkpointed alike."""
+    return BlockProfile(0.0, 0.0, 0.0, 0, 0, 0, head_bytes, 0)
 
 
 def _policy_copy_s(p: BlockProfile, nbytes: int) -> float:

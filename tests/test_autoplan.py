@@ -262,3 +262,46 @@ def test_the_budget_holds_the_whole_step_with_its_head() -> None:
         big_head_step(small)
     assert error.value.smallest_budget_bytes > outside.head_bytes > blocks_kept
     assert_bitwise_equal(flat(expected), flat(got))
+
+
+def header_peak_mib(plan) -> float:
+    return float(str(plan).splitlines()[0].split("predicted peak ")[1].split(" MiB")[0])
+
+
+def test_header_rows_and_predicted_peak_agree_for_a_step_plan() -> None:
+    # issue 35 item 6: rows and header left out what the model holds outside
+    # its blocks and the head's peak (max(rows) 4.87 MB, predicted 5.29 MB)
+    from matepoint._autoplan import _PLANNER
+
+    probe = matepoint.apply(BigHead(), budget_bytes=1 << 40)
+    for _ in range(2):
+        big_head_step(probe)
+    outside = probe.__dict__[_PLANNER][0].outside
+    assert outside.head_bytes > 0 and outside.held_bytes > 0
+    for budget in (1 << 40, halfway_budget(probe)):
+        model = matepoint.apply(BigHead(), budget_bytes=budget, unit_bytes=1024)
+        for _ in range(2):
+            big_head_step(model)
+        plan = matepoint.planned(model)
+        rows = plan.rows()
+        assert (plan.outside_bytes, plan.head_bytes) == \
+            (model.__dict__[_PLANNER][0].outside.held_bytes,
+             model.__dict__[_PLANNER][0].outside.head_bytes)
+        assert max(peak for _, peak in rows) == plan.predicted_peak_bytes <= budget
+        assert header_peak_mib(plan) == round(plan.predicted_peak_bytes / (1 << 20), 1)
+        # one row per block and one for the head, whose peak here is the step's
+        assert len(rows) == len(plan.choices) + 1
+        assert str(plan).splitlines()[-1].split()[0] == "head"
+        assert rows[-1][1] == plan.predicted_peak_bytes
+        assert sum(s for s, _ in rows) == pytest.approx(plan.predicted_time_s, rel=1e-12)
+        assert plan.frontier()[-1][0] <= plan.predicted_peak_bytes
+
+
+def test_header_rows_and_predicted_peak_agree_for_enable() -> None:
+    model = matepoint.enable(llama(), budget_bytes=1 << 30)
+    llama_steps(model, IDS, 2)
+    plan = matepoint.planned(model)
+    assert plan.outside_bytes > 0 and plan.head_bytes > 0
+    assert max(peak for _, peak in plan.rows()) == plan.predicted_peak_bytes
+    assert header_peak_mib(plan) == round(plan.predicted_peak_bytes / (1 << 20), 1)
+

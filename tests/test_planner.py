@@ -466,3 +466,15 @@ def test_a_burst_of_load_falls_on_every_choice_alike(monkeypatch) -> None:
     loaded = work_profile(monkeypatch, FakeClock(burst_from=quiet_clock.done * 3 / 4))
     assert (loaded.forward_s, loaded.backward_s, loaded.recompute_s, loaded.selective_s) == \
         (1.0, 2.0, 4.0, 4.0)
+
+
+def test_header_rows_and_predicted_peak_agree_for_plan() -> None:
+    model, x = chain(4, 64), torch.randn(32, 64)
+    for budget in (16 << 20, 300 << 10):
+        plan = matepoint.plan(model, x, budget_bytes=budget, unit_bytes=1024, repeats=1)
+        rows = plan.rows()
+        assert (plan.outside_bytes, plan.head_bytes) == (0, 0) and len(rows) == 4
+        assert max(peak for _, peak in rows) == plan.predicted_peak_bytes
+        header = str(plan).splitlines()[0]
+        assert f"predicted peak {plan.predicted_peak_bytes / MIB:.1f} MiB," in header
+
