@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from matepoint import _C
 from matepoint._composable import (_call, checkpoint_module, is_checkpointed,
                                    uncheckpoint_module)
-from matepoint._meter import PeakMeter, copy_bandwidth, host_meter_available, saved_tensor_bytes
+from matepoint._meter import PeakMeter, TensorMeter, copy_bandwidth, saved_tensor_bytes
 from matepoint._options import settings, show_int
 from matepoint._timing import time_call
 
@@ -880,13 +880,16 @@ def _backward(out: Any) -> None:
 
 def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
                   owner: Optional[nn.Module] = None,
-                  resident: Optional[set] = None) -> Tuple[BlockProfile, Any]:
+                  resident: Optional[set] = None,
+                  neighbour: Optional[BlockProfile] = None) -> Tuple[BlockProfile, Any]:
     """Measures one block on ``args``; returns its profile and its output
     (detached: profiling holds one block's activations at a time).
 
     ``owner`` is the module whose parameters ``block`` uses (``block``
     itself when it is a module); ``resident`` holds data pointers of more
-    storages that are not the block's to count (shared inputs)."""
+    storages that are not the block's to count (shared inputs);
+    ``neighbour`` is the block before's profile, against which a peak far
+    above is measured again (:func:`_steady_peaks`)."""
     device = _device_of(args)
     owner = owner if owner is not None else block if isinstance(block, nn.Module) else None
     resident = set(resident or ())
@@ -897,7 +900,7 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
     with _gradients_preserved(owner):
         # warm-up: workspaces and parameter gradients exist before measuring
         _backward(block(*args))
-        forward_peak, backward_peak = _peaks(block, args, device)
+        forward_peak, backward_peak = _steady_peaks(block, args, device, neighbour)
         out, activation_bytes = saved_tensor_bytes(lambda: block(*args), resident)
         output_bytes = _storage_bytes(_tensors_in(out))
         # the next block needs the values, not this block's activations
@@ -1010,11 +1013,68 @@ def _policy_saved_bytes(block: Callable, args: Tuple, resident: set, choice: str
     return kept, nbytes, stay
 
 
+# A peak this many times another measure of it (its own repeat, or the
+# block before's on an input of the same size) is taken for a one-off (a
+# cache or workspace made once, seen at 4x) and measured again.
+_OUTLIER_RATIO = 1.5
+_PEAK_RUNS = 5
+
+
+def _outlier(peaks: Tuple[int, int], others: Tuple[int, int]) -> bool:
+    """Whether a forward or backward peak is _OUTLIER_RATIO times the
+    other measure of it (a few KiB of difference aside: tiny blocks)."""
+    return any(peak > _OUTLIER_RATIO * other + (4 << 10) for peak, other in zip(peaks, others))
+
+
+def _steady_peaks(block: Callable, args: Tuple, device: torch.device,
+                  neighbour: Optional[BlockProfile]) -> Tuple[int, int]:
+    """The block's forward and backward peaks (:func:`_peaks`), measured
+    twice: agreeing runs give their larger figures. Where one run is an
+    outlier against the other, a third is measured and the median planned
+    on; where the result is an outlier against an alike neighbour (the block
+    before, on an input of the same size), more runs up to _PEAK_RUNS, and
+    the median of all."""
+    runs = [_peaks(block, args, device) for _ in range(2)]
+
+    def settled() -> Tuple[int, int]:
+        if len(runs) == 2:
+            return (max(runs[0][0], runs[1][0]), max(runs[0][1], runs[1][1]))
+        return (statistics.median_low(run[0] for run in runs),
+                statistics.median_low(run[1] for run in runs))
+
+    if _outlier(settled(), (min(runs[0][0], runs[1][0]), min(runs[0][1], runs[1][1]))):
+        runs.append(_peaks(block, args, device))
+    alike = None
+    if neighbour is not None and neighbour.input_bytes == _storage_bytes(_tensors_in(args)):
+        alike = (neighbour.forward_peak_bytes, neighbour.backward_peak_bytes)
+    while alike is not None and len(runs) < _PEAK_RUNS and _outlier(settled(), alike):
+        runs.append(_peaks(block, args, device))
+    if len(runs) > 2:
+        log.info("matepoint.plan: a block's peaks (forward, backward) measured again, runs "
+                 "apart or far above the block before's %s: %s; planned on %s", alike, runs,
+                 settled())
+    return settled()
+
+
 def _peaks(block: Callable, args: Tuple, device: torch.device) -> Tuple[int, int]:
     """Peak bytes of the block's forward above its input, and of its
     backward above what the forward left and the output gradient; zeros
-    where memory cannot be measured (then the sizes alone plan)."""
-    if not (device.type == "cuda" or (device.type == "cpu" and host_meter_available())):
+    where memory cannot be measured (then the sizes alone plan).
+
+    On the CPU the tensors made are counted (:class:`TensorMeter`), not
+    the heap: the same figures every run. Forward and backward are one
+    meter, so the backward sees the forward's tensors go."""
+    if device.type == "cpu":
+        with TensorMeter(device) as meter:
+            out = block(*args)
+            forward_peak = meter.peak_bytes
+            outputs = [t for t in _tensors_in(out) if t.requires_grad]
+            gradients = [torch.ones_like(t) for t in outputs]
+            meter.restart()
+            if outputs:
+                torch.autograd.backward(outputs, gradients)
+            return forward_peak, meter.peak_bytes
+    if device.type != "cuda":
         return 0, 0
     with PeakMeter(device) as forward:
         out = block(*args)
@@ -1077,7 +1137,8 @@ def profile_blocks(blocks: List[Callable], sample_inputs: Tuple, bandwidth: floa
     with _state_preserved(blocks, [_device_of(sample_inputs)]), _own_forwards(blocks):
         for i, block in enumerate(blocks):
             try:
-                profile, out = profile_block(block, args, bandwidth, repeats)
+                profile, out = profile_block(block, args, bandwidth, repeats,
+                                             neighbour=profiles[-1] if profiles else None)
             except Exception as error:
                 raise RuntimeError(f"matepoint.plan: profiling block {i} failed: {error}") \
                     from error
