@@ -21,6 +21,7 @@ import functools
 import gc
 import itertools
 import logging
+import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -116,6 +117,9 @@ class _Gauge:
         self.window: Optional[int] = None       # the peak since open_window
         self.gc_was_enabled = False
         self.paused = False
+        # the mode stack is per thread: only the step's own thread enters and
+        # leaves ours (DataParallel runs replicas' blocks in other threads)
+        self.thread = threading.get_ident()
         if device.type == "cuda":
             self.start = _cuda_allocated(device)
             return
@@ -158,7 +162,7 @@ class _Gauge:
         (a Python mode around them would slow what profiling times); its
         output comes to :meth:`resume`. Where ours is not the innermost
         mode, watching stops instead."""
-        if self.sampler is None or self.paused:
+        if self.sampler is None or self.paused or threading.get_ident() != self.thread:
             return
         if _get_current_dispatch_mode() is not self.sampler:
             self.stop_watching()
@@ -169,7 +173,7 @@ class _Gauge:
     def resume(self, out: Any) -> None:
         """The block returned ``out``: counted, and the forward watched again."""
         self.in_use(out)
-        if self.paused and self.sampler is not None:
+        if self.paused and self.sampler is not None and threading.get_ident() == self.thread:
             self.paused = False
             self.sampler.__enter__()
 
@@ -177,9 +181,9 @@ class _Gauge:
         """The forward is over (or is not measured): no more dispatch mode,
         the collector as it was. Modes entered after ours and still on
         (none, in well-nested code) stay, in their order."""
-        sampler, self.sampler = self.sampler, None
-        if sampler is None:
+        if self.sampler is None or threading.get_ident() != self.thread:
             return
+        sampler, self.sampler = self.sampler, None
         self.paused = False
         if sampler in _get_current_dispatch_mode_stack():
             above = []
