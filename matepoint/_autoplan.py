@@ -18,24 +18,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import itertools
 import logging
+import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import (_get_current_dispatch_mode,
+                                          _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
 from matepoint._C import checkpoint, is_recomputing
 from matepoint._composable import CheckpointedForward, _call, is_checkpointed, uncheckpoint_module
 from matepoint._errors import check_module, type_error
-from matepoint._meter import (_cuda_allocated, _host_bytes_in_use, _HostSampler,
-                              _warm_up_host_sampler, copy_bandwidth, host_meter_available)
+from matepoint._meter import StorageCounter, _cuda_allocated, _StorageSampler, copy_bandwidth
 from matepoint._options import settings
 from matepoint._planner import (BlockProfile, Plan, PlanError, _check_plan_arguments,
                                 _choice_options, _detached, _state_preserved, _storage_bytes,
-                                _tensors_in, default_unit, no_offload_reason, profile_block,
-                                reduce_profiles, solve)
+                                _tensors_in, default_unit, head_profile, no_offload_reason,
+                                profile_block, reduce_profiles, solve)
 
 log = logging.getLogger("matepoint.planner")
 Key = Tuple[Any, ...]
@@ -77,55 +80,121 @@ def plan_step(profiles: List[BlockProfile], budget_bytes: int, outside: Outside,
     The blocks are planned within ``budget_bytes - outside.held_bytes``, the
     head's peak counted where it occurs: on top of everything the blocks
     hold after the last one. The plan's ``predicted_peak_bytes`` is the whole
-    step's; a budget no plan meets raises :class:`PlanError` naming the
+    step's, as are its rows and table (``outside_bytes`` and ``head_bytes``
+    set); a budget no plan meets raises :class:`PlanError` naming the
     smallest budget for the whole step."""
-    # the head as one more block: nothing held, no time, its peak its work either way
-    head = BlockProfile(0.0, 0.0, 0.0, 0, 0, 0, outside.head_bytes, 0)
     inner = budget_bytes - outside.held_bytes
     try:
-        solved = solve(profiles + [head], max(inner, 1), unit_bytes, pipeline, offload, note)
+        solved = solve(profiles + [head_profile(outside.head_bytes)], max(inner, 1), unit_bytes,
+                       pipeline, offload, note)
     except PlanError as error:
         raise PlanError(budget_bytes, error.smallest_budget_bytes + outside.held_bytes) from None
-    peak = solved.predicted_peak_bytes + outside.held_bytes
+    # the head runs as it is: its row is evaluated kept, whatever the solver
+    # gave the extra block (a tie at no time; kept holds the least)
+    stepped = dataclasses.replace(solved, choices=solved.choices[:-1], profiles=list(profiles),
+                                  budget_bytes=budget_bytes, outside_bytes=outside.held_bytes,
+                                  head_bytes=outside.head_bytes)
+    peak = max(peak for _, peak in stepped.rows())
     if peak > budget_bytes:
         raise PlanError(budget_bytes, peak)
-    return dataclasses.replace(solved, choices=solved.choices[:-1], profiles=list(profiles),
-                               budget_bytes=budget_bytes, predicted_peak_bytes=peak)
+    return dataclasses.replace(stepped, predicted_peak_bytes=peak)
 
 
-def _in_use(device: torch.device) -> int:
-    return _cuda_allocated(device) if device.type == "cuda" else _host_bytes_in_use()
+class _Gauge:
+    """Bytes in use on the device of a step that may be measured, from the
+    step's start: on CUDA the allocator's; on the CPU the tensors made since
+    (a :class:`StorageCounter` fed every operation of the model's forward
+    and, in backward, the gradients handed to :meth:`in_use`). Not the
+    heap's: its figure moves run to run with what else it holds.
 
-
-def _measurable(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu" and host_meter_available())
-
-
-class _HeadForward:
-    """The most bytes in use on ``device`` from its creation until
-    :meth:`close` (on the CPU sampled after every aten operation)."""
+    On the CPU the forward runs without the cyclic collector (when garbage
+    goes must not move the figures) until :meth:`stop_watching`, and under a
+    dispatch mode except while a block runs (:meth:`pause`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.peak = _in_use(device)
-        self.sampler: Optional[_HostSampler] = None
+        self.counter: Optional[StorageCounter] = None
+        self.sampler: Optional[_StorageSampler] = None
+        self.window: Optional[int] = None       # the peak since open_window
+        self.gc_was_enabled = False
+        self.paused = False
+        # the mode stack is per thread: only the step's own thread enters and
+        # leaves ours (DataParallel runs replicas' blocks in other threads)
+        self.thread = threading.get_ident()
         if device.type == "cuda":
-            _cuda_allocated(device, reset_peak=True)
-        else:
-            _warm_up_host_sampler()
-            self.sampler = _HostSampler(self._sample)
-            self.sampler.__enter__()
+            self.start = _cuda_allocated(device)
+            return
+        self.start = 0
+        self.counter = StorageCounter(device)
+        self.gc_was_enabled = gc.isenabled()
+        gc.disable()
+        self.sampler = _StorageSampler(self.counter, self._sample)
+        self.sampler.__enter__()
 
     def _sample(self, in_use: int) -> None:
-        self.peak = max(self.peak, in_use)
+        if self.window is not None:
+            self.window = max(self.window, in_use)
 
-    def close(self) -> int:
-        if self.sampler is not None:
-            self.sampler.__exit__(None, None, None)
-            self.sampler = None
-        elif self.device.type == "cuda":
-            self._sample(_cuda_allocated(self.device, peak=True))
-        return self.peak
+    def in_use(self, tensors: Any = ()) -> int:
+        """Bytes in use now; on the CPU, the tensors in ``tensors`` (made
+        where no operation was watched) counted first."""
+        if self.counter is None:
+            return _cuda_allocated(self.device)
+        self.counter.count()
+        self.counter.add_new(tensors)
+        return self.counter.bytes
+
+    def open_window(self) -> None:
+        """Starts watching for the peak that :meth:`close_window` returns."""
+        self.window = self.in_use()
+        if self.counter is None:
+            _cuda_allocated(self.device, reset_peak=True)
+
+    def close_window(self) -> int:
+        """The most bytes in use since :meth:`open_window` (on the CPU,
+        after each operation)."""
+        peak, self.window = self.window or 0, None
+        if self.counter is None:
+            peak = max(peak, _cuda_allocated(self.device, peak=True))
+        return peak
+
+    def pause(self) -> None:
+        """A block runs: neither its profiling nor its checkpoint is watched
+        (a Python mode around them would slow what profiling times); its
+        output comes to :meth:`resume`. Where ours is not the innermost
+        mode, watching stops instead."""
+        if self.sampler is None or self.paused or threading.get_ident() != self.thread:
+            return
+        if _get_current_dispatch_mode() is not self.sampler:
+            self.stop_watching()
+            return
+        self.sampler.__exit__(None, None, None)
+        self.paused = True
+
+    def resume(self, out: Any) -> None:
+        """The block returned ``out``: counted, and the forward watched again."""
+        self.in_use(out)
+        if self.paused and self.sampler is not None and threading.get_ident() == self.thread:
+            self.paused = False
+            self.sampler.__enter__()
+
+    def stop_watching(self) -> None:
+        """The forward is over (or is not measured): no more dispatch mode,
+        the collector as it was. Modes entered after ours and still on
+        (none, in well-nested code) stay, in their order."""
+        if self.sampler is None or threading.get_ident() != self.thread:
+            return
+        sampler, self.sampler = self.sampler, None
+        self.paused = False
+        if sampler in _get_current_dispatch_mode_stack():
+            above = []
+            while _get_current_dispatch_mode() is not sampler:
+                above.append(_pop_mode())
+            sampler.__exit__(None, None, None)
+            for mode in reversed(above):
+                _push_mode(mode)
+        if self.gc_was_enabled:
+            gc.enable()
 
 
 class _OutsideMeter:
@@ -137,10 +206,8 @@ class _OutsideMeter:
     the gradient reaches the last block. Only the model's own forward and
     backward are seen: a loss computed outside it counts by what it leaves."""
 
-    def __init__(self, device: torch.device, start: int,
-                 gradless: List[torch.Tensor]) -> None:
-        self.device = device
-        self.start = start
+    def __init__(self, gauge: _Gauge, gradless: List[torch.Tensor]) -> None:
+        self.gauge = gauge
         self.gradless = gradless
         self.before: Optional[int] = None
         self.records = 0            # what the checkpointed blocks left beyond their outputs
@@ -148,60 +215,65 @@ class _OutsideMeter:
         self.held_after = 0         # in use after the latest block, its output aside
         self.head = 0
         self.leftover = 0
-        self.forward: Optional[_HeadForward] = None
+        self.forward = False        # the head's forward may be running (a window open)
         self.stops: set = set()     # the blocks' outputs' autograd nodes
         self.handles: List[Any] = []
         self.reached = False
 
     def block_starts(self, args: Tuple[Any, ...]) -> None:
-        if self.forward is not None:
-            self.forward.close()
-            self.forward = None
+        if self.forward:
+            self.gauge.close_window()
+            self.forward = False
         if self.before is None:
             inputs = _storage_bytes(_tensors_in(args))
-            self.before = max(0, _in_use(self.device) - self.start - inputs)
+            self.before = max(0, self.gauge.in_use() - self.gauge.start - inputs)
+        self.gauge.pause()
 
     def block_measured(self) -> None:
         """The block was profiled; its checkpoint in the step starts now."""
-        self.ready = _in_use(self.device)
+        self.ready = self.gauge.in_use()
 
     def block_ended(self, out: Any) -> None:
+        self.gauge.resume(out)
         tensors = _tensors_in(out)
         output_bytes = _storage_bytes(tensors)
-        self.held_after = _in_use(self.device) - output_bytes
+        self.held_after = self.gauge.in_use() - output_bytes
         self.records += max(0, self.held_after - self.ready)
         self.head = output_bytes
         for tensor in tensors:
             if tensor.requires_grad and tensor.grad_fn is not None:
                 self.stops.add(tensor.grad_fn)
                 tensor.register_hook(self._backward_reached)
-        self.forward = _HeadForward(self.device)
+        self.gauge.open_window()
+        self.forward = True
 
     def forward_ended(self, output: Any) -> None:
         """The model's forward returned ``output``: the head's forward is
         done; watch its backward."""
-        if self.forward is None:
+        if not self.forward:
             return
-        self.head = max(self.head, self.forward.close() - self.held_after)
-        self.forward = None
+        self.head = max(self.head, self.gauge.close_window() - self.held_after)
+        self.forward = False
         for node in _nodes_between(_tensors_in(output), self.stops):
             self.handles.append(node.register_prehook(self._sample))
             self.handles.append(node.register_hook(self._sample))
 
     def _sample(self, *gradients: Any) -> None:
-        self.head = max(self.head, _in_use(self.device) - self.held_after)
+        # on the CPU no operation of backward is watched: the gradients the
+        # head's nodes hand on are what its backward makes
+        self.head = max(self.head, self.gauge.in_use(gradients) - self.held_after)
 
     def _backward_reached(self, gradient: torch.Tensor) -> None:
         if self.reached:
             return
         self.reached = True
-        self._sample()
         # what the head still holds now stays through every block's backward;
         # the gradient that arrived is the block's to count, new parameter
         # gradients are nobody's activations
         grads = [p.grad for p in self.gradless if p.grad is not None]
+        self._sample(gradient, grads)
         waiting = _storage_bytes([gradient]) + _storage_bytes(grads)
-        self.leftover = max(0, _in_use(self.device) - self.held_after - waiting)
+        self.leftover = max(0, self.gauge.in_use() - self.held_after - waiting)
         self._release()
 
     def _release(self) -> None:
@@ -212,12 +284,13 @@ class _OutsideMeter:
 
     def finish(self) -> Outside:
         """The figures measured (zeros for what the step never reached)."""
-        if self.forward is not None:
-            self.forward.close()
-            self.forward = None
+        if self.forward:
+            self.gauge.close_window()
+            self.forward = False
+        self.gauge.stop_watching()
         self._release()
         # what the blocks' forwards keep beyond their inputs (autograd's graph,
-        # the checkpoints' own records: on the CPU, heap memory) grows to
+        # the checkpoints' own records: on CUDA, device memory) grows to
         # `records` by the last block and stays through the head
         held = (self.before or 0) + self.records + self.leftover
         return Outside(held, max(0, self.head - self.leftover))
@@ -306,7 +379,9 @@ class StepPlanner:
         self.warned = False
         self.outside = Outside()    # what the last solve counted outside the blocks
         self.meter: Optional[_OutsideMeter] = None
-        self.start: Optional[Tuple[torch.device, int, List[torch.Tensor]]] = None
+        # what a measured step counts from, and the parameters it gives gradients first
+        self.gauge: Optional[_Gauge] = None
+        self.gradless: List[torch.Tensor] = []
 
     @property
     def plan(self) -> Optional[Plan]:
@@ -323,16 +398,23 @@ class StepPlanner:
         # where this step starts from, should it be measured
         tensors = itertools.chain(model.parameters(), model.buffers())
         device = next((t.device for t in tensors), torch.device("cpu"))
-        self.start = None
-        if _measurable(device):
+        self._stop_gauge()
+        if device.type in ("cuda", "cpu"):
             # gradients this step creates are the parameters', not activations
-            gradless = [p for p in model.parameters() if p.grad is None]
-            self.start = (device, _in_use(device), gradless)
+            self.gradless = [p for p in model.parameters() if p.grad is None]
+            self.gauge = _Gauge(device)
+
+    def _stop_gauge(self) -> None:
+        """This step's forward is not watched any further."""
+        if self.gauge is not None:
+            self.gauge.stop_watching()
+        self.gauge = None
 
     def end_forward(self, output: Any) -> None:
         """The model's forward returned ``output``."""
         if self.meter is not None:
             self.meter.forward_ended(output)
+        self._stop_gauge()
 
     def _solve(self) -> None:
         order = [index for index, _, _ in self.measured]
@@ -356,8 +438,10 @@ class StepPlanner:
         self.step_key = key
         self.current = self.plans.get(key)
         if self.current is not None:
+            self._stop_gauge()
             return
         if self.plans and _distributed():
+            self._stop_gauge()
             # ranks may see different shapes here: measuring on some ranks only would
             # leave the others waiting in the reduction
             self.current = next(reversed(self.plans.values()))
@@ -373,8 +457,11 @@ class StepPlanner:
         devices = [t.device for t in _tensors_in(args)][:1]
         if self.meter is not None:
             self.meter.finish()
-        self.meter = _OutsideMeter(*self.start) \
-            if self.start is not None and devices == [self.start[0]] else None
+        self.meter = None
+        if self.gauge is not None and devices == [self.gauge.device]:
+            self.meter = _OutsideMeter(self.gauge, self.gradless)
+        else:
+            self._stop_gauge()
 
     def _warn_once(self, message: str) -> None:
         if not self.warned:
@@ -428,8 +515,9 @@ class StepPlanner:
         devices = [t.device for t in _tensors_in(args)][:1]
         try:
             with _state_preserved(modules, devices):
-                profile, _ = profile_block(call, args, self.bandwidth, self.repeats,
-                                           owner=owner, resident=shared)
+                profile, _ = profile_block(
+                    call, args, self.bandwidth, self.repeats, owner=owner, resident=shared,
+                    neighbour=self.measured[-1][2] if self.measured else None)
         except Exception as error:
             raise RuntimeError(f"matepoint: measuring block {index} of {self.name} "
                                f"failed: {error}") from error

@@ -3,9 +3,14 @@ saves, the peak memory of a stretch of code on one device, and the
 device-host copy bandwidth.
 
 On CUDA it reads the allocator's peak (matepoint's when installed, torch's
-otherwise). On the CPU, where torch keeps no statistics, it samples the C
-heap's bytes in use (glibc's mallinfo2) after every aten operation; host
-pool buffers, which stand for pinned memory, are left out.
+otherwise). On the CPU, where torch keeps no statistics, :class:`PeakMeter`
+samples the C heap's bytes in use (glibc's mallinfo2) after every aten
+operation, host pool buffers (which stand for pinned memory) left out: all
+the memory a step costs there. The planner's figures come from
+:class:`TensorMeter` instead, which counts the bytes of the tensors made
+while it watches: the heap's figure moves run to run (by 1-2% for a small
+model, once in a while by megabytes) with what else the heap holds, and a
+budget named from one run must be met by the next.
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ import statistics
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from matepoint import _C
 from matepoint._timing import time_call
@@ -177,6 +184,123 @@ class PeakMeter:
         torch.cuda.synchronize(self.device)
         self.peak_allocated_bytes = _cuda_allocated(self.device, peak=True)
         self._sample(self.peak_allocated_bytes)
+
+
+def _storage_key(value: Any) -> Optional[int]:
+    """The address of the storage behind a tensor or storage (views share
+    it), or None where there is none (sparse, wrapper subclasses)."""
+    if isinstance(value, torch.Tensor):
+        try:
+            value = value.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+    return value._cdata if isinstance(value, torch.UntypedStorage) else None
+
+
+class StorageCounter:
+    """The bytes of the tensor storages on one device type that it saw
+    made and that are still alive.
+
+    Unlike the C heap's bytes in use, the figure is the same run to run:
+    what else the heap holds (tensors' and autograd's own objects, Python
+    objects, libraries' caches, allocator slack) follows the heap's
+    history, and moved the planner's figures between fresh models of the
+    same kind. Storages made before it saw them, and their release, are not
+    counted. Not thread safe: one thread feeds it (a dispatch mode's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device_type = torch.device(device).type
+        self._live: Dict[int, Tuple[StorageWeakRef, int]] = {}
+        self.bytes = 0
+
+    def count(self) -> int:
+        """The bytes alive now, those released since last asked taken off."""
+        dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
+        for key in dead:
+            self.bytes -= self._live.pop(key)[1]
+        return self.bytes
+
+    def add_new(self, outputs: Any, inputs: Any = ()) -> None:
+        """Counts the storages of the tensors in ``outputs`` not behind any
+        tensor or storage in ``inputs`` (an operation's view or in-place
+        result is not new memory)."""
+        old = {_storage_key(leaf) for leaf in tree_leaves(inputs)}
+        for leaf in tree_leaves(outputs):
+            if not isinstance(leaf, torch.Tensor) or leaf.device.type != self.device_type:
+                continue
+            key = _storage_key(leaf)
+            if key is None or key in old:
+                continue
+            storage = leaf.untyped_storage()
+            nbytes = storage.nbytes()
+            known = self._live.get(key)
+            if known is not None:           # seen before, perhaps resized since
+                self.bytes += nbytes - known[1]
+                self._live[key] = (known[0], nbytes)
+            elif nbytes:
+                self._live[key] = (StorageWeakRef(storage), nbytes)
+                self.bytes += nbytes
+
+
+class _StorageSampler(TorchDispatchMode):
+    """Feeds every operation's new outputs to a :class:`StorageCounter`
+    and hands its count to ``on_sample`` after each."""
+
+    def __init__(self, counter: StorageCounter, on_sample: Callable[[int], None]) -> None:
+        super().__init__()
+        self.counter = counter
+        self.on_sample = on_sample
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.counter.count()
+        self.counter.add_new(out, (args, kwargs))
+        self.on_sample(self.counter.bytes)
+        return out
+
+
+class TensorMeter:
+    """``with TensorMeter(device) as m: ...``; then ``m.peak_bytes`` is the
+    most bytes of tensor storages on ``device`` made inside and alive at
+    once, sampled after every aten operation (a :class:`StorageCounter`):
+    the same figure every run. :meth:`restart` starts a new peak above what
+    is alive then (a backward above its forward's leftovers).
+
+    Only what the operations inside make counts: a region that frees
+    tensors made before it reads higher than the heap would. The cyclic
+    collector is held off inside, so when garbage goes does not move the
+    figure."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.counter = StorageCounter(device)
+        self.peak_bytes = 0
+        self._base = 0
+        self._sampler: Optional[_StorageSampler] = None
+        self._gc_was_enabled = False
+
+    def _sample(self, in_use: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, in_use - self._base)
+
+    def restart(self) -> None:
+        """From now on, ``peak_bytes`` is above what is alive now."""
+        self._base = self.counter.count()
+        self.peak_bytes = 0
+
+    def __enter__(self) -> "TensorMeter":
+        self._gc_was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        self._sampler = _StorageSampler(self.counter, self._sample)
+        self._sampler.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.__exit__(*exc)
+        if self._gc_was_enabled:
+            gc.enable()
 
 
 def _cuda_allocated(device: torch.device, reset_peak: bool = False, peak: bool = False) -> int:

@@ -222,10 +222,8 @@ def big_head_step(model: nn.Module):
 
 def test_the_budget_holds_the_whole_step_with_its_head() -> None:
     from matepoint._autoplan import _PLANNER, plan_step
-    from matepoint._meter import PeakMeter, host_meter_available
+    from matepoint._meter import TensorMeter
 
-    if not host_meter_available():
-        pytest.skip("measuring CPU memory needs glibc's mallinfo2")
     expected = [big_head_step(BigHead()) for _ in range(3)]
     probe = matepoint.apply(BigHead(), budget_bytes=1 << 40)
     for _ in range(2):
@@ -246,12 +244,15 @@ def test_the_budget_holds_the_whole_step_with_its_head() -> None:
     model = matepoint.apply(BigHead(), budget_bytes=budget, unit_bytes=1024)
     got = [big_head_step(model) for _ in range(2)]   # measure, then planned
     plan = matepoint.planned(model)
-    with PeakMeter(torch.device("cpu")) as meter:
+    # what the budget bounds: the tensors the step makes (as CUDA's allocator
+    # counts them); the C heap also holds autograd's and Python's objects,
+    # ~1% more here and moving run to run, which the planner no longer counts
+    with TensorMeter(torch.device("cpu")) as meter:
         got.append(big_head_step(model))
     assert plan.predicted_peak_bytes <= budget
     # planned alone, the blocks were all kept and the step peaked ~7% over the
-    # budget; 1% is room for the heap meter's spread (measured ~0.4% over the
-    # prediction here, the plan within 0.5% of the budget)
+    # budget; 1% is room for the meter's spread
+    print(f"budget {budget}, predicted {plan.predicted_peak_bytes}, measured {meter.peak_bytes}")
     assert meter.peak_bytes <= budget * 1.01, (meter.peak_bytes, budget, plan.choices)
     assert abs(meter.peak_bytes / plan.predicted_peak_bytes - 1) <= 0.05
     assert plan.choices != ["keep"] * 4
@@ -262,3 +263,67 @@ def test_the_budget_holds_the_whole_step_with_its_head() -> None:
         big_head_step(small)
     assert error.value.smallest_budget_bytes > outside.head_bytes > blocks_kept
     assert_bitwise_equal(flat(expected), flat(got))
+
+
+def header_peak_mib(plan) -> float:
+    return float(str(plan).splitlines()[0].split("predicted peak ")[1].split(" MiB")[0])
+
+
+def test_header_rows_and_predicted_peak_agree_for_a_step_plan() -> None:
+    # issue 35 item 6: rows and header left out what the model holds outside
+    # its blocks and the head's peak (max(rows) 4.87 MB, predicted 5.29 MB)
+    from matepoint._autoplan import _PLANNER
+
+    probe = matepoint.apply(BigHead(), budget_bytes=1 << 40)
+    for _ in range(2):
+        big_head_step(probe)
+    outside = probe.__dict__[_PLANNER][0].outside
+    assert outside.head_bytes > 0 and outside.held_bytes > 0
+    for budget in (1 << 40, halfway_budget(probe)):
+        model = matepoint.apply(BigHead(), budget_bytes=budget, unit_bytes=1024)
+        for _ in range(2):
+            big_head_step(model)
+        plan = matepoint.planned(model)
+        rows = plan.rows()
+        assert (plan.outside_bytes, plan.head_bytes) == \
+            (model.__dict__[_PLANNER][0].outside.held_bytes,
+             model.__dict__[_PLANNER][0].outside.head_bytes)
+        assert max(peak for _, peak in rows) == plan.predicted_peak_bytes <= budget
+        assert header_peak_mib(plan) == round(plan.predicted_peak_bytes / (1 << 20), 1)
+        # one row per block and one for the head, whose peak here is the step's
+        assert len(rows) == len(plan.choices) + 1
+        assert str(plan).splitlines()[-1].split()[0] == "head"
+        assert rows[-1][1] == plan.predicted_peak_bytes
+        assert sum(s for s, _ in rows) == pytest.approx(plan.predicted_time_s, rel=1e-12)
+        assert plan.frontier()[-1][0] <= plan.predicted_peak_bytes
+
+
+def test_header_rows_and_predicted_peak_agree_for_enable() -> None:
+    model = matepoint.enable(llama(), budget_bytes=1 << 30)
+    llama_steps(model, IDS, 2)
+    plan = matepoint.planned(model)
+    assert plan.outside_bytes > 0 and plan.head_bytes > 0
+    assert max(peak for _, peak in plan.rows()) == plan.predicted_peak_bytes
+    assert header_peak_mib(plan) == round(plan.predicted_peak_bytes / (1 << 20), 1)
+
+
+def test_the_smallest_budget_named_is_met_when_asked_again() -> None:
+    # issue 35 item 5: the smallest budget PlanError named moved between fresh
+    # models (the C heap's bytes in use were measured), and passing it back
+    # raised PlanError again in 2 of 6 runs
+    from matepoint._autoplan import _PLANNER
+
+    probe = matepoint.enable(llama(), budget_bytes=1, unit_bytes=1024)
+    llama_steps(probe, IDS, 1)
+    with pytest.raises(matepoint.PlanError) as error:
+        llama_steps(probe, IDS, 1)
+    smallest = error.value.smallest_budget_bytes
+    measured = set()
+    for _ in range(20):
+        model = matepoint.enable(llama(), budget_bytes=smallest, unit_bytes=1024)
+        llama_steps(model, IDS, 2)                  # measured, then planned: no PlanError
+        plan = matepoint.planned(model)
+        assert plan.predicted_peak_bytes <= smallest
+        measured.add((model.__dict__[_PLANNER][0].outside,
+                      tuple((p.forward_peak_bytes, p.backward_peak_bytes) for p in plan.profiles)))
+    assert len(measured) == 1, measured
