@@ -26,10 +26,16 @@ from matepoint import _C
 
 aten = torch.ops.aten
 
-# No data written, no kernel launched on a GPU: memory handed out as is.
+# No data written, no kernel launched on a GPU: memory handed out as is,
+# or a tensor's metadata changed in place (set_, as_strided_, resize_: their
+# schemas mark `self` written, yet no byte of its storage changes; as
+# kernels they would poison memory a copy is still reading).
 _UNINITIALIZED = {
     aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
     aten.new_empty.default, aten.new_empty_strided.default,
+    aten.set_.source_Storage, aten.set_.source_Storage_storage_offset,
+    aten.set_.source_Tensor, aten.set_.default, aten.as_strided_.default,
+    aten.resize_.default,
 }
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -71,7 +77,9 @@ def _tensors(value) -> Iterator[torch.Tensor]:
 
 
 def _on_device(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu" and tensor.layout == torch.strided
+    # a nested tensor says strided, but has no plain span of bytes
+    return tensor.device.type == "cpu" and tensor.layout == torch.strided and \
+        not tensor.is_nested
 
 
 def _span(tensor: torch.Tensor, spans: List[int]) -> None:
