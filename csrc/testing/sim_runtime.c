@@ -22,11 +22,11 @@ typedef void (*handout_fn)(int device, void *stream, void *ptr, uint64_t bytes);
  * sim_runtime_attach_allocator with the GIL held and never changed. */
 static void (*allocator_record_stream)(void *ptr, void *stream);
 
-/* record_stream calls made, those dropped (sim_runtime_drop_records) and,
- * while logging (sim_runtime_log_records), the device and stream of each;
+/* record_stream calls dropped (sim_runtime_drop_records) and, while
+ * logging (sim_runtime_log_records), the device and stream of each;
  * guarded by the GIL. */
 static struct {
-    uint64_t made, skip, count;
+    uint64_t skip, count;
     PyObject *log;              /* list of dict, or NULL */
 } record_calls;
 
@@ -93,7 +93,6 @@ sim_record_stream(mp_state *st, PyObject *storage, int device, void *stream)
     (void)st;
     (void)device;
     void *ptr;
-    record_calls.made++;
     if (record_calls.log != NULL) {
         PyObject *handle = stream == NULL ? Py_NewRef(Py_None) : PyLong_FromVoidPtr(stream);
         PyObject *row = handle ? Py_BuildValue("{sisN}", "device", device, "stream", handle)
@@ -221,12 +220,6 @@ sim_runtime_record_log(void)
 {
     PyObject *log = record_calls.log;
     return log == NULL ? PyList_New(0) : PyList_GetSlice(log, 0, PyList_GET_SIZE(log));
-}
-
-uint64_t
-sim_runtime_records_made(void)
-{
-    return record_calls.made;
 }
 
 void

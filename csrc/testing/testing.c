@@ -344,14 +344,6 @@ offload_streams(PyObject *module, PyObject *unused)
 }
 
 static PyObject *
-sim_records_made(PyObject *module, PyObject *unused)
-{
-    (void)module;
-    (void)unused;
-    return PyLong_FromUnsignedLongLong(sim_runtime_records_made());
-}
-
-static PyObject *
 sim_fail_fetches(PyObject *module, PyObject *args)
 {
     (void)module;
@@ -488,9 +480,6 @@ static PyMethodDef testing_methods[] = {
     {"_offload_streams", offload_streams, METH_NOARGS,
      "_offload_streams($module, /)\n--\n\n"
      "The engine's copy_out and copy_in stream handles, per device it copied on."},
-    {"_sim_records_made", sim_records_made, METH_NOARGS,
-     "_sim_records_made($module, /)\n--\n\n"
-     "The engine's record_stream calls over the simulated GPU so far."},
     {"_sim_fail_fetches", sim_fail_fetches, METH_VARARGS,
      "_sim_fail_fetches($module, skip, count, /)\n--\n\n"
      "The next skip copies back find device memory, the count after them raise "

@@ -17,7 +17,6 @@
  *   _sim_fail_fetches(skip, count)  copies back that find no device memory (OOM)
  *   _sim_drop(name, skip, count)    calls that succeed and do nothing ("cudaStreamWaitEvent",
  *                                   or the engine's "record_stream"): each wait proven needed
- *   _sim_records_made() -> int      the engine's record_stream calls so far
  *   _sim_log_waits(on) / _sim_wait_log() -> list of dict   every cudaStreamWaitEvent: the
  *                                   streams it joins (the waiter, the event's last record's);
  *                                   _sim_record_log(): each record_stream's device and stream
@@ -69,9 +68,8 @@ int sim_runtime_attach_allocator(PyObject *path);
 void sim_runtime_fail_fetches(uint64_t skip, uint64_t count);
 
 /* The next `skip` record_stream calls of the engine run, the `count` after
- * them do nothing; and how many it made so far. */
+ * them do nothing. */
 void sim_runtime_drop_records(uint64_t skip, uint64_t count);
-uint64_t sim_runtime_records_made(void);
 /* Starts (clearing it) or stops a log of the engine's record_stream calls;
  * the log, a new list of {"device", "stream"} dicts. */
 int sim_runtime_log_records(int on);
