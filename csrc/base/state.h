@@ -107,7 +107,13 @@ mp_state_of(PyObject *module)
     return (mp_state *)PyModule_GetState(module);
 }
 
-/* The state of the module that defined `type`; `type` must be one of ours. */
-mp_state *mp_state_from_type(PyTypeObject *type);
+/* The state of the module that defined `type`; `type` must be one of ours.
+ * Inline here, beside mp_state_of: defined in module.c it was a call from
+ * base/ up into module/ (tests/test_layout.py). */
+static inline mp_state *
+mp_state_from_type(PyTypeObject *type)
+{
+    return mp_state_of(PyType_GetModule(type));
+}
 
 #endif

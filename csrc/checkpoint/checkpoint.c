@@ -354,23 +354,6 @@ pass_respect_hooks(mp_state *st, PyObject *forward, PyObject *value)
     return result < 0 ? -1 : 0;
 }
 
-static Frame *
-frame_new(mp_state *st, PyObject *module, PyObject *function)
-{
-    /* tp_alloc zero-fills every field (NULL objects, empty replay state),
-     * tracks the frame and takes the reference to the type that
-     * frame_dealloc gives back */
-    Frame *frame = (Frame *)st->frame_type->tp_alloc(st->frame_type, 0);
-    if (frame == NULL)
-        return NULL;
-    frame->st = st;
-    frame->module = Py_NewRef(module);
-    frame->function = Py_NewRef(function);
-    frame->region_id = ++st->next_region_id;
-    frame->prefetch_ahead = 1;
-    return frame;
-}
-
 /* Records the region's inputs, RNG and autocast state in the frame. */
 static int
 frame_capture(Frame *frame, PyObject *args, PyObject *fn_kwargs, int preserve_rng,

@@ -10,6 +10,7 @@
 #include "plan.h"
 #include "base/state.h"
 #include "checkpoint/tree.h"
+#include "checkpoint/unpack.h"
 
 #ifdef MATEPOINT_TESTING
 #include "testing/testing.h"
@@ -20,12 +21,6 @@
 
 #include <stddef.h>
 #include <string.h>
-
-mp_state *
-mp_state_from_type(PyTypeObject *type)
-{
-    return mp_state_of(PyType_GetModule(type));
-}
 
 static PyObject *
 is_recomputing(PyObject *module, PyObject *unused)
@@ -188,7 +183,7 @@ static PyMethodDef module_methods[] = {
 };
 
 /* Bound to the module at exec time and handed to torch as hooks. */
-static PyMethodDef unpack_def = {"_unpack_hook", frame_unpack_hook, METH_O, NULL};
+static PyMethodDef unpack_def = {"_unpack_hook", unpack_saved_tensor, METH_O, NULL};
 static PyMethodDef offload_unpack_def = {"_offload_unpack", offload_unpack_hook, METH_O, NULL};
 static PyMethodDef identity_def = {"_identity", identity, METH_O, NULL};
 static PyMethodDef bn_guard_def = {"_batchnorm_guard",
