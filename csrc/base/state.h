@@ -63,6 +63,9 @@ typedef struct mp_state {
     PyObject *hooks_below;         /* dict: our pack hook on the stack -> user hooks under it */
     PyObject *torch_keywords;      /* frozenset: keywords of torch's checkpoint, once needed */
     PyObject *set_eval_frame;      /* torch._C._dynamo.eval_frame.set_eval_frame, or NULL */
+    PyObject *caching_mode_type;   /* torch.utils.checkpoint._CachingTorchDispatchMode, or NULL */
+    PyObject *sac_adapter;         /* the selective-checkpoint adapter the package registered
+                                      at import (checkpoint.h), or NULL */
 
     /* interned attribute names */
     PyObject *str_shape, *str_dtype, *str_device, *str_type, *str_index;
