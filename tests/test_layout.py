@@ -55,6 +55,19 @@ def test_no_folder_includes_a_header_from_above_it() -> None:
     assert not upward, "includes pointing up the layers:\n" + "\n".join(upward)
 
 
+def test_the_allocator_host_backend_is_built_into_test_builds_only() -> None:
+    # a test seam (tests select it with MATEPOINT_ALLOC_BACKEND=host); no
+    # product feature runs the allocator on host memory
+    from matepoint import _build_layout as layout
+    host = "csrc/alloc/alloc_host.c"
+    assert host in layout.allocator_sources(ROOT, True)
+    assert host not in layout.allocator_sources(ROOT, False)
+    with open(os.path.join(CSRC, "alloc", "entry.c"), encoding="utf-8") as handle:
+        entry = handle.read()
+    guarded = re.search(r'#ifdef MATEPOINT_TESTING\s*#include "alloc_host.h"\s*#endif', entry)
+    assert guarded and entry.count('#include "alloc_host.h"') == 1
+
+
 def test_no_source_file_runs_over_the_limit() -> None:
     long = []
     for source in _sources():
