@@ -95,6 +95,7 @@ _storage_key: Callable[[Any, Any], Any] = _TORCH["_sac_storage_key"]
 _is_compiling: Callable[..., bool] = _TORCH["_is_compiling"]
 _IGNORED_OPS = _TORCH["SAC_IGNORED_OPS"]
 _RECOMPUTE = _TORCH["_RECOMPUTE"]
+# set once _warn_unusable warned (read and written under the GIL)
 _warned_unusable = False
 
 

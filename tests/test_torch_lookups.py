@@ -62,7 +62,7 @@ def test_the_c_core_never_imports_its_package_by_name() -> None:
     assert not found, found
 
 
-def test_the_adapter_is_registered_once_at_import_and_called_per_region() -> None:
+def test_the_registered_adapter_is_called_once_per_selective_region() -> None:
     calls: List[Any] = []
 
     def recording(mode: Any, recompute: Any, frame: Any) -> None:
@@ -87,6 +87,41 @@ def test_a_non_callable_adapter_is_refused() -> None:
         _C._set_sac_adapter(3)
 
 
+# a second instance of _C, loaded by path: its state has no adapter, as
+# the package's own _C would have none if `import matepoint` had stopped
+# before registering it
+UNREGISTERED = textwrap.dedent("""
+    import importlib.util, sys, torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    import matepoint
+    spec = importlib.util.spec_from_file_location("matepoint._C", matepoint._C.__file__)
+    core = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(core)
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        core.checkpoint(torch.sin, x, context_fn=lambda: create_selective_checkpoint_contexts(
+            lambda ctx, func, *a, **k: CheckpointPolicy.MUST_SAVE))
+    except RuntimeError as error:
+        print(error)
+    print(core.checkpoint(torch.sin, x).shape)     # not selective: no adapter needed
+""")
+
+
+def test_without_a_registered_adapter_a_selective_region_raises() -> None:
+    done = subprocess.run([sys.executable, "-c", UNREGISTERED], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-2:] == [
+        "matepoint.checkpoint: selective checkpointing needs the adapter that `import "
+        "matepoint` registers (matepoint/_sac_offload.py), and none is registered: was the "
+        "import of matepoint interrupted?", "torch.Size([4, 8])"]
+
+
+def _env() -> Dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        path for path in (ROOT, os.environ.get("PYTHONPATH")) if path))
+
+
 # hides two torch names while matepoint is imported (torch's own selective
 # checkpointing needs them back afterwards): each table reports its own
 HIDDEN = textwrap.dedent("""
@@ -102,10 +137,8 @@ HIDDEN = textwrap.dedent("""
 
 
 def test_a_missing_torch_name_is_reported() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        path for path in (ROOT, os.environ.get("PYTHONPATH")) if path))
     done = subprocess.run([sys.executable, "-c", HIDDEN], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=env)
+                          timeout=300, cwd=ROOT, env=_env())
     assert done.returncode == 0, done.stderr[-3000:]
     c_missing, python_missing = done.stdout.splitlines()[-2:]
     assert "'torch.utils.checkpoint._CachingTorchDispatchMode'" in c_missing

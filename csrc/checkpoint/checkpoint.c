@@ -338,7 +338,10 @@ adapt_selective(mp_state *st, PyObject *forward, PyObject *recompute, Frame *fra
         return -1;
     }
     PyObject *args[3] = {forward, recompute ? recompute : Py_None, (PyObject *)frame};
-    PyObject *done = PyObject_Vectorcall(st->sac_adapter, args, 3, NULL);
+    /* held across the call: the adapter may register another one */
+    PyObject *adapter = Py_NewRef(st->sac_adapter);
+    PyObject *done = PyObject_Vectorcall(adapter, args, 3, NULL);
+    Py_DECREF(adapter);
     Py_XDECREF(done);
     return done == NULL ? -1 : 0;
 }
