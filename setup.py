@@ -12,8 +12,8 @@ layout = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(layout)
 
 # MATEPOINT_TESTING=1 builds the test controls and the simulated GPU into
-# both libraries (csrc/testing, csrc/cuda/cudart_sim*.c); a plain build ships
-# neither.
+# both libraries (csrc/testing, csrc/cuda/cudart_sim*.c), and the allocator's
+# host backend (csrc/alloc/alloc_host.c); a plain build ships none of them.
 TESTING = os.environ.get("MATEPOINT_TESTING") == "1"
 
 extension = Extension(
@@ -29,7 +29,7 @@ extension = Extension(
 # builds on machines without CUDA too.
 allocator = Extension(
     "matepoint._alloc",
-    sources=layout.allocator_sources("."),
+    sources=layout.allocator_sources(".", TESTING),
     include_dirs=["csrc"],
     # torch.OutOfMemoryError is thrown (oom_raise.cpp) through these frames.
     # Link-time optimization: malloc and free cross the allocator's files

@@ -37,6 +37,7 @@ from matepoint._locate import locate_extension
 
 locate_extension(__path__)  # a source checkout without a built _C: see _locate.py
 from matepoint import _compile  # noqa: E402
+from matepoint import _sac_offload  # noqa: E402,F401  (registers its adapter with _C)
 from matepoint._C import _reserve_pool, checkpoint, is_recomputing
 from matepoint._C import empty_pool as _empty_pool
 from matepoint._C import pool_stats as _pool_stats

@@ -22,6 +22,10 @@ TEST_FOLDERS = ("testing",)
 SIMULATOR_PATTERN = "cudart_sim*.c"
 # the allocator, its own shared library (matepoint._alloc) torch loads by path
 ALLOCATOR_FOLDERS = ("alloc", "common")
+# its host backend ("device" memory in host memory, streams as counters) is
+# a test seam: only test builds select it (MATEPOINT_ALLOC_BACKEND=host); the
+# C unit tests and benchmarks/alloc_replay.c compile it themselves
+ALLOCATOR_TEST_SOURCES = ("csrc/alloc/alloc_host.c",)
 # the C++ unit that raises torch.OutOfMemoryError: in the checkout, and its
 # name inside an installed package (compiled at run time, see _oom.py)
 OOM_UNIT_SOURCE = "csrc/alloc/oom_raise.cpp"
@@ -49,10 +53,12 @@ def extension_sources(root: str, testing: bool) -> List[str]:
         _cuda_sources(root, testing)
 
 
-def allocator_sources(root: str) -> List[str]:
+def allocator_sources(root: str, testing: bool) -> List[str]:
     """The C files of the allocator library, relative to ``root``."""
-    return [path for folder in ALLOCATOR_FOLDERS for path in _glob(root, folder)] + \
-        _cuda_sources(root, False)
+    found = [path for folder in ALLOCATOR_FOLDERS for path in _glob(root, folder)]
+    if not testing:
+        found = [path for path in found if path not in ALLOCATOR_TEST_SOURCES]
+    return found + _cuda_sources(root, False)
 
 
 def c_flags(environ: Mapping[str, str]) -> List[str]:

@@ -24,10 +24,13 @@ let go when the region's forward ends, offloaded or not: the recompute
 stops at that tensor, before those ops, so it never asks for them.
 
 matepoint's checkpoint calls :func:`adapt` on the forward context before
-the region runs; nothing here is public.
+the region runs, through the one callback this module registers with the C
+core when the package is imported (``_C._set_sac_adapter``: the C core
+never imports the package by name); nothing here is public.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -39,21 +42,61 @@ from matepoint import _C
 
 __all__: List[str] = []
 
-_Policy = getattr(torch_checkpoint, "CheckpointPolicy", None)
-_OFFLOAD_POLICIES = frozenset(
-    getattr(_Policy, name) for name in ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD")
-    if hasattr(_Policy, name)
+# The one table of the torch.utils.checkpoint names (most of them private)
+# this adapter relies on, each looked up once, here. A name this torch lacks
+# is listed in MISSING, which tests/test_torch_lookups.py holds empty on the
+# torch versions CI runs, so a rename in torch fails a test. At run time a
+# missing name with no entry in _OLDER_TORCH turns the adapter off with a
+# warning: torch's own selective checkpointing then runs unchanged.
+# (The caching mode's class, which the C core tests each region's forward
+# context against, is in csrc/module/module.c's table: _C.TORCH_MISSING.)
+_TORCH_NAMES = (
+    "CheckpointPolicy.MUST_SAVE",
+    "CheckpointPolicy.MUST_CPU_OFFLOAD",
+    "CheckpointPolicy.PREFER_CPU_OFFLOAD",
+    "_VersionWrapper",              # how torch's cache stores one tensor
+    "_CachedTorchDispatchMode",     # torch's recompute mode
+    "_sac_storage_key",             # the cache's key of an op
+    "_is_compiling",                # under torch.compile the policies are torch's
+    "SAC_IGNORED_OPS",              # ops the caching mode runs without storing
+    "_RECOMPUTE",                   # its mark of an op stored as "recompute"
 )
-_VersionWrapper = getattr(torch_checkpoint, "_VersionWrapper", None)
-_CachedMode = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
-_storage_key: Callable[[Any, Any], Any] = getattr(
-    torch_checkpoint, "_sac_storage_key", lambda func, args: func)
-_is_compiling: Callable[..., bool] = getattr(
-    torch_checkpoint, "_is_compiling", lambda func, args, kwargs: False)
-# ops torch's caching mode runs without storing anything, and its mark of
-# an op stored as "recompute"
-_IGNORED_OPS = getattr(torch_checkpoint, "SAC_IGNORED_OPS", frozenset())
-_RECOMPUTE = getattr(torch_checkpoint, "_RECOMPUTE", None)
+# what an older torch without the name did instead
+_OLDER_TORCH: Dict[str, Any] = {
+    "_sac_storage_key": lambda func, args: func,    # its cache was keyed by op alone
+}
+
+
+def _look_up(names: Tuple[str, ...]) -> Tuple[Dict[str, Any], Tuple[str, ...]]:
+    """(name -> object, the names this torch lacks)."""
+    found: Dict[str, Any] = {}
+    missing: List[str] = []
+    for dotted in names:
+        value: Any = torch_checkpoint
+        try:
+            for part in dotted.split("."):
+                value = getattr(value, part)
+        except AttributeError:
+            missing.append(dotted)
+            value = _OLDER_TORCH.get(dotted)
+        found[dotted] = value
+    return found, tuple(missing)
+
+
+_TORCH, MISSING = _look_up(_TORCH_NAMES)
+# the missing names the adapter cannot do without
+_UNUSABLE = tuple(name for name in MISSING if name not in _OLDER_TORCH)
+_MUST_SAVE = _TORCH["CheckpointPolicy.MUST_SAVE"]
+_OFFLOAD_POLICIES = frozenset(
+    (_TORCH["CheckpointPolicy.MUST_CPU_OFFLOAD"], _TORCH["CheckpointPolicy.PREFER_CPU_OFFLOAD"]))
+_VersionWrapper = _TORCH["_VersionWrapper"]
+_CachedMode = _TORCH["_CachedTorchDispatchMode"]
+_storage_key: Callable[[Any, Any], Any] = _TORCH["_sac_storage_key"]
+_is_compiling: Callable[..., bool] = _TORCH["_is_compiling"]
+_IGNORED_OPS = _TORCH["SAC_IGNORED_OPS"]
+_RECOMPUTE = _TORCH["_RECOMPUTE"]
+# set once _warn_unusable warned (read and written under the GIL)
+_warned_unusable = False
 
 
 class _OffloadedGroup:
@@ -150,7 +193,7 @@ class _OffloadedEntry:
 
 
 def _offloadable(leaf: Any) -> bool:
-    return (_VersionWrapper is not None and type(leaf) is _VersionWrapper
+    return (type(leaf) is _VersionWrapper
             and isinstance(getattr(leaf, "val", None), torch.Tensor)
             and getattr(leaf, "unpack_hook", None) is None)
 
@@ -196,7 +239,7 @@ class _OffloadPolicies:
         policy = self.policy_fn(ctx, func, *args, **kwargs)
         if self.translate and policy in _OFFLOAD_POLICIES:
             self.offload = True
-            return _Policy.MUST_SAVE
+            return _MUST_SAVE
         return policy
 
 
@@ -326,7 +369,12 @@ def adapt(mode: Any, recompute: Any = None, frame: Any = None) -> None:
     offload policies and let go of what the recompute of ``frame`` (the
     region's checkpoint frame, when given) will not reach (in place: its
     class and policy_fn change), and its recompute mode ``recompute``
-    (torch's cached mode, when given) prefetch what ``mode`` offloaded."""
+    (torch's cached mode, when given) prefetch what ``mode`` offloaded.
+    On a torch without a name the adapter needs (MISSING) it leaves both
+    modes as they are and warns once."""
+    if _UNUSABLE:
+        _warn_unusable()
+        return
     if isinstance(mode, _OffloadingMode):
         return
     groups: List[_OffloadedGroup] = []
@@ -336,7 +384,21 @@ def adapt(mode: Any, recompute: Any = None, frame: Any = None) -> None:
     mode._matepoint_tail = []
     mode._matepoint_tail_saved = -1
     _adapt_class(mode, _OffloadingMode)
-    if _CachedMode is not None and isinstance(recompute, _CachedMode) and \
-            not isinstance(recompute, _PrefetchingMode):
+    if isinstance(recompute, _CachedMode) and not isinstance(recompute, _PrefetchingMode):
         recompute._matepoint_offloaded = groups
         _adapt_class(recompute, _PrefetchingMode)
+
+
+def _warn_unusable() -> None:
+    global _warned_unusable
+    if _warned_unusable:
+        return
+    _warned_unusable = True
+    warnings.warn(
+        "matepoint: this torch's torch.utils.checkpoint lacks " + ", ".join(_UNUSABLE) +
+        ", which matepoint's selective checkpointing relies on: CPU-offload policies are "
+        "recomputed as torch's eager checkpoint does, and nothing is let go early. "
+        "Upgrade matepoint, or report it", RuntimeWarning, stacklevel=3)
+
+
+_C._set_sac_adapter(adapt)

@@ -12,7 +12,8 @@ from matepoint import _C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_ONLY = ("_simulate_cuda", "_sim_advance", "_offload_copies", "_fail_pool_acquires")
-TEST_SYMBOLS = (b"cudart_sim", b"testing_add_functions", b"matepoint_alloc_use_runtime")
+TEST_SYMBOLS = (b"cudart_sim", b"testing_add_functions", b"matepoint_alloc_use_runtime",
+                b"alloc_host_init")
 
 
 def test_this_build_says_what_it_is() -> None:

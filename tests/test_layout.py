@@ -1,9 +1,13 @@
 """csrc/ shows the architecture: folders in layers, each including only
-headers of its own folder or of a folder below it, no file over 600 lines."""
+headers of its own folder or of a folder below it, and calling only
+functions defined in its own folder or below it, no circle of calls and
+includes between folders, no file over 600 lines."""
 from __future__ import annotations
 
+import functools
 import os
 import re
+from typing import Dict, List, Set, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
@@ -51,6 +55,19 @@ def test_no_folder_includes_a_header_from_above_it() -> None:
     assert not upward, "includes pointing up the layers:\n" + "\n".join(upward)
 
 
+def test_the_allocator_host_backend_is_built_into_test_builds_only() -> None:
+    # a test seam (tests select it with MATEPOINT_ALLOC_BACKEND=host); no
+    # product feature runs the allocator on host memory
+    from matepoint import _build_layout as layout
+    host = "csrc/alloc/alloc_host.c"
+    assert host in layout.allocator_sources(ROOT, True)
+    assert host not in layout.allocator_sources(ROOT, False)
+    with open(os.path.join(CSRC, "alloc", "entry.c"), encoding="utf-8") as handle:
+        entry = handle.read()
+    guarded = re.search(r'#ifdef MATEPOINT_TESTING\s*#include "alloc_host.h"\s*#endif', entry)
+    assert guarded and entry.count('#include "alloc_host.h"') == 1
+
+
 def test_no_source_file_runs_over_the_limit() -> None:
     long = []
     for source in _sources():
@@ -59,3 +76,198 @@ def test_no_source_file_runs_over_the_limit() -> None:
         if count > MAX_LINES:
             long.append(f"{os.path.relpath(source, CSRC)}: {count} lines")
     assert not long, f"over {MAX_LINES} lines:\n" + "\n".join(long)
+
+
+# ---- calls ---------------------------------------------------------------
+# Includes alone miss a function declared in a low header but defined in a
+# high folder (mp_state_from_type was: declared in base/state.h, defined in
+# module/module.c, called from base/hooks.c). So the C is read for what each
+# file defines and which functions it names, and each name is traced to the
+# file that defines it. A reader of tokens, not a compiler: comments,
+# strings and preprocessor lines are dropped, both arms of an #ifdef are
+# read, a definition is a name with parameters and a body at file level, and
+# a use is any mention of a function's name inside braces (a call, or a
+# function handed on as a value: method tables, type slots) that does not
+# follow `.` or `->`. A local variable named as another file's function
+# would count as a use: strict, never lenient.
+TOKEN = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|/\*.*?\*/|//[^\n]*'
+                   r"|[A-Za-z_]\w*|\d[\w.]*|\S", re.DOTALL)
+NAME = re.compile(r"[A-Za-z_]\w*$")
+NOT_FUNCTIONS = frozenset((
+    "if", "while", "for", "switch", "return", "sizeof", "defined", "case", "do", "else",
+    "_Alignof", "_Static_assert", "_Generic", "__attribute__", "offsetof", "void"))
+
+
+def _tokens(text: str) -> List[str]:
+    kept, continued = [], False
+    for line in text.split("\n"):
+        directive = continued or line.lstrip().startswith("#")
+        continued = directive and line.rstrip().endswith("\\")
+        kept.append("" if directive else line)
+    return [token for token in TOKEN.findall("\n".join(kept))
+            if not token.startswith(("/*", "//", '"', "'"))]
+
+
+def _close(tokens: List[str], start: int) -> int:
+    """Index of the parenthesis that closes the one at `start`."""
+    depth = 0
+    for index in range(start, len(tokens)):
+        depth += {"(": 1, ")": -1}.get(tokens[index], 0)
+        if depth == 0:
+            return index
+    return len(tokens) - 1
+
+
+class _Parsed:
+    """What one file defines (`exported`: seen from other files; static
+    functions of a .c file are its own), declares, and names in bodies."""
+
+    def __init__(self, text: str) -> None:
+        self.exported: Set[str] = set()
+        self.own: Set[str] = set()
+        self.declared: Set[str] = set()
+        self.named: Set[str] = set()
+        tokens = _tokens(text)
+        depth = index = 0
+        while index < len(tokens):
+            token = tokens[index]
+            depth += {"{": 1, "}": -1}.get(token, 0)
+            if not NAME.match(token) or token in NOT_FUNCTIONS:
+                index += 1
+                continue
+            if depth == 0 and index + 1 < len(tokens) and tokens[index + 1] == "(":
+                end = _close(tokens, index + 1)
+                after = tokens[end + 1] if end + 1 < len(tokens) else ""
+                if after == "{":
+                    start = index
+                    while start > 0 and tokens[start - 1] not in (";", "}", "{"):
+                        start -= 1
+                    self.own.add(token)
+                    if "static" not in tokens[start:index]:
+                        self.exported.add(token)
+                elif after == ";":
+                    self.declared.add(token)
+                index = end
+            elif depth > 0 and tokens[index - 1] not in (".", "->"):
+                self.named.add(token)
+            index += 1
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed() -> Dict[str, _Parsed]:
+    """Every csrc file by its path under csrc/."""
+    found = {}
+    for source in _sources():
+        with open(source, encoding="utf-8") as handle:
+            found[os.path.relpath(source, CSRC)] = _Parsed(handle.read())
+    return found
+
+
+def _definers() -> Dict[str, List[str]]:
+    """Function name -> the files defining it for the others: a .c file's
+    non-static functions and a header's (static inline) ones."""
+    definers: Dict[str, List[str]] = {}
+    for path, parsed in _parsed().items():
+        for name in parsed.own if path.endswith(".h") else parsed.exported:
+            definers.setdefault(name, []).append(path)
+    return definers
+
+
+def _folder(path: str) -> str:
+    return path.split("/")[0]
+
+
+def _calls() -> Dict[Tuple[str, str], Set[str]]:
+    """(file, file defining a function it names) -> the names."""
+    definers = _definers()
+    calls: Dict[Tuple[str, str], Set[str]] = {}
+    for path, parsed in _parsed().items():
+        for name in parsed.named - parsed.own:
+            for target in definers.get(name, ()):
+                if target != path:
+                    calls.setdefault((path, target), set()).add(name)
+    return calls
+
+
+def _includes() -> Dict[Tuple[str, str], Set[str]]:
+    found: Dict[Tuple[str, str], Set[str]] = {}
+    for source in _sources():
+        with open(source, encoding="utf-8") as handle:
+            text = handle.read()
+        path = os.path.relpath(source, CSRC)
+        for included in INCLUDE.findall(text):
+            target = f"{_folder_of_include(source, included)}/{os.path.basename(included)}"
+            found.setdefault((path, target), set()).add("#include")
+    return found
+
+
+def _circles(edges: Dict[Tuple[str, str], Set[str]]) -> List[List[str]]:
+    """The strongly connected parts of more than one file (Tarjan)."""
+    graph: Dict[str, List[str]] = {}
+    for source, target in edges:
+        graph.setdefault(source, []).append(target)
+        graph.setdefault(target, [])
+    order: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    circles: List[List[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            part = []
+            while not part or part[-1] != node:
+                part.append(stack.pop())
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return circles
+
+
+def test_the_call_reader_finds_each_declared_function_once() -> None:
+    # the checks below are only as good as this reader: every function a
+    # header declares must be found defined, in one file, and known ones
+    # where they are
+    definers = _definers()
+    declared = {name: path for path, parsed in _parsed().items() if path.endswith(".h")
+                for name in parsed.declared}
+    missing = sorted(f"{path}: {name}" for name, path in declared.items() if name not in definers)
+    twice = sorted(f"{name}: {paths}" for name, paths in definers.items() if len(paths) > 1)
+    assert not missing, "declared, but no definition found:\n" + "\n".join(missing)
+    assert not twice, "defined in more than one file:\n" + "\n".join(twice)
+    assert len(declared) > 200, len(declared)
+    assert definers["mp_state_of"] == ["base/state.h"]
+    assert definers["frame_recompute"] == ["checkpoint/recompute.c"]
+    assert ("module/module.c", "checkpoint/checkpoint.c") in _calls()
+
+
+def test_no_folder_calls_a_function_defined_above_it() -> None:
+    upward = [f"{source} -> {target}: {', '.join(sorted(names))}"
+              for (source, target), names in sorted(_calls().items())
+              if LAYERS.index(_folder(target)) > LAYERS.index(_folder(source))]
+    assert not upward, "calls pointing up the layers:\n" + "\n".join(upward)
+
+
+def test_no_circle_of_calls_and_includes_crosses_folders() -> None:
+    # circles inside one folder are that folder's business (its files share
+    # a private header); one through two folders makes the layers a fiction
+    edges = _includes()
+    for pair, names in _calls().items():
+        edges.setdefault(pair, set()).update(names)
+    crossing = []
+    for circle in _circles(edges):
+        if len({_folder(path) for path in circle}) > 1:
+            inside = [f"  {source} -> {target}: {', '.join(sorted(edges[source, target]))}"
+                      for source in circle for target in circle if (source, target) in edges]
+            crossing.append(" ".join(circle) + "\n" + "\n".join(inside))
+    assert not crossing, "circles through more than one folder:\n" + "\n\n".join(crossing)

@@ -152,7 +152,8 @@ def test_every_c_file_is_built_from_the_one_source_list() -> None:
     on_disk = {os.path.relpath(os.path.join(folder, name), ROOT)
                for folder, _, names in os.walk(os.path.join(ROOT, "csrc"))
                for name in names if name.endswith(".c")}
-    built = set(layout.extension_sources(ROOT, testing=True)) | set(layout.allocator_sources(ROOT))
+    built = set(layout.extension_sources(ROOT, testing=True)) | \
+        set(layout.allocator_sources(ROOT, testing=True))
     assert built == on_disk
     plain = set(layout.extension_sources(ROOT, testing=False))
     assert not any("testing" in path or "sim" in path for path in plain), plain

@@ -4,8 +4,9 @@
  *
  * One allocator serves the process. It is created on first use under a
  * pthread_once and is thread-safe itself; the current tag is per thread.
- * MATEPOINT_ALLOC_BACKEND=host selects the host backend (tests), whose
- * "device" holds MATEPOINT_ALLOC_HOST_CAPACITY bytes (0 or unset: no cap).
+ * In test builds (MATEPOINT_TESTING) MATEPOINT_ALLOC_BACKEND=host selects
+ * the host backend, whose "device" holds MATEPOINT_ALLOC_HOST_CAPACITY bytes
+ * (0 or unset: no cap); a plain build has no host backend.
  *
  * Out of memory (after the allocator released its cache and retried)
  * calls the handler install_allocator() registered, which throws torch's
@@ -15,7 +16,9 @@
  * with the same message, as returning NULL to torch would crash later. */
 #include "alloc.h"
 #include "alloc_cuda.h"
+#ifdef MATEPOINT_TESTING
 #include "alloc_host.h"
+#endif
 #include "cuda/cudart.h"
 #include "cuda/cudart_util.h"
 
@@ -31,7 +34,6 @@
 /* Written once under `create_once`; the allocator locks itself. */
 static allocator *instance;
 static const cudart *runtime;
-static alloc_host_ctx host_ctx;
 static pthread_once_t create_once = PTHREAD_ONCE_INIT;
 
 /* Tag of allocations made by this thread (checkpoint sets it). */
@@ -43,8 +45,11 @@ typedef void (*oom_handler)(const char *message);
 static _Atomic(oom_handler) raise_oom;
 
 #ifdef MATEPOINT_TESTING
-/* Test builds: a runtime table and a hand-out hook given before first use
- * (matepoint_alloc_use_runtime), read by create() under `create_once`. */
+/* Test builds: the host backend's context (written once under
+ * `create_once`, then atomic counters); a runtime table and a hand-out hook
+ * given before first use (matepoint_alloc_use_runtime), read by create()
+ * under `create_once`. */
+static alloc_host_ctx host_ctx;
 typedef void (*handout_fn)(int device, void *stream, void *ptr, uint64_t bytes);
 static const cudart *test_runtime;
 static handout_fn test_handout;
@@ -69,12 +74,35 @@ matepoint_alloc_use_runtime(const cudart *rt, handout_fn handout)
     return 0;
 }
 
+/* MATEPOINT_ALLOC_BACKEND=host: the host backend; 1 if chosen. */
+static int
+create_over_host(void)
+{
+    const char *backend = getenv("MATEPOINT_ALLOC_BACKEND");
+    if (backend == NULL || strcmp(backend, "host") != 0)
+        return 0;
+    const char *capacity = getenv("MATEPOINT_ALLOC_HOST_CAPACITY");
+    alloc_host_init(&host_ctx, capacity ? strtoull(capacity, NULL, 0) : 0);
+    instance = alloc_create(alloc_host_backend(&host_ctx), HOST_DEVICES);
+    return 1;
+}
+
+/* Free and total bytes of the host backend's "device". */
+static void
+host_memory(uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    *total_bytes = host_ctx.capacity_bytes;
+    *free_bytes = host_ctx.capacity_bytes - atomic_load(&host_ctx.live_bytes);
+}
+
+/* The allocator over a test backend (the simulated GPU's runtime, or the
+ * host backend); 1 if one was chosen. */
 static int
 create_over_test_runtime(void)
 {
     atomic_store(&created, 1);
     if (test_runtime == NULL)
-        return 0;
+        return create_over_host();
     runtime = test_runtime;
     alloc_backend backend = alloc_cuda_backend(runtime);
     backend.on_handout = test_on_handout;
@@ -90,6 +118,12 @@ create_over_test_runtime(void)
 {
     return 0;
 }
+
+static void
+host_memory(uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    *free_bytes = *total_bytes = 0;
+}
 #endif
 
 static void
@@ -97,13 +131,6 @@ create(void)
 {
     if (create_over_test_runtime())
         return;
-    const char *backend = getenv("MATEPOINT_ALLOC_BACKEND");
-    if (backend != NULL && strcmp(backend, "host") == 0) {
-        const char *capacity = getenv("MATEPOINT_ALLOC_HOST_CAPACITY");
-        alloc_host_init(&host_ctx, capacity ? strtoull(capacity, NULL, 0) : 0);
-        instance = alloc_create(alloc_host_backend(&host_ctx), HOST_DEVICES);
-        return;
-    }
     runtime = cudart_load();
     if (runtime == NULL) {
         fprintf(stderr, "matepoint allocator: %s\n", cudart_error());
@@ -128,8 +155,7 @@ device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes)
 {
     *free_bytes = *total_bytes = 0;
     if (runtime == NULL) {
-        *total_bytes = host_ctx.capacity_bytes;
-        *free_bytes = host_ctx.capacity_bytes - atomic_load(&host_ctx.live_bytes);
+        host_memory(free_bytes, total_bytes);
         return;
     }
     int previous;

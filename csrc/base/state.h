@@ -63,6 +63,9 @@ typedef struct mp_state {
     PyObject *hooks_below;         /* dict: our pack hook on the stack -> user hooks under it */
     PyObject *torch_keywords;      /* frozenset: keywords of torch's checkpoint, once needed */
     PyObject *set_eval_frame;      /* torch._C._dynamo.eval_frame.set_eval_frame, or NULL */
+    PyObject *caching_mode_type;   /* torch.utils.checkpoint._CachingTorchDispatchMode, or NULL */
+    PyObject *sac_adapter;         /* the selective-checkpoint adapter the package registered
+                                      at import (checkpoint.h), or NULL */
 
     /* interned attribute names */
     PyObject *str_shape, *str_dtype, *str_device, *str_type, *str_index;
@@ -107,7 +110,13 @@ mp_state_of(PyObject *module)
     return (mp_state *)PyModule_GetState(module);
 }
 
-/* The state of the module that defined `type`; `type` must be one of ours. */
-mp_state *mp_state_from_type(PyTypeObject *type);
+/* The state of the module that defined `type`; `type` must be one of ours.
+ * Inline here, beside mp_state_of: defined in module.c it was a call from
+ * base/ up into module/ (tests/test_layout.py). */
+static inline mp_state *
+mp_state_from_type(PyTypeObject *type)
+{
+    return mp_state_of(PyType_GetModule(type));
+}
 
 #endif

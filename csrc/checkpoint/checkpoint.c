@@ -293,27 +293,55 @@ check_respect_hooks(PyObject *value)
     return -1;
 }
 
-/* Selective checkpointing, adapted by matepoint/_sac_offload.py: torch's
- * eager caching mode recomputes the ops an offload policy names, so their
- * outputs are kept on the host instead, through the offload engine, and the
- * recompute mode brings them back ahead of use; and the outputs of ops the
- * early-stopping recompute never reaches (run after the last tensor the
- * region saved) are let go when the forward ends. */
+/* 1 if `forward` is torch's selective-checkpoint caching mode, 0 if not (or
+ * this torch has none: _C.TORCH_MISSING says so), -1 on error. */
+static int
+is_selective(mp_state *st, PyObject *forward)
+{
+    if (forward == NULL || st->caching_mode_type == NULL)
+        return 0;
+    return PyObject_IsInstance(forward, st->caching_mode_type);
+}
+
+PyObject *
+checkpoint_set_sac_adapter(PyObject *module, PyObject *adapter)
+{
+    if (!PyCallable_Check(adapter)) {
+        PyErr_Format(PyExc_TypeError, "matepoint: _set_sac_adapter takes a callable, got %.100s",
+                     Py_TYPE(adapter)->tp_name);
+        return NULL;
+    }
+    mp_state *st = mp_state_of(module);
+    Py_XSETREF(st->sac_adapter, Py_NewRef(adapter));
+    Py_RETURN_NONE;
+}
+
+/* Selective checkpointing, adapted in Python (matepoint/_sac_offload.py):
+ * torch's eager caching mode recomputes the ops an offload policy names, so
+ * their outputs are kept on the host instead, through the offload engine,
+ * and the recompute mode brings them back ahead of use; and the outputs of
+ * ops the early-stopping recompute never reaches (run after the last tensor
+ * the region saved) are let go when the forward ends. The adapter is the
+ * callback the package registered at import: the C core never imports its
+ * own package by name. */
 static int
 adapt_selective(mp_state *st, PyObject *forward, PyObject *recompute, Frame *frame)
 {
-    if (forward == NULL)
-        return 0;
-    PyObject *sac = PyDict_GetItemString(st->torch_checkpoint_dict, "_CachingTorchDispatchMode");
-    int selective = sac != NULL && PyType_Check(sac) ? PyObject_IsInstance(forward, sac) : 0;
+    int selective = is_selective(st, forward);
     if (selective <= 0)
         return selective;
-    PyObject *adapter = PyImport_ImportModule("matepoint._sac_offload");
-    PyObject *done = adapter ? PyObject_CallMethod(adapter, "adapt", "OOO", forward,
-                                                   recompute ? recompute : Py_None,
-                                                   (PyObject *)frame)
-                             : NULL;
-    Py_XDECREF(adapter);
+    if (st->sac_adapter == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "matepoint.checkpoint: selective checkpointing needs the adapter that "
+                        "`import matepoint` registers (matepoint/_sac_offload.py), and none is "
+                        "registered: was the import of matepoint interrupted?");
+        return -1;
+    }
+    PyObject *args[3] = {forward, recompute ? recompute : Py_None, (PyObject *)frame};
+    /* held across the call: the adapter may register another one */
+    PyObject *adapter = Py_NewRef(st->sac_adapter);
+    PyObject *done = PyObject_Vectorcall(adapter, args, 3, NULL);
+    Py_DECREF(adapter);
     Py_XDECREF(done);
     return done == NULL ? -1 : 0;
 }
@@ -338,9 +366,7 @@ pass_respect_hooks(mp_state *st, PyObject *forward, PyObject *value)
         Py_DECREF(current);
         result = PyObject_SetAttr(forward, name, value);
     } else if (result == 0 && value == Py_True) {
-        PyObject *sac = PyDict_GetItemString(st->torch_checkpoint_dict,
-                                             "_CachingTorchDispatchMode");
-        int selective = sac != NULL && PyType_Check(sac) ? PyObject_IsInstance(forward, sac) : 0;
+        int selective = is_selective(st, forward);
         result = selective;
         if (selective == 1) {
             PyErr_SetString(PyExc_ValueError,
@@ -352,23 +378,6 @@ pass_respect_hooks(mp_state *st, PyObject *forward, PyObject *value)
     }
     Py_DECREF(name);
     return result < 0 ? -1 : 0;
-}
-
-static Frame *
-frame_new(mp_state *st, PyObject *module, PyObject *function)
-{
-    /* tp_alloc zero-fills every field (NULL objects, empty replay state),
-     * tracks the frame and takes the reference to the type that
-     * frame_dealloc gives back */
-    Frame *frame = (Frame *)st->frame_type->tp_alloc(st->frame_type, 0);
-    if (frame == NULL)
-        return NULL;
-    frame->st = st;
-    frame->module = Py_NewRef(module);
-    frame->function = Py_NewRef(function);
-    frame->region_id = ++st->next_region_id;
-    frame->prefetch_ahead = 1;
-    return frame;
 }
 
 /* Records the region's inputs, RNG and autocast state in the frame. */

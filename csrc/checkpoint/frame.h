@@ -3,8 +3,9 @@
  *
  * A Frame owns the region's function, its saved inputs and the replay state.
  * A Frame is itself the forward pack hook: each tensor autograd saves inside
- * the region becomes a Holder, and the module-level unpack hook recomputes
- * the region (once per backward pass) and hands out the recomputed tensor.
+ * the region becomes a Holder, and the module-level unpack hook (unpack.h)
+ * recomputes the region (once per backward pass) and hands out the
+ * recomputed tensor.
  * Holders keep their frame alive; the frame points back at live holders
  * without owning them, so a holder released by autograd frees its
  * recomputed tensor at once. The frame's inputs are kept by
@@ -54,8 +55,10 @@ struct Holder {
 extern PyType_Spec frame_spec;
 extern PyType_Spec holder_spec;
 
-/* unpack hook of the forward pass: module-level, METH_O on the module. */
-PyObject *frame_unpack_hook(PyObject *module, PyObject *holder);
+/* A new frame of `function`, called through `module` (kept alive by the
+ * frame): numbered for the allocator's tags, prefetching allowed, every
+ * other field empty. NULL with an error set. */
+Frame *frame_new(mp_state *st, PyObject *module, PyObject *function);
 /* (shape, dtype, device) of a tensor, as the metadata check compares it. */
 PyObject *frame_tensor_metadata(mp_state *st, PyObject *tensor);
 

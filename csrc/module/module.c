@@ -10,6 +10,7 @@
 #include "plan.h"
 #include "base/state.h"
 #include "checkpoint/tree.h"
+#include "checkpoint/unpack.h"
 
 #ifdef MATEPOINT_TESTING
 #include "testing/testing.h"
@@ -20,12 +21,6 @@
 
 #include <stddef.h>
 #include <string.h>
-
-mp_state *
-mp_state_from_type(PyTypeObject *type)
-{
-    return mp_state_of(PyType_GetModule(type));
-}
 
 static PyObject *
 is_recomputing(PyObject *module, PyObject *unused)
@@ -134,6 +129,8 @@ PyDoc_STRVAR(sac_prefetch_doc,
 "_sac_prefetch($module, group, /)\n--\n\nStart copying back the tensors _sac_offload moved, ahead of _sac_restore.");
 PyDoc_STRVAR(sac_discard_doc,
 "_sac_discard($module, group, /)\n--\n\nDrop the device copies _sac_prefetch made that no _sac_restore took.");
+PyDoc_STRVAR(set_sac_adapter_doc,
+"_set_sac_adapter($module, adapter, /)\n--\n\nRegister adapter(forward_mode, recompute_mode, frame), called for each selectively checkpointed region before it runs (import matepoint registers it; checkpoint.h).");
 PyDoc_STRVAR(empty_pool_doc,
 "empty_pool($module, /)\n--\n\nFree cached, unused host pool buffers.");
 PyDoc_STRVAR(configure_doc,
@@ -176,6 +173,7 @@ static PyMethodDef module_methods[] = {
     {"_allocator_stats", alloc_link_stats, METH_NOARGS, allocator_stats_doc},
     {"_allocator_reset_peaks", alloc_link_reset_peaks, METH_NOARGS, allocator_reset_peaks_doc},
     {"_allocator_empty_cache", alloc_link_empty_cache, METH_NOARGS, allocator_empty_cache_doc},
+    {"_set_sac_adapter", checkpoint_set_sac_adapter, METH_O, set_sac_adapter_doc},
     {"checkpoint", (PyCFunction)(void (*)(void))checkpoint_call,
      METH_FASTCALL | METH_KEYWORDS, checkpoint_doc},
     {"_plan_solve", plan_solve_py, METH_VARARGS, plan_solve_doc},
@@ -188,7 +186,7 @@ static PyMethodDef module_methods[] = {
 };
 
 /* Bound to the module at exec time and handed to torch as hooks. */
-static PyMethodDef unpack_def = {"_unpack_hook", frame_unpack_hook, METH_O, NULL};
+static PyMethodDef unpack_def = {"_unpack_hook", unpack_saved_tensor, METH_O, NULL};
 static PyMethodDef offload_unpack_def = {"_offload_unpack", offload_unpack_hook, METH_O, NULL};
 static PyMethodDef identity_def = {"_identity", identity, METH_O, NULL};
 static PyMethodDef bn_guard_def = {"_batchnorm_guard",
@@ -273,11 +271,19 @@ static const struct torch_entry torch_entries[] = {
     ENTRY(uint8_dtype, "torch", "uint8", 0),
     ENTRY(current_user_hooks, "torch.utils.checkpoint", "_current_user_saved_tensors_hooks", 1),
     ENTRY(set_eval_frame, "torch._C", "_dynamo.eval_frame.set_eval_frame", 1),
+    ENTRY(caching_mode_type, "torch.utils.checkpoint", "_CachingTorchDispatchMode", 1),
 };
 
-static int
+/* Looks every entry up; a missing required one fails the import. Returns
+ * the optional ones this torch lacks, as a new tuple of "module.attr"
+ * (_C.TORCH_MISSING: a test holds it to what each CI torch may lack, so a
+ * rename in torch fails a test instead of quietly turning a feature off). */
+static PyObject *
 load_torch(mp_state *st)
 {
+    PyObject *missing = PyList_New(0);
+    if (missing == NULL)
+        return NULL;
     for (size_t i = 0; i < sizeof(torch_entries) / sizeof(torch_entries[0]); i++) {
         const struct torch_entry *e = &torch_entries[i];
         PyObject **field = (PyObject **)((char *)st + e->offset);
@@ -285,9 +291,20 @@ load_torch(mp_state *st)
                  : e->optional   ? import_optional_attr(e->module, e->attr)
                                  : import_attr(e->module, e->attr);
         if (*field == NULL && PyErr_Occurred())
-            return -1;
+            goto error;
+        if (*field == NULL) {
+            PyObject *name = PyUnicode_FromFormat("%s.%s", e->module, e->attr);
+            int added = name != NULL ? PyList_Append(missing, name) : -1;
+            Py_XDECREF(name);
+            if (added < 0)
+                goto error;
+        }
     }
-    return 0;
+    Py_SETREF(missing, PyList_AsTuple(missing));
+    return missing;
+error:
+    Py_DECREF(missing);
+    return NULL;
 }
 
 static int
@@ -334,7 +351,7 @@ static int
 module_exec(PyObject *module)
 {
     mp_state *st = mp_state_of(module);
-    if (load_torch(st) < 0 || intern_names(st) < 0)
+    if (add_new(module, "TORCH_MISSING", load_torch(st)) < 0 || intern_names(st) < 0)
         return -1;
     st->autocast_available_cache = PyDict_New();
     if (st->autocast_available_cache == NULL)
@@ -393,7 +410,8 @@ module_exec(PyObject *module)
     X(unpack_hook) X(tensor_class) X(module_type) X(top_hooks) X(current_raw_stream)          \
     X(torch_empty) X(torch_empty_strided) X(uint8_dtype) X(offload_unpack)                    \
     X(current_user_hooks) X(hooks_below) X(torch_keywords) X(has_primary_context)              \
-    X(cuda_default_stream) X(cuda_external_stream) X(tensor_record_stream) X(set_eval_frame)
+    X(cuda_default_stream) X(cuda_external_stream) X(tensor_record_stream) X(set_eval_frame)   \
+    X(caching_mode_type) X(sac_adapter)
 
 #define STATE_TYPE_FIELDS(X) X(frame_type) X(holder_type) X(recompute_hook_type) X(slot_type) \
     X(node_type) X(storage_copy_type) X(tensor_record_type) X(offload_group_type)          \
