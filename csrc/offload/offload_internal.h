@@ -72,10 +72,12 @@
 typedef struct OffloadGroup OffloadGroup;
 
 /* A host buffer of a dead copy on its way back to the pool: `event` is
- * that of the last copy that reads or writes it (offload_return.c). */
+ * that of the last copy that reads or writes it (offload_return.c),
+ * recorded on `stream` (a key only, never used; NULL: not known). */
 typedef struct {
     pool_block block;
     void *event;
+    void *stream;
 } returning_block;
 
 /* Copy state of one device. */
@@ -142,8 +144,13 @@ void offload_device_give_event(offload_engine *engine, offload_device *device, v
  * zeroed. */
 void offload_return_after(offload_engine *engine, offload_device *device, pool_block *block,
                           void *event);
-/* Gives back the buffers whose event completed, oldest first, up to the
- * first that has not; returns how many. Never blocks. */
+/* The same, for an event recorded on `stream` (a key only): a buffer whose
+ * event is on one stream never waits behind one on another (used in place,
+ * its D2H may complete long after the copies back that follow it). */
+void offload_return_after_on(offload_engine *engine, offload_device *device, pool_block *block,
+                             void *event, void *stream);
+/* Gives back the buffers whose event completed, oldest first, on each
+ * stream up to the first that has not; returns how many. Never blocks. */
 int offload_return_poll(offload_engine *engine, offload_device *device);
 void offload_return_poll_all(offload_engine *engine);
 /* Waits (GIL released) for every buffer's event and gives it back: the
