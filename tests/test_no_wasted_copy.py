@@ -267,3 +267,24 @@ def test_a_later_graphs_inputs_are_not_kept_for_an_earlier_backward(simulated):
         assert made["used_in_place"] == 0
         assert made["prefetched"] + made["fetched_at_need"] == 4
         assert_bitwise_equal([leaf.grad] + [p.grad for p in model.parameters()], expected)
+
+
+def test_one_input_passed_twice_and_backward_twice_without_retain(simulated):
+    """The same input twice (one span, two records) used in place; a second
+    backward without retain_graph raises as torch does, and nothing stays."""
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    hidden = x * 1.5
+    out = matepoint.checkpoint(lambda a, b: torch.tanh(a) * b, hidden, hidden)
+    before = counters()
+    out.sum().backward()
+    assert delta(counters(), before)["used_in_place"] == 1
+    plain = x.detach().clone().requires_grad_(True)
+    h = plain * 1.5
+    (torch.tanh(h) * h).sum().backward()
+    assert torch.equal(x.grad, plain.grad)
+    with pytest.raises(RuntimeError, match="second time"):
+        out.sum().backward()
+    del out, hidden
+    gc.collect()
+    assert matepoint.pool_stats()["bytes_in_use"] == 0
