@@ -84,6 +84,8 @@ def pool_stats() -> Dict[str, Any]:
     host_allocations, hits, misses, fallbacks (pageable memory used),
     failures, blocks_in_use, backend ("cuda-pinned", "host" or "none"),
     prefetched / fetched_at_need: spans copied back ahead of time or on demand,
+    used_in_place: spans backward found still on the device and used there
+    (the last checkpoints' inputs, whose copy out had not finished),
     and device_bytes_in_flight / peak_device_bytes_in_flight: device memory of
     offloaded inputs still held while their copy out may run (bounded by
     ``offload_window`` checkpoints).

@@ -141,9 +141,10 @@ def test_out_of_memory_while_prefetching_then_retry(simulated):
     torch.manual_seed(0)
     leaf = x.detach().clone().requires_grad_(True)
     loss = (model(leaf, matepoint.checkpoint).float() ** 2).mean()
-    # the last region fetches its input and prefetches the one before; that
-    # one's restore then prefetches the next, which finds no memory
-    _C._sim_fail_fetches(2, 1)
+    # the last two regions' inputs are still on the device (used in place);
+    # the second-to-last's restore prefetches the one before it, whose
+    # restore then prefetches the next, which finds no memory
+    _C._sim_fail_fetches(1, 1)
     with pytest.raises(torch.OutOfMemoryError, match="simulated GPU: out of memory"):
         loss.backward(retain_graph=True)
     fresh = [torch.full((BATCH, WIDTH), 7.0) for _ in range(64)]

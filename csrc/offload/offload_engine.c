@@ -372,6 +372,7 @@ static const struct {
     POOL_KEY(host_allocations), POOL_KEY(hits), POOL_KEY(misses), POOL_KEY(fallbacks),
     POOL_KEY(failures), POOL_KEY(blocks_in_use), ENGINE_KEY(device_bytes_in_flight),
     ENGINE_KEY(peak_device_bytes_in_flight),
+    ENGINE_KEY(used_in_place),
 };
 #undef POOL_KEY
 #undef ENGINE_KEY

@@ -30,6 +30,9 @@
  *   discard  the *restored copy*: the device tensor a span was copied back
  *            into, dropped once the recompute took its views, after the
  *            compute stream was ordered behind the H2D (discard_restored()).
+ * A source the window still holds when backward reaches its region is not
+ * retired: it becomes the copy's restored data for good ("in place", never
+ * discarded), and the host buffer is returned instead (the window section).
  *
  * Invariants (MP_ASSERT where they change)
  *   device_bytes_in_flight is the sum of nbytes over all copies whose
@@ -72,10 +75,12 @@
 typedef struct OffloadGroup OffloadGroup;
 
 /* A host buffer of a dead copy on its way back to the pool: `event` is
- * that of the last copy that reads or writes it (offload_return.c). */
+ * that of the last copy that reads or writes it (offload_return.c),
+ * recorded on `stream` (a key only, never used; NULL: not known). */
 typedef struct {
     pool_block block;
     void *event;
+    void *stream;
 } returning_block;
 
 /* Copy state of one device. */
@@ -112,6 +117,7 @@ struct offload_engine {
     int warned_fallback;
     uint64_t prefetched;        /* spans copied back ahead of their recompute */
     uint64_t fetched_at_need;   /* spans copied back when the recompute asked */
+    uint64_t used_in_place;     /* spans backward found still on the device: never copied back */
     int fail_next_acquires;     /* tests: make the pool refuse this many spans */
 };
 
@@ -142,8 +148,13 @@ void offload_device_give_event(offload_engine *engine, offload_device *device, v
  * zeroed. */
 void offload_return_after(offload_engine *engine, offload_device *device, pool_block *block,
                           void *event);
-/* Gives back the buffers whose event completed, oldest first, up to the
- * first that has not; returns how many. Never blocks. */
+/* The same, for an event recorded on `stream` (a key only): a buffer whose
+ * event is on one stream never waits behind one on another (used in place,
+ * its D2H may complete long after the copies back that follow it). */
+void offload_return_after_on(offload_engine *engine, offload_device *device, pool_block *block,
+                             void *event, void *stream);
+/* Gives back the buffers whose event completed, oldest first, on each
+ * stream up to the first that has not; returns how many. Never blocks. */
 int offload_return_poll(offload_engine *engine, offload_device *device);
 void offload_return_poll_all(offload_engine *engine);
 /* Waits (GIL released) for every buffer's event and gives it back: the
@@ -268,12 +279,15 @@ typedef struct {
     uint64_t nbytes;
     pool_block block;
     PyObject *source;           /* storage kept while the D2H may read it */
+    uint64_t source_offset;     /* bytes from the source storage's start to the span */
     void *producer;             /* stream current when the copy was queued: a key
                                  * only, never used after (it may be destroyed) */
     uint64_t region;            /* the device's region count then (window section) */
     void *d2h_done;             /* cudaEvent_t until seen complete, else NULL */
     int producer_waited;        /* the producer stream waits on d2h_done already */
-    PyObject *fetched;          /* uint8 tensor holding the span again, or NULL */
+    PyObject *fetched;          /* uint8 tensor holding the span again, or NULL;
+                                 * in_place: the source storage itself */
+    int in_place;               /* backward uses the source: no copy back, no host buffer */
     void *fetched_on;           /* the stream whose allocator gave it (a key only) */
     void *h2d_done;             /* the last copy back, until the copy goes */
     void *h2d_stream;           /* the stream it was queued on (a key only) */
@@ -372,9 +386,23 @@ PyObject *packer_new(mp_state *st, PyObject *records);
  * producer passed the copy. So memory is reused on the GPU's timeline,
  * never early, and device memory held by offloaded inputs allocated on the
  * producing stream stays within `window` regions however far the CPU runs
- * ahead of the GPU. The first restore of backward retires the rest the
- * same way. The completion event itself stays with the copy until it is
- * seen complete: restoring from the host buffer waits on it.
+ * ahead of the GPU. The completion event itself stays with the copy until
+ * it is seen complete: restoring from the host buffer waits on it.
+ *
+ * Backward: the first restore on the device (of region r) finds the last
+ * regions' sources still held. Those of regions up to r, which backward
+ * is about to reach, are used in place (keep_in_place): the source moves
+ * to the copy's `fetched` for as long as the copy lives (a second backward
+ * over a retained graph finds it there), no copy back is made, and the
+ * host buffer goes back to the pool in stream order after the D2H (it
+ * still writes it). The D2H may still read the source after that: only
+ * reading, and into a buffer no one uses before it completed, so the
+ * source's memory needs no ordering after it (whoever reuses it may
+ * overwrite what the D2H reads: the host buffer it lands in is garbage
+ * nobody reads). The recompute reads the source as torch reads any saved
+ * input: on the stream backward runs the region on, after its producer.
+ * Sources of later regions (another graph's forward) are retired as
+ * above.
  *
  * GIL held; the window is a Python list owned by the device. */
 
@@ -387,8 +415,10 @@ int offload_window_add(offload_engine *engine, offload_device *device, StorageCo
  * the window no longer allows. */
 int offload_window_end_region(mp_state *st, offload_device *device);
 
-/* Retires every source of the device in stream order (backward begins). */
-int offload_window_retire_all(mp_state *st, offload_device *device);
+/* Backward begins (or goes on) on the device at region `last_region`:
+ * the sources still held of regions up to it are used in place, those of
+ * later regions retired in stream order. */
+int offload_window_backward(mp_state *st, offload_device *device, uint64_t last_region);
 
 /* Retires the sources of copies that have completed, on every device. */
 int offload_window_poll_all(mp_state *st);

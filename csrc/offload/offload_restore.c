@@ -171,7 +171,8 @@ await_h2d(mp_state *st, StorageCopy *copy)
 static void
 discard_restored(mp_state *st, StorageCopy *copy)
 {
-    if (copy->fetched == NULL)
+    /* used in place: the only copy of the span there is */
+    if (copy->fetched == NULL || copy->in_place)
         return;
     if (copy->restoring > 0) {      /* another thread takes a view of it: it discards */
         copy->discard_pending = 1;
@@ -225,6 +226,23 @@ prefetch_walk(mp_state *st, OffloadGroup *from, unsigned long thread, int backwa
     return failed ? -1 : 0;
 }
 
+/* The last region backward reaches with `group`: that of its copies and
+ * of the outputs groups linked right after it (selective checkpointing's,
+ * restored with it). */
+static uint64_t
+last_region(OffloadGroup *group)
+{
+    uint64_t last = 0;
+    for (OffloadGroup *g = group; g != NULL && (g == group || g->outputs);
+         g = g->linked ? g->next : NULL) {
+        for (Py_ssize_t i = 0; g->thread == group->thread && i < PyTuple_GET_SIZE(g->copies); i++) {
+            uint64_t region = ((StorageCopy *)PyTuple_GET_ITEM(g->copies, i))->region;
+            last = region > last ? region : last;
+        }
+    }
+    return last;
+}
+
 /* Fetches the group's spans and, when the options pipeline, the outputs
  * selective checkpointing offloaded in its region (linked right after it:
  * its recompute needs them next); when prefetch_ahead too, the groups
@@ -235,8 +253,10 @@ begin_restore(mp_state *st, OffloadGroup *group, int prefetch_ahead)
     offload_options *opts = &st->engine->options;
     if (group->device == NULL)
         return 0;
-    /* backward has begun on this device: nothing it copied out stays */
-    if (offload_window_retire_all(st, group->device) < 0)
+    /* backward has begun on this device: nothing it copied out stays in
+     * flight, and what it reaches from here on while still there is used
+     * in place (fetching skips it) */
+    if (offload_window_backward(st, group->device, last_region(group)) < 0)
         return -1;
     if (fetch_group(st, group, 0) < 0)
         return -1;
@@ -269,7 +289,7 @@ offload_prefetch_group(mp_state *st, PyObject *group_obj)
     OffloadGroup *group = (OffloadGroup *)group_obj;
     if (!st->engine->options.pipeline || group->device == NULL || group->handed_back)
         return 0;
-    if (offload_window_retire_all(st, group->device) < 0)
+    if (offload_window_backward(st, group->device, last_region(group)) < 0)
         return -1;
     return fetch_group(st, group, 1);
 }
@@ -280,6 +300,21 @@ offload_discard_group(mp_state *st, PyObject *group_obj)
     OffloadGroup *group = (OffloadGroup *)group_obj;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(group->copies); i++)
         discard_restored(st, (StorageCopy *)PyTuple_GET_ITEM(group->copies, i));
+}
+
+/* The record's offset in elements from the start of its source storage,
+ * for a copy used in place (its offset counts from the span's start, a
+ * whole number of elements from the storage's: spans start aligned). */
+static int
+in_place_offset(TensorRecord *record, int64_t *offset)
+{
+    int64_t itemsize;
+    if (mp_attr_int64(record->dtype, "itemsize", &itemsize) < 0)
+        return -1;
+    uint64_t span = record->copy->source_offset;
+    MP_ASSERT(itemsize > 0 && span % (uint64_t)itemsize == 0);
+    *offset = record->offset + (int64_t)(span / (uint64_t)itemsize);
+    return 0;
 }
 
 /* A view of `fetched` (the record's restored copy, NULL for an empty
@@ -301,11 +336,19 @@ view_of_copy(mp_state *st, TensorRecord *record, PyObject *fetched)
         Py_DECREF(kwargs);
         return result;
     }
+    int64_t offset = record->offset;
+    if (record->copy->in_place && in_place_offset(record, &offset) < 0) {
+        Py_DECREF(kwargs);
+        return NULL;
+    }
     PyObject *args = Py_BuildValue("((i))", 0);
     PyObject *empty = args ? PyObject_Call(st->torch_empty, args, kwargs) : NULL;
-    PyObject *storage = empty ? PyObject_CallMethod(fetched, "untyped_storage", NULL) : NULL;
+    PyObject *storage = empty == NULL ? NULL
+                        : record->copy->in_place
+                            ? Py_NewRef(fetched)
+                            : PyObject_CallMethod(fetched, "untyped_storage", NULL);
     if (storage != NULL)
-        result = PyObject_CallMethod(empty, "set_", "OLOO", storage, (long long)record->offset,
+        result = PyObject_CallMethod(empty, "set_", "OLOO", storage, (long long)offset,
                                      record->size, record->stride);
     Py_XDECREF(args);
     Py_XDECREF(empty);

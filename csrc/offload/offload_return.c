@@ -45,6 +45,13 @@ void
 offload_return_after(offload_engine *engine, offload_device *device, pool_block *block,
                      void *event)
 {
+    offload_return_after_on(engine, device, block, event, NULL);
+}
+
+void
+offload_return_after_on(offload_engine *engine, offload_device *device, pool_block *block,
+                        void *event, void *stream)
+{
     MP_ASSERT(block->ptr != NULL && event != NULL);
     if (device->returning_count == device->returning_capacity) {
         int capacity = device->returning_capacity ? 2 * device->returning_capacity : 16;
@@ -61,29 +68,55 @@ offload_return_after(offload_engine *engine, offload_device *device, pool_block 
         device->returning_capacity = capacity;
     }
     pool_release_pending(engine->pool, block);
-    device->returning[device->returning_count++] = (returning_block){*block, event};
+    device->returning[device->returning_count++] = (returning_block){*block, event, stream};
     *block = (pool_block){0};
 }
 
-/* Events of one device's copy streams complete roughly in the order the
- * copies died: the first one not complete ends the walk (as torch's host
- * allocator stops at its first event not ready), so a lagging GPU costs
- * one query. A failing query is cleared and ends the walk too: the buffer
- * stays until the device goes. */
+/* Events on one stream complete in the order they were recorded: on each
+ * stream the first one not complete ends the walk for that stream (as
+ * torch's host allocator stops at its first event not ready), so a lagging
+ * GPU costs one query per stream. Buffers whose stream is not known count
+ * as one stream: their events complete roughly in the order the copies
+ * died. A failing query is cleared and blocks its stream too: the buffer
+ * stays until the device goes. Past BLOCKED_MAX streams blocked, the rest
+ * waits for the next poll. */
+#define BLOCKED_MAX 8
+
+static int
+is_blocked(void *const *blocked, int count, void *stream)
+{
+    for (int i = 0; i < count; i++) {
+        if (blocked[i] == stream)
+            return 1;
+    }
+    return count == BLOCKED_MAX;
+}
+
 int
 offload_return_poll(offload_engine *engine, offload_device *device)
 {
-    int returned = 0;
-    while (device->returning_count > 0) {
-        int status;
-        int done = cudart_event_done(engine->rt, device->returning[0].event, &status);
-        if (done < 0)
-            (void)engine->rt->get_last_error();
-        if (done <= 0)
-            break;
-        return_first(engine, device);
-        returned++;
+    void *blocked[BLOCKED_MAX];
+    int blocked_count = 0, returned = 0, kept = 0;
+    for (int i = 0; i < device->returning_count; i++) {
+        returning_block entry = device->returning[i];
+        int status, done = 0;
+        if (!is_blocked(blocked, blocked_count, entry.stream)) {
+            done = cudart_event_done(engine->rt, entry.event, &status);
+            if (done < 0)
+                (void)engine->rt->get_last_error();
+        }
+        if (done > 0) {
+            pool_recycle(engine->pool, &entry.block);
+            offload_device_give_event(engine, device, entry.event);
+            returned++;
+            continue;
+        }
+        if (!is_blocked(blocked, blocked_count, entry.stream))
+            blocked[blocked_count++] = entry.stream;
+        device->returning[kept++] = entry;     /* order kept */
     }
+    MP_ASSERT(kept + returned == device->returning_count);
+    device->returning_count = kept;
     return returned;
 }
 

@@ -105,6 +105,7 @@ offload_span(mp_state *st, PyObject *module, input_info *first, uint64_t lo, uin
     StorageCopy *copy = storage_copy_new(st, module, device, first->device_obj, hi - lo);
     if (copy == NULL)
         return NULL;
+    copy->source_offset = lo;       /* where backward finds the span, used in place */
     int started = start_d2h(st, copy, first->storage_ptr + (uintptr_t)lo, first->storage);
     if (started <= 0) {
         Py_DECREF(copy);

@@ -94,6 +94,31 @@ retire_source(mp_state *st, StorageCopy *copy, int force, int ask)
     return 1;
 }
 
+/* Backward reached the copy's region with its source still held: the
+ * source becomes the copy's restored data (in place, for as long as the
+ * copy lives) and the host buffer goes back to the pool, after the D2H
+ * that may still write it (the window section says why nothing else waits
+ * for that D2H). Moves references only: runs no Python code. */
+static void
+keep_in_place(offload_engine *engine, StorageCopy *copy)
+{
+    MP_ASSERT(copy->source != NULL && copy->fetched == NULL && copy->h2d_done == NULL);
+    MP_ASSERT(copy->block.ptr != NULL && copy->state != COPY_EMPTY);
+    MP_ASSERT(engine->device_bytes_in_flight >= copy->nbytes);
+    engine->device_bytes_in_flight -= copy->nbytes;
+    copy->fetched = copy->source;       /* the window's reference, now the copy's */
+    copy->source = NULL;
+    copy->in_place = 1;
+    if (copy->d2h_done != NULL)
+        offload_return_after_on(engine, copy->device, &copy->block, copy->d2h_done,
+                                copy->device->copy_out);
+    else
+        pool_release(engine->pool, &copy->block);
+    copy->d2h_done = NULL;
+    copy_advance(copy, COPY_RETURNED);
+    engine->used_in_place++;
+}
+
 static Py_ssize_t
 count_held(PyObject *list)
 {
@@ -129,7 +154,9 @@ merge_held(PyObject *walked, PyObject *added)
 }
 
 /* Retires the sources of the window's copies that completed, and of those
- * of regions before `force_below_region` in stream order.
+ * of regions before `force_below_region` in stream order; with `keep`,
+ * those of regions up to `keep_through_region` are used in place instead
+ * (keep_in_place: backward reaches them next).
  *
  * Retiring in stream order calls record_stream, which on a GPU runs
  * torch's Python code: another sweep of this window may run inside it
@@ -141,7 +168,8 @@ merge_held(PyObject *walked, PyObject *added)
  * would be retired twice and one sweep's list would overwrite the
  * other's, losing a copy from the window.) */
 static int
-sweep(mp_state *st, offload_device *device, uint64_t force_below_region)
+sweep(mp_state *st, offload_device *device, uint64_t force_below_region, int keep,
+      uint64_t keep_through_region)
 {
     if (device->in_flight == NULL || PyList_GET_SIZE(device->in_flight) == 0)
         return 0;  /* every recompute sweeps: the common case costs nothing */
@@ -160,6 +188,12 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region)
          * fails every time: 2 calls a span saved) */
         if (forced)
             ask = 0;
+        /* a copy fetched while held (unpacked outside a restore) keeps its copy back */
+        if (keep && copy->region <= keep_through_region && copy->source != NULL &&
+            copy->fetched == NULL && copy->h2d_done == NULL) {
+            keep_in_place(st->engine, copy);
+            continue;
+        }
         int released = result < 0 ? 0 : retire_source(st, copy, forced, ask);
         if (released == 0)          /* kept: its copy has not completed */
             ask = 0;
@@ -197,7 +231,7 @@ offload_window_end_region(mp_state *st, offload_device *device)
     uint64_t ended = device->regions++;
     uint64_t window = (uint64_t)engine->options.window;
     /* regions ended - window + 1 .. ended stay in flight */
-    if (sweep(st, device, ended + 1 >= window ? ended + 1 - window : 0) < 0)
+    if (sweep(st, device, ended + 1 >= window ? ended + 1 - window : 0, 0, 0) < 0)
         return -1;
     /* the peak as the GPU sees it: what is held while a region's function runs */
     if (engine->device_bytes_in_flight > engine->peak_device_bytes_in_flight)
@@ -206,16 +240,16 @@ offload_window_end_region(mp_state *st, offload_device *device)
 }
 
 int
-offload_window_retire_all(mp_state *st, offload_device *device)
+offload_window_backward(mp_state *st, offload_device *device, uint64_t last_region)
 {
-    return sweep(st, device, UINT64_MAX);
+    return sweep(st, device, UINT64_MAX, 1, last_region);
 }
 
 int
 offload_window_poll_all(mp_state *st)
 {
     for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
-        if (st->engine->cuda[i] != NULL && sweep(st, st->engine->cuda[i], 0) < 0)
+        if (st->engine->cuda[i] != NULL && sweep(st, st->engine->cuda[i], 0, 0, 0) < 0)
             return -1;
     }
     return 0;
