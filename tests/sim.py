@@ -105,6 +105,17 @@ def stream(index: int, handle: Optional[int]) -> Iterator[None]:
         _C._sim_order_streams(index, previous, index, handle)
 
 
+def record_stream(tensor, index: int, handle: Optional[int]) -> None:
+    """tensor.record_stream(stream) for `handle` of device `index`: the
+    memory goes back to the stream that allocated it only once the work
+    queued on `handle` so far ran."""
+    library, _, _ = _attach()
+    library.matepoint_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    library.matepoint_record_stream.restype = None
+    with device(index):
+        library.matepoint_record_stream(tensor.untyped_storage().data_ptr(), handle)
+
+
 def side_streams() -> List[int]:
     """Two streams of device 0 besides its legacy one, made once per process:
     the allocator keys cached blocks by stream, and a destroyed handle's

@@ -21,10 +21,12 @@ streams backward used. Here:
   A backward started on the worker (a nested one) runs there at once.
 - A node's pre-hook makes its device and stream current on the worker;
   its post-hook orders the streams of the nodes it passes gradients to
-  after its own (torch's InputBuffer does this with an event)."""
+  after its own (torch's InputBuffer does this with an event) and records
+  each gradient on its consumer's stream (InputBuffer's record_stream)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import queue
 import threading
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -65,18 +67,46 @@ def _enter_node(grad_outputs):
     return None
 
 
+def _record_on(grad, place: Place) -> None:
+    """torch's InputBuffer::add: a gradient handed to a node on another
+    stream of its device is recorded on that stream (record_stream), so the
+    producer's stream, which allocated it, reuses its memory only once the
+    consumer's kernels ran."""
+    if type(grad) is not torch.Tensor or grad.layout != torch.strided or grad.is_nested or \
+            grad.numel() == 0:
+        return
+    ptr = grad.untyped_storage().data_ptr()
+    library = _allocator_library()
+    if library is not None and _C._sim_device_of(ptr) == place[0]:
+        library.matepoint_record_stream(ptr, place[1])
+
+
+def _allocator_library():
+    """matepoint's allocator library over the simulated GPU (tests/sim.py
+    attaches it once per process), else None."""
+    import sim      # sim imports this module
+    if sim._memory is None:     # noqa: SLF001
+        return None
+    library = sim._memory[0]    # noqa: SLF001
+    library.matepoint_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    library.matepoint_record_stream.restype = None
+    return library
+
+
 def _leave_node(grad_inputs, grad_outputs):
-    """Post-hook: each node this one passes a gradient to runs after it."""
+    """Post-hook: each node this one passes a gradient to runs after it,
+    and the gradient is marked used by that node's stream."""
     if not _on_worker():
         return None
     node = torch._C._current_autograd_node()
     here = node.metadata.get(TAG) if node is not None else None
     if here is None:
         return None
-    for following, _ in node.next_functions:
+    for (following, _), grad in zip(node.next_functions, grad_inputs):
         there = following.metadata.get(TAG) if following is not None else None
         if there is not None and there != here:
             _C._sim_order_streams(there[0], there[1], here[0], here[1])
+            _record_on(grad, there)
     return None
 
 

@@ -129,3 +129,37 @@ def test_offload_on_side_streams_is_exact(request, fixture):
     _, grads = train_step(model, x, on_alternate_streams)
     assert_bitwise_equal(grads, expected)
     assert _C._sim_stats()["kernels_run"] > 0
+
+
+def test_a_gradient_handed_to_another_stream_is_recorded_there(simulated):
+    """Each region's input comes from a chain on a side stream, so backward
+    hands gradients made on the current stream to nodes on the side stream
+    while the current stream goes on with work of its own. As torch's
+    engine does, each such gradient is recorded on its consumer's stream:
+    without that the current stream reuses its memory before the side
+    stream's kernel read it (the leaf's gradient turns NaN)."""
+    branch = sim.side_streams()[0]
+
+    def from_a_chain(checkpointed):
+        chain = []
+
+        def wrap(fn, x):
+            previous = _C._sim_current_stream(0)
+            if not chain:
+                with sim.stream(0, branch):
+                    chain.append(x * 0.5)
+            _raw_stream(branch)
+            try:
+                chain[0] = chain[0] * 0.5       # the side stream's own work
+            finally:
+                _C._sim_set_stream(0, previous)
+            with sim.stream(0, branch):
+                made = x + chain[0]
+            return matepoint.checkpoint(fn, made) if checkpointed else fn(made)
+        return wrap
+
+    matepoint.set_options(offload_window=1)
+    model, x = MLP(32, 5), torch.randn(16, 32)
+    _, expected = train_step(model, x, from_a_chain(False))
+    _, grads = train_step(model, x, from_a_chain(True))
+    assert_bitwise_equal(grads, expected)

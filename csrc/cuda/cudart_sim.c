@@ -56,20 +56,38 @@ cudart_sim_set_progress(uint64_t progress_per_call)
     pthread_mutex_unlock(&sim_gpu.lock);
 }
 
-int
-cudart_sim_launch(int device, void *stream)
+/* What a launch on `stream` of `device` runs first: all its stream's work
+ * (`spans` NULL) or what `spans` needs (cudart_sim_land.c); then, as torch
+ * after a launch, it takes the thread's last error. */
+static int
+launch(int device, void *stream, const cudart_sim_span *spans, size_t n_spans)
 {
     if (device < 0 || device >= CUDART_SIM_DEVICES)
         return CUDART_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&sim_gpu.lock);
     sim_stream *s = stream == NULL ? &sim_gpu.legacy[device] : sim_resolve(stream);
-    int status = s == NULL ? CUDART_ERROR_INVALID_HANDLE : sim_drain_locked(s);
+    int status = s == NULL ? CUDART_ERROR_INVALID_HANDLE
+                 : spans == NULL ? sim_drain_locked(s)
+                 : sim_land_for_locked(s, spans, n_spans);
     if (sim_last_error != CUDART_SUCCESS) {
         sim_gpu.stats.launch_errors++;
         sim_last_error = CUDART_SUCCESS;
     }
     pthread_mutex_unlock(&sim_gpu.lock);
     return status;
+}
+
+int
+cudart_sim_launch(int device, void *stream)
+{
+    return launch(device, stream, NULL, 0);
+}
+
+int
+cudart_sim_launch_for(int device, void *stream, const cudart_sim_span *spans, size_t n_spans)
+{
+    static const cudart_sim_span none = {NULL, 0};
+    return launch(device, stream, spans != NULL ? spans : &none, spans != NULL ? n_spans : 0);
 }
 
 /* An event of the harness's own: counted nowhere, gone once its record

@@ -10,7 +10,8 @@
  * - Every operation queued on a stream (copies, event records, waits,
  *   kernels) runs only when the test advances the simulation, when a caller blocks on it
  *   (event or stream synchronization, a copy through pageable host memory),
- *   when a CPU "kernel" launches on its stream (cudart_sim_launch), or
+ *   when a CPU "kernel" launches on its stream and needs it (a launch
+ *   lands what the kernel's memory depends on: cudart_sim_launch_for), or
  *   `progress_per_call` operations at every runtime call. Streams are in
  *   order; an event completes when the work queued before its last record
  *   has run; a wait captures the record it waits for. Nothing else orders
@@ -88,6 +89,12 @@ uint64_t cudart_sim_advance(uint64_t ops);
  * likes). */
 void cudart_sim_set_progress(uint64_t progress_per_call);
 
+/* A span of memory a kernel reads or writes: `bytes` from `ptr`. */
+typedef struct {
+    void *ptr;
+    uint64_t bytes;
+} cudart_sim_span;
+
 /* A CPU kernel launched on `stream` of `device` (NULL: its legacy stream):
  * the CPU runs it at once, so everything queued there before must run
  * first. Like torch after its launches, it then takes the calling thread's
@@ -96,12 +103,24 @@ void cudart_sim_set_progress(uint64_t progress_per_call);
  * CUDART_SUCCESS, or CUDART_SIM_DEADLOCK. */
 int cudart_sim_launch(int device, void *stream);
 
+/* The same, for a kernel that reads or writes only `spans` (n_spans of
+ * them; none: it uses no device memory), as on a GPU: of the work the
+ * kernel comes after (queued before it on its stream and, through that
+ * stream's waits, what each wait's event was recorded after on another
+ * stream), what uses that memory runs first, with whatever comes before it
+ * on its own stream (a stream runs in order). The rest stays queued: a
+ * copy the stream waits for runs no earlier for the launch, so memory it
+ * still reads can be reused by a stream not ordered after it. */
+int cudart_sim_launch_for(int device, void *stream, const cudart_sim_span *spans,
+                          size_t n_spans);
+
 /* Memory handed out by a stream-ordered allocator for work on `stream` of
- * `device` (NULL: its legacy stream): the work queued there that still
- * touches it, or waits for another stream (whose work may), runs first (it
- * comes before in stream order), then it is filled with poison. Nothing else runs: unrelated kernels keep lagging,
- * and a copy or kernel on another stream still using the memory (not
- * ordered before its reuse) sees the poison. CUDART_SUCCESS or a status. */
+ * `device` (NULL: its legacy stream): what the new owner's work comes
+ * after and still uses the memory runs first, as for a launch using it
+ * (cudart_sim_launch_for), then it is filled with poison. Nothing else
+ * runs: unrelated kernels keep lagging, and a copy or kernel on another
+ * stream still using the memory (not ordered before its reuse) sees the
+ * poison. CUDART_SUCCESS or a status. */
 int cudart_sim_handout(int device, void *stream, void *ptr, uint64_t bytes);
 
 /* While set on the calling thread, a handout that would have to run work
@@ -111,12 +130,6 @@ int cudart_sim_handout(int device, void *stream, void *ptr, uint64_t bytes);
  * it without waiting for the stream it was handed out on lands before the
  * poison, and is lost. Not for memory the host writes directly. */
 void cudart_sim_defer_handouts(int on);
-
-/* A span of memory a kernel reads or writes: `bytes` from `ptr`. */
-typedef struct {
-    void *ptr;
-    uint64_t bytes;
-} cudart_sim_span;
 
 enum { CUDART_SIM_POISON = 0xff };
 

@@ -10,6 +10,8 @@
  * - cudart_sim_calls.c  the runtime table: one function per CUDA entry point
  * - cudart_sim_kernel.c kernels that lag in data: results kept aside,
  *                       landed (or poison) when their stream reaches them
+ * - cudart_sim_land.c   a launch runs only the queued work its kernel's
+ *                       memory depends on
  * - cudart_sim.c        the state itself and the test controls
  *
  * Every function here but sim_enter() runs with `sim_gpu.lock` held
@@ -60,6 +62,8 @@ typedef struct sim_stream {
     int device;
     int created;                /* 0 for the legacy streams, which live forever */
     int destroyed;              /* freed once its queue ran dry */
+    uint64_t land_pass;         /* the launch (sim_gpu.land_passes) that last looked here */
+    uint64_t land_below;        /* ... and the orders below which it looked */
     struct sim_stream *next;
 } sim_stream;
 
@@ -84,6 +88,7 @@ typedef struct {
     sim_stream *streams;        /* every stream with queued work or a live handle */
     sim_range *ranges;
     uint64_t next_order;
+    uint64_t land_passes;       /* launches that landed what they need (cudart_sim_land.c) */
     uint64_t progress_per_call;
     sim_failure failures[SIM_ENTRY_COUNT];
     sim_failure dropped_waits;  /* cudart_sim_drop_waits; status unused */
@@ -120,6 +125,15 @@ void sim_kernel_land(sim_kernel *kernel);
  * queued runs as a CPU kernel always did). */
 void sim_kernel_write_back(sim_kernel *kernel);
 
+/* ---- cudart_sim_land.c --------------------------------------------------- */
+
+/* Runs what a kernel launched on `stream` that reads or writes `spans`
+ * needs before it: on its stream, the operations up to the last one using
+ * the memory (and what their waits need: a stream runs in order); on
+ * other streams, what the stream's queued waits are ordered after and
+ * uses the memory, recursively. The rest stays queued. A CUDA status. */
+int sim_land_for_locked(sim_stream *stream, const cudart_sim_span *spans, size_t n_spans);
+
 /* ---- cudart_sim_queue.c -------------------------------------------------- */
 
 /* Has the event's last record run? */
@@ -136,11 +150,18 @@ uint64_t sim_advance_locked(uint64_t ops, int kernels_too);
 int sim_run_until_locked(sim_event *event, uint64_t generation);
 /* Runs what `stream`'s queued work needs, and that work. */
 int sim_drain_locked(sim_stream *stream);
-/* Runs `stream`'s queued work up to the last operation touching `bytes`
- * at `ptr` or waiting for another stream (none: nothing), and what that
- * needs. */
-int sim_drain_touching_locked(sim_stream *stream, const void *ptr, uint64_t bytes);
-/* Would sim_drain_touching_locked run anything? */
+/* Runs `stream`'s operations queued up to `order` (all of them:
+ * UINT64_MAX) and what their waits need; `depth` bounds the recursion
+ * (0 from outside). May free a destroyed stream whose queue runs dry. */
+int sim_run_stream_until_locked(sim_stream *stream, uint64_t order, int depth);
+/* The stream holding the queued record that completes `generation` of
+ * `event`, and the record's order; NULL when none is queued. */
+sim_stream *sim_find_record_locked(const sim_event *event, uint64_t generation,
+                                   uint64_t *order);
+/* Is `stream` a legacy stream or one still linked (not freed)? */
+int sim_stream_alive(const sim_stream *stream);
+/* Does `stream` have queued work touching `bytes` at `ptr`, or a queued
+ * wait (what it waits for may)? */
 int sim_stream_touches(const sim_stream *stream, const void *ptr, uint64_t bytes);
 /* Does a queued kernel touch the span? (cudart_sim_kernel.c) */
 int sim_kernel_touches(const sim_kernel *kernel, const char *lo, const char *hi);

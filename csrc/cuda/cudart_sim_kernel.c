@@ -172,7 +172,10 @@ cudart_sim_handout(int device, void *stream, void *ptr, uint64_t bytes)
     } else if (sim_handouts_deferred && sim_stream_touches(s, ptr, bytes)) {
         status = queue_poison_locked(s, ptr, bytes);
     } else {
-        status = sim_drain_touching_locked(s, ptr, bytes);
+        /* the new owner's work comes after what the stream's queue (its
+         * waits followed) still does with the memory: that lands, no more */
+        cudart_sim_span span = {ptr, bytes};
+        status = sim_land_for_locked(s, &span, 1);
         if (status == CUDART_SUCCESS)
             memset(ptr, CUDART_SIM_POISON, (size_t)bytes);
     }

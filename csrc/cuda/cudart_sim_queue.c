@@ -67,6 +67,20 @@ sim_stream_unlink_and_free(sim_stream *stream)
     free(stream);
 }
 
+int
+sim_stream_alive(const sim_stream *stream)
+{
+    for (int d = 0; d < CUDART_SIM_DEVICES; d++) {
+        if (stream == &sim_gpu.legacy[d])
+            return 1;
+    }
+    for (const sim_stream *s = sim_gpu.streams; s != NULL; s = s->next) {
+        if (s == stream)
+            return 1;
+    }
+    return 0;
+}
+
 static sim_stream *
 first_stream(void)
 {
@@ -160,8 +174,8 @@ sim_advance_locked(uint64_t ops, int kernels_too)
 }
 
 /* The queued record that completes `generation` of `event`, and its stream. */
-static sim_stream *
-find_record_locked(const sim_event *event, uint64_t generation, uint64_t *order)
+sim_stream *
+sim_find_record_locked(const sim_event *event, uint64_t generation, uint64_t *order)
 {
     for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
         for (size_t i = s->head; i < s->head + s->count; i++) {
@@ -175,7 +189,6 @@ find_record_locked(const sim_event *event, uint64_t generation, uint64_t *order)
     return NULL;
 }
 
-static int run_stream_until_locked(sim_stream *stream, uint64_t order, int depth);
 
 /* Runs only what `generation` of `event` needs: its record's stream up to
  * the record, and recursively what that waits for. The least a GPU must do,
@@ -186,15 +199,14 @@ complete_locked(sim_event *event, uint64_t generation, int depth)
     if (event->completed >= generation)
         return CUDART_SUCCESS;
     uint64_t order;
-    sim_stream *stream = find_record_locked(event, generation, &order);
+    sim_stream *stream = sim_find_record_locked(event, generation, &order);
     if (stream == NULL || depth > 64)
         return CUDART_SIM_DEADLOCK;
-    return run_stream_until_locked(stream, order, depth + 1);
+    return sim_run_stream_until_locked(stream, order, depth + 1);
 }
 
-/* Runs `stream`'s operations queued up to `order` (all of them: UINT64_MAX). */
-static int
-run_stream_until_locked(sim_stream *stream, uint64_t order, int depth)
+int
+sim_run_stream_until_locked(sim_stream *stream, uint64_t order, int depth)
 {
     while (stream->count > 0 && stream->ops[stream->head].order <= order) {
         sim_op *head = &stream->ops[stream->head];
@@ -223,7 +235,7 @@ sim_run_until_locked(sim_event *event, uint64_t generation)
 int
 sim_drain_locked(sim_stream *stream)
 {
-    return run_stream_until_locked(stream, UINT64_MAX, 0);
+    return sim_run_stream_until_locked(stream, UINT64_MAX, 0);
 }
 
 static int
@@ -261,14 +273,6 @@ int
 sim_stream_touches(const sim_stream *stream, const void *ptr, uint64_t bytes)
 {
     return last_touching(stream, ptr, bytes) >= 0;
-}
-
-int
-sim_drain_touching_locked(sim_stream *stream, const void *ptr, uint64_t bytes)
-{
-    ptrdiff_t last = last_touching(stream, ptr, bytes);
-    return last < 0 ? CUDART_SUCCESS
-                    : run_stream_until_locked(stream, stream->ops[last].order, 0);
 }
 
 int

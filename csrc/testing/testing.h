@@ -28,6 +28,7 @@
  *   _offload_copies() -> list of (device, region, nbytes, source_held, copy_out_done)
  *   _fail_pool_acquires(n)          the next n spans find no host memory at all
  * testing_lag.c:
+ *   _sim_launch_for(d, handle, spans)   a CPU kernel using spans: what that memory needs lands
  *   _sim_kernel(d, handle, writes, reads)   a CPU kernel's results lag on its stream
  *   _sim_order_streams(dw, waiter, dp, producer)   waiter's later work after producer's
  *   _sim_take_last_error() -> int   the thread's CUDA last error, cleared

@@ -78,6 +78,26 @@ sim_kernel(PyObject *module, PyObject *args)
 }
 
 static PyObject *
+sim_launch_for(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *device_obj, *handle, *spans_obj;
+    cudart_sim_span *spans = NULL;
+    size_t n_spans = 0;
+    int device;
+    void *stream;
+    if (!PyArg_ParseTuple(args, "OOO:_sim_launch_for", &device_obj, &handle, &spans_obj) ||
+        testing_device_arg(device_obj, &device) < 0 || stream_of(handle, &stream) < 0 ||
+        spans_of(spans_obj, &spans, &n_spans) < 0)
+        return NULL;
+    int status = cudart_sim_launch_for(device, stream, spans, n_spans);
+    PyMem_Free(spans);
+    if (status != CUDART_SUCCESS)
+        return PyErr_Format(PyExc_RuntimeError, "simulated GPU: launch failed (%d)", status);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 sim_order_streams(PyObject *module, PyObject *args)
 {
     (void)module;
@@ -124,6 +144,10 @@ static PyMethodDef lag_methods[] = {
      "_sim_kernel($module, device, handle, writes, reads, /)\n--\n\n"
      "A CPU kernel that just ran on that stream: its writes (flat [ptr, bytes, ...]) read as "
      "poison until the stream reaches it, then land if its reads did not change."},
+    {"_sim_launch_for", sim_launch_for, METH_VARARGS,
+     "_sim_launch_for($module, device, handle, spans, /)\n--\n\n"
+     "A CPU kernel using only spans (flat [ptr, bytes, ...]) about to run on that stream: what "
+     "that memory depends on lands first, the rest of the queued work stays queued."},
     {"_sim_order_streams", sim_order_streams, METH_VARARGS,
      "_sim_order_streams($module, waiter_device, waiter, producer_device, producer, /)\n--\n\n"
      "Work queued on the waiter from now on runs after the producer's queued work."},

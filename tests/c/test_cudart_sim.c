@@ -489,6 +489,69 @@ test_a_deferred_handout_poisons_in_stream_order(void)
     rt->stream_destroy(copy_in);
 }
 
+/* A launch (or a handout) lands what its memory depends on: on its stream
+ * in order, and through the stream's waits on other streams; the rest
+ * stays queued, a copy the stream waits for included, so memory only that
+ * copy reads can be reused meanwhile by a stream not ordered after it. */
+static void
+test_a_launch_lands_only_what_its_memory_needs(void)
+{
+    void *compute, *copy_out, *copied, *pinned = NULL;
+    int32_t source[4] = {1, 2, 3, 4}, x[4] = {7, 7, 7, 7}, y[4] = {8, 8, 8, 8}, other[4] = {0};
+    CHECK(rt->host_alloc(&pinned, sizeof(source), 0) == CUDART_SUCCESS);
+    int32_t *host = pinned;
+    memset(host, 0, sizeof(source));
+    rt->stream_create(&compute, 0);
+    rt->stream_create(&copy_out, 0);
+    rt->event_create(&copied, 0);
+    cudart_sim_span on_x = {x, sizeof(x)}, on_y = {y, sizeof(y)}, on_other = {other, 16};
+    cudart_sim_span on_source = {source, sizeof(source)};
+    uint64_t queued = cudart_sim_get_stats().ops_queued;
+    /* compute waits for a copy out of `source`, then writes x */
+    rt->memcpy_async(host, source, sizeof(source), CUDART_MEMCPY_DEVICE_TO_HOST, copy_out);
+    rt->event_record(copied, copy_out);
+    rt->stream_wait_event(compute, copied, 0);
+    CHECK(cudart_sim_queue_kernel(0, compute, &on_x, 1, NULL, 0) == CUDART_SUCCESS);
+    CHECK(cudart_sim_launch_for(0, compute, &on_other, 1) == CUDART_SUCCESS);
+    CHECK(cudart_sim_launch_for(0, compute, NULL, 0) == CUDART_SUCCESS);
+    CHECK(host[0] == 0 && x[0] == -1 && cudart_sim_get_stats().ops_queued == queued + 4);
+    CHECK(cudart_sim_handout(0, compute, other, sizeof(other)) == CUDART_SUCCESS);
+    CHECK(host[0] == 0 && cudart_sim_get_stats().ops_queued == queued + 4);
+    /* x's kernel comes after the wait: landing it runs the copy first */
+    CHECK(cudart_sim_launch_for(0, compute, &on_x, 1) == CUDART_SUCCESS);
+    CHECK(host[3] == 4 && x[0] == 7 && cudart_sim_get_stats().ops_queued == queued);
+    /* the memory a waited-for copy reads: the copy runs, the kernel after stays */
+    source[0] = 5;
+    rt->memcpy_async(host, source, sizeof(source), CUDART_MEMCPY_DEVICE_TO_HOST, copy_out);
+    rt->event_record(copied, copy_out);
+    rt->stream_wait_event(compute, copied, 0);
+    CHECK(cudart_sim_queue_kernel(0, compute, &on_y, 1, NULL, 0) == CUDART_SUCCESS);
+    CHECK(cudart_sim_launch_for(0, compute, &on_source, 1) == CUDART_SUCCESS);
+    CHECK(host[0] == 5 && y[0] == -1 && cudart_sim_get_stats().ops_queued == queued + 3);
+    /* a stream runs in order: landing y's kernel lands x's before it */
+    CHECK(cudart_sim_queue_kernel(0, compute, &on_x, 1, NULL, 0) == CUDART_SUCCESS);
+    CHECK(cudart_sim_queue_kernel(0, compute, &on_other, 1, NULL, 0) == CUDART_SUCCESS);
+    CHECK(cudart_sim_launch_for(0, compute, &on_x, 1) == CUDART_SUCCESS);
+    CHECK(y[0] == 8 && x[0] == 7 && cudart_sim_get_stats().ops_queued == queued + 1);
+    /* a handout of the copy's memory runs the copy before the poison */
+    source[0] = 6;
+    rt->memcpy_async(host, source, sizeof(source), CUDART_MEMCPY_DEVICE_TO_HOST, copy_out);
+    rt->event_record(copied, copy_out);
+    rt->stream_wait_event(compute, copied, 0);
+    CHECK(cudart_sim_handout(0, compute, source, sizeof(source)) == CUDART_SUCCESS);
+    CHECK(host[0] == 6 && source[0] == -1);
+    CHECK(cudart_sim_launch_for(0, NULL, &on_x, 1) == CUDART_SUCCESS);     /* another stream */
+    CHECK(cudart_sim_launch_for(0, &on_x, &on_x, 1) == CUDART_ERROR_INVALID_HANDLE);
+    CHECK(cudart_sim_launch_for(CUDART_SIM_DEVICES, NULL, &on_x, 1) == CUDART_ERROR_INVALID_DEVICE);
+    CHECK(cudart_sim_get_stats().ops_queued == queued + 3);
+    CHECK(cudart_sim_launch(0, compute) == CUDART_SUCCESS);
+    CHECK(cudart_sim_get_stats().ops_queued == queued);
+    rt->event_destroy(copied);
+    rt->stream_destroy(compute);
+    rt->stream_destroy(copy_out);
+    rt->free_host(pinned);
+}
+
 int
 main(void)
 {
@@ -511,6 +574,7 @@ main(void)
     test_ordering_streams_as_the_autograd_engine_does();
     test_a_handout_runs_only_the_work_touching_the_memory();
     test_a_deferred_handout_poisons_in_stream_order();
+    test_a_launch_lands_only_what_its_memory_needs();
     CHECK(cudart_sim_get_stats().events_live == 0 && cudart_sim_get_stats().streams_live == 0);
     return check_report("test_cudart_sim");
 }
