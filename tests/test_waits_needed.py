@@ -108,6 +108,8 @@ class Scenario:
 
 SCENARIOS = [
     Scenario("prefetch", dict(offload_window=2, prefetch_depth=1), lambda: plain),
+    # more regions copied back: the last offload_window are used in place
+    Scenario("prefetch, window 1", dict(offload_window=1, prefetch_depth=1), lambda: plain),
     Scenario("no pipeline, window 1", dict(offload_window=1, pipeline=False), lambda: plain),
     Scenario("side streams", dict(offload_window=1), on_alternate_streams),
     Scenario("two backwards", dict(offload_window=2), lambda: plain, backwards=2),
