@@ -26,7 +26,7 @@ ALLOC_SOURCES := $(filter-out csrc/alloc/entry.c,$(sort $(wildcard csrc/alloc/*.
 ALLOC_HEADERS := $(wildcard csrc/alloc/*.h) csrc/cuda/cudart_util.h $(COMMON_HEADERS)
 POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c $(COMMON_SOURCES)
 PLANNER_SOURCES := $(sort $(wildcard csrc/planner/*.c))
-SIM_SOURCES := $(sort $(wildcard csrc/cuda/cudart_sim*.c)) $(COMMON_SOURCES)
+SIM_SOURCES := $(sort $(wildcard csrc/testing/cudart_sim*.c)) $(COMMON_SOURCES)
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
            build/ctest/test_cudart_sim build/ctest/test_helpers
 
@@ -104,7 +104,7 @@ build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h tests/c/lock_probe.h 
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c $(POOL_SOURCES) -lpthread
 
-build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h $(SIM_SOURCES) csrc/cuda/cudart_sim.h csrc/cuda/cudart_sim_internal.h
+build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h $(SIM_SOURCES) csrc/testing/cudart_sim.h csrc/testing/cudart_sim_internal.h
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
 

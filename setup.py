@@ -11,9 +11,8 @@ _spec = importlib.util.spec_from_file_location("_build_layout", "matepoint/_buil
 layout = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(layout)
 
-# MATEPOINT_TESTING=1 builds the test controls and the simulated GPU into
-# both libraries (csrc/testing, csrc/cuda/cudart_sim*.c), and the allocator's
-# host backend (csrc/alloc/alloc_host.c); a plain build ships none of them.
+# MATEPOINT_TESTING=1 builds csrc/testing (the test controls and the
+# simulated GPU) into _C, and the allocator's host backend (csrc/alloc/alloc_host.c); a plain build ships none of them.
 TESTING = os.environ.get("MATEPOINT_TESTING") == "1"
 
 extension = Extension(

@@ -15,13 +15,13 @@ from typing import List, Mapping
 
 # csrc/ folders compiled into matepoint._C; csrc/cuda's runtime loader and
 # helpers and csrc/common go into both libraries; test builds
-# (MATEPOINT_TESTING=1) add the simulated GPU (cudart_sim*.c) and the test
-# controls
-EXTENSION_FOLDERS = ("base", "offload", "checkpoint", "module", "pool", "planner", "common")
+# (MATEPOINT_TESTING=1) add csrc/testing: the simulated GPU (cudart_sim*.c)
+# and the test controls
+EXTENSION_FOLDERS = ("base", "offload", "checkpoint", "module", "pool", "planner", "common",
+                     "cuda")
 TEST_FOLDERS = ("testing",)
-SIMULATOR_PATTERN = "cudart_sim*.c"
 # the allocator, its own shared library (matepoint._alloc) torch loads by path
-ALLOCATOR_FOLDERS = ("alloc", "common")
+ALLOCATOR_FOLDERS = ("alloc", "common", "cuda")
 # its host backend ("device" memory in host memory, streams as counters) is
 # a test seam: only test builds select it (MATEPOINT_ALLOC_BACKEND=host); the
 # C unit tests and benchmarks/alloc_replay.c compile it themselves
@@ -40,17 +40,10 @@ def _glob(root: str, folder: str, pattern: str = "*.c") -> List[str]:
     return [os.path.relpath(path, root) for path in found]
 
 
-def _cuda_sources(root: str, testing: bool) -> List[str]:
-    simulator = _glob(root, "cuda", SIMULATOR_PATTERN)
-    runtime = [path for path in _glob(root, "cuda") if path not in simulator]
-    return runtime + (simulator if testing else [])
-
-
 def extension_sources(root: str, testing: bool) -> List[str]:
     """The C files of matepoint._C, relative to the checkout ``root``."""
     folders = EXTENSION_FOLDERS + (TEST_FOLDERS if testing else ())
-    return [path for folder in folders for path in _glob(root, folder)] + \
-        _cuda_sources(root, testing)
+    return [path for folder in folders for path in _glob(root, folder)]
 
 
 def allocator_sources(root: str, testing: bool) -> List[str]:
@@ -58,7 +51,7 @@ def allocator_sources(root: str, testing: bool) -> List[str]:
     found = [path for folder in ALLOCATOR_FOLDERS for path in _glob(root, folder)]
     if not testing:
         found = [path for path in found if path not in ALLOCATOR_TEST_SOURCES]
-    return found + _cuda_sources(root, False)
+    return found
 
 
 def c_flags(environ: Mapping[str, str]) -> List[str]:

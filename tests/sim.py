@@ -1,4 +1,4 @@
-"""The simulated GPU of test builds (csrc/cuda/cudart_sim.h), for tests.
+"""The simulated GPU of test builds (csrc/testing/cudart_sim.h), for tests.
 
 CPU tensors stand for device tensors: matepoint's allocator library, running
 over the simulated runtime, replaces torch's CPU allocator, so every tensor

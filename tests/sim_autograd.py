@@ -1,4 +1,4 @@
-"""Backward on the simulated GPU as on CUDA (csrc/cuda/cudart_sim.h).
+"""Backward on the simulated GPU as on CUDA (csrc/testing/cudart_sim.h).
 
 On a GPU, autograd runs backward on one worker thread per device, not the
 caller's; each node runs with the device and stream that were current when

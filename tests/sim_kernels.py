@@ -1,4 +1,4 @@
-"""Kernels that lag in data on the simulated GPU (csrc/cuda/cudart_sim.h).
+"""Kernels that lag in data on the simulated GPU (csrc/testing/cudart_sim.h).
 
 Every aten op on CPU tensors (which stand for device tensors) is a kernel
 on the current stream of its device: the stream catches up (what the

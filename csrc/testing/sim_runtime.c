@@ -1,4 +1,4 @@
-/* The offload runtime over the simulated GPU (cuda/cudart_sim.h).
+/* The offload runtime over the simulated GPU (testing/cudart_sim.h).
  *
  * CPU tensors stand for device tensors. The device a tensor lives on is
  * the one whose simulated memory holds it: with matepoint's allocator
@@ -9,7 +9,7 @@
 #define _GNU_SOURCE /* dlopen flags */
 #endif
 #include "testing.h"
-#include "cuda/cudart_sim.h"
+#include "testing/cudart_sim.h"
 #include "offload/offload_internal.h"
 
 #include <dlfcn.h>

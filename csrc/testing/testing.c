@@ -1,5 +1,5 @@
 #include "testing.h"
-#include "cuda/cudart_sim.h"
+#include "testing/cudart_sim.h"
 #include "offload/offload_internal.h"
 
 #include <stdatomic.h>

@@ -1,6 +1,6 @@
 /* matepoint._C's test controls, compiled only into test builds
  * (MATEPOINT_TESTING=1 pip install .): run the offload engine over the
- * simulated GPU (cuda/cudart_sim.h), drive that GPU, and look at the
+ * simulated GPU (testing/cudart_sim.h), drive that GPU, and look at the
  * engine's copies. A plain build ships none of this. GIL held.
  *
  *   _simulate_cuda(on)              the engine runs over the simulated GPU (or torch's again)

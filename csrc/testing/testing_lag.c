@@ -3,7 +3,7 @@
  * every CPU kernel's results on its stream, and its backward worker orders
  * streams as torch's autograd engine does. GIL held. */
 #include "testing.h"
-#include "cuda/cudart_sim.h"
+#include "testing/cudart_sim.h"
 
 #include <stdlib.h>
 

@@ -11,7 +11,7 @@
  *   _torch_tensor_device(tensor, device) -> int or None    the adapter's answer
  *   _sim_stream_device(handle) -> int    the simulated device of a stream (-1: none) */
 #include "testing.h"
-#include "cuda/cudart_sim.h"
+#include "testing/cudart_sim.h"
 #include "offload/offload_internal.h"
 
 #include <stddef.h>

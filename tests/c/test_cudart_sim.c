@@ -1,6 +1,6 @@
-/* Unit tests of the simulated CUDA runtime (csrc/cuda/cudart_sim.c): the
+/* Unit tests of the simulated CUDA runtime (csrc/testing/cudart_sim.c): the
  * offload engine's CI tests are only as good as its model of streams. */
-#include "cuda/cudart_sim.h"
+#include "testing/cudart_sim.h"
 #include "check.h"
 
 #include <string.h>

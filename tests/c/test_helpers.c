@@ -3,7 +3,7 @@
  * the allocator and the offload engine (csrc/cuda/cudart_util.c), over the
  * simulated runtime. */
 #include "common/host_memory.h"
-#include "cuda/cudart_sim.h"
+#include "testing/cudart_sim.h"
 #include "cuda/cudart_util.h"
 #include "check.h"
 

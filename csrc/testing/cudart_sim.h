@@ -44,7 +44,7 @@
 #ifndef MATEPOINT_CUDART_SIM_H
 #define MATEPOINT_CUDART_SIM_H
 
-#include "cudart.h"
+#include "cuda/cudart.h"
 
 enum { CUDART_SIM_DEADLOCK = 999, CUDART_SIM_DEVICES = 2 };
 
