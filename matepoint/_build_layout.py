@@ -17,7 +17,8 @@ from typing import List, Mapping
 # helpers and csrc/common go into both libraries; test builds
 # (MATEPOINT_TESTING=1) add the simulated GPU (cudart_sim*.c) and the test
 # controls
-EXTENSION_FOLDERS = ("base", "offload", "checkpoint", "module", "pool", "planner", "common")
+EXTENSION_FOLDERS = ("base", "offload", "checkpoint", "module", "pool", "spill", "planner",
+                     "common")
 TEST_FOLDERS = ("testing",)
 SIMULATOR_PATTERN = "cudart_sim*.c"
 # the allocator, its own shared library (matepoint._alloc) torch loads by path
