@@ -69,8 +69,8 @@ def set_options(**changes: Any) -> Options:
     """Change matepoint's settings; returns the new ``matepoint.options``.
 
     ``**changes`` are option names with their new values: offload, pipeline,
-    prefetch_depth, offload_window, min_offload_bytes and pool_limit_bytes
-    (see ``help(matepoint.Options)``). An unknown name raises TypeError, a
+    prefetch_depth, offload_window, min_offload_bytes, pool_limit_bytes,
+    host_limit_bytes and spill_dir (see ``help(matepoint.Options)``). An unknown name raises TypeError, a
     bad value TypeError or ValueError, and nothing changes then.
     """
     return _settings.update(**changes)
@@ -85,7 +85,11 @@ def pool_stats() -> Dict[str, Any]:
     prefetched / fetched_at_need: spans copied back ahead of time or on demand,
     and device_bytes_in_flight / peak_device_bytes_in_flight: device memory of
     offloaded inputs still held while their copy out may run (bounded by
-    ``offload_window`` checkpoints).
+    ``offload_window`` checkpoints). The disk tier (``spill_dir``):
+    spilled_bytes / peak_spilled_bytes on disk now and at most,
+    spill_writes / spill_reads finished, spill_read_stalls (a copy back
+    waited for the disk), spill_failures (writes that failed: the input
+    stayed in host memory).
     """
     return _pool_stats()
 

@@ -122,6 +122,11 @@ fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
     if (copy->fetched != NULL)
         return 0;
     Py_INCREF(copy);
+    /* a span in the disk tier comes back to its host buffer first */
+    if (offload_spill_ready(st, copy) < 0) {
+        Py_DECREF(copy);
+        return -1;
+    }
     PyObject *fetched = st->engine->runtime->empty_bytes(st, copy->device->index,
                                                          copy->device_obj, copy->nbytes);
     void *dst, *compute = NULL, *done = NULL;
@@ -236,7 +241,8 @@ begin_restore(mp_state *st, OffloadGroup *group, int prefetch_ahead)
     if (group->device == NULL)
         return 0;
     /* backward has begun on this device: nothing it copied out stays */
-    if (offload_window_retire_all(st, group->device) < 0)
+    if (offload_window_retire_all(st, group->device) < 0 ||
+        offload_spill_readahead(st, group) < 0)
         return -1;
     if (fetch_group(st, group, 0) < 0)
         return -1;
