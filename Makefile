@@ -121,6 +121,19 @@ build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h $(PLANNER_SOURC
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_planner.c $(PLANNER_SOURCES) -lm
 
+# The disk tier's throughput against raw O_DIRECT I/O of the same sizes in
+# the same directory (benchmarks/spill_probe.c; numbers in RESULTS.md).
+SPILL_DIR ?= /tmp
+SPILL_MIB ?= 64
+SPILL_COUNT ?= 16
+SPILL_WORKERS ?= 2
+.PHONY: spill-probe
+spill-probe:
+	@mkdir -p build/bench
+	$(CC) $(C_FLAGS) -Werror -O2 -Icsrc -o build/bench/spill_probe benchmarks/spill_probe.c \
+	  $(SPILL_SOURCES) -lpthread
+	build/bench/spill_probe $(SPILL_DIR) $(SPILL_MIB) $(SPILL_COUNT) $(SPILL_WORKERS)
+
 # Operation-sequence fuzzing of allocator and pool: libFuzzer-compatible
 # harness, driven here by random inputs for a bounded time under ASan/UBSan.
 FUZZ_SECONDS ?= 20

@@ -158,8 +158,10 @@ def test_spill_dir_cannot_change_while_inputs_are_on_disk(simulated, spill_dir, 
     model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH, requires_grad=True)
     out = model(x, matepoint.checkpoint)
     assert matepoint.pool_stats()["spilled_bytes"] > 0
-    with pytest.raises(RuntimeError, match="spill_dir cannot change while offloaded inputs"):
+    with pytest.raises(RuntimeError, match="spill_dir cannot change, nor the disk tier stop"):
         matepoint.set_options(spill_dir=str(tmp_path / "other"))
+    with pytest.raises(RuntimeError, match="nor the disk tier stop"):
+        matepoint.set_options(spill_dir=None, host_limit_bytes=None)
     out.sum().backward()
     matepoint.set_options(spill_dir=str(tmp_path / "other"))
 

@@ -64,8 +64,9 @@ offload_spill_configure(offload_engine *engine, const offload_options *options)
         return 0;
     if (tier_busy(engine)) {
         PyErr_Format(PyExc_RuntimeError,
-                     "matepoint: spill_dir cannot change while offloaded inputs are in %s "
-                     "(%llu bytes): change it between steps", engine->spill_dir,
+                     "matepoint: spill_dir cannot change, nor the disk tier stop, while "
+                     "offloaded inputs are in %s (%llu bytes): change it between steps",
+                     engine->spill_dir,
                      (unsigned long long)engine->spilled_bytes);
         return -1;
     }
