@@ -7,6 +7,7 @@ import os
 import signal
 import stat
 import subprocess
+import warnings
 import sys
 
 import pytest
@@ -256,3 +257,66 @@ def test_no_file_outlives_a_killed_process(tmp_path):
         child.send_signal(signal.SIGKILL)
         child.wait()
     assert entries(spill) == []
+
+
+@pytest.mark.parametrize("pipeline,depth", [(False, 1), (True, 0), (True, 4)])
+def test_spilled_inputs_come_back_however_backward_fetches(simulated, spill_dir, pipeline, depth):
+    """Each restore reads the spilled inputs backward reaches next, with
+    prefetch or without, as far as the limit allows."""
+    matepoint.set_options(pipeline=pipeline, prefetch_depth=depth)
+    try:
+        seen = checked_step(spill_dir, LIMIT)
+        stats = matepoint.pool_stats()
+    finally:
+        matepoint.set_options(pipeline=True, prefetch_depth=1)
+    assert max(seen) <= LIMIT and stats["fallbacks"] == 0
+    assert stats["spill_reads"] == stats["spill_writes"] > 0
+
+
+def test_selectively_offloaded_outputs_spill_too(simulated, spill_dir):
+    """An op's outputs that selective checkpointing offloads are spans of
+    the pool like the inputs: they spill and come back, gradients exact."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    mm = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_CPU_OFFLOAD if func in mm else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def sac(fn, x):
+        return matepoint.checkpoint(fn, x, context_fn=lambda: create_selective_checkpoint_contexts(
+            policy))
+
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    matepoint.set_options(spill_dir=spill_dir, host_limit_bytes=LIMIT)
+    _, grads = train_step(model, x, sac)
+    assert_bitwise_equal(grads, expected)
+    stats = matepoint.pool_stats()
+    assert stats["spill_writes"] > DEPTH and stats["spill_reads"] == stats["spill_writes"]
+    assert stats["bytes_reserved"] <= LIMIT and stats["fallbacks"] == 0
+
+
+def test_a_limit_of_two_inputs_reads_at_need(simulated, spill_dir):
+    """Room for two inputs only: read-ahead stops at the limit and the copy
+    back of the next region reads its input when it needs it (a read
+    stall, counted); pinned memory still within the limit, grads exact."""
+    stalls = matepoint.pool_stats()["spill_read_stalls"]
+    seen = checked_step(spill_dir, 2 * INPUT_BYTES)
+    stats = matepoint.pool_stats()
+    assert max(seen) <= 2 * INPUT_BYTES and stats["fallbacks"] == 0
+    assert stats["spill_reads"] == stats["spill_writes"] > 0
+    assert stats["spill_read_stalls"] > stalls
+
+
+def test_a_limit_of_one_input_reads_each_at_need(simulated, spill_dir):
+    """Room for one input: nothing can be read ahead while the region after
+    still holds its buffer, so each copy back reads its input itself
+    (pageable memory past the limit, as the pool falls back); pinned
+    memory within the limit, grads exact."""
+    stalls = matepoint.pool_stats()["spill_read_stalls"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # the pageable fallback's
+        seen = checked_step(spill_dir, INPUT_BYTES)
+    stats = matepoint.pool_stats()
+    assert max(seen) <= INPUT_BYTES and stats["spill_reads"] == stats["spill_writes"] > 0
+    assert stats["spill_read_stalls"] - stalls >= DEPTH // 2
