@@ -70,8 +70,8 @@ def set_options(**changes: Any) -> Options:
 
     ``**changes`` are option names with their new values: offload, pipeline,
     prefetch_depth, offload_window, min_offload_bytes, pool_limit_bytes,
-    host_limit_bytes and spill_dir (see ``help(matepoint.Options)``). An unknown name raises TypeError, a
-    bad value TypeError or ValueError, and nothing changes then.
+    host_limit_bytes, spill_dir (see ``help(matepoint.Options)``). An unknown
+    name raises TypeError, a bad value TypeError or ValueError; nothing changes.
     """
     return _settings.update(**changes)
 
@@ -79,17 +79,13 @@ def set_options(**changes: Any) -> Options:
 def pool_stats() -> Dict[str, Any]:
     """Counters of the host pool that offloaded inputs live in.
 
-    bytes_in_use, bytes_requested, bytes_reserved, peak_bytes_in_use,
-    host_allocations, hits, misses, fallbacks (pageable memory used),
-    failures, blocks_in_use, backend ("cuda-pinned", "host" or "none"),
-    prefetched / fetched_at_need: spans copied back ahead of time or on demand,
-    and device_bytes_in_flight / peak_device_bytes_in_flight: device memory of
-    offloaded inputs still held while their copy out may run (bounded by
-    ``offload_window`` checkpoints). The disk tier (``spill_dir``):
-    spilled_bytes / peak_spilled_bytes on disk now and at most,
-    spill_writes / spill_reads finished, spill_read_stalls (a copy back
-    waited for the disk), spill_failures (writes that failed: the input
-    stayed in host memory).
+    bytes_in_use, bytes_requested, bytes_reserved, peak_bytes_in_use, host_allocations,
+    hits, misses, fallbacks (pageable memory used), failures, blocks_in_use, backend
+    ("cuda-pinned", "host" or "none"), prefetched / fetched_at_need: spans copied back
+    ahead of time or on demand, device_bytes_in_flight / peak_device_bytes_in_flight:
+    device memory of offloaded inputs held while their copy out may run (bounded by
+    ``offload_window`` checkpoints); the disk tier's (``spill_dir``) spilled_bytes,
+    peak_spilled_bytes, spill_writes, spill_reads, spill_read_stalls, spill_failures.
     """
     return _pool_stats()
 

@@ -78,6 +78,11 @@ offload_spill_configure(offload_engine *engine, const offload_options *options)
 static int
 ensure_tier(offload_engine *engine)
 {
+    /* a forked child leaves its parent's tier (threads it lacks) alone */
+    if (engine->spill != NULL && spill_in_forked_child(engine->spill)) {
+        engine->spill = NULL;
+        engine->orphan_count = 0;
+    }
     if (engine->spill != NULL)
         return 0;
     char why[512];

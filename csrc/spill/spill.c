@@ -17,6 +17,7 @@ struct spill_tier {
     pthread_cond_t finished;    /* broadcast when any request finished */
     int dirfd;
     int workers;
+    pid_t pid;                  /* the process whose threads these are */
     pthread_t threads[SPILL_MAX_WORKERS];
     int stopping;
     int direct;
@@ -150,6 +151,7 @@ spill_create(const char *path, int workers, char *why, size_t why_len)
     pthread_cond_init(&tier->work, NULL);
     pthread_cond_init(&tier->finished, NULL);
     tier->dirfd = dirfd;
+    tier->pid = getpid();
     tier->direct = 1;
     tier->stats.direct = 1;
     for (int i = 0; i < workers; i++) {
@@ -195,10 +197,24 @@ slot_drop(spill_tier *tier, spill_slot *slot)
     free(slot);
 }
 
+/* A forked child has none of the tier's threads, and the lock may have
+ * been held by one of them at the fork: it must not touch either. */
+static int
+in_forked_child(const spill_tier *tier)
+{
+    return getpid() != tier->pid;
+}
+
+int
+spill_in_forked_child(const spill_tier *tier)
+{
+    return in_forked_child(tier);
+}
+
 void
 spill_destroy(spill_tier *tier)
 {
-    if (tier == NULL)
+    if (tier == NULL || in_forked_child(tier))
         return;
     /* the workers drain the queue before they see `stopping` */
     stop_workers(tier, tier->workers);
@@ -233,6 +249,8 @@ enqueue(spill_tier *tier, spill_slot *slot, spill_op op, void *buffer)
 spill_slot *
 spill_submit_write(spill_tier *tier, const void *buffer, uint64_t bytes)
 {
+    if (in_forked_child(tier))
+        return NULL;
     spill_slot *slot = calloc(1, sizeof *slot);
     if (slot == NULL)
         return NULL;
@@ -254,6 +272,8 @@ spill_submit_write(spill_tier *tier, const void *buffer, uint64_t bytes)
 int
 spill_submit_read(spill_tier *tier, spill_slot *slot, void *buffer)
 {
+    if (in_forked_child(tier))
+        return -1;
     pthread_mutex_lock(&tier->lock);
     int ok = slot->phase == SLOT_IDLE && slot->written;
     if (ok)

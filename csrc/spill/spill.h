@@ -23,7 +23,10 @@
  * its statistics (the tier owns it). A caller holding a lock of its own,
  * such as the GIL, releases it around spill_wait(), spill_slot_free() of a
  * busy slot, and spill_destroy(): only they block. spill_submit_*(),
- * spill_done() and spill_get_stats() never wait on the disk.
+ * spill_done() and spill_get_stats() never wait on the disk. In a child
+ * forked from the process that made the tier (which has none of its
+ * threads) submissions are refused and spill_destroy() does nothing: the
+ * child leaves the parent's tier alone and makes its own.
  *
  * Ownership: the caller owns a slot from spill_submit_write() until
  * spill_slot_free(); the buffer passed to a request stays the caller's and
@@ -70,12 +73,13 @@ spill_tier *spill_create(const char *path, int workers, char *why, size_t why_le
 void spill_destroy(spill_tier *tier);
 
 /* Queues writing `bytes` of `buffer` to a new file; the slot, or NULL
- * without memory. The file is made by the worker: failing to make it is
+ * without memory or in a forked child. The file is made by the worker: failing to make it is
  * the request's error. */
 spill_slot *spill_submit_write(spill_tier *tier, const void *buffer, uint64_t bytes);
 /* Queues reading the slot's bytes back into `buffer` (at least as many
- * bytes as were written). 0, or -1 when the slot's write failed or a
- * request of it is still queued (the caller's bug; nothing is queued). */
+ * bytes as were written). 0, or -1 when the slot's write failed, a
+ * request of it is still queued (the caller's bug; nothing is queued), or
+ * in a forked child. */
 int spill_submit_read(spill_tier *tier, spill_slot *slot, void *buffer);
 
 /* 1 when the slot's last request finished, 0 while it is queued or runs. */
@@ -91,6 +95,8 @@ uint64_t spill_slot_bytes(const spill_slot *slot);
 void spill_slot_free(spill_tier *tier, spill_slot *slot);
 
 spill_stats spill_get_stats(spill_tier *tier);
+/* 1 in a child forked from the process that made the tier. */
+int spill_in_forked_child(const spill_tier *tier);
 
 /* Tests: the next `count` writes fail with errno `error` (ENOSPC, EIO)
  * before they touch the disk; count 0 clears it. */

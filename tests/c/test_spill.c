@@ -198,6 +198,35 @@ test_destroy_with_live_slots(void)
     CHECK(open_fds() == fds_before);
 }
 
+/* A forked child has none of the tier's threads: it submits nothing and
+ * its spill_destroy() leaves the parent's tier alone (no join of threads
+ * it does not have, no lock a parent thread may have held). */
+static void
+test_forked_child_leaves_the_tier_alone(void)
+{
+    char why[512];
+    spill_tier *tier = spill_create(root, 2, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(1 << 20, SPILL_ALIGN);
+    fill(buffer, 1 << 20, 9);
+    spill_slot *slot = spill_submit_write(tier, buffer, 1 << 20);
+    CHECK(spill_wait(tier, slot) == 0);
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        int ok = spill_in_forked_child(tier) && spill_submit_write(tier, buffer, 16) == NULL &&
+                 spill_submit_read(tier, slot, buffer) == -1;
+        spill_destroy(tier);
+        _exit(ok ? 0 : 1);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(!spill_in_forked_child(tier));
+    CHECK(spill_submit_read(tier, slot, buffer) == 0 && spill_wait(tier, slot) == 0);
+    spill_destroy(tier);
+    mp_host_free(buffer);
+}
+
 /* A real full disk: a 1 MiB tmpfs in a mount namespace of its own (a
  * child process, so no mount outlives the test), where one can be made:
  * ENOSPC from the reservation, and the directory is empty afterwards. */
@@ -262,6 +291,7 @@ main(void)
     test_round_trip();
     test_injected_errors();
     test_destroy_with_live_slots();
+    test_forked_child_leaves_the_tier_alone();
     test_full_tmpfs();
     CHECK(entries(root) == 0);
     rmdir(root);
