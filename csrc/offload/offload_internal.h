@@ -120,6 +120,7 @@ struct offload_engine {
     struct spill_orphan *orphans;           /* slots of dead copies still busy */
     int orphan_count, orphan_capacity;
     int warned_spill_failure;
+    int spill_failure_errno;                /* of the first failed write, to warn */
     uint64_t spilled_bytes, peak_spilled_bytes;     /* read from the tier */
     uint64_t spill_writes, spill_reads, spill_read_stalls, spill_failures;
     uint64_t spill_writing_bytes;           /* block bytes of spans being written */

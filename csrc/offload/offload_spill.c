@@ -114,10 +114,13 @@ walk_copies(offload_engine *engine, int (*visit)(offload_engine *, StorageCopy *
     return 0;
 }
 
+/* The first failed write warns, once: after the walk that found it, since
+ * a warning runs Python code (filters, showwarning) that may free groups. */
 static void
-warn_failure_once(offload_engine *engine, int error)
+warn_failure_once(offload_engine *engine)
 {
-    if (engine->warned_spill_failure)
+    int error = engine->spill_failure_errno;
+    if (error == 0 || engine->warned_spill_failure)
         return;
     engine->warned_spill_failure = 1;
     if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
@@ -145,7 +148,7 @@ finish_write(offload_engine *engine, StorageCopy *copy, int keep_block)
     copy->spill_phase = status == 0 ? SPILL_RESIDENT : SPILL_STAYS;
     if (status != 0) {
         engine->spill_failures++;
-        warn_failure_once(engine, status);
+        engine->spill_failure_errno = status;   /* warned by the caller's caller */
     }
 }
 
@@ -201,6 +204,7 @@ offload_spill_poll(offload_engine *engine)
         return;
     walk_copies(engine, poll_copy, NULL);
     poll_orphans(engine);
+    warn_failure_once(engine);
     spill_stats stats = spill_get_stats(engine->spill);
     engine->spilled_bytes = stats.bytes_on_disk;
     engine->peak_spilled_bytes = stats.peak_bytes_on_disk;
@@ -471,6 +475,8 @@ offload_spill_ready(mp_state *st, StorageCopy *copy)
     do {
         step = ready_step(engine, copy);
     } while (step == 0);
+    if (step > 0)
+        warn_failure_once(engine);
     Py_DECREF(copy);
     return step < 0 ? -1 : 0;
 }
