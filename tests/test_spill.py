@@ -320,3 +320,20 @@ def test_a_limit_of_one_input_reads_each_at_need(simulated, spill_dir):
     stats = matepoint.pool_stats()
     assert max(seen) <= INPUT_BYTES and stats["spill_reads"] == stats["spill_writes"] > 0
     assert stats["spill_read_stalls"] - stalls >= DEPTH // 2
+
+
+def test_the_bench_latent_case_has_a_run_with_the_host_limit_at_half(spill_dir, monkeypatch):
+    """matepoint+spill (GPU runs of `python -m matepoint.bench`): the latent
+    case sets host_limit_bytes to half its offloaded bytes, spill_dir from
+    the options (MATEPOINT_SPILL_DIR); the CPU configuration leaves it out."""
+    from matepoint.bench import cli
+    from matepoint.bench.cases import latent
+    matepoint.set_options(spill_dir=spill_dir)
+    spec = {"size": latent.sizes(None, cuda=False), "depth": 6}
+    work = latent.build(spec, "matepoint+spill", torch.device("cpu"))
+    assert matepoint.options.host_limit_bytes == work.extra["input_bytes"] * 6 // 2
+    assert matepoint.options.spill_dir == spill_dir
+    work.run_step()
+    args = cli.parse_args(["--cases", "latent"])
+    assert "matepoint+spill" in latent.MODES
+    assert "matepoint+spill" not in cli.configuration(args, cuda=False)["cases"]["latent"]["modes"]
