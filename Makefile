@@ -26,9 +26,10 @@ ALLOC_SOURCES := $(filter-out csrc/alloc/entry.c,$(sort $(wildcard csrc/alloc/*.
 ALLOC_HEADERS := $(wildcard csrc/alloc/*.h) csrc/cuda/cudart_util.h $(COMMON_HEADERS)
 POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c $(COMMON_SOURCES)
 PLANNER_SOURCES := $(sort $(wildcard csrc/planner/*.c))
+SPILL_SOURCES := $(sort $(wildcard csrc/spill/*.c)) $(COMMON_SOURCES)
 SIM_SOURCES := $(sort $(wildcard csrc/testing/cudart_sim*.c)) $(COMMON_SOURCES)
 CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
-           build/ctest/test_cudart_sim build/ctest/test_helpers
+           build/ctest/test_cudart_sim build/ctest/test_helpers build/ctest/test_spill
 
 .PHONY: test test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
 
@@ -104,6 +105,10 @@ build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h tests/c/lock_probe.h 
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c $(POOL_SOURCES) -lpthread
 
+build/ctest/test_spill: tests/c/test_spill.c tests/c/check.h $(SPILL_SOURCES) $(wildcard csrc/spill/*.h) $(COMMON_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_spill.c $(SPILL_SOURCES) -lpthread
+
 build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h $(SIM_SOURCES) csrc/testing/cudart_sim.h csrc/testing/cudart_sim_internal.h
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
@@ -115,6 +120,19 @@ build/ctest/test_helpers: tests/c/test_helpers.c tests/c/check.h $(SIM_SOURCES) 
 build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h $(PLANNER_SOURCES) $(wildcard csrc/planner/*.h)
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_planner.c $(PLANNER_SOURCES) -lm
+
+# The disk tier's throughput against raw O_DIRECT I/O of the same sizes in
+# the same directory (benchmarks/spill_probe.c; numbers in RESULTS.md).
+SPILL_DIR ?= /tmp
+SPILL_MIB ?= 64
+SPILL_COUNT ?= 16
+SPILL_WORKERS ?= 2
+.PHONY: spill-probe
+spill-probe:
+	@mkdir -p build/bench
+	$(CC) $(C_FLAGS) -Werror -O2 -Icsrc -o build/bench/spill_probe benchmarks/spill_probe.c \
+	  $(SPILL_SOURCES) -lpthread
+	build/bench/spill_probe $(SPILL_DIR) $(SPILL_MIB) $(SPILL_COUNT) $(SPILL_WORKERS)
 
 # Operation-sequence fuzzing of allocator and pool: libFuzzer-compatible
 # harness, driven here by random inputs for a bounded time under ASan/UBSan.
@@ -141,10 +159,12 @@ valgrind:
 	  tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_helpers \
 	  tests/c/test_helpers.c $(SIM_SOURCES) csrc/cuda/cudart_util.c -lpthread
+	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_spill \
+	  tests/c/test_spill.c $(SPILL_SOURCES) -lpthread
 	@if command -v valgrind >/dev/null; then \
 	  $(VALGRIND) build/valgrind/test_pool && $(VALGRIND) build/valgrind/test_alloc && \
 	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim && \
-	  $(VALGRIND) build/valgrind/test_helpers; \
+	  $(VALGRIND) build/valgrind/test_helpers && $(VALGRIND) build/valgrind/test_spill; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
 
 # Line coverage of csrc/offload and csrc/cuda (gcc --coverage, read by gcov

@@ -70,9 +70,9 @@ def set_options(**changes: Any) -> Options:
     """Change matepoint's settings; returns the new ``matepoint.options``.
 
     ``**changes`` are option names with their new values: offload, pipeline,
-    prefetch_depth, offload_window, min_offload_bytes and pool_limit_bytes
-    (see ``help(matepoint.Options)``). An unknown name raises TypeError, a
-    bad value TypeError or ValueError, and nothing changes then.
+    prefetch_depth, offload_window, min_offload_bytes, pool_limit_bytes,
+    host_limit_bytes, spill_dir (see ``help(matepoint.Options)``). An unknown
+    name raises TypeError, a bad value TypeError or ValueError; nothing changes.
     """
     return _settings.update(**changes)
 
@@ -88,7 +88,9 @@ def pool_stats() -> Dict[str, Any]:
     (the last checkpoints' inputs, whose copy out had not finished),
     and device_bytes_in_flight / peak_device_bytes_in_flight: device memory of
     offloaded inputs still held while their copy out may run (bounded by
-    ``offload_window`` checkpoints).
+    ``offload_window`` checkpoints); the disk tier's (``spill_dir``)
+    spilled_bytes, peak_spilled_bytes, spill_writes, spill_reads,
+    spill_read_stalls, spill_failures.
     """
     return _pool_stats()
 

@@ -17,8 +17,8 @@ from typing import List, Mapping
 # helpers and csrc/common go into both libraries; test builds
 # (MATEPOINT_TESTING=1) add csrc/testing: the simulated GPU (cudart_sim*.c)
 # and the test controls
-EXTENSION_FOLDERS = ("base", "offload", "checkpoint", "module", "pool", "planner", "common",
-                     "cuda")
+EXTENSION_FOLDERS = ("base", "offload", "checkpoint", "module", "pool", "spill", "planner",
+                     "common", "cuda")
 TEST_FOLDERS = ("testing",)
 # the allocator, its own shared library (matepoint._alloc) torch loads by path
 ALLOCATOR_FOLDERS = ("alloc", "common", "cuda")

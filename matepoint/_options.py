@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from matepoint import _C
 
@@ -25,6 +25,12 @@ class Options:
     min_offload_bytes: smaller tensors stay on the device.
     pool_limit_bytes: cap on pinned host memory (None: no cap); past it,
         offloads use pageable memory.
+    host_limit_bytes: pinned host memory offloaded inputs may hold (None: no
+        limit); past it, the inputs backward needs last move to files in
+        spill_dir and come back ahead of their recompute. Needs spill_dir.
+    spill_dir: a directory of this user's that no one else can write
+        (created 0700 when missing) for the disk tier's files, which have
+        no name (nothing is left there after a crash). None: no disk tier.
     """
 
     offload: bool = _C.OPTIONS["offload"][0]
@@ -33,6 +39,8 @@ class Options:
     offload_window: int = _C.OPTIONS["offload_window"][0]
     min_offload_bytes: int = _C.OPTIONS["min_offload_bytes"][0]
     pool_limit_bytes: Optional[int] = _C.OPTIONS["pool_limit_bytes"][0]
+    host_limit_bytes: Optional[int] = _C.OPTIONS["host_limit_bytes"][0]
+    spill_dir: Optional[Union[str, "os.PathLike[str]"]] = _C.OPTIONS["spill_dir"][0]
 
     def __post_init__(self) -> None:
         for name in _FIELDS:
@@ -62,7 +70,9 @@ def _parse_env(name: str, text: str) -> Any:
         if lowered in _TRUE | _FALSE:
             return lowered in _TRUE
         raise ValueError(f"{variable}={text!r}: expected one of 1/0, true/false, yes/no, on/off")
-    if name == "pool_limit_bytes" and lowered in {"", "none"}:
+    if name == "spill_dir":
+        return text if text.strip() else None
+    if name in ("pool_limit_bytes", "host_limit_bytes") and lowered in {"", "none"}:
         return None
     try:
         number = int(lowered, 0)

@@ -16,7 +16,7 @@ MAX_LINES = 600
 # Bottom first. A folder may include headers of its own folder and of the
 # folders listed before it; testing (test builds only) sits above the
 # engine it drives and below the module that registers it.
-LAYERS = ("common", "cuda", "pool", "alloc", "planner", "base", "offload", "checkpoint",
+LAYERS = ("common", "cuda", "pool", "spill", "alloc", "planner", "base", "offload", "checkpoint",
           "testing", "module")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 

@@ -4,9 +4,10 @@
 #include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
-typedef enum { KIND_BOOL, KIND_INT, KIND_INT_OR_NONE } option_kind;
-typedef enum { FIELD_INT, FIELD_INT64, FIELD_UINT64 } field_kind;
+typedef enum { KIND_BOOL, KIND_INT, KIND_INT_OR_NONE, KIND_PATH_OR_NONE } option_kind;
+typedef enum { FIELD_INT, FIELD_INT64, FIELD_UINT64, FIELD_PATH } field_kind;
 
 typedef struct {
     const char *name;
@@ -35,6 +36,10 @@ static const option_spec option_specs[] = {
      FIELD(min_offload_bytes, FIELD_INT64)},
     {"pool_limit_bytes", KIND_INT_OR_NONE, 0, 1, INT64_MAX, "2**63 - 1",
      "an int from 1 to 2**63 - 1, or None", FIELD(pool_limit_bytes, FIELD_UINT64)},
+    {"host_limit_bytes", KIND_INT_OR_NONE, 0, 1, INT64_MAX, "2**63 - 1",
+     "an int from 1 to 2**63 - 1, or None", FIELD(host_limit_bytes, FIELD_UINT64)},
+    {"spill_dir", KIND_PATH_OR_NONE, 0, 0, 0, NULL, "a directory path (str or os.PathLike), or None",
+     FIELD(spill_dir, FIELD_PATH)},
 };
 #define OPTION_COUNT (sizeof(option_specs) / sizeof(option_specs[0]))
 
@@ -42,7 +47,9 @@ static void
 store(offload_options *opts, const option_spec *spec, int64_t value)
 {
     char *field = (char *)opts + spec->offset;
-    if (spec->field == FIELD_INT)
+    if (spec->field == FIELD_PATH)
+        field[0] = '\0';   /* a path is stored by check_path; 0 is None */
+    else if (spec->field == FIELD_INT)
         *(int *)field = (int)value;
     else if (spec->field == FIELD_INT64)
         *(int64_t *)field = value;
@@ -102,11 +109,43 @@ out_of_range(const option_spec *spec, PyObject *value, int too_large)
     return -1;
 }
 
+/* A path option: a str, bytes or os.PathLike naming something, short
+ * enough for the engine's buffer; copied into `into` when given. 0, or -1
+ * with a TypeError or ValueError naming the option. */
+static int
+check_path(const option_spec *spec, PyObject *value, char *into)
+{
+    PyObject *encoded = NULL;
+    if (!PyUnicode_Check(value) && !PyBytes_Check(value) &&
+        !PyObject_HasAttrString(value, "__fspath__")) {
+        PyErr_Format(PyExc_TypeError, "matepoint option %s must be %s, got %R", spec->name,
+                     spec->accepted, value);
+        return -1;
+    }
+    if (!PyUnicode_FSConverter(value, &encoded))
+        return -1;
+    Py_ssize_t length = PyBytes_GET_SIZE(encoded);
+    int status = 0;
+    if (length == 0 || length >= OFFLOAD_PATH_MAX) {
+        PyErr_Format(PyExc_ValueError, "matepoint option %s must name a directory (1 to %d "
+                     "bytes), got %R", spec->name, OFFLOAD_PATH_MAX - 1, value);
+        status = -1;
+    } else if (into != NULL) {
+        memcpy(into, PyBytes_AS_STRING(encoded), (size_t)length + 1);
+    }
+    Py_DECREF(encoded);
+    return status;
+}
+
 /* The one check of an option's value: 0 with *out set, or -1 with a
  * TypeError or ValueError naming the option and what it accepts. */
 static int
 check_value(const option_spec *spec, PyObject *value, int64_t *out)
 {
+    if (spec->kind == KIND_PATH_OR_NONE) {
+        *out = 0;
+        return value == Py_None ? 0 : check_path(spec, value, NULL);
+    }
     if (spec->kind == KIND_BOOL) {
         if (!PyBool_Check(value)) {
             PyErr_Format(PyExc_TypeError, "matepoint option %s must be a bool, got %R",
@@ -145,7 +184,8 @@ options_add_table(PyObject *module)
             spec->kind == KIND_BOOL ? Py_BuildValue("(Os)", spec->default_value ? Py_True
                                                                                 : Py_False,
                                                     NULL)
-            : spec->kind == KIND_INT_OR_NONE && spec->default_value == 0
+            : (spec->kind == KIND_INT_OR_NONE || spec->kind == KIND_PATH_OR_NONE) &&
+                      spec->default_value == 0
                 ? Py_BuildValue("(Os)", Py_None, spec->accepted)
                 : Py_BuildValue("(Ls)", (long long)spec->default_value, spec->accepted);
         if (entry == NULL || PyDict_SetItemString(table, spec->name, entry) < 0)
@@ -177,6 +217,20 @@ options_check_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return Py_NewRef(args[1]);
 }
 
+/* The disk tier's options together: a host limit needs a directory to
+ * spill to, and the directory must be private (offload_spill_check_dir). */
+static int
+check_spill(const offload_options *staged)
+{
+    if (staged->host_limit_bytes != 0 && staged->spill_dir[0] == '\0') {
+        PyErr_SetString(PyExc_ValueError,
+                        "matepoint option host_limit_bytes needs spill_dir (or MATEPOINT_SPILL_DIR): "
+                        "the directory offloaded inputs past the limit are written to");
+        return -1;
+    }
+    return staged->spill_dir[0] != '\0' ? offload_spill_check_dir(staged->spill_dir) : 0;
+}
+
 /* _configure(**options): checks every value first, then applies them all
  * (an option not given keeps its value). */
 PyObject *
@@ -201,7 +255,12 @@ options_configure_py(PyObject *module, PyObject *args, PyObject *kwargs)
         if (check_value(spec, value, &number) < 0)
             return NULL;
         store(&staged, spec, number);
+        if (spec->kind == KIND_PATH_OR_NONE && value != Py_None &&
+            check_path(spec, value, (char *)&staged + spec->offset) < 0)
+            return NULL;
     }
+    if (check_spill(&staged) < 0 || offload_spill_configure(st->engine, &staged) < 0)
+        return NULL;
     *current = staged;
     offload_engine_apply_limit(st->engine);
     Py_RETURN_NONE;

@@ -31,6 +31,8 @@
 
 #include "base/state.h"
 
+#define OFFLOAD_PATH_MAX 4096
+
 typedef struct {
     int enabled;                /* offload CUDA inputs at all */
     int pipeline;               /* prefetch; else copy back at need */
@@ -38,7 +40,15 @@ typedef struct {
     int window;                 /* regions whose copies out may be in flight (>= 1) */
     int64_t min_offload_bytes;  /* smaller tensors stay where they are */
     uint64_t pool_limit_bytes;  /* 0: no limit */
+    uint64_t host_limit_bytes;  /* pinned bytes past which spans spill to disk; 0: none */
+    char spill_dir[OFFLOAD_PATH_MAX];   /* the disk tier's directory; "": none */
 } offload_options;
+
+/* The disk tier (offload_spill.c): checks a spill directory for
+ * set_options (0, or -1 with an error naming the problem), and makes the
+ * engine use `options`' tier settings from now on (refused, RuntimeError,
+ * while spans of another directory are on disk). */
+int offload_spill_check_dir(const char *path);
 
 typedef struct offload_engine offload_engine;
 
@@ -47,6 +57,7 @@ offload_engine *offload_engine_new(void);
 void offload_engine_free(offload_engine *engine);
 offload_options *offload_engine_options(offload_engine *engine);
 int offload_engine_apply_limit(offload_engine *engine);
+int offload_spill_configure(offload_engine *engine, const offload_options *options);
 
 /* torch's device type of the tensors the engine moves ("cuda"; "cpu" on the
  * simulated GPU of test builds). */

@@ -118,6 +118,7 @@ offload_engine_free(offload_engine *engine)
     if (engine == NULL)
         return;
     free_devices(engine);
+    offload_spill_free(engine);
     /* buffers still held by live copies are the process's until exit */
     if (engine->pool != NULL && pool_get_stats(engine->pool).blocks_in_use == 0)
         pool_destroy(engine->pool);
@@ -132,7 +133,7 @@ int
 offload_engine_apply_limit(offload_engine *engine)
 {
     pool *p = engine->pool;
-    uint64_t limit = engine->options.pool_limit_bytes;
+    uint64_t limit = offload_spill_pool_limit(engine);
     /* buffers whose last copy completed join the cache the limit drops */
     offload_return_poll_all(engine);
     if (p != NULL) {
@@ -184,7 +185,7 @@ offload_engine_ensure_pool(offload_engine *engine)
     pool_backend backend = rt != NULL && device_count(rt) > 0
                                ? pool_cuda_backend(rt)
                                : pool_host_backend(&engine->host_ctx);
-    engine->pool = pool_create(backend, engine->options.pool_limit_bytes);
+    engine->pool = pool_create(backend, offload_spill_pool_limit(engine));
     if (engine->pool == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -371,8 +372,9 @@ static const struct {
     POOL_KEY(bytes_requested), POOL_KEY(bytes_reserved), POOL_KEY(peak_bytes_in_use),
     POOL_KEY(host_allocations), POOL_KEY(hits), POOL_KEY(misses), POOL_KEY(fallbacks),
     POOL_KEY(failures), POOL_KEY(blocks_in_use), ENGINE_KEY(device_bytes_in_flight),
-    ENGINE_KEY(peak_device_bytes_in_flight),
-    ENGINE_KEY(used_in_place),
+    ENGINE_KEY(peak_device_bytes_in_flight), ENGINE_KEY(used_in_place),
+    ENGINE_KEY(spilled_bytes), ENGINE_KEY(peak_spilled_bytes), ENGINE_KEY(spill_writes),
+    ENGINE_KEY(spill_reads), ENGINE_KEY(spill_read_stalls), ENGINE_KEY(spill_failures),
 };
 #undef POOL_KEY
 #undef ENGINE_KEY
@@ -400,6 +402,7 @@ offload_pool_stats(mp_state *st)
     if (offload_window_poll_all(st) < 0)
         return NULL;
     offload_return_poll_all(engine);
+    offload_spill_poll(engine);
     if (engine->pool != NULL)
         stats = pool_get_stats(engine->pool);
     PyObject *dict = PyDict_New();

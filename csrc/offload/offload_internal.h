@@ -49,6 +49,7 @@
 #include "offload_runtime.h"
 #include "common/mp_assert.h"
 #include "pool/pool.h"
+#include "spill/spill.h"
 
 /* ------------------------------------------------------------------ */
 /* The offload engine: per-device copy state, the host pool and counters.
@@ -119,6 +120,16 @@ struct offload_engine {
     uint64_t fetched_at_need;   /* spans copied back when the recompute asked */
     uint64_t used_in_place;     /* spans backward found still on the device: never copied back */
     int fail_next_acquires;     /* tests: make the pool refuse this many spans */
+    /* the disk tier (offload_spill.c): made at the first spill */
+    spill_tier *spill;
+    char spill_dir[OFFLOAD_PATH_MAX];       /* the tier's directory */
+    struct spill_orphan *orphans;           /* slots of dead copies still busy */
+    int orphan_count, orphan_capacity;
+    int warned_spill_failure;
+    int spill_failure_errno;                /* of the first failed write, to warn */
+    uint64_t spilled_bytes, peak_spilled_bytes;     /* read from the tier */
+    uint64_t spill_writes, spill_reads, spill_read_stalls, spill_failures;
+    uint64_t spill_writing_bytes;           /* block bytes of spans being written */
 };
 
 /* The engine of the module that owns an offload object. */
@@ -157,6 +168,11 @@ void offload_return_after_on(offload_engine *engine, offload_device *device, poo
  * stream up to the first that has not; returns how many. Never blocks. */
 int offload_return_poll(offload_engine *engine, offload_device *device);
 void offload_return_poll_all(offload_engine *engine);
+/* Waits (GIL released) for the stream of the first buffer given back with
+ * a stream key (a copy out still writing the host buffer of an input used
+ * in place), then polls that device: 1 when a buffer came back. For a
+ * caller that would otherwise fall back to pageable memory. */
+int offload_return_wait_stream(offload_engine *engine);
 /* Waits (GIL released) for every buffer's event and gives it back: the
  * device is going away. */
 void offload_return_drain(offload_engine *engine, offload_device *device);
@@ -294,6 +310,8 @@ typedef struct {
     int h2d_awaited;            /* the compute stream waits on h2d_done already */
     int restoring;              /* threads taking a view of `fetched` now */
     int discard_pending;        /* discarded meanwhile: the last of them drops it */
+    spill_slot *spill;          /* the span in the disk tier, or NULL */
+    int spill_phase;            /* where the span is (spill_phase, offload_spill.c) */
 } StorageCopy;
 
 typedef struct {
@@ -426,5 +444,42 @@ int offload_window_poll_all(mp_state *st);
 /* Blocks until every copy of the window completed and empties it (the
  * engine is going away or changes runtime). */
 void offload_window_drain(offload_engine *engine, offload_device *device);
+
+/* ------------------------------------------------------------------ */
+/* The disk tier under the pool (offload_spill.c): with host_limit_bytes
+ * and spill_dir set, the pool's pinned bytes stay within the limit (the
+ * pool's own limit is the smaller of the two limits), and spans needed
+ * last in backward (the oldest groups of a device) move to files on the
+ * tier's threads when a span would not fit. A copy's span is where
+ * spill_phase says:
+ *   SPILL_RESIDENT  in its pool block (the only phase without the tier)
+ *   SPILL_WRITING   in its block, being written out (the block is busy)
+ *   SPILL_ON_DISK   only in its file; no block
+ *   SPILL_READING   being read back into a new block
+ * A write that fails (ENOSPC, EIO) leaves the span resident: the pool
+ * then falls back to pageable memory past the limit, as without a tier.
+ * GIL held; the GIL is released around every wait on the disk. */
+enum { SPILL_RESIDENT, SPILL_WRITING, SPILL_ON_DISK, SPILL_READING };
+
+/* The pool's limit: the smaller nonzero of pool_limit_bytes and, with a
+ * disk tier, host_limit_bytes; 0 for none. */
+uint64_t offload_spill_pool_limit(const offload_engine *engine);
+/* Before a new span of `nbytes` takes a pool buffer (save): finishes
+ * writes, starts spilling the oldest resident spans, and waits for them
+ * while the span would not fit under the limit. */
+int offload_spill_room(mp_state *st, uint64_t nbytes);
+/* Backward reaches `group`: reads spilled spans of it and of the groups
+ * before it back into pool buffers, as far as the limit allows. */
+int offload_spill_readahead(mp_state *st, OffloadGroup *group);
+/* The copy's span in its block, for a copy back: waits for its read (a
+ * read stall), or reads it now. -1 with an OSError when the disk failed. */
+int offload_spill_ready(mp_state *st, StorageCopy *copy);
+/* A dying copy gives up its file; a block the tier still uses goes back to
+ * the pool once its request finished (the copy's block is zeroed). */
+void offload_spill_forget(offload_engine *engine, StorageCopy *copy);
+/* Finishes what the tier completed; refreshes the engine's counters. */
+void offload_spill_poll(offload_engine *engine);
+/* Waits for every request and stops the tier (engine going away). */
+void offload_spill_free(offload_engine *engine);
 
 #endif

@@ -122,6 +122,11 @@ fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
     if (copy->fetched != NULL)
         return 0;
     Py_INCREF(copy);
+    /* a span in the disk tier comes back to its host buffer first */
+    if (offload_spill_ready(st, copy) < 0) {
+        Py_DECREF(copy);
+        return -1;
+    }
     PyObject *fetched = st->engine->runtime->empty_bytes(st, copy->device->index,
                                                          copy->device_obj, copy->nbytes);
     void *dst, *compute = NULL, *done = NULL;
@@ -256,7 +261,8 @@ begin_restore(mp_state *st, OffloadGroup *group, int prefetch_ahead)
     /* backward has begun on this device: nothing it copied out stays in
      * flight, and what it reaches from here on while still there is used
      * in place (fetching skips it) */
-    if (offload_window_backward(st, group->device, last_region(group)) < 0)
+    if (offload_window_backward(st, group->device, last_region(group)) < 0 ||
+        offload_spill_readahead(st, group) < 0)
         return -1;
     if (fetch_group(st, group, 0) < 0)
         return -1;

@@ -129,6 +129,29 @@ offload_return_poll_all(offload_engine *engine)
     }
 }
 
+int
+offload_return_wait_stream(offload_engine *engine)
+{
+    for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
+        offload_device *device = engine->cuda[i];
+        /* a stream, unlike an event, lives as long as its device: another
+         * thread may poll and recycle the entry's event while this one waits */
+        void *stream = NULL;
+        for (int k = 0; device != NULL && stream == NULL && k < device->returning_count; k++)
+            stream = device->returning[k].stream;
+        if (stream == NULL)
+            continue;
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        status = engine->rt->stream_synchronize(stream);
+        Py_END_ALLOW_THREADS
+        if (status != CUDART_SUCCESS)
+            (void)engine->rt->get_last_error();
+        return offload_return_poll(engine, device) > 0;
+    }
+    return 0;
+}
+
 void
 offload_return_drain(offload_engine *engine, offload_device *device)
 {

@@ -24,11 +24,15 @@ warn_fallback_once(offload_engine *engine)
 /* A pool buffer for the copy: a cached one with the GIL held, else one
  * pinned (milliseconds, and the pool may drop its cache: cudaFreeHost
  * synchronizes the device) with the GIL released. Buffers of dead copies
- * join the cache once their last copy is seen complete. 0, or -1 when the pool
- * has no memory at all. */
+ * join the cache once their last copy is seen complete. 0, -1 when the pool
+ * has no memory at all, -2 with an error (the disk tier could not start). */
 static int
-acquire_buffer(offload_engine *engine, StorageCopy *copy)
+acquire_buffer(mp_state *st, StorageCopy *copy)
 {
+    offload_engine *engine = st->engine;
+    /* with a disk tier, older spans go to disk first (offload_spill.c) */
+    if (offload_spill_room(st, copy->nbytes) < 0)
+        return -2;
     if (pool_acquire_cached(engine->pool, copy->nbytes, &copy->block) == 0)
         return 0;
     /* buffers of dead copies whose last copy completed serve first */
@@ -65,9 +69,10 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
     if (offload_engine_current_stream(st, device->index, &producer) < 0 ||
         offload_engine_enter_device(st, device->index, &previous) < 0)
         return -1;
-    if (acquire_buffer(engine, copy) < 0) {
+    int acquired = acquire_buffer(st, copy);
+    if (acquired < 0) {
         offload_engine_leave_device(st, device->index, previous);
-        return 0;
+        return acquired == -2 ? -1 : 0;
     }
     int failed = offload_device_order(engine, device, device->copy_out, producer) < 0 ||
                  streams_memcpy(rt, copy->block.ptr, (const void *)src, (size_t)copy->nbytes,

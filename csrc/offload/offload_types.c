@@ -24,6 +24,8 @@ storage_copy_dealloc(StorageCopy *self)
          * event): it goes back with the event of the last one, and the
          * pool reuses it once that completed, without a host wait. A copy
          * back was queued after the copy out, so its event covers both. */
+        /* a span the disk tier still writes or reads keeps its block there */
+        offload_spill_forget(engine, self);
         void *last = self->h2d_done != NULL ? self->h2d_done : self->d2h_done;
         int had_block = self->block.ptr != NULL;
         if (self->h2d_done != NULL && self->d2h_done != NULL)

@@ -104,6 +104,7 @@ keep_in_place(offload_engine *engine, StorageCopy *copy)
 {
     MP_ASSERT(copy->source != NULL && copy->fetched == NULL && copy->h2d_done == NULL);
     MP_ASSERT(copy->block.ptr != NULL && copy->state != COPY_EMPTY);
+    MP_ASSERT(copy->spill_phase == SPILL_RESIDENT && copy->spill == NULL);
     MP_ASSERT(engine->device_bytes_in_flight >= copy->nbytes);
     engine->device_bytes_in_flight -= copy->nbytes;
     copy->fetched = copy->source;       /* the window's reference, now the copy's */
@@ -188,9 +189,12 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region, int kee
          * fails every time: 2 calls a span saved) */
         if (forced)
             ask = 0;
-        /* a copy fetched while held (unpacked outside a restore) keeps its copy back */
+        /* a copy fetched while held (unpacked outside a restore) keeps its
+         * copy back; so does one the disk tier took (its block is the tier's
+         * until its request finished: offload_spill_forget) */
         if (keep && copy->region <= keep_through_region && copy->source != NULL &&
-            copy->fetched == NULL && copy->h2d_done == NULL) {
+            copy->fetched == NULL && copy->h2d_done == NULL &&
+            copy->spill_phase == SPILL_RESIDENT && copy->spill == NULL) {
             keep_in_place(st->engine, copy);
             continue;
         }

@@ -17,7 +17,8 @@ bench.json (with the configuration that ran) and bench.png go to --out
   llama    Hugging Face Llama (16 x 1024), likewise
 
 Modes: none, torch, torch+save_on_cpu, matepoint, matepoint+alloc,
-matepoint-auto. Gradients are compared with the no-checkpoint run (or
+matepoint+spill (latent, GPU only: the disk tier with the host limit at
+half the offloaded bytes), matepoint-auto. Gradients are compared with the no-checkpoint run (or
 torch's checkpoint where that ran out of memory) by the largest norm-wise
 relative error over parameters, judged against torch's own error. On a GPU
 it also probes the host-device link and the offload throughput on a warm
@@ -100,8 +101,9 @@ def configuration(args: argparse.Namespace, cuda: bool) -> Dict[str, Any]:
     """What will run on this machine: rounds, steps, and per case its sizes,
     depths and modes (on the CPU, its small sizes, not the GPU defaults)."""
     wanted = args.modes.split(",")
-    if not cuda:  # the allocator is CUDA's; save_on_cpu moves nothing off a CPU
-        wanted = [m for m in wanted if m not in ("matepoint+alloc", "torch+save_on_cpu")]
+    if not cuda:  # the allocator is CUDA's; save_on_cpu and the disk tier move nothing off a CPU
+        wanted = [m for m in wanted
+                  if m not in ("matepoint+alloc", "torch+save_on_cpu", "matepoint+spill")]
     cases: Dict[str, Any] = {}
     names = args.cases.split(",") if args.cases else list(CASES) if cuda else list(CPU_CASES)
     for name in names:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from matepoint.bench import modes
 from matepoint.bench.workload import Workload, chain_step
 
-MODES = ["torch", "torch+save_on_cpu", "matepoint", "matepoint+alloc"]
+MODES = ["torch", "torch+save_on_cpu", "matepoint", "matepoint+alloc", "matepoint+spill"]
 
 
 class WindowBlock(nn.Module):
@@ -67,6 +67,8 @@ def build(spec: Dict[str, Any], mode: str, device: torch.device) -> Workload:
               for _ in range(depth)]
     x = torch.randn(size["tokens"], size["width"], device=device, dtype=dtype)
     parameters = [p for block in blocks for p in block.parameters()]
+    if mode == "matepoint+spill":   # half of what a step offloads stays in pinned memory
+        modes.use_spill(x.nbytes * depth // 2)
     step = chain_step(blocks, x, modes.checkpoint_function(mode))
     return Workload(parameters, step, reserve=(x.nbytes, depth),
                     extra={"input_bytes": x.nbytes})

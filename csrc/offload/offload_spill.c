@@ -1,0 +1,553 @@
+/* The disk tier under the pool: spans backward needs last go to files when
+ * pinned memory would pass host_limit_bytes, and come back ahead of their
+ * recompute (the contract: offload_internal.h, "The disk tier"). */
+#include "offload_internal.h"
+#include "streams.h"
+
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+
+#define SPILL_WORKERS 2
+/* a copy that failed to spill stays resident and is never tried again */
+#define SPILL_STAYS (SPILL_READING + 1)
+
+/* A dead copy's slot whose request still runs: its block goes back to the
+ * pool once the request finished. */
+struct spill_orphan {
+    spill_slot *slot;
+    pool_block block;
+    int writing;
+};
+
+static int
+tier_wanted(const offload_options *options)
+{
+    return options->host_limit_bytes != 0 && options->spill_dir[0] != '\0';
+}
+
+uint64_t
+offload_spill_pool_limit(const offload_engine *engine)
+{
+    uint64_t pool = engine->options.pool_limit_bytes;
+    uint64_t host = tier_wanted(&engine->options) ? engine->options.host_limit_bytes : 0;
+    if (pool == 0 || host == 0)
+        return pool + host;
+    return pool < host ? pool : host;
+}
+
+int
+offload_spill_check_dir(const char *path)
+{
+    char why[512];
+    int fd = spill_dir_open(path, why, sizeof why);
+    if (fd < 0) {
+        PyErr_Format(PyExc_ValueError, "matepoint option spill_dir: %s", why);
+        return -1;
+    }
+    close(fd);
+    return 0;
+}
+
+static int
+tier_busy(offload_engine *engine)
+{
+    offload_spill_poll(engine);
+    return engine->orphan_count > 0 || spill_get_stats(engine->spill).slots > 0;
+}
+
+int
+offload_spill_configure(offload_engine *engine, const offload_options *options)
+{
+    if (engine->spill == NULL ||
+        (tier_wanted(options) && strcmp(options->spill_dir, engine->spill_dir) == 0))
+        return 0;
+    if (tier_busy(engine)) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "matepoint: spill_dir cannot change, nor the disk tier stop, while "
+                     "offloaded inputs are in %s (%llu bytes): change it between steps",
+                     engine->spill_dir,
+                     (unsigned long long)engine->spilled_bytes);
+        return -1;
+    }
+    offload_spill_free(engine);
+    return 0;
+}
+
+/* The tier, started at the first spill. */
+static int
+ensure_tier(offload_engine *engine)
+{
+    /* a forked child leaves its parent's tier (threads it lacks) alone */
+    if (engine->spill != NULL && spill_in_forked_child(engine->spill)) {
+        engine->spill = NULL;
+        engine->orphan_count = 0;
+    }
+    if (engine->spill != NULL)
+        return 0;
+    char why[512];
+    engine->spill = spill_create(engine->options.spill_dir, SPILL_WORKERS, why, sizeof why);
+    if (engine->spill == NULL) {
+        PyErr_Format(PyExc_OSError, "matepoint: the disk tier cannot start: %s", why);
+        return -1;
+    }
+    memcpy(engine->spill_dir, engine->options.spill_dir, sizeof engine->spill_dir);
+    return 0;
+}
+
+/* Calls `visit` on every copy of every device, oldest group first, until
+ * it returns nonzero (returned). `visit` must not release the GIL. */
+static int
+walk_copies(offload_engine *engine, int (*visit)(offload_engine *, StorageCopy *, void *),
+            void *ctx)
+{
+    for (int d = 0; d < MAX_CUDA_DEVICES; d++) {
+        offload_device *device = engine->cuda[d];
+        for (OffloadGroup *g = device ? device->first : NULL; g != NULL; g = g->next) {
+            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g->copies); i++) {
+                int stop = visit(engine, (StorageCopy *)PyTuple_GET_ITEM(g->copies, i), ctx);
+                if (stop != 0)
+                    return stop;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The first failed write warns, once: after the walk that found it, since
+ * a warning runs Python code (filters, showwarning) that may free groups. */
+static void
+warn_failure_once(offload_engine *engine)
+{
+    int error = engine->spill_failure_errno;
+    if (error == 0 || engine->warned_spill_failure)
+        return;
+    engine->warned_spill_failure = 1;
+    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                         "matepoint: writing to spill_dir %s failed (%s): the inputs that did "
+                         "not fit stay in host memory (pageable past host_limit_bytes); "
+                         "pool_stats()['spill_failures'] counts them",
+                         engine->spill_dir, strerror(error)) < 0)
+        PyErr_WriteUnraisable(NULL);
+}
+
+/* The write of a spilling copy finished: its block goes back to the pool
+ * (0), or, when it failed, the span stays in it. */
+static void
+finish_write(offload_engine *engine, StorageCopy *copy, int keep_block)
+{
+    int status = spill_status(engine->spill, copy->spill);
+    mp_counter_sub(&engine->spill_writing_bytes, copy->block.size);
+    if (status == 0 && !keep_block) {
+        pool_release(engine->pool, &copy->block);
+        copy->spill_phase = SPILL_ON_DISK;
+        return;
+    }
+    spill_slot_free(engine->spill, copy->spill);
+    copy->spill = NULL;
+    copy->spill_phase = status == 0 ? SPILL_RESIDENT : SPILL_STAYS;
+    if (status != 0) {
+        engine->spill_failures++;
+        engine->spill_failure_errno = status;   /* warned by the caller's caller */
+    }
+}
+
+/* A read that finished well: the span is in its block again. A failed one
+ * stays READING for offload_spill_ready to report. */
+static void
+finish_read(offload_engine *engine, StorageCopy *copy)
+{
+    if (spill_status(engine->spill, copy->spill) != 0)
+        return;
+    spill_slot_free(engine->spill, copy->spill);
+    copy->spill = NULL;
+    copy->spill_phase = SPILL_RESIDENT;
+}
+
+static int
+poll_copy(offload_engine *engine, StorageCopy *copy, void *ctx)
+{
+    (void)ctx;
+    if (copy->spill == NULL || copy->spill_phase == SPILL_ON_DISK ||
+        !spill_done(engine->spill, copy->spill))
+        return 0;
+    if (copy->spill_phase == SPILL_WRITING)
+        finish_write(engine, copy, 0);
+    else
+        finish_read(engine, copy);
+    return 0;
+}
+
+static void
+poll_orphans(offload_engine *engine)
+{
+    int kept = 0;
+    for (int i = 0; i < engine->orphan_count; i++) {
+        struct spill_orphan *orphan = &engine->orphans[i];
+        if (!spill_done(engine->spill, orphan->slot)) {
+            engine->orphans[kept++] = *orphan;
+            continue;
+        }
+        if (orphan->writing)
+            mp_counter_sub(&engine->spill_writing_bytes, orphan->block.size);
+        spill_slot_free(engine->spill, orphan->slot);
+        if (orphan->block.ptr != NULL)
+            pool_release(engine->pool, &orphan->block);
+    }
+    engine->orphan_count = kept;
+}
+
+void
+offload_spill_poll(offload_engine *engine)
+{
+    if (engine->spill == NULL)
+        return;
+    walk_copies(engine, poll_copy, NULL);
+    poll_orphans(engine);
+    warn_failure_once(engine);
+    spill_stats stats = spill_get_stats(engine->spill);
+    engine->spilled_bytes = stats.bytes_on_disk;
+    engine->peak_spilled_bytes = stats.peak_bytes_on_disk;
+    engine->spill_writes = stats.writes;
+    engine->spill_reads = stats.reads;
+}
+
+/* Has the copy's D2H completed? (the window's rule: a completed event goes
+ * back to the spares) */
+static int
+d2h_completed(offload_engine *engine, StorageCopy *copy)
+{
+    if (copy->state == COPY_COMPLETED)
+        return 1;
+    if (copy->state != COPY_QUEUED || streams_event_done(engine->rt, copy->d2h_done) != 1) {
+        PyErr_Clear();
+        return 0;
+    }
+    offload_device_give_event(engine, copy->device, copy->d2h_done);
+    copy->d2h_done = NULL;
+    copy_advance(copy, COPY_COMPLETED);
+    return 1;
+}
+
+/* What start_spills stops at: bytes still to move off the pool. */
+typedef struct {
+    uint64_t excess;
+    int pending_d2h;    /* a candidate waits for its copy out */
+} spill_goal;
+
+/* Starts writing the oldest resident spans until `excess` bytes are being
+ * written; a span whose copy out is still queued stops the walk of the
+ * GPU's order (the ones after it are queued later). */
+static int
+start_one(offload_engine *engine, StorageCopy *copy, void *ctx)
+{
+    spill_goal *goal = ctx;
+    if (goal->excess == 0)
+        return 1;
+    if (copy->spill_phase != SPILL_RESIDENT || copy->block.ptr == NULL ||
+        copy->block.fallback || copy->fetched != NULL || copy->restoring > 0 ||
+        copy->h2d_done != NULL || copy->nbytes == 0)
+        return 0;
+    if (!d2h_completed(engine, copy)) {
+        goal->pending_d2h = 1;
+        return 1;
+    }
+    copy->spill = spill_submit_write(engine->spill, copy->block.ptr, copy->nbytes);
+    if (copy->spill == NULL)
+        return 1;   /* no memory for a slot: the pool falls back */
+    copy->spill_phase = SPILL_WRITING;
+    engine->spill_writing_bytes += copy->block.size;
+    goal->excess = copy->block.size >= goal->excess ? 0 : goal->excess - copy->block.size;
+    return 0;
+}
+
+static int
+oldest_writing(offload_engine *engine, StorageCopy *copy, void *ctx)
+{
+    (void)engine;
+    if (copy->spill_phase != SPILL_WRITING)
+        return 0;
+    *(StorageCopy **)ctx = copy;
+    return 1;
+}
+
+/* Blocks, GIL released, until the oldest spilling copy's write finished,
+ * or else the copies out queued so far: 0, or 1 when there is nothing to
+ * wait for. */
+static int
+wait_for_room(offload_engine *engine, int pending_d2h)
+{
+    StorageCopy *copy = NULL;
+    walk_copies(engine, oldest_writing, &copy);
+    if (copy != NULL) {
+        Py_INCREF(copy);
+        spill_slot *slot = copy->spill;
+        Py_BEGIN_ALLOW_THREADS
+        (void)spill_wait(engine->spill, slot);
+        Py_END_ALLOW_THREADS
+        Py_DECREF(copy);
+        return 0;
+    }
+    if (!pending_d2h)
+        return 1;
+    for (int d = 0; d < MAX_CUDA_DEVICES; d++) {
+        void *stream = engine->cuda[d] != NULL ? engine->cuda[d]->copy_out : NULL;
+        int status = CUDART_SUCCESS;
+        if (stream == NULL)
+            continue;
+        Py_BEGIN_ALLOW_THREADS
+        status = engine->rt->stream_synchronize(stream);
+        Py_END_ALLOW_THREADS
+        if (status != CUDART_SUCCESS)
+            (void)engine->rt->get_last_error();
+    }
+    return 0;
+}
+
+int
+offload_spill_room(mp_state *st, uint64_t nbytes)
+{
+    offload_engine *engine = st->engine;
+    if (!tier_wanted(&engine->options) || engine->pool == NULL)
+        return 0;
+    if (ensure_tier(engine) < 0)
+        return -1;
+    uint64_t limit = engine->options.host_limit_bytes, need = pool_class_size(nbytes);
+    int synced = 0;     /* waited for the copies out once: a second time buys nothing */
+    for (;;) {
+        offload_spill_poll(engine);
+        offload_return_poll_all(engine);
+        uint64_t in_use = pool_get_stats(engine->pool).bytes_in_use;
+        /* spill ahead down to half the limit: the writes run beside the
+         * forward, and backward reads back into the other half */
+        uint64_t after = in_use - engine->spill_writing_bytes + need;
+        spill_goal goal = {after > limit / 2 ? after - limit / 2 : 0, 0};
+        walk_copies(engine, start_one, &goal);
+        if (in_use + need <= limit || wait_for_room(engine, goal.pending_d2h && !synced) != 0)
+            return 0;
+        synced |= goal.pending_d2h;
+    }
+}
+
+/* A pool buffer for reading `copy` back: a cached one with the GIL held,
+ * else one allocated without it. 0, or -1 when the pool had none. */
+static int
+acquire_for_read(offload_engine *engine, StorageCopy *copy, pool_block *block)
+{
+    if (pool_acquire_cached(engine->pool, copy->nbytes, block) == 0)
+        return 0;
+    /* pinned memory at the limit while buffers of inputs used in place
+     * wait on their copies out: wait for those copies rather than read
+     * into pageable memory */
+    uint64_t limit = offload_spill_pool_limit(engine);
+    while (limit != 0 &&
+           pool_get_stats(engine->pool).bytes_reserved + pool_class_size(copy->nbytes) > limit &&
+           offload_return_wait_stream(engine) > 0) {
+        if (pool_acquire_cached(engine->pool, copy->nbytes, block) == 0)
+            return 0;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = pool_acquire(engine->pool, copy->nbytes, block);
+    Py_END_ALLOW_THREADS
+    return status;
+}
+
+/* Queues reading an on-disk copy back into `block` (the copy takes it). */
+static void
+start_read(offload_engine *engine, StorageCopy *copy, pool_block *block)
+{
+    MP_ASSERT(copy->spill_phase == SPILL_ON_DISK && copy->block.ptr == NULL);
+    copy->block = *block;
+    memset(block, 0, sizeof *block);
+    if (spill_submit_read(engine->spill, copy->spill, copy->block.ptr) == 0)
+        copy->spill_phase = SPILL_READING;
+    else    /* cannot happen: an on-disk slot is idle and written */
+        MP_ASSERT(0);
+}
+
+/* Reads the group's on-disk spans back while they fit under the limit:
+ * 1 when one did not (stop), 0 to go on, -1 on error. Acquiring a buffer
+ * lets other threads run: the group is held, and a copy read back by
+ * another thread meanwhile gives the buffer back. */
+static int
+read_group(offload_engine *engine, OffloadGroup *group)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(group->copies); i++) {
+        StorageCopy *copy = (StorageCopy *)PyTuple_GET_ITEM(group->copies, i);
+        if (copy->spill_phase != SPILL_ON_DISK)
+            continue;
+        uint64_t in_use = pool_get_stats(engine->pool).bytes_in_use;
+        if (in_use + pool_class_size(copy->nbytes) > engine->options.host_limit_bytes)
+            return 1;
+        pool_block block = {0};
+        if (acquire_for_read(engine, copy, &block) < 0)
+            return 1;
+        if (block.fallback || copy->spill_phase != SPILL_ON_DISK) {
+            pool_release(engine->pool, &block);
+            if (block.fallback)
+                return 1;
+            continue;
+        }
+        start_read(engine, copy, &block);
+    }
+    return 0;
+}
+
+int
+offload_spill_readahead(mp_state *st, OffloadGroup *group)
+{
+    offload_engine *engine = st->engine;
+    if (engine->spill == NULL || engine->pool == NULL)
+        return 0;
+    offload_spill_poll(engine);
+    offload_return_poll_all(engine);
+    /* backward runs this thread's groups newest first: read the ones it
+     * reaches next, as far as the limit allows */
+    OffloadGroup *at = (OffloadGroup *)Py_NewRef(group);
+    int stop = 0;
+    while (at != NULL && !stop) {
+        if (at->thread == group->thread && !at->handed_back)
+            stop = read_group(engine, at);
+        OffloadGroup *prev = at->linked ? at->prev : NULL;
+        Py_XINCREF(prev);
+        Py_SETREF(at, prev);
+    }
+    Py_XDECREF(at);
+    return 0;
+}
+
+/* Waits, GIL released, for the copy's request; counts a read stall when
+ * the copy back had to wait for the disk. */
+static void
+wait_request(offload_engine *engine, StorageCopy *copy)
+{
+    spill_slot *slot = copy->spill;
+    if (spill_done(engine->spill, slot))
+        return;
+    engine->spill_read_stalls++;
+    Py_BEGIN_ALLOW_THREADS
+    (void)spill_wait(engine->spill, slot);
+    Py_END_ALLOW_THREADS
+}
+
+/* One step of offload_spill_ready: 1 when the span is in its block, 0 to
+ * look again (the GIL was released), -1 with an error. The caller holds
+ * the copy. */
+static int
+ready_step(offload_engine *engine, StorageCopy *copy)
+{
+    pool_block block = {0};
+    switch (copy->spill_phase) {
+    case SPILL_WRITING:     /* still in its block: keep it there */
+        wait_request(engine, copy);
+        if (copy->spill_phase == SPILL_WRITING)
+            finish_write(engine, copy, 1);
+        return 0;
+    case SPILL_ON_DISK:
+        engine->spill_read_stalls++;
+        if (acquire_for_read(engine, copy, &block) < 0) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (copy->spill_phase != SPILL_ON_DISK)
+            pool_release(engine->pool, &block);
+        else
+            start_read(engine, copy, &block);
+        return 0;
+    case SPILL_READING:
+        wait_request(engine, copy);
+        if (copy->spill_phase != SPILL_READING)
+            return 0;
+        int status = spill_status(engine->spill, copy->spill);
+        if (status != 0) {
+            errno = status;
+            PyErr_Format(PyExc_OSError,
+                         "matepoint: reading an offloaded input back from spill_dir %s failed "
+                         "(%s)", engine->spill_dir, strerror(status));
+            return -1;
+        }
+        finish_read(engine, copy);
+        return 1;
+    default:
+        return 1;
+    }
+}
+
+int
+offload_spill_ready(mp_state *st, StorageCopy *copy)
+{
+    offload_engine *engine = st->engine;
+    if (copy->spill_phase == SPILL_RESIDENT || copy->spill_phase == SPILL_STAYS)
+        return 0;
+    Py_INCREF(copy);
+    int step;
+    do {
+        step = ready_step(engine, copy);
+    } while (step == 0);
+    if (step > 0)
+        warn_failure_once(engine);
+    Py_DECREF(copy);
+    return step < 0 ? -1 : 0;
+}
+
+/* Keeps a busy slot, with the block its request uses, until it finished. */
+static int
+adopt_orphan(offload_engine *engine, StorageCopy *copy)
+{
+    if (engine->orphan_count == engine->orphan_capacity) {
+        int capacity = engine->orphan_capacity ? 2 * engine->orphan_capacity : 16;
+        struct spill_orphan *grown =
+            PyMem_Realloc(engine->orphans, (size_t)capacity * sizeof(*grown));
+        if (grown == NULL)
+            return -1;
+        engine->orphans = grown;
+        engine->orphan_capacity = capacity;
+    }
+    struct spill_orphan *orphan = &engine->orphans[engine->orphan_count++];
+    orphan->slot = copy->spill;
+    orphan->block = copy->block;
+    orphan->writing = copy->spill_phase == SPILL_WRITING;
+    memset(&copy->block, 0, sizeof copy->block);
+    return 0;
+}
+
+void
+offload_spill_forget(offload_engine *engine, StorageCopy *copy)
+{
+    if (copy->spill == NULL)
+        return;
+    int busy = !spill_done(engine->spill, copy->spill);
+    if (busy && adopt_orphan(engine, copy) == 0) {
+        copy->spill = NULL;
+        return;
+    }
+    /* idle, or no memory to remember it: the one wait on the disk with the GIL */
+    if (copy->spill_phase == SPILL_WRITING) {
+        (void)spill_wait(engine->spill, copy->spill);
+        mp_counter_sub(&engine->spill_writing_bytes, copy->block.size);
+    }
+    spill_slot_free(engine->spill, copy->spill);
+    copy->spill = NULL;
+}
+
+void
+offload_spill_free(offload_engine *engine)
+{
+    if (engine->spill == NULL)
+        return;
+    spill_tier *tier = engine->spill;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < engine->orphan_count; i++)
+        (void)spill_wait(tier, engine->orphans[i].slot);
+    Py_END_ALLOW_THREADS
+    poll_orphans(engine);
+    MP_ASSERT(engine->orphan_count == 0);
+    Py_BEGIN_ALLOW_THREADS
+    spill_destroy(tier);
+    Py_END_ALLOW_THREADS
+    engine->spill = NULL;
+    PyMem_Free(engine->orphans);
+    engine->orphans = NULL;
+    engine->orphan_capacity = 0;
+}

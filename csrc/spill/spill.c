@@ -1,0 +1,359 @@
+/* The disk tier: slots, their request queue and the worker threads. */
+#include "spill_internal.h"
+#include "common/mp_assert.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Owner: the tier owns its mutex, its threads and every slot on its live
+ * list. `lock` guards every field below but `dirfd`, `workers` and
+ * `threads`, which are set before the threads start and read-only after. */
+struct spill_tier {
+    pthread_mutex_t lock;
+    pthread_cond_t work;        /* signalled when a request is queued or the tier stops */
+    pthread_cond_t finished;    /* broadcast when any request finished */
+    int dirfd;
+    int workers;
+    pid_t pid;                  /* the process whose threads these are */
+    pthread_t threads[SPILL_MAX_WORKERS];
+    int stopping;
+    int direct;
+    spill_slot *queue_head, *queue_tail;
+    spill_slot *live;           /* every slot, newest first */
+    spill_stats stats;
+    int inject_error, inject_count;
+};
+
+/* Takes the oldest queued slot; lock held. NULL when none. */
+static spill_slot *
+dequeue(spill_tier *tier)
+{
+    spill_slot *slot = tier->queue_head;
+    if (slot == NULL)
+        return NULL;
+    tier->queue_head = slot->next_queued;
+    if (tier->queue_head == NULL)
+        tier->queue_tail = NULL;
+    slot->next_queued = NULL;
+    MP_ASSERT(slot->phase == SLOT_QUEUED);
+    slot->phase = SLOT_RUNNING;
+    return slot;
+}
+
+/* Runs one request with the lock released; `injected` is an error a test
+ * asked for (0 for none). */
+static int
+run_request(spill_tier *tier, spill_slot *slot, int injected, int *direct, uint64_t *direct_bytes)
+{
+    *direct_bytes = 0;
+    if (slot->op == SPILL_READ)
+        return spill_io_read(slot->fd, slot->buffer, slot->bytes, direct, direct_bytes);
+    if (injected != 0)
+        return injected;
+    if (slot->fd < 0) {
+        int fd = spill_file_make(tier->dirfd);
+        if (fd < 0)
+            return -fd;
+        slot->fd = fd;
+    }
+    return spill_io_write(slot->fd, slot->buffer, slot->bytes, direct, direct_bytes);
+}
+
+/* Counts a finished request; lock held. */
+static void
+account(spill_tier *tier, spill_slot *slot, int status, uint64_t direct_bytes)
+{
+    spill_stats *s = &tier->stats;
+    s->direct_bytes += direct_bytes;
+    if (slot->op == SPILL_WRITE && status == 0) {
+        slot->written = 1;
+        s->writes++;
+        s->bytes_written += slot->bytes;
+        s->bytes_on_disk += slot->bytes;
+        if (s->bytes_on_disk > s->peak_bytes_on_disk)
+            s->peak_bytes_on_disk = s->bytes_on_disk;
+    } else if (slot->op == SPILL_WRITE) {
+        s->write_errors++;
+    } else if (status == 0) {
+        s->reads++;
+        s->bytes_read += slot->bytes;
+    } else {
+        s->read_errors++;
+    }
+}
+
+static void *
+worker_main(void *arg)
+{
+    spill_tier *tier = arg;
+    pthread_mutex_lock(&tier->lock);
+    for (;;) {
+        spill_slot *slot = dequeue(tier);
+        if (slot == NULL) {
+            if (tier->stopping)
+                break;
+            pthread_cond_wait(&tier->work, &tier->lock);
+            continue;
+        }
+        int injected = 0;
+        if (slot->op == SPILL_WRITE && tier->inject_count > 0) {
+            tier->inject_count--;
+            injected = tier->inject_error;
+        }
+        int direct = tier->direct;
+        uint64_t direct_bytes = 0;
+        pthread_mutex_unlock(&tier->lock);
+        int status = run_request(tier, slot, injected, &direct, &direct_bytes);
+        pthread_mutex_lock(&tier->lock);
+        if (!direct)
+            tier->direct = 0;
+        account(tier, slot, status, direct_bytes);
+        slot->status = status;
+        slot->buffer = NULL;
+        MP_ASSERT(slot->phase == SLOT_RUNNING);
+        slot->phase = SLOT_IDLE;
+        pthread_cond_broadcast(&tier->finished);
+    }
+    pthread_mutex_unlock(&tier->lock);
+    return NULL;
+}
+
+/* Stops and joins the first `started` threads. */
+static void
+stop_workers(spill_tier *tier, int started)
+{
+    pthread_mutex_lock(&tier->lock);
+    tier->stopping = 1;
+    pthread_cond_broadcast(&tier->work);
+    pthread_mutex_unlock(&tier->lock);
+    for (int i = 0; i < started; i++)
+        pthread_join(tier->threads[i], NULL);
+}
+
+spill_tier *
+spill_create(const char *path, int workers, char *why, size_t why_len)
+{
+    if (workers < 1 || workers > SPILL_MAX_WORKERS) {
+        snprintf(why, why_len, "the spill tier takes 1 to %d worker threads, not %d",
+                 SPILL_MAX_WORKERS, workers);
+        return NULL;
+    }
+    int dirfd = spill_dir_open(path, why, why_len);
+    if (dirfd < 0)
+        return NULL;
+    spill_tier *tier = calloc(1, sizeof *tier);
+    if (tier == NULL)
+        goto error;
+    pthread_mutex_init(&tier->lock, NULL);
+    pthread_cond_init(&tier->work, NULL);
+    pthread_cond_init(&tier->finished, NULL);
+    tier->dirfd = dirfd;
+    tier->pid = getpid();
+    tier->direct = 1;
+    tier->stats.direct = 1;
+    for (int i = 0; i < workers; i++) {
+        int error = pthread_create(&tier->threads[i], NULL, worker_main, tier);
+        if (error != 0) {
+            snprintf(why, why_len, "the spill tier could not start a thread: %s",
+                     strerror(error));
+            stop_workers(tier, i);
+            goto error;
+        }
+        tier->workers = i + 1;
+    }
+    return tier;
+error:
+    if (tier == NULL)
+        snprintf(why, why_len, "out of memory for the spill tier");
+    else {
+        pthread_cond_destroy(&tier->finished);
+        pthread_cond_destroy(&tier->work);
+        pthread_mutex_destroy(&tier->lock);
+        free(tier);
+    }
+    close(dirfd);
+    return NULL;
+}
+
+/* Takes a slot off the live list and frees it; lock held, slot idle. */
+static void
+slot_drop(spill_tier *tier, spill_slot *slot)
+{
+    MP_ASSERT(slot->phase == SLOT_IDLE);
+    if (slot->prev_live != NULL)
+        slot->prev_live->next_live = slot->next_live;
+    else
+        tier->live = slot->next_live;
+    if (slot->next_live != NULL)
+        slot->next_live->prev_live = slot->prev_live;
+    if (slot->written)
+        mp_counter_sub(&tier->stats.bytes_on_disk, slot->bytes);
+    mp_counter_sub(&tier->stats.slots, 1);
+    if (slot->fd >= 0)
+        close(slot->fd);
+    free(slot);
+}
+
+/* A forked child has none of the tier's threads, and the lock may have
+ * been held by one of them at the fork: it must not touch either. */
+static int
+in_forked_child(const spill_tier *tier)
+{
+    return getpid() != tier->pid;
+}
+
+int
+spill_in_forked_child(const spill_tier *tier)
+{
+    return in_forked_child(tier);
+}
+
+void
+spill_destroy(spill_tier *tier)
+{
+    if (tier == NULL || in_forked_child(tier))
+        return;
+    /* the workers drain the queue before they see `stopping` */
+    stop_workers(tier, tier->workers);
+    pthread_mutex_lock(&tier->lock);
+    while (tier->live != NULL)
+        slot_drop(tier, tier->live);
+    pthread_mutex_unlock(&tier->lock);
+    close(tier->dirfd);
+    pthread_cond_destroy(&tier->finished);
+    pthread_cond_destroy(&tier->work);
+    pthread_mutex_destroy(&tier->lock);
+    free(tier);
+}
+
+/* Puts an idle slot's request at the end of the queue; lock held. */
+static void
+enqueue(spill_tier *tier, spill_slot *slot, spill_op op, void *buffer)
+{
+    MP_ASSERT(slot->phase == SLOT_IDLE);
+    slot->op = op;
+    slot->buffer = buffer;
+    slot->status = -1;
+    slot->phase = SLOT_QUEUED;
+    if (tier->queue_tail != NULL)
+        tier->queue_tail->next_queued = slot;
+    else
+        tier->queue_head = slot;
+    tier->queue_tail = slot;
+    pthread_cond_signal(&tier->work);
+}
+
+spill_slot *
+spill_submit_write(spill_tier *tier, const void *buffer, uint64_t bytes)
+{
+    if (in_forked_child(tier))
+        return NULL;
+    spill_slot *slot = calloc(1, sizeof *slot);
+    if (slot == NULL)
+        return NULL;
+    slot->fd = -1;
+    slot->bytes = bytes;
+    slot->phase = SLOT_IDLE;
+    pthread_mutex_lock(&tier->lock);
+    slot->next_live = tier->live;
+    if (tier->live != NULL)
+        tier->live->prev_live = slot;
+    tier->live = slot;
+    tier->stats.slots++;
+    /* the buffer is only read: the cast lets one field serve both ops */
+    enqueue(tier, slot, SPILL_WRITE, (void *)(uintptr_t)buffer);
+    pthread_mutex_unlock(&tier->lock);
+    return slot;
+}
+
+int
+spill_submit_read(spill_tier *tier, spill_slot *slot, void *buffer)
+{
+    if (in_forked_child(tier))
+        return -1;
+    pthread_mutex_lock(&tier->lock);
+    int ok = slot->phase == SLOT_IDLE && slot->written;
+    if (ok)
+        enqueue(tier, slot, SPILL_READ, buffer);
+    pthread_mutex_unlock(&tier->lock);
+    return ok ? 0 : -1;
+}
+
+int
+spill_done(spill_tier *tier, spill_slot *slot)
+{
+    pthread_mutex_lock(&tier->lock);
+    int done = slot->phase == SLOT_IDLE;
+    pthread_mutex_unlock(&tier->lock);
+    return done;
+}
+
+int
+spill_status(spill_tier *tier, spill_slot *slot)
+{
+    pthread_mutex_lock(&tier->lock);
+    int status = slot->phase == SLOT_IDLE ? slot->status : -1;
+    pthread_mutex_unlock(&tier->lock);
+    return status;
+}
+
+int
+spill_wait(spill_tier *tier, spill_slot *slot)
+{
+    pthread_mutex_lock(&tier->lock);
+    if (slot->phase != SLOT_IDLE)
+        tier->stats.waits++;
+    while (slot->phase != SLOT_IDLE)
+        pthread_cond_wait(&tier->finished, &tier->lock);
+    int status = slot->status;
+    pthread_mutex_unlock(&tier->lock);
+    return status;
+}
+
+uint64_t
+spill_slot_bytes(const spill_slot *slot)
+{
+    return slot->bytes;
+}
+
+void
+spill_slot_free(spill_tier *tier, spill_slot *slot)
+{
+    if (slot == NULL)
+        return;
+    pthread_mutex_lock(&tier->lock);
+    while (slot->phase != SLOT_IDLE)
+        pthread_cond_wait(&tier->finished, &tier->lock);
+    slot_drop(tier, slot);
+    pthread_mutex_unlock(&tier->lock);
+}
+
+spill_stats
+spill_get_stats(spill_tier *tier)
+{
+    pthread_mutex_lock(&tier->lock);
+    spill_stats stats = tier->stats;
+    stats.direct = tier->direct;
+    pthread_mutex_unlock(&tier->lock);
+    return stats;
+}
+
+void
+spill_inject_write_errors(spill_tier *tier, int error, int count)
+{
+    pthread_mutex_lock(&tier->lock);
+    tier->inject_error = error;
+    tier->inject_count = count > 0 ? count : 0;
+    pthread_mutex_unlock(&tier->lock);
+}
+
+void
+spill_set_direct(spill_tier *tier, int direct)
+{
+    pthread_mutex_lock(&tier->lock);
+    tier->direct = direct != 0;
+    pthread_mutex_unlock(&tier->lock);
+}

@@ -1,0 +1,107 @@
+/* The disk tier under the host pool: host buffers written to private,
+ * unnamed files and read back, on a small pool of worker threads.
+ *
+ * Files: each spilled buffer gets its own file in the tier's directory,
+ * created unnamed (O_TMPFILE, else created under a random name and
+ * unlinked at once), mode 0600, so nothing stays on disk once its file
+ * descriptor is closed, whether by spill_slot_free(), spill_destroy() or
+ * the death of the process. The directory must belong to this user and
+ * be writable by no one else (spill_dir_open() refuses it otherwise); the
+ * tier keeps it open and creates every file relative to that descriptor,
+ * so replacing the directory by name afterwards changes nothing.
+ *
+ * I/O: plain pwrite/pread of the whole buffer, in pieces of at most
+ * SPILL_CHUNK_BYTES. The part of a buffer aligned to SPILL_ALIGN (address
+ * and length) goes through O_DIRECT where the filesystem takes it (no copy
+ * through the page cache); the tail, and everything on a filesystem that
+ * refuses O_DIRECT (EINVAL at open or at the first direct call), goes
+ * through the page cache.
+ *
+ * Threads: spill_create() starts `workers` threads that run requests in
+ * the order they were queued. Every function may be called from any
+ * thread; one mutex in the tier guards its queue, its slots' states and
+ * its statistics (the tier owns it). A caller holding a lock of its own,
+ * such as the GIL, releases it around spill_wait(), spill_slot_free() of a
+ * busy slot, and spill_destroy(): only they block. spill_submit_*(),
+ * spill_done() and spill_get_stats() never wait on the disk. In a child
+ * forked from the process that made the tier (which has none of its
+ * threads) submissions are refused and spill_destroy() does nothing: the
+ * child leaves the parent's tier alone and makes its own.
+ *
+ * Ownership: the caller owns a slot from spill_submit_write() until
+ * spill_slot_free(); the buffer passed to a request stays the caller's and
+ * must stay alive and unchanged (a write) or untouched (a read) until
+ * spill_done() or spill_wait() saw the request finish. Units: bytes. */
+#ifndef MATEPOINT_SPILL_SPILL_H
+#define MATEPOINT_SPILL_SPILL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define SPILL_ALIGN 4096u
+#define SPILL_CHUNK_BYTES (64u << 20)
+#define SPILL_MAX_WORKERS 16
+
+typedef struct spill_tier spill_tier;
+typedef struct spill_slot spill_slot;
+
+typedef struct {
+    uint64_t bytes_on_disk;     /* bytes of slots written and not yet freed */
+    uint64_t peak_bytes_on_disk;
+    uint64_t slots;             /* live slots */
+    uint64_t writes, reads;     /* requests finished without error */
+    uint64_t bytes_written, bytes_read;
+    uint64_t write_errors, read_errors;
+    uint64_t waits;             /* spill_wait() calls that found the request unfinished */
+    uint64_t direct_bytes;      /* bytes moved with O_DIRECT */
+    int direct;                 /* 1 while O_DIRECT is used, 0 once the filesystem refused it */
+} spill_stats;
+
+/* Opens (creating it 0700 when missing) the directory `path` for a tier:
+ * a descriptor, or -1 with a sentence saying why in `why` (it names the
+ * path: missing and not creatable, not a directory, a symbolic link, owned
+ * by another user, writable by group or others). */
+int spill_dir_open(const char *path, char *why, size_t why_len);
+
+/* A tier over `path` with `workers` threads (1 to SPILL_MAX_WORKERS);
+ * NULL with `why` filled when the directory is refused or a thread or
+ * memory could not be had. */
+spill_tier *spill_create(const char *path, int workers, char *why, size_t why_len);
+/* Waits for every queued request, stops the threads, closes every slot's
+ * file and frees the tier; slots still owned by a caller are freed too
+ * (their pointers dangle afterwards). */
+void spill_destroy(spill_tier *tier);
+
+/* Queues writing `bytes` of `buffer` to a new file; the slot, or NULL
+ * without memory or in a forked child. The file is made by the worker: failing to make it is
+ * the request's error. */
+spill_slot *spill_submit_write(spill_tier *tier, const void *buffer, uint64_t bytes);
+/* Queues reading the slot's bytes back into `buffer` (at least as many
+ * bytes as were written). 0, or -1 when the slot's write failed, a
+ * request of it is still queued (the caller's bug; nothing is queued), or
+ * in a forked child. */
+int spill_submit_read(spill_tier *tier, spill_slot *slot, void *buffer);
+
+/* 1 when the slot's last request finished, 0 while it is queued or runs. */
+int spill_done(spill_tier *tier, spill_slot *slot);
+/* Blocks until the slot's last request finished; returns its status: 0,
+ * or the errno it failed with (ENOSPC, EIO, ...). */
+int spill_wait(spill_tier *tier, spill_slot *slot);
+/* The status of a finished slot's last request (0 or an errno); -1 while
+ * it runs. */
+int spill_status(spill_tier *tier, spill_slot *slot);
+uint64_t spill_slot_bytes(const spill_slot *slot);
+/* Waits for the slot's request, closes its file and frees it. */
+void spill_slot_free(spill_tier *tier, spill_slot *slot);
+
+spill_stats spill_get_stats(spill_tier *tier);
+/* 1 in a child forked from the process that made the tier. */
+int spill_in_forked_child(const spill_tier *tier);
+
+/* Tests: the next `count` writes fail with errno `error` (ENOSPC, EIO)
+ * before they touch the disk; count 0 clears it. */
+void spill_inject_write_errors(spill_tier *tier, int error, int count);
+/* Tests and benchmarks: 0 turns O_DIRECT off for requests run from now on. */
+void spill_set_direct(spill_tier *tier, int direct);
+
+#endif

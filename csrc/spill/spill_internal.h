@@ -1,0 +1,48 @@
+/* The disk tier's private parts, shared by the files of csrc/spill: the
+ * slot struct (guarded by its tier's mutex, spill.c) and the plain file
+ * calls the workers make without any lock (spill_io.c, spill_dir.c). */
+#ifndef MATEPOINT_SPILL_SPILL_INTERNAL_H
+#define MATEPOINT_SPILL_SPILL_INTERNAL_H
+
+#include "spill.h"
+
+/* Where a slot's last request is: it moves IDLE -> QUEUED -> RUNNING ->
+ * IDLE, and only a worker moves it out of QUEUED. */
+typedef enum {
+    SLOT_IDLE,
+    SLOT_QUEUED,
+    SLOT_RUNNING,
+} slot_phase;
+
+typedef enum {
+    SPILL_WRITE,
+    SPILL_READ,
+} spill_op;
+
+/* Every field is guarded by the tier's mutex, but `fd`, which only the
+ * worker running the slot's request uses (phase RUNNING), or the owner
+ * once the slot is IDLE. */
+struct spill_slot {
+    int fd;                     /* -1 until a write made the file */
+    uint64_t bytes;
+    slot_phase phase;
+    spill_op op;
+    int status;                 /* of the last finished request: 0 or an errno */
+    int written;                /* a write succeeded: the file holds the bytes */
+    void *buffer;               /* the request's buffer (const for a write) */
+    spill_slot *next_queued;    /* the tier's queue, oldest first */
+    spill_slot *prev_live, *next_live;  /* every slot of the tier */
+};
+
+/* A new unnamed file in `dirfd`, mode 0600: its descriptor, or -errno. */
+int spill_file_make(int dirfd);
+
+/* Writes/reads `bytes` at offset 0 of `fd` from/into `buffer`, the part
+ * aligned to SPILL_ALIGN through O_DIRECT when *direct (set to 0 when the
+ * filesystem refuses it). 0, or the errno of the failed call. No lock
+ * held: they block on the disk. *direct_bytes gets the bytes moved so. */
+int spill_io_write(int fd, const void *buffer, uint64_t bytes, int *direct,
+                   uint64_t *direct_bytes);
+int spill_io_read(int fd, void *buffer, uint64_t bytes, int *direct, uint64_t *direct_bytes);
+
+#endif

@@ -1,0 +1,299 @@
+#define _GNU_SOURCE /* mkdtemp, rand_r, unshare */
+/* Unit tests of the disk tier (csrc/spill): private directories, unnamed
+ * files, data that comes back bit for bit, errors as statuses. */
+#include "spill/spill.h"
+#include "common/host_memory.h"
+#include "check.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+
+static char root[] = "/tmp/matepoint-spill-test-XXXXXX";
+
+/* Entries of `path` other than . and .. */
+static int
+entries(const char *path)
+{
+    DIR *dir = opendir(path);
+    if (dir == NULL)
+        return -1;
+    int count = 0;
+    for (struct dirent *e; (e = readdir(dir)) != NULL;)
+        count += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
+    closedir(dir);
+    return count;
+}
+
+static int
+open_fds(void)
+{
+    return entries("/proc/self/fd");
+}
+
+static void
+fill(unsigned char *buffer, uint64_t bytes, unsigned seed)
+{
+    for (uint64_t i = 0; i < bytes; i++)
+        buffer[i] = (unsigned char)(rand_r(&seed) >> 3);
+}
+
+static void
+test_directory_checks(void)
+{
+    char path[256], why[512];
+    snprintf(path, sizeof path, "%s/made", root);
+    int fd = spill_dir_open(path, why, sizeof why);
+    CHECK(fd >= 0);
+    struct stat info;
+    CHECK(stat(path, &info) == 0 && (info.st_mode & 0777) == 0700);
+    close(fd);
+
+    CHECK(chmod(path, 0770) == 0);
+    CHECK(spill_dir_open(path, why, sizeof why) < 0);
+    CHECK(strstr(why, "can be written by others") != NULL && strstr(why, path) != NULL);
+    CHECK(chmod(path, 0703) == 0);
+    CHECK(spill_dir_open(path, why, sizeof why) < 0);
+    CHECK(chmod(path, 0700) == 0);
+    if (geteuid() == 0) {   /* only root can give a directory away */
+        CHECK(chown(path, 4242, 4242) == 0);
+        CHECK(spill_dir_open(path, why, sizeof why) < 0);
+        CHECK(strstr(why, "belongs to uid 4242") != NULL);
+        CHECK(chown(path, 0, 0) == 0);
+    }
+    char link[300];
+    snprintf(link, sizeof link, "%s/link", root);
+    CHECK(symlink(path, link) == 0);
+    CHECK(spill_dir_open(link, why, sizeof why) < 0);
+    CHECK(strstr(why, "symbolic link") != NULL);
+    unlink(link);
+    char file[300];
+    snprintf(file, sizeof file, "%s/file", root);
+    fd = open(file, O_CREAT | O_WRONLY, 0600);
+    close(fd);
+    CHECK(spill_dir_open(file, why, sizeof why) < 0);
+    CHECK(strstr(why, "not a directory") != NULL);
+    unlink(file);
+    CHECK(spill_dir_open("", why, sizeof why) < 0);
+    CHECK(spill_create(path, 0, why, sizeof why) == NULL);
+    CHECK(spill_create(path, SPILL_MAX_WORKERS + 1, why, sizeof why) == NULL);
+    CHECK(rmdir(path) == 0);
+}
+
+/* Buffers of many sizes and alignments, several in flight, come back bit
+ * for bit; no file is visible in the directory and none outlives its slot. */
+static void
+round_trip(int direct)
+{
+    char why[512];
+    int fds_before = open_fds();
+    spill_tier *tier = spill_create(root, 3, why, sizeof why);
+    CHECK(tier != NULL);
+    if (tier == NULL)
+        return;
+    spill_set_direct(tier, direct);
+    enum { N = 12 };
+    const uint64_t sizes[N] = {0, 1, 4095, 4096, 4097, 65536, 1 << 20, (1 << 20) + 17,
+                               3 << 20, (8 << 20) + 4096, (SPILL_CHUNK_BYTES) + 12288 + 5, 512};
+    unsigned char *source[N], *back[N];
+    spill_slot *slots[N];
+    uint64_t total = 0;
+    for (int i = 0; i < N; i++) {
+        /* odd slots start one byte past an aligned address */
+        source[i] = mp_host_alloc(sizes[i] + 1, SPILL_ALIGN);
+        back[i] = mp_host_alloc(sizes[i] + 1, SPILL_ALIGN);
+        fill(source[i] + (i & 1), sizes[i], (unsigned)i + 1);
+        slots[i] = spill_submit_write(tier, source[i] + (i & 1), sizes[i]);
+        CHECK(slots[i] != NULL);
+        total += sizes[i];
+    }
+    for (int i = 0; i < N; i++) {
+        CHECK(spill_wait(tier, slots[i]) == 0);
+        CHECK(spill_done(tier, slots[i]) && spill_status(tier, slots[i]) == 0);
+        CHECK(spill_slot_bytes(slots[i]) == sizes[i]);
+    }
+    CHECK(entries(root) == 0);
+    spill_stats stats = spill_get_stats(tier);
+    CHECK(stats.writes == N && stats.bytes_written == total && stats.bytes_on_disk == total);
+    CHECK(stats.slots == N && stats.write_errors == 0);
+    for (int i = 0; i < N; i++) {
+        memset(back[i], 0xAB, sizes[i] + 1);
+        CHECK(spill_submit_read(tier, slots[i], back[i] + (i & 1)) == 0);
+    }
+    for (int i = 0; i < N; i++) {
+        CHECK(spill_wait(tier, slots[i]) == 0);
+        CHECK(memcmp(back[i] + (i & 1), source[i] + (i & 1), sizes[i]) == 0);
+        spill_slot_free(tier, slots[i]);
+        mp_host_free(source[i]);
+        mp_host_free(back[i]);
+    }
+    stats = spill_get_stats(tier);
+    CHECK(stats.reads == N && stats.bytes_read == total);
+    CHECK(stats.bytes_on_disk == 0 && stats.slots == 0 && stats.peak_bytes_on_disk == total);
+    if (!direct)
+        CHECK(stats.direct_bytes == 0);
+    else if (stats.direct)  /* the filesystem took O_DIRECT: the aligned parts used it */
+        CHECK(stats.direct_bytes > 2 * (uint64_t)SPILL_CHUNK_BYTES);
+    printf("spill round trip (direct %d): filesystem direct I/O %s, %llu bytes direct\n",
+           direct, stats.direct ? "yes" : "no", (unsigned long long)stats.direct_bytes);
+    spill_destroy(tier);
+    CHECK(open_fds() == fds_before);
+}
+
+static void
+test_round_trip(void)
+{
+    round_trip(1);
+    round_trip(0);
+}
+
+/* A failed write is a status, not lost data: the slot cannot be read, the
+ * tier goes on, and nothing counts as on disk. */
+static void
+test_injected_errors(void)
+{
+    char why[512];
+    spill_tier *tier = spill_create(root, 1, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(1 << 20, SPILL_ALIGN);
+    fill(buffer, 1 << 20, 7);
+    spill_inject_write_errors(tier, ENOSPC, 1);
+    spill_slot *full = spill_submit_write(tier, buffer, 1 << 20);
+    CHECK(spill_wait(tier, full) == ENOSPC);
+    CHECK(spill_submit_read(tier, full, buffer) == -1);
+    spill_inject_write_errors(tier, EIO, 1);
+    spill_slot *broken = spill_submit_write(tier, buffer, 1 << 20);
+    CHECK(spill_wait(tier, broken) == EIO);
+    spill_slot *fine = spill_submit_write(tier, buffer, 1 << 20);
+    CHECK(spill_wait(tier, fine) == 0);
+    spill_stats stats = spill_get_stats(tier);
+    CHECK(stats.write_errors == 2 && stats.writes == 1 && stats.bytes_on_disk == 1 << 20);
+    CHECK(stats.slots == 3);
+    spill_slot_free(tier, full);
+    spill_slot_free(tier, broken);
+    spill_slot_free(tier, fine);
+    CHECK(spill_get_stats(tier).bytes_on_disk == 0);
+    mp_host_free(buffer);
+    spill_destroy(tier);
+}
+
+/* Destroying a tier with requests queued and slots still owned waits for
+ * the requests and frees everything (ASan and valgrind see no leak). */
+static void
+test_destroy_with_live_slots(void)
+{
+    char why[512];
+    int fds_before = open_fds();
+    spill_tier *tier = spill_create(root, 2, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(4 << 20, SPILL_ALIGN);
+    fill(buffer, 4 << 20, 3);
+    for (int i = 0; i < 8; i++)
+        CHECK(spill_submit_write(tier, buffer, 4 << 20) != NULL);
+    spill_destroy(tier);
+    mp_host_free(buffer);
+    CHECK(open_fds() == fds_before);
+}
+
+/* A forked child has none of the tier's threads: it submits nothing and
+ * its spill_destroy() leaves the parent's tier alone (no join of threads
+ * it does not have, no lock a parent thread may have held). */
+static void
+test_forked_child_leaves_the_tier_alone(void)
+{
+    char why[512];
+    spill_tier *tier = spill_create(root, 2, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(1 << 20, SPILL_ALIGN);
+    fill(buffer, 1 << 20, 9);
+    spill_slot *slot = spill_submit_write(tier, buffer, 1 << 20);
+    CHECK(spill_wait(tier, slot) == 0);
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        int ok = spill_in_forked_child(tier) && spill_submit_write(tier, buffer, 16) == NULL &&
+                 spill_submit_read(tier, slot, buffer) == -1;
+        spill_destroy(tier);
+        _exit(ok ? 0 : 1);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(!spill_in_forked_child(tier));
+    CHECK(spill_submit_read(tier, slot, buffer) == 0 && spill_wait(tier, slot) == 0);
+    spill_destroy(tier);
+    mp_host_free(buffer);
+}
+
+/* A real full disk: a 1 MiB tmpfs in a mount namespace of its own (a
+ * child process, so no mount outlives the test), where one can be made:
+ * ENOSPC from the reservation, and the directory is empty afterwards. */
+static void
+full_tmpfs(const char *path)
+{
+    char why[512];
+    spill_tier *tier = spill_create(path, 1, why, sizeof why);
+    CHECK(tier != NULL);
+    unsigned char *buffer = mp_host_alloc(4 << 20, SPILL_ALIGN);
+    fill(buffer, 4 << 20, 5);
+    spill_slot *small = spill_submit_write(tier, buffer, 256 << 10);
+    spill_slot *large = spill_submit_write(tier, buffer, 4 << 20);
+    CHECK(spill_wait(tier, small) == 0);
+    CHECK(spill_wait(tier, large) == ENOSPC);
+    unsigned char *back = mp_host_alloc(256 << 10, SPILL_ALIGN);
+    CHECK(spill_submit_read(tier, small, back) == 0 && spill_wait(tier, small) == 0);
+    CHECK(memcmp(back, buffer, 256 << 10) == 0);
+    spill_slot_free(tier, large);
+    spill_destroy(tier);
+    CHECK(entries(path) == 0);
+    mp_host_free(buffer);
+    mp_host_free(back);
+    CHECK(umount(path) == 0);
+}
+
+static void
+test_full_tmpfs(void)
+{
+    char path[256];
+    snprintf(path, sizeof path, "%s/tmpfs", root);
+    CHECK(mkdir(path, 0700) == 0);
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        if (unshare(CLONE_NEWNS) != 0 || mount("none", "/", "none", MS_REC | MS_PRIVATE, NULL) != 0 ||
+            mount("tmpfs", path, "tmpfs", 0, "size=1m,mode=0700") != 0) {
+            printf("spill: no private tmpfs here (%s): real ENOSPC not tested\n",
+                   strerror(errno));
+            fflush(NULL);
+            _exit(0);
+        }
+        full_tmpfs(path);
+        int failed = check_report("test_spill (tmpfs child)");
+        fflush(NULL);
+        _exit(failed);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(rmdir(path) == 0);
+}
+
+int
+main(void)
+{
+    if (mkdtemp(root) == NULL) {
+        perror("mkdtemp");
+        return 1;
+    }
+    test_directory_checks();
+    test_round_trip();
+    test_injected_errors();
+    test_destroy_with_live_slots();
+    test_forked_child_leaves_the_tier_alone();
+    test_full_tmpfs();
+    CHECK(entries(root) == 0);
+    rmdir(root);
+    return check_report("test_spill");
+}
