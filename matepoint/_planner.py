@@ -34,23 +34,26 @@ from matepoint._timing import time_call
 
 log = logging.getLogger("matepoint.planner")
 
-CHOICES = ("keep", "recompute", "offload", "selective", "offload+selective", "attention",
-           "offload+attention")
+# the one table of choices is C's (csrc/planner/choices.c): per choice its
+# name, what it saves, the policy it runs under and whether it offloads
+CHOICES = tuple(choice["name"] for choice in _C.PLAN_CHOICES)
+_POLICY_OF = {choice["name"]: choice["policy"] for choice in _C.PLAN_CHOICES}
+_OFFLOADS = {choice["name"]: choice["offloads"] for choice in _C.PLAN_CHOICES}
 # the choices that need the offload engine
-_OFFLOADING = frozenset(CHOICES.index(c) for c in CHOICES if c.startswith("offload"))
+_OFFLOADING = frozenset(i for i, choice in enumerate(_C.PLAN_CHOICES) if choice["offloads"])
 MIB = float(1 << 20)
 # byte counts stay within the solver's 64-bit arithmetic
 MAX_BYTES = (1 << 63) - 1
 MAX_REPEATS = 1_000_000
 MAX_FRONTIER_POINTS = 1 << 20
-# Where no offload can run, each offload is given this copy time: any plan
-# with one costs more than every plan without, so the exact solver picks one
-# only when nothing else fits (and solve() then raises instead).
-_NO_OFFLOAD_COPY_S = 1e30
 # A block whose selective or attention run was not measured (a plan saved
 # before it was, a block without attention) is given this time: never
 # chosen, as it holds at least what recompute does.
-_UNMEASURED_S = 1e30
+_UNMEASURED_S = _C.PLAN_UNMEASURED_S
+# Where no offload can run, each offload is given the same as copy time: any
+# plan with one costs more than every plan without, so the exact solver
+# picks one only when nothing else fits (and solve() then raises instead).
+_NO_OFFLOAD_COPY_S = _UNMEASURED_S
 # The least a selective or recompute run is taken to cost over keeping, relative.
 _OVER_KEEP = 1e-6
 Blocks = Union[nn.Sequential, nn.ModuleList, Sequence[Callable]]
@@ -102,6 +105,21 @@ class PlanError(ValueError):
         self.smallest_budget_bytes = smallest_budget_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyFigures:
+    """What a block measured under one saving policy (selective, attention)."""
+
+    seconds: float     # forward + backward under the policy
+    held_bytes: int    # held after its forward: its input and the saved outputs
+    stay_bytes: int    # of those, what an offload leaves on the device
+
+
+# Per policy of _C.PLAN_POLICIES, the BlockProfile fields holding its
+# figures (seconds, bytes, stay bytes): the names plan files use.
+_POLICY_FIELDS = {"selective": ("selective_s", "selective_bytes", "selective_stay_bytes"),
+                  "attention": ("attention_s", "attention_bytes", "attention_stay_bytes")}
+
+
 @dataclasses.dataclass
 class BlockProfile:
     """What one block costs, measured once by :func:`plan`."""
@@ -139,6 +157,14 @@ class BlockProfile:
         """Forward + backward when recomputed."""
         return 2 * self.forward_s + self.backward_s if self.recompute_s is None \
             else self.recompute_s
+
+    def policy(self, name: str) -> Optional[PolicyFigures]:
+        """Its figures under the policy ``name`` (one of ``_C.PLAN_POLICIES``),
+        or None where that policy was not measured."""
+        seconds, nbytes, stay = (getattr(self, field) for field in _POLICY_FIELDS[name])
+        if seconds is None or nbytes is None:
+            return None
+        return PolicyFigures(seconds, nbytes, stay or 0)
 
     def keep_work_bytes(self) -> int:
         """Its own peak when kept: forward, or backward over what it saved."""
@@ -244,7 +270,7 @@ class Plan:
         """
         _int_argument("matepoint.Plan.frontier", "max_points", max_points, 1, MAX_FRONTIER_POINTS)
         profiles, _ = self._modelled()
-        points = _C._plan_frontier(_units(profiles, self.unit_bytes, self.offload),
+        points = _C._plan_frontier(_records(profiles, self.unit_bytes, self.offload),
                                    self.pipeline, max_points)
         return [(peak * self.unit_bytes + self.outside_bytes, seconds) for seconds, peak in points
                 if seconds < _NO_OFFLOAD_COPY_S]
@@ -258,7 +284,7 @@ class Plan:
         outside its blocks counted in every row)."""
         profiles, choices = self._modelled()
         codes = bytes(CHOICES.index(c) for c in choices)
-        costs = _C._plan_evaluate_blocks(_units(profiles, self.unit_bytes, self.offload),
+        costs = _C._plan_evaluate_blocks(_records(profiles, self.unit_bytes, self.offload),
                                          codes, self.pipeline)
         return [(seconds, peak * self.unit_bytes + self.outside_bytes) for seconds, peak in costs]
 
@@ -501,7 +527,7 @@ _CONTEXTS = {"selective": selective_context, "offload+selective": offload_select
 
 def _choice_options(choice: str, prefetch: bool) -> Dict[str, Any]:
     """The checkpoint keyword arguments that run ``choice``."""
-    offloads_saved = choice in ("offload+selective", "offload+attention")
+    offloads_saved = _OFFLOADS[choice] and _POLICY_OF[choice] is not None
     # offload+selective and offload+attention neither prefetch nor are
     # prefetched (the planner's model): a restore brings back only its input
     options = {"use_reentrant": False,
@@ -679,7 +705,7 @@ def solve(profiles: List[BlockProfile], budget_bytes: int, unit_bytes: int,
     Raises:
         PlanError: no plan fits; it names the smallest feasible budget.
     """
-    units = _units(profiles, unit_bytes, offload)
+    units = _records(profiles, unit_bytes, offload)
     budget_units = budget_bytes // unit_bytes
     solved = _C._plan_solve(units, budget_units, pipeline)
     if solved is None or (not offload and _OFFLOADING.intersection(solved[0])):
@@ -697,7 +723,7 @@ def predict(profiles: List[BlockProfile], choices: List[str], unit_bytes: int,
     if len(choices) != len(profiles) or set(choices) - set(CHOICES):
         raise ValueError(f"need one of {CHOICES} per block, got {choices}")
     codes = bytes(CHOICES.index(c) for c in choices)
-    seconds, peak_units = _C._plan_evaluate(_units(profiles, unit_bytes), codes, pipeline)
+    seconds, peak_units = _C._plan_evaluate(_records(profiles, unit_bytes), codes, pipeline)
     return peak_units * unit_bytes, seconds
 
 
@@ -734,15 +760,13 @@ def _policy_copy_s(p: BlockProfile, nbytes: int) -> float:
     return p.copy_s * (nbytes / p.input_bytes)
 
 
-def _policy_figures(p: BlockProfile, policy: str) -> Tuple[float, int, int]:
-    """(seconds, bytes held, of those the bytes an offload leaves) of the
-    policy ``"selective"`` or ``"attention"``; unmeasured, it holds what
-    recompute holds (offloaded, what offload does) at a time that is never
-    chosen."""
-    seconds, nbytes = getattr(p, policy + "_s"), getattr(p, policy + "_bytes")
-    if seconds is None or nbytes is None:
-        return _UNMEASURED_S, p.input_bytes, p.offload_stay_bytes or 0
-    return seconds, nbytes, getattr(p, policy + "_stay_bytes") or 0
+def _policy_figures(p: BlockProfile, policy: str) -> PolicyFigures:
+    """The figures of ``policy``; unmeasured, it holds what recompute holds
+    (offloaded, what offload does) at a time that is never chosen."""
+    figures = p.policy(policy)
+    if figures is None:
+        return PolicyFigures(_UNMEASURED_S, p.input_bytes, p.offload_stay_bytes or 0)
+    return figures
 
 
 def _held_bytes(p: BlockProfile, choice: str) -> int:
@@ -754,33 +778,43 @@ def _held_bytes(p: BlockProfile, choice: str) -> int:
         return p.input_bytes
     if choice == "offload":
         return p.offload_stay_bytes or 0
-    _, held, stay = _policy_figures(p, choice.rpartition("+")[2])
-    return stay if choice.startswith("offload") else held
+    figures = _policy_figures(p, _POLICY_OF[choice])
+    return figures.stay_bytes if _OFFLOADS[choice] else figures.held_bytes
 
 
-def _units(profiles: List[BlockProfile], unit_bytes: int, offload: bool = True) -> List[Tuple]:
+def _records(profiles: List[BlockProfile], unit_bytes: int,
+             offload: bool = True) -> List[Dict[str, Any]]:
+    """The blocks as the C planner takes them: one record each, keyed by
+    ``_C.PLAN_BLOCK_FIELDS`` and, per policy, ``_C.PLAN_POLICY_FIELDS``;
+    sizes in units of ``unit_bytes`` (rounded up). Without ``offload``
+    every copy takes a time that is never chosen."""
     def up(nbytes: int) -> int:
         return -(-nbytes // unit_bytes)
 
     def copy_s(p: BlockProfile, held: int, stay: int) -> float:
         """One-way copy of what moves of ``held`` bytes, ``stay`` of them staying."""
         return _policy_copy_s(p, held - stay) if offload else _NO_OFFLOAD_COPY_S
-    rows = []
+    records = []
     for p in profiles:
         input_stay = p.offload_stay_bytes or 0
-        selective_s, selective, selective_stay = _policy_figures(p, "selective")
-        attention_s, attention, attention_stay = _policy_figures(p, "attention")
-        rows.append((p.forward_s, p.backward_s, copy_s(p, p.input_bytes, input_stay),
-                     up(p.input_bytes), up(p.activation_bytes),
-                     up(p.keep_work_bytes()), up(p.checkpoint_work_bytes()),
-                     selective_s, up(selective), copy_s(p, selective, selective_stay),
-                     p.checkpointed_s(),
-                     attention_s, up(attention), copy_s(p, attention, attention_stay),
-                     up(input_stay), up(selective_stay), up(attention_stay)))
-    return rows
+        record: Dict[str, Any] = {
+            "forward_s": p.forward_s, "backward_s": p.backward_s,
+            "recompute_s": p.checkpointed_s(),
+            "copy_s": copy_s(p, p.input_bytes, input_stay),
+            "input_units": up(p.input_bytes), "activation_units": up(p.activation_bytes),
+            "offload_held_units": up(input_stay),
+            "keep_work_units": up(p.keep_work_bytes()),
+            "checkpoint_work_units": up(p.checkpoint_work_bytes())}
+        for name in _C.PLAN_POLICIES:
+            figures = _policy_figures(p, name)
+            record[name] = {"time_s": figures.seconds, "units": up(figures.held_bytes),
+                            "copy_s": copy_s(p, figures.held_bytes, figures.stay_bytes),
+                            "offload_held_units": up(figures.stay_bytes)}
+        records.append(record)
+    return records
 
 
-def _smallest_budget(units: List[Tuple], pipeline: bool, offload: bool) -> int:
+def _smallest_budget(units: List[Dict[str, Any]], pipeline: bool, offload: bool) -> int:
     """The smallest budget in units any plan meets; without offload, found
     by bisection between the smallest with offload (a lower bound) and the
     peak of recomputing every block (always a plan without offload)."""

@@ -149,9 +149,9 @@ PyDoc_STRVAR(allocator_reset_peaks_doc,
 PyDoc_STRVAR(allocator_empty_cache_doc,
 "_allocator_empty_cache($module, /)\n--\n\nGive the allocator's cached, unused segments back to the device.");
 PyDoc_STRVAR(plan_solve_doc,
-"_plan_solve($module, blocks, budget_units, pipeline, /)\n--\n\nThe fastest plan within budget_units: (choices bytes, seconds, peak units), or None.\nblocks: (forward_s, backward_s, copy_s, input_units, activation_units,\nkeep_work_units, checkpoint_work_units, selective_s, selective_units,\nselective_copy_s[, recompute_s[, attention_s, attention_units, attention_copy_s]])\ntuples.");
+"_plan_solve($module, blocks, budget_units, pipeline, /)\n--\n\nThe fastest plan within budget_units: (choices bytes, seconds, peak units), or None.\nblocks: one record per block, a dict keyed by PLAN_BLOCK_FIELDS and, per name of\nPLAN_POLICIES, a dict keyed by PLAN_POLICY_FIELDS.");
 PyDoc_STRVAR(plan_evaluate_doc,
-"_plan_evaluate($module, blocks, choices, pipeline, /)\n--\n\n(seconds, peak units) of the plan choices (bytes of 0 keep, 1 recompute, 2 offload,\n3 selective, 4 offload+selective, 5 attention, 6 offload+attention).");
+"_plan_evaluate($module, blocks, choices, pipeline, /)\n--\n\n(seconds, peak units) of the plan choices (bytes, indexes into PLAN_CHOICES).");
 PyDoc_STRVAR(plan_min_budget_doc,
 "_plan_min_budget($module, blocks, pipeline, /)\n--\n\nThe smallest budget in units that any plan of blocks fits in.");
 PyDoc_STRVAR(plan_frontier_doc,
@@ -368,7 +368,7 @@ module_exec(PyObject *module)
         return -1;
 #endif
     if (PyModule_AddIntConstant(module, "TEST_BUILD", MATEPOINT_TEST_BUILD) < 0 ||
-        options_add_table(module) < 0 ||
+        options_add_table(module) < 0 || plan_add_constants(module) < 0 ||
         add_new(module, "CHECKPOINT_KEYWORDS", checkpoint_keywords()) < 0 ||
         add_new(module, "POOL_STATS_KEYS", offload_pool_stats_keys()) < 0 ||
         add_new(module, "ALLOCATOR_SYMBOLS", alloc_link_symbols()) < 0)
