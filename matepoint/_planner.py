@@ -978,20 +978,16 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
     return profile, out
 
 
-def _left_on_device(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Those of ``tensors`` an offload leaves on the device, as the offload
-    engine decides: parameters, tensor subclasses and layouts it does not
-    copy, and tensors under ``min_offload_bytes`` (of a DTensor, its local
-    shard is what moves)."""
-    threshold = settings.current.min_offload_bytes
-
-    def stays(tensor: torch.Tensor) -> bool:
-        if isinstance(tensor, nn.Parameter):
-            return True
-        local = getattr(tensor, "_local_tensor", tensor)
-        return type(local) is not torch.Tensor or local.layout != torch.strided \
-            or local.nbytes < threshold
-    return [t for t in tensors if stays(t)]
+def _left_on_device(tensors: List[torch.Tensor], function: Callable = _call
+                    ) -> List[torch.Tensor]:
+    """Those of ``tensors`` an offload of ``checkpoint(function, ...)``
+    leaves on the device, as the offload engine itself decides
+    (``_C._offload_left_on_device``: parameters, module buffers of
+    ``function``, nested, sparse and other layouts it does not copy, tensors
+    under ``min_offload_bytes``, tensors off the offload device). The
+    default is the function a planned block's checkpoint gets (:func:`_call`)."""
+    stays = _C._offload_left_on_device(function, tensors)
+    return [t for t, stay in zip(tensors, stays) if stay]
 
 
 def _forward_only(block: Callable, args: Tuple) -> None:

@@ -98,6 +98,15 @@ offload_device_type_py(PyObject *module, PyObject *unused)
 }
 
 static PyObject *
+offload_left_on_device_py(PyObject *module, PyObject *args)
+{
+    PyObject *function, *tensors;
+    if (!PyArg_ParseTuple(args, "OO:_offload_left_on_device", &function, &tensors))
+        return NULL;
+    return offload_left_on_device(mp_state_of(module), function, tensors);
+}
+
+static PyObject *
 empty_pool(PyObject *module, PyObject *unused)
 {
     (void)unused;
@@ -124,6 +133,8 @@ PyDoc_STRVAR(reserve_pool_doc,
 "_reserve_pool($module, buffer_bytes, count, /)\n--\n\nAdd count host pool buffers of buffer_bytes bytes; returns how many were added.\nmatepoint.reserve_pool is the checked public entry.");
 PyDoc_STRVAR(pool_stats_doc,
 "pool_stats($module, /)\n--\n\nCounters of the pinned host pool, as a dict.");
+PyDoc_STRVAR(offload_left_on_device_doc,
+"_offload_left_on_device($module, function, tensors, /)\n--\n\nPer tensor, True where an offload of checkpoint(function, *tensors) leaves it on\nthe device (the engine's own rule; the planner counts them as held).");
 PyDoc_STRVAR(offload_device_type_doc,
 "_offload_device_type($module, /)\n--\n\ntorch's device type of the tensors offload moves: 'cuda' ('cpu' on the simulated GPU of test builds).");
 PyDoc_STRVAR(sac_offload_doc,
@@ -164,6 +175,8 @@ static PyMethodDef module_methods[] = {
     {"pool_stats", pool_stats, METH_NOARGS, pool_stats_doc},
     {"empty_pool", empty_pool, METH_NOARGS, empty_pool_doc},
     {"_offload_device_type", offload_device_type_py, METH_NOARGS, offload_device_type_doc},
+    {"_offload_left_on_device", offload_left_on_device_py, METH_VARARGS,
+     offload_left_on_device_doc},
     {"_sac_offload", offload_sac_save_py, METH_VARARGS, sac_offload_doc},
     {"_sac_restore", offload_sac_restore_py, METH_VARARGS, sac_restore_doc},
     {"_sac_prefetch", offload_sac_prefetch_py, METH_O, sac_prefetch_doc},
