@@ -26,7 +26,8 @@ from typing import Callable, List, Tuple
 
 from matepoint import _C
 from matepoint._timing import time_call
-from matepoint._planner import CHOICES, BlockProfile, _records, solve
+from matepoint._block_profile import _records
+from matepoint._planner import CHOICES, BlockProfile, solve
 
 log = logging.getLogger("matepoint.planner_speed")
 MIB = 1 << 20

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch.nn as nn
 
 from matepoint._C import checkpoint
-from matepoint._enable import _CHECKPOINT_KEYWORDS
+from matepoint._arguments import check_checkpoint_keywords
 from matepoint._errors import check_module
 
 
@@ -55,10 +55,7 @@ def checkpoint_module(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
     Returns ``module``; one already checkpointed raises RuntimeError.
     """
     check_module("matepoint.checkpoint_module", "module", module)
-    unknown = sorted(set(checkpoint_kwargs) - _CHECKPOINT_KEYWORDS)
-    if unknown:
-        raise TypeError(f"matepoint.checkpoint_module: unknown checkpoint argument(s) "
-                        f"{', '.join(unknown)}; known: {', '.join(sorted(_CHECKPOINT_KEYWORDS))}")
+    check_checkpoint_keywords("matepoint.checkpoint_module", checkpoint_kwargs)
     previous = module.__dict__.get("forward")
     if isinstance(previous, CheckpointedForward):
         raise RuntimeError(f"matepoint.checkpoint_module: this {type(module).__name__} is "
