@@ -26,7 +26,7 @@ from typing import Callable, List, Tuple
 
 from matepoint import _C
 from matepoint._timing import time_call
-from matepoint._block_profile import _records
+from matepoint._planning.block_profile import _records
 from matepoint._planner import CHOICES, BlockProfile, solve
 
 log = logging.getLogger("matepoint.planner_speed")

@@ -27,19 +27,21 @@ import torch
 import torch.nn as nn
 
 from matepoint._C import checkpoint, is_recomputing
-from matepoint._arguments import _check_plan_arguments, _tensors_in, check_checkpoint_keywords
-from matepoint._block_profile import BlockProfile, head_profile
-from matepoint._choices import _choice_options
-from matepoint._composable import CheckpointedForward, _call, is_checkpointed, uncheckpoint_module
+from matepoint._composable import (CheckpointedForward, _call, check_checkpoint_keywords,
+                                   is_checkpointed, uncheckpoint_module)
 from matepoint._errors import check_module, type_error
 from matepoint._meter import copy_bandwidth
 from matepoint._options import settings
-from matepoint._plan_record import Plan, PlanError
 from matepoint._planner import no_offload_reason
-from matepoint._profiling import _detached, _state_preserved, profile_block, reduce_profiles
-from matepoint._ranks import check_group, distributed
-from matepoint._solve import default_unit, solve
-from matepoint._step_meter import Outside, _Gauge, _OutsideMeter, _reduce_outside
+from matepoint._planning.arguments import _check_plan_arguments, _tensors_in
+from matepoint._planning.block_profile import BlockProfile, head_profile
+from matepoint._planning.choices import _choice_options
+from matepoint._planning.plan_record import Plan, PlanError
+from matepoint._planning.profiling import (_detached, _state_preserved, profile_block,
+                                           reduce_profiles)
+from matepoint._planning.ranks import check_group, distributed
+from matepoint._planning.solve import default_unit, solve
+from matepoint._planning.step_meter import Outside, _Gauge, _OutsideMeter, _reduce_outside
 
 log = logging.getLogger("matepoint.planner")
 Key = Tuple[Any, ...]
@@ -348,9 +350,7 @@ def apply(model: nn.Module, budget_bytes: int,
     training step measures every block and what the model holds outside
     them; from the next, each runs as planned (:func:`planned`), the whole
     step within the budget. ``budget_bytes``, ``unit_bytes``, ``pipeline``,
-    ``repeats``, ``group``: see :func:`plan` (under ``torch.distributed``
-    every rank of ``group`` must run the first training steps: the figures
-    are reduced over it); ``**checkpoint_kwargs``: see :func:`checkpoint`.
+    ``repeats``, ``group``: see :func:`plan`; ``**checkpoint_kwargs``: see :func:`checkpoint`.
     """
     check_module("matepoint.apply", "model", model)
     check_checkpoint_keywords("matepoint.apply", checkpoint_kwargs)

@@ -33,10 +33,10 @@ import torch
 import torch.nn as nn
 
 from matepoint._C import CHECKPOINT_KEYWORDS as _CHECKPOINT_KEYWORDS, checkpoint  # noqa: F401
-from matepoint._arguments import check_checkpoint_keywords
 from matepoint._autoplan import StepPlanner, attach
+from matepoint._composable import check_checkpoint_keywords
 from matepoint._errors import check_module
-from matepoint._ranks import check_group
+from matepoint._planning.ranks import check_group
 
 log = logging.getLogger("matepoint")
 _SETTER = "_set_gradient_checkpointing"
@@ -220,13 +220,9 @@ def enable(model: nn.Module, budget_bytes: Optional[int] = None, *,
     ``every_n_layers``). Returns ``model``.
 
     With ``budget_bytes`` (the whole step's activations), ``unit_bytes``,
-    ``repeats`` (see :func:`plan`) the first training step measures each
-    layer and what the model holds outside them (head, loss), and from the
-    next each runs as planned (:func:`planned`). Under ``torch.distributed``
-    that first step reduces every figure over the ranks of ``group`` (None:
-    the default group): **every rank of the group must train the model**
-    (as DDP and FSDP do); a rank that does not is named in a RuntimeError
-    on gloo once the group's timeout passes (see :func:`plan`).
+    ``repeats``, ``group`` (every rank of it must train; see :func:`plan`) the
+    first training step measures each layer and what the model holds outside
+    them (head, loss), and from the next each runs as planned (:func:`planned`).
     """
     check_checkpoint_keywords("matepoint.enable", checkpoint_kwargs)
     check_group("matepoint.enable", group)

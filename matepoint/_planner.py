@@ -20,16 +20,16 @@ import math
 from typing import Any, Optional, Tuple
 
 from matepoint import _C
-from matepoint._arguments import Blocks, _check_blocks, _check_plan_arguments, _device_of, \
-    _tensors_in
-from matepoint._block_profile import BlockProfile, PolicyFigures, head_profile
-from matepoint._choices import CHOICES, PlannedBlock, apply_choice, planned_choice
 from matepoint._meter import copy_bandwidth
 from matepoint._options import settings
-from matepoint._plan_record import Plan, PlanError
-from matepoint._profiling import profile_block, profile_blocks, reduce_profiles
-from matepoint._ranks import check_group
-from matepoint._solve import default_unit, predict, solve
+from matepoint._planning.arguments import (Blocks, _check_blocks, _check_plan_arguments, _device_of,
+                                           _tensors_in)
+from matepoint._planning.block_profile import BlockProfile, PolicyFigures, head_profile
+from matepoint._planning.choices import CHOICES, PlannedBlock, apply_choice, planned_choice
+from matepoint._planning.plan_record import Plan, PlanError
+from matepoint._planning.profiling import profile_block, profile_blocks, reduce_profiles
+from matepoint._planning.ranks import check_group
+from matepoint._planning.solve import default_unit, predict, solve
 
 __all__ = ["BlockProfile", "CHOICES", "Plan", "PlanError", "PlannedBlock", "PolicyFigures",
            "apply_choice", "auto_checkpoint", "default_unit", "head_profile",
@@ -57,22 +57,12 @@ def plan(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
             optimizer state. A positive int.
         unit_bytes: the solver's memory quantum (sizes are rounded up to it);
             default: a power of two keeping its tables near 100k units.
-        pipeline: whether backward prefetches offloaded inputs; default:
-            matepoint's ``pipeline`` option.
-        bandwidth_bytes_per_s: the device-host copy bandwidth; default:
-            measured once here.
+        pipeline: whether backward prefetches offloaded inputs (default: the option).
+        bandwidth_bytes_per_s: the device-host copy bandwidth (default: measured).
         repeats: how many times each block is run to time it.
+        group: the process group that plans together (None: the default).
 
-        group: under ``torch.distributed``, the process group whose ranks
-            plan together (None: the default group).
-
-    Under ``torch.distributed`` it is a collective: **every rank of**
-    ``group`` **must call it**, with the same blocks; each measured figure
-    becomes its max over the ranks, so all get one plan (planning on one
-    rank and broadcasting does not work: save the plan and load it on every
-    rank instead). On a gloo group a rank that does not call is named in a
-    RuntimeError once the group's timeout passes; on NCCL it ends in NCCL's
-    watchdog error after the group's timeout (NCCL has no monitored barrier).
+    Under ``torch.distributed`` every rank of ``group`` must call it: one plan for all.
 
     Offload is planned only where it can run: on CUDA tensors (or the
     simulated GPU of test builds) with the ``offload`` option on, tensors

@@ -178,7 +178,7 @@ def test_what_an_offload_leaves_is_what_the_engine_leaves(offload) -> None:
     tensors under min_offload_bytes; what it counts as moving is what the
     engine moves, for a module and for a planned block's function alike."""
     from matepoint._composable import _call
-    from matepoint._profiling import _left_on_device, _storage_bytes
+    from matepoint._planning.profiling import _left_on_device, _storage_bytes
     matepoint.set_options(min_offload_bytes=MIB)
     holder = _Holder()
     moved, small = torch.randn(MIB // 4), torch.randn(MIB // 4 - 1)
@@ -521,7 +521,7 @@ def test_header_rows_and_predicted_peak_agree_for_plan() -> None:
 def test_an_outlier_peak_is_measured_again_not_planned_on(monkeypatch, spiked_runs) -> None:
     # issue 35 item 5: once in ~25 runs one block's forward peak read ~4x
     # its neighbours' (a one-off growth); the plan was made on it
-    from matepoint import _profiling as _planner
+    from matepoint._planning import profiling as _planner
 
     model, x = chain(4, 64), torch.randn(32, 64)
     calm = matepoint.plan(model, x, budget_bytes=16 << 20, unit_bytes=1024, repeats=1).profiles

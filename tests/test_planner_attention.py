@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import matepoint
 from matepoint import _C
-from matepoint import _choices as _planner
+from matepoint._planning import choices as _planner
 from matepoint._planner import BlockProfile, Plan, planned_choice, predict, solve
 from conftest import OpCounter, assert_bitwise_equal
 

@@ -207,7 +207,7 @@ def test_bad_blocks_are_refused() -> None:
 def test_choice_table_is_the_one_python_reads() -> None:
     """C's table names every choice once, says what each saves, and the
     planner's Python reads it (no copy of its own)."""
-    from matepoint import _block_profile, _choices
+    from matepoint._planning import block_profile as _block_profile, choices as _choices
     assert _choices.CHOICES == tuple(NAMES) and len(set(NAMES)) == CHOICES
     assert all(choice["saves"] and isinstance(choice["offloads"], bool)
                and choice["policy"] in (None, *_C.PLAN_POLICIES) for choice in _C.PLAN_CHOICES)

@@ -14,10 +14,10 @@ import torch
 from torch.utils._python_dispatch import (_get_current_dispatch_mode,
                                           _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
-from matepoint._arguments import _tensors_in
 from matepoint._meter import StorageCounter, _cuda_allocated, _StorageSampler
-from matepoint._profiling import _storage_bytes
-from matepoint._ranks import reduce_max
+from matepoint._planning.arguments import _tensors_in
+from matepoint._planning.profiling import _storage_bytes
+from matepoint._planning.ranks import reduce_max
 
 # a head's autograd graph is a few nodes; a walk this long went into the blocks
 _MAX_HEAD_NODES = 10_000

@@ -11,11 +11,12 @@ from typing import Any, Dict, List, Tuple
 import torch.nn as nn
 
 from matepoint import _C
-from matepoint._arguments import (MAX_BYTES, MAX_FRONTIER_POINTS, MIB, Blocks, _check_blocks,
-                                  _finite_number, _int_argument, _path_argument, _show)
-from matepoint._block_profile import (_NO_OFFLOAD_COPY_S, BlockProfile, _held_bytes, _records,
-                                      head_profile)
-from matepoint._choices import CHOICES, apply_choice
+from matepoint._planning.arguments import (MAX_BYTES, MAX_FRONTIER_POINTS, MIB, Blocks,
+                                           _check_blocks, _finite_number, _int_argument,
+                                           _path_argument, _show)
+from matepoint._planning.block_profile import (_NO_OFFLOAD_COPY_S, BlockProfile, _held_bytes,
+                                               _records, head_profile)
+from matepoint._planning.choices import CHOICES, apply_choice
 
 class PlanError(ValueError):
     """No plan fits the budget: ``budget_bytes`` was asked for,

@@ -8,9 +8,9 @@ import math
 from typing import Any, Dict, List, Tuple
 
 from matepoint import _C
-from matepoint._block_profile import BlockProfile, _records
-from matepoint._choices import CHOICES, _OFFLOADING
-from matepoint._plan_record import Plan, PlanError
+from matepoint._planning.block_profile import BlockProfile, _records
+from matepoint._planning.choices import CHOICES, _OFFLOADING
+from matepoint._planning.plan_record import Plan, PlanError
 
 log = logging.getLogger("matepoint.planner")
 def solve(profiles: List[BlockProfile], budget_bytes: int, unit_bytes: int,

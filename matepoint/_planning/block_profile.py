@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Dict, List, Optional
 
 from matepoint import _C
-from matepoint._choices import _OFFLOADS, _POLICY_OF
+from matepoint._planning.choices import _OFFLOADS, _POLICY_OF
 
 # A block whose selective or attention run was not measured (a plan saved
 # before it was, a block without attention) is given this time: never

@@ -1,18 +1,16 @@
 """The planner's argument checks and the helpers that read its inputs:
 ranges of ints and numbers, file names, the blocks, the tensors in a
-sample batch, and the one check of unknown checkpoint keywords that every
-way in shares (names from ``_C.CHECKPOINT_KEYWORDS``)."""
+sample batch."""
 from __future__ import annotations
 
 import math
 import numbers
 import os
-from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
+from typing import Any, Callable, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from matepoint import _C
 from matepoint._options import show_int
 
 MIB = float(1 << 20)
@@ -120,12 +118,3 @@ def _device_of(sample_inputs: Tuple) -> torch.device:
                          "blocks on (at least one tensor), got no tensor")
     return tensors[0].device
 
-
-def check_checkpoint_keywords(where: str, checkpoint_kwargs: Dict[str, Any]) -> None:
-    """TypeError naming the keywords of ``checkpoint_kwargs`` that
-    :func:`matepoint.checkpoint` does not take (``_C.CHECKPOINT_KEYWORDS``,
-    the C parser's own list); ``where`` is the public function asked."""
-    unknown = sorted(set(checkpoint_kwargs) - _C.CHECKPOINT_KEYWORDS)
-    if unknown:
-        raise TypeError(f"{where}: unknown checkpoint argument(s) {', '.join(unknown)}; "
-                        f"known: {', '.join(sorted(_C.CHECKPOINT_KEYWORDS))}")

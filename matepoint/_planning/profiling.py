@@ -17,12 +17,12 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from matepoint import _C
-from matepoint._arguments import _device_of, _tensors_in
-from matepoint._block_profile import BlockProfile
-from matepoint._choices import _CONTEXTS, _choice_options
 from matepoint._composable import _call, is_checkpointed, uncheckpoint_module
 from matepoint._meter import PeakMeter, TensorMeter, saved_tensor_bytes
-from matepoint._ranks import distributed, reduce_max
+from matepoint._planning.arguments import _device_of, _tensors_in
+from matepoint._planning.block_profile import BlockProfile
+from matepoint._planning.choices import _CONTEXTS, _choice_options
+from matepoint._planning.ranks import distributed, reduce_max
 from matepoint._timing import time_call
 
 log = logging.getLogger("matepoint.planner")
@@ -36,7 +36,7 @@ def reduce_profiles(profiles: List[BlockProfile], group: Optional[Any] = None,
     ``group`` (None: the default process group); a figure some rank did not
     measure (None) is None on all. Unchanged when torch.distributed is not
     initialized. A collective: every rank of the group must call it with the
-    same number of blocks (:func:`matepoint._ranks.reduce_max`)."""
+    same number of blocks (:func:`matepoint._planning.ranks.reduce_max`)."""
     if not distributed(group):
         return profiles
     fields = [field.name for field in dataclasses.fields(BlockProfile)]
