@@ -14,8 +14,8 @@ from matepoint import _C
 from matepoint._planning.arguments import (MAX_BYTES, MAX_FRONTIER_POINTS, MIB, Blocks,
                                            _check_blocks, _finite_number, _int_argument,
                                            _path_argument, _show)
-from matepoint._planning.block_profile import (_NO_OFFLOAD_COPY_S, BlockProfile, _held_bytes,
-                                               _records, head_profile)
+from matepoint._planning.block_profile import (_NO_OFFLOAD_COPY_S, _POLICY_FIELDS, BlockProfile,
+                                               _held_bytes, _records, head_profile)
 from matepoint._planning.choices import CHOICES, apply_choice
 
 class PlanError(ValueError):
@@ -205,6 +205,11 @@ class Plan:
         return plan
 
 
+# the figures every profile must have (no default)
+_REQUIRED = frozenset(field.name for field in dataclasses.fields(BlockProfile)
+                      if field.default is dataclasses.MISSING)
+
+
 def _check_loaded(plan: Plan) -> None:
     """Every field of a plan read from a file, in range (raises TypeError or
     ValueError naming the field)."""
@@ -226,19 +231,19 @@ def _check_loaded(plan: Plan) -> None:
                          f"not {_show(plan.predicted_time_s)}")
     for i, profile in enumerate(plan.profiles):
         values = dataclasses.astuple(profile)
-        # the figures that may be absent (None) come after the others
-        policies = [(profile.selective_s, profile.selective_bytes),
-                    (profile.attention_s, profile.attention_bytes)]
-        # what an offload leaves on the device, and what it is part of
-        stays = [(profile.offload_stay_bytes, profile.input_bytes),
-                 (profile.selective_stay_bytes, profile.selective_bytes),
-                 (profile.attention_stay_bytes, profile.attention_bytes)]
-        sizes = values[3:8] + tuple(nbytes for _, nbytes in policies if nbytes is not None) \
-            + tuple(stay for stay, _ in stays if stay is not None)
-        given = values[:8] + tuple(v for v in values[8:] if v is not None)
+        named = {field.name: getattr(profile, field.name) for field in dataclasses.fields(profile)}
+        # by name, not position: every figure is a time (*_s) or a size
+        # (*_bytes); those without a default must be given
+        given = [v for name, v in named.items() if v is not None or name in _REQUIRED]
+        sizes = [v for name, v in named.items() if name.endswith("_bytes") and v is not None]
+        # per policy, its (seconds, bytes, stay bytes); an offload's own
+        # stay is part of the input
+        policies = [tuple(named[field] for field in fields) for fields in _POLICY_FIELDS.values()]
+        stays = [(profile.offload_stay_bytes, profile.input_bytes)] + \
+            [(stay, nbytes) for _, nbytes, stay in policies]
         if not all(_finite_number(v) and v >= 0 for v in given) or \
                 not all(isinstance(v, int) and v <= MAX_BYTES for v in sizes) or \
-                any((seconds is None) != (nbytes is None) for seconds, nbytes in policies) or \
+                any((seconds is None) != (nbytes is None) for seconds, nbytes, _ in policies) or \
                 any(stay is not None and (whole is None or stay > whole)
                     for stay, whole in stays):
             raise ValueError(f"block {i} has {values}: times must be finite numbers >= 0 "
