@@ -26,7 +26,8 @@ from typing import Callable, List, Tuple
 
 from matepoint import _C
 from matepoint._timing import time_call
-from matepoint._planner import CHOICES, BlockProfile, _units, solve
+from matepoint._planning.block_profile import _records
+from matepoint._planner import CHOICES, BlockProfile, solve
 
 log = logging.getLogger("matepoint.planner_speed")
 MIB = 1 << 20
@@ -75,7 +76,7 @@ def main() -> None:
     plan = solve(chain, budget, unit, True)
     solve_s = time_call(lambda: solve(chain, budget, unit, True), args.repeats)
     _, solve_cpu_s = wall_and_cpu(lambda: solve(chain, budget, unit, True), args.repeats)
-    units = _units(chain, unit)
+    units = _records(chain, unit)
     frontier_s, frontier_cpu_s = wall_and_cpu(lambda: _C._plan_frontier(units, True, 16), 1)
     counts = {choice: plan.choices.count(choice) for choice in CHOICES
               if choice in plan.choices}

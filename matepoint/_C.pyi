@@ -7,17 +7,21 @@ from os import PathLike
 from typing import Any, Callable, ContextManager, Sequence, Tuple, TypeVar, Union
 
 _T = TypeVar("_T")
-# (forward_s, backward_s, copy_s, input_units, activation_units,
-#  keep_work_units, checkpoint_work_units, selective_s, selective_units,
-#  selective_copy_s[, recompute_s[, attention_s, attention_units,
-#  attention_copy_s]]) of one block, for the planner
-_Block = Tuple[Union[float, int], ...]
+# one block for the planner: keyed by PLAN_BLOCK_FIELDS and, per name of
+# PLAN_POLICIES, a dict keyed by PLAN_POLICY_FIELDS
+_Block = dict[str, Any]
 
 TEST_BUILD: int
 HAS_SAVED_TENSOR: int
 # option name -> (default, accepted values in words; None for a bool)
 OPTIONS: dict[str, tuple[Union[bool, int, None], Union[str, None]]]
 CHECKPOINT_KEYWORDS: frozenset[str]
+# the planner's choices, in code order: name, saves (in words), policy, offloads
+PLAN_CHOICES: tuple[dict[str, Any], ...]
+PLAN_POLICIES: tuple[str, ...]
+PLAN_BLOCK_FIELDS: tuple[str, ...]
+PLAN_POLICY_FIELDS: tuple[str, ...]
+PLAN_UNMEASURED_S: float
 POOL_STATS_KEYS: tuple[str, ...]
 # role -> symbol name of the allocator library's entry points
 ALLOCATOR_SYMBOLS: dict[str, str]
@@ -45,6 +49,7 @@ def empty_pool() -> None: ...
 def _reserve_pool(buffer_bytes: int, count: int, /) -> int: ...
 def _offload_device_type() -> str: ...
 def _set_sac_adapter(adapter: Callable[[Any, Any, Any], Any], /) -> None: ...
+def _offload_left_on_device(function: Any, tensors: Sequence[Any], /) -> list[bool]: ...
 def _sac_offload(tensors: list[Any], opens_region: bool = False, /
                  ) -> Union[tuple[Any, list[Any]], None]: ...
 def _sac_restore(group: Any, saved: list[Any], /) -> list[Any]: ...

@@ -81,16 +81,14 @@ def pool_stats() -> Dict[str, Any]:
     """Counters of the host pool that offloaded inputs live in.
 
     bytes_in_use, bytes_requested, bytes_reserved, peak_bytes_in_use,
-    host_allocations, hits, misses, fallbacks (pageable memory used),
-    failures, blocks_in_use, backend ("cuda-pinned", "host" or "none"),
-    prefetched / fetched_at_need: spans copied back ahead of time or on demand,
-    used_in_place: spans backward found still on the device and used there
-    (the last checkpoints' inputs, whose copy out had not finished),
-    and device_bytes_in_flight / peak_device_bytes_in_flight: device memory of
-    offloaded inputs still held while their copy out may run (bounded by
-    ``offload_window`` checkpoints); the disk tier's (``spill_dir``)
-    spilled_bytes, peak_spilled_bytes, spill_writes, spill_reads,
-    spill_read_stalls, spill_failures.
+    host_allocations, hits, misses, fallbacks (pageable memory used), failures,
+    blocks_in_use, backend ("cuda-pinned", "host" or "none"); prefetched,
+    fetched_at_need, used_in_place: spans copied back ahead of time, on demand,
+    or found still on the device; device_bytes_in_flight,
+    peak_device_bytes_in_flight: device memory of inputs held while their copy
+    out may run (``offload_window``); spilled_bytes, peak_spilled_bytes,
+    spill_writes, spill_reads, spill_read_stalls, spill_failures: the disk
+    tier's (``spill_dir``).
     """
     return _pool_stats()
 

@@ -17,13 +17,23 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch.nn as nn
 
+from matepoint import _C
 from matepoint._C import checkpoint
-from matepoint._enable import _CHECKPOINT_KEYWORDS
 from matepoint._errors import check_module
 
 
 def _call(forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     return forward(*args, **kwargs)
+
+
+def check_checkpoint_keywords(where: str, checkpoint_kwargs: Dict[str, Any]) -> None:
+    """TypeError naming the keywords of ``checkpoint_kwargs`` that
+    :func:`matepoint.checkpoint` does not take (``_C.CHECKPOINT_KEYWORDS``,
+    the C parser's own list); ``where`` is the public function asked."""
+    unknown = sorted(set(checkpoint_kwargs) - _C.CHECKPOINT_KEYWORDS)
+    if unknown:
+        raise TypeError(f"{where}: unknown checkpoint argument(s) {', '.join(unknown)}; "
+                        f"known: {', '.join(sorted(_C.CHECKPOINT_KEYWORDS))}")
 
 
 class CheckpointedForward:
@@ -55,10 +65,7 @@ def checkpoint_module(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
     Returns ``module``; one already checkpointed raises RuntimeError.
     """
     check_module("matepoint.checkpoint_module", "module", module)
-    unknown = sorted(set(checkpoint_kwargs) - _CHECKPOINT_KEYWORDS)
-    if unknown:
-        raise TypeError(f"matepoint.checkpoint_module: unknown checkpoint argument(s) "
-                        f"{', '.join(unknown)}; known: {', '.join(sorted(_CHECKPOINT_KEYWORDS))}")
+    check_checkpoint_keywords("matepoint.checkpoint_module", checkpoint_kwargs)
     previous = module.__dict__.get("forward")
     if isinstance(previous, CheckpointedForward):
         raise RuntimeError(f"matepoint.checkpoint_module: this {type(module).__name__} is "

@@ -32,8 +32,11 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from matepoint._C import CHECKPOINT_KEYWORDS as _CHECKPOINT_KEYWORDS, checkpoint
+from matepoint._C import CHECKPOINT_KEYWORDS as _CHECKPOINT_KEYWORDS, checkpoint  # noqa: F401
+from matepoint._autoplan import StepPlanner, attach
+from matepoint._composable import check_checkpoint_keywords
 from matepoint._errors import check_module
+from matepoint._planning.ranks import check_group
 
 log = logging.getLogger("matepoint")
 _SETTER = "_set_gradient_checkpointing"
@@ -192,8 +195,6 @@ def _check_layers(model: nn.Module, args: Any) -> None:
 
 
 def _unmark(model: nn.Module) -> None:
-    from matepoint._autoplan import attach
-
     state = model.__dict__.get(_MARK)
     if state is not None and state.hook_id is not None:
         model._forward_pre_hooks.pop(state.hook_id, None)
@@ -204,7 +205,7 @@ def _unmark(model: nn.Module) -> None:
 
 
 def enable(model: nn.Module, budget_bytes: Optional[int] = None, *,
-           unit_bytes: Optional[int] = None, repeats: int = 1,
+           unit_bytes: Optional[int] = None, repeats: int = 1, group: Optional[Any] = None,
            **checkpoint_kwargs: Any) -> nn.Module:
     """Checkpoint ``model``'s layers with matepoint while it trains.
 
@@ -219,26 +220,25 @@ def enable(model: nn.Module, budget_bytes: Optional[int] = None, *,
     ``every_n_layers``). Returns ``model``.
 
     With ``budget_bytes`` (the whole step's activations), ``unit_bytes``,
-    ``repeats`` (see :func:`plan`) the first training step measures each
-    layer and what the model holds outside them (head, loss), and from the
-    next each runs as planned (:func:`planned`).
+    ``repeats``, ``group`` (every rank of it must train; see :func:`plan`) the
+    first training step measures each layer and what the model holds outside
+    them (head, loss), and from the next each runs as planned (:func:`planned`).
     """
-    unknown = sorted(set(checkpoint_kwargs) - _CHECKPOINT_KEYWORDS)
-    if unknown:
-        raise TypeError(f"matepoint.enable: unknown checkpoint argument(s) {', '.join(unknown)}; "
-                        f"known: {', '.join(sorted(_CHECKPOINT_KEYWORDS))}")
+    check_checkpoint_keywords("matepoint.enable", checkpoint_kwargs)
+    check_group("matepoint.enable", group)
     layers = _checkpointed_layers(model, "enable")
     function = functools.partial(checkpoint, **checkpoint_kwargs)
     planner = None
     if budget_bytes is not None:
-        from matepoint._autoplan import StepPlanner
-
         planner = StepPlanner(type(model).__name__, budget_bytes, unit_bytes, None, repeats,
-                              checkpoint_kwargs, where="matepoint.enable")
+                              checkpoint_kwargs, where="matepoint.enable", group=group)
     elif unit_bytes is not None or repeats != 1:
         # without a budget nothing is planned: these would be ignored silently
         raise ValueError("matepoint.enable: unit_bytes and repeats need budget_bytes, "
                          "got budget_bytes=None")
+    elif group is not None:
+        raise ValueError("matepoint.enable: group needs budget_bytes (it names the ranks "
+                         "that plan together), got budget_bytes=None")
     _unmark(model)
     state = _Enabled(function, layers, planner)
     for owner in _owners(model):
@@ -246,8 +246,6 @@ def enable(model: nn.Module, budget_bytes: Optional[int] = None, *,
     model.__dict__[_MARK] = state
     state.hook_id = model.register_forward_pre_hook(_check_layers).id
     if planner is not None:
-        from matepoint._autoplan import attach
-
         attach(model, planner)
     _install(state)
     for layer in layers:

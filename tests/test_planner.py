@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import matepoint
-from matepoint import _meter
+from matepoint import _C, _meter
 from matepoint._meter import PeakMeter, host_meter_available
 from matepoint._planner import BlockProfile, Plan, planned_choice, predict, solve
 from conftest import OpCounter, assert_bitwise_equal
@@ -150,15 +150,53 @@ def test_tensors_left_on_device_count_in_the_budget(offload_heap_memory) -> None
                 assert line.split()[2] == "0.50", line
 
 
-def test_what_an_offload_leaves_is_what_the_engine_leaves() -> None:
-    from matepoint._planner import _left_on_device
-    assert matepoint.options.min_offload_bytes == MIB
-    moved, small = torch.zeros(MIB // 4), torch.zeros(MIB // 4 - 1)
+class _Holder(nn.Module):
+    """Takes any tensors, saves them all (a checkpoint saves its inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+        self.register_buffer("stats", torch.zeros(MIB // 2))
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        # what the engine took to host memory as the region began (its inputs)
+        self.moved.append(matepoint.pool_stats()["bytes_requested"])
+        return self.weight * len(tensors)
+
+
+def _engine_moved_bytes(holder: "_Holder", function, args) -> int:
+    """Bytes the offload engine takes to host memory from checkpoint(function, *args)."""
+    holder.moved = []
+    out = _C.checkpoint(function, *args, use_reentrant=False, matepoint_offload=True)
+    out.backward()
+    return holder.moved[0]
+
+
+def test_what_an_offload_leaves_is_what_the_engine_leaves(offload) -> None:
+    """The planner asks the engine (_C._offload_left_on_device) what stays:
+    module buffers, nested and sparse tensors, parameters, subclasses and
+    tensors under min_offload_bytes; what it counts as moving is what the
+    engine moves, for a module and for a planned block's function alike."""
+    from matepoint._composable import _call
+    from matepoint._planning.profiling import _left_on_device, _storage_bytes
+    matepoint.set_options(min_offload_bytes=MIB)
+    holder = _Holder()
+    moved, small = torch.randn(MIB // 4), torch.randn(MIB // 4 - 1)
     parameter, sparse = nn.Parameter(torch.zeros(MIB)), torch.zeros(MIB).to_sparse()
     subclass = torch.zeros(MIB).as_subclass(type("Tagged", (torch.Tensor,), {}))
-    tensors = [moved, small, parameter, sparse, subclass, moved[: MIB // 8]]
+    nested = torch.nested.nested_tensor([torch.randn(MIB // 4), torch.randn(MIB // 8)])
+    # a view under min_offload_bytes stays too
+    tensors = [moved, small, parameter, sparse, subclass, nested, holder.stats,
+               moved[: MIB // 8]]
+    # the module's own buffer stays when the module is the checkpointed function
+    assert [id(t) for t in _left_on_device(tensors, holder)] == [id(t) for t in tensors[1:]]
+    # a planned block's checkpoint gets _call: the engine sees no module there
     assert [id(t) for t in _left_on_device(tensors)] == \
-        [id(t) for t in tensors[1:]]
+        [id(t) for t in tensors[1:6] + tensors[7:]]
+    for function, args in ((holder, tensors), (_call, (holder, tensors, {}))):
+        left = {id(t) for t in _left_on_device(tensors, function)}
+        expected = _storage_bytes([t for t in tensors if id(t) not in left])
+        assert _engine_moved_bytes(holder, function, args) == expected > 0, function
 
 
 def test_too_small_a_budget_names_the_smallest_feasible(offload) -> None:
@@ -483,7 +521,7 @@ def test_header_rows_and_predicted_peak_agree_for_plan() -> None:
 def test_an_outlier_peak_is_measured_again_not_planned_on(monkeypatch, spiked_runs) -> None:
     # issue 35 item 5: once in ~25 runs one block's forward peak read ~4x
     # its neighbours' (a one-off growth); the plan was made on it
-    from matepoint import _planner
+    from matepoint._planning import profiling as _planner
 
     model, x = chain(4, 64), torch.randn(32, 64)
     calm = matepoint.plan(model, x, budget_bytes=16 << 20, unit_bytes=1024, repeats=1).profiles

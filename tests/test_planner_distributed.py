@@ -60,6 +60,7 @@ def worker(rank: int, store: str, budgets, results) -> None:
         results[rank] = plans, reduce_profiles(rank_profiles(rank))
     finally:
         dist.destroy_process_group()
+    os._exit(0)     # no interpreter finalization after gloo: see tests/test_recipes.py
 
 
 def test_every_rank_gets_the_same_plan_at_every_budget(tmp_path) -> None:
@@ -82,3 +83,58 @@ def test_every_rank_gets_the_same_plan_at_every_budget(tmp_path) -> None:
         None, None)]
     # the budgets really trade: the plans differ from one another
     assert len({tuple(p) for p in plans[0]}) >= 3, plans[0]
+
+
+def lone_worker(rank: int, store: str, results) -> None:
+    """Both ranks plan on a subgroup; then rank 0 alone calls plan()."""
+    import datetime
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=4))
+    try:
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+        # a new group's timeout is its own (torch's default: 30 minutes)
+        group = dist.new_group(list(range(WORLD)), timeout=datetime.timedelta(seconds=4))
+        together = matepoint.plan(chain(), x, budget_bytes=1 << 30, unit_bytes=1024, repeats=1,
+                                  group=group).choices
+        if rank == 0:
+            try:
+                matepoint.plan(chain(), x, budget_bytes=1 << 30, unit_bytes=1024, repeats=1,
+                               group=group)
+                results[rank] = together, "no error"
+            except RuntimeError as error:
+                results[rank] = together, str(error)
+        else:
+            results[rank] = together, None
+            # stay in the group until rank 0 has its answer
+            deadline = time.monotonic() + 60
+            while 0 not in results and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)     # no interpreter finalization after gloo: see tests/test_recipes.py
+
+
+def test_a_rank_that_does_not_call_is_named_within_the_timeout(tmp_path) -> None:
+    """plan() is a collective over its group: called on one rank only (plan
+    on rank 0, broadcast), it raises naming the cause instead of hanging."""
+    started = time.monotonic()
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(lone_worker, args=(str(tmp_path / "store"), results), nprocs=WORLD)
+        results = dict(results)
+    assert results[0][0] == results[1][0]   # with group=, one plan for both
+    message = results[0][1]
+    assert "matepoint.plan is a collective over the process group: every rank of the group " \
+           "must call it" in message, message
+    assert "Rank 1 failed to pass monitoredBarrier" in message, message    # gloo names it
+    assert time.monotonic() - started < 120
+
+
+def test_group_must_be_a_process_group() -> None:
+    with pytest.raises(TypeError, match="matepoint.plan: group must be a torch.distributed "
+                                        "process group or None"):
+        matepoint.plan(chain(), torch.randn(4, 64), budget_bytes=1 << 30, group="all")
+    with pytest.raises(TypeError, match="matepoint.enable: group must be"):
+        matepoint.enable(nn.Linear(2, 2), budget_bytes=1 << 30, group=0)
+    with pytest.raises(TypeError, match="matepoint.apply: group must be"):
+        matepoint.apply(nn.Sequential(nn.Linear(2, 2)), 1 << 30, group=0)

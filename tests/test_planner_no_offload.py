@@ -1,6 +1,8 @@
 """matepoint.plan never chooses an offload that cannot run: inputs not on a
 GPU (CPU tensors, no simulated GPU) or the offload option off. It keeps or recomputes
 every block and says so."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -32,11 +34,18 @@ def smallest(profiles, offload: bool) -> int:
 def test_plan_on_the_cpu_keeps_or_recomputes_and_says_why(every_tensor_moves) -> None:
     from matepoint import _C
     assert _C._offload_device_type() == "cuda"
-    # 32 KiB inputs: profiled as movable, so that offload would lower the floor
+    # 32 KiB inputs; off the GPU the engine would move none of them, and the
+    # profiles say so
     model, x = chain(), torch.randn(64, 128)
     plan = profiled(model, x)
     assert not plan.offload and "not on a GPU" in plan.note
     assert plan.note in str(plan).splitlines()[0]
+    assert all(p.offload_stay_bytes == p.input_bytes for p in plan.profiles)
+    # the same profiles as a GPU run would give them, every input movable: an
+    # offload would lower the floor
+    plan.profiles = [dataclasses.replace(p, offload_stay_bytes=0, selective_stay_bytes=0,
+                                         attention_stay_bytes=0 if p.attention_s else None)
+                     for p in plan.profiles]
     # the smallest budget without offload, and one a smaller budget needs offload for
     least, least_with_offload = smallest(plan.profiles, False), smallest(plan.profiles, True)
     assert least_with_offload < least

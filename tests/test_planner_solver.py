@@ -6,45 +6,62 @@ import pytest
 
 from matepoint import _C
 
-KEEP, RECOMPUTE, OFFLOAD, SELECTIVE, OFFLOAD_SELECTIVE, ATTENTION, OFFLOAD_ATTENTION = range(7)
-CHOICES = 7
-UNMEASURED_S = 1e30
+# the one table of choices, read from C (csrc/planner/choices.c)
+NAMES = [choice["name"] for choice in _C.PLAN_CHOICES]
+KEEP, RECOMPUTE, OFFLOAD, SELECTIVE, OFFLOAD_SELECTIVE, ATTENTION, OFFLOAD_ATTENTION = (
+    NAMES.index(name) for name in ("keep", "recompute", "offload", "selective",
+                                   "offload+selective", "attention", "offload+attention"))
+CHOICES = len(_C.PLAN_CHOICES)
+UNMEASURED_S = _C.PLAN_UNMEASURED_S
 
 
 def model_cost(blocks, choices, pipeline):
     """The cost model of csrc/planner/planner.h, written out plainly."""
     time, peak, held = 0.0, 0, 0
-    for i, block in enumerate(blocks):
-        fwd, bwd, copy, inp, act, keep_work, checkpoint_work, sel_s, sel, sel_copy = block[:10]
-        recompute_s = block[10] if len(block) > 10 else 2 * fwd + bwd
-        # attention: not measured in shorter tuples
-        att_s, att, att_copy = block[11:14] if len(block) > 11 else (UNMEASURED_S, inp,
-                                                                      UNMEASURED_S)
-        # what each offloading choice leaves on the device: nothing in shorter tuples
-        stays = dict(zip((OFFLOAD, OFFLOAD_SELECTIVE, OFFLOAD_ATTENTION),
-                         block[14:] if len(block) > 14 else (0, 0, 0)))
+    for i, b in enumerate(blocks):
         c = choices[i]
-        work = keep_work if c == KEEP else checkpoint_work
+        info = _C.PLAN_CHOICES[c]
+        policy = b[info["policy"]] if info["policy"] else None
+        work = b["keep_work_units"] if c == KEEP else b["checkpoint_work_units"]
         prefetch_from_next = pipeline and i > 0 and choices[i - 1] == OFFLOAD and c == OFFLOAD
         previous = blocks[i - 1]
         # what comes back of the previous input is what left the device
-        prefetch = previous[3] - (previous[14] if len(previous) > 14 else 0) \
+        prefetch = previous["input_units"] - previous["offload_held_units"] \
             if prefetch_from_next else 0
         peak = max(peak, held + work + prefetch)
-        time += fwd + bwd if c == KEEP else sel_s if c in (SELECTIVE, OFFLOAD_SELECTIVE) \
-            else att_s if c in (ATTENTION, OFFLOAD_ATTENTION) else recompute_s
-        if c == OFFLOAD_SELECTIVE:   # out behind its forward, back with nothing to hide it
-            time += max(0.0, sel_copy - fwd) + sel_copy
-        if c == OFFLOAD_ATTENTION:
-            time += max(0.0, att_copy - fwd) + att_copy
+        time += b["forward_s"] + b["backward_s"] if c == KEEP else \
+            policy["time_s"] if policy else b["recompute_s"]
+        if policy and info["offloads"]:   # out behind its forward, back with nothing to hide it
+            time += max(0.0, policy["copy_s"] - b["forward_s"]) + policy["copy_s"]
         if c == OFFLOAD:
-            time += max(0.0, copy - fwd)
+            copy = b["copy_s"]
+            time += max(0.0, copy - b["forward_s"])
             if not pipeline or i == len(blocks) - 1 or choices[i + 1] != OFFLOAD:
                 time += copy  # fetched when needed
             else:  # the next block's recompute and backward hide it
-                time += max(0.0, copy - blocks[i + 1][0] - blocks[i + 1][1])
-        held += {KEEP: act, RECOMPUTE: inp, SELECTIVE: sel, ATTENTION: att, **stays}[c]
+                time += max(0.0, copy - blocks[i + 1]["forward_s"] - blocks[i + 1]["backward_s"])
+        held += b["activation_units"] if c == KEEP else b["input_units"] if c == RECOMPUTE \
+            else b["offload_held_units"] if c == OFFLOAD \
+            else policy["offload_held_units"] if info["offloads"] else policy["units"]
     return time, peak
+
+
+def record(fwd, bwd, copy, inp, act, keep_work, checkpoint_work, recompute_s=None,
+           selective=None, attention=None, stays=(0, 0, 0)):
+    """One block record; a policy left out is unmeasured (never chosen,
+    holding what recompute holds), recompute_s left out is 2f+b."""
+    def policy(figures, stay):
+        if figures is None:
+            return {"time_s": UNMEASURED_S, "units": inp, "copy_s": UNMEASURED_S,
+                    "offload_held_units": 0}
+        time_s, units, copy_s = figures
+        return {"time_s": time_s, "units": units, "copy_s": copy_s, "offload_held_units": stay}
+    return {"forward_s": fwd, "backward_s": bwd,
+            "recompute_s": 2 * fwd + bwd if recompute_s is None else recompute_s,
+            "copy_s": copy, "input_units": inp, "activation_units": act,
+            "offload_held_units": stays[0], "keep_work_units": keep_work,
+            "checkpoint_work_units": checkpoint_work,
+            "selective": policy(selective, stays[1]), "attention": policy(attention, stays[2])}
 
 
 def random_chain(rng, length):
@@ -60,16 +77,18 @@ def random_chain(rng, length):
             memory, as measured; its copy grows with the bytes copied"""
             return (fwd + bwd + rng.uniform(0, fwd), held,
                     copy * held / inp if inp else rng.uniform(0, 3))
-        block = (fwd, bwd, copy, inp, act,
-                 act + rng.randint(0, 6), inp + act + rng.randint(0, 6), *policy(sel))
+        base = (fwd, bwd, copy, inp, act, act + rng.randint(0, 6), inp + act + rng.randint(0, 6))
+        selective = policy(sel)
         # the recompute may stop early; one block in four leaves its time to
-        # the solver's default, 2f+b, one in four its attention unmeasured,
-        # and one in four says what offloads leave on the device (tensors too
-        # small to move: none to all)
-        recompute = (fwd * (1 + rng.uniform(0, 1)) + bwd,)
+        # the default, 2f+b, one in four its attention unmeasured, and one in
+        # four says what offloads leave on the device (tensors too small to
+        # move: none to all)
+        recompute = fwd * (1 + rng.uniform(0, 1)) + bwd
         stays = (rng.randint(0, inp), rng.randint(0, sel), rng.randint(0, att))
-        chain.append(rng.choice([block, block + recompute, block + recompute + policy(att),
-                                 block + recompute + policy(att) + stays]))
+        kind = rng.randrange(4)
+        chain.append(record(*base, recompute_s=recompute if kind else None, selective=selective,
+                            attention=policy(att) if kind > 1 else None,
+                            stays=stays if kind == 3 else (0, 0, 0)))
     return chain
 
 
@@ -125,62 +144,81 @@ def test_evaluate_matches_the_written_out_model() -> None:
 
 
 def test_bad_blocks_are_refused() -> None:
-    with pytest.raises(TypeError, match="block 1"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0), (1.0, 1.0)], 10, True)
-    with pytest.raises(ValueError, match="block 0: .*non-negative"):
-        _C._plan_solve([(1.0, 1.0, 1.0, -1, 1, 2, 3, 2.0, 1, 1.0)], 10, True)
-    with pytest.raises(OverflowError, match="larger unit"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1 << 50, 1, 2, 3, 2.0, 1, 1.0)], 10, True)
-    with pytest.raises(ValueError, match="non-negative"):
-        _C._plan_solve([(float("nan"), 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0)], 10, True)
-    with pytest.raises(ValueError, match="non-negative"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, -2.0, 1, 1.0)], 10, True)
-    with pytest.raises(OverflowError, match="larger unit"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1 << 50, 1.0)], 10, True)
-    with pytest.raises(ValueError, match="non-negative"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, -1.0)], 10, True)
-    with pytest.raises(ValueError, match="non-negative"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, -3.0)], 10, True)
-    with pytest.raises(TypeError, match="block 0: attention_s, attention_units and "
-                                        "attention_copy_s come together"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0)], 10, True)
-    with pytest.raises(TypeError, match="block 0: attention_s, attention_units and "
-                                        "attention_copy_s come together"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, 1)], 10, True)
+    good = record(1.0, 1.0, 1.0, 2, 1, 2, 3, 3.0, (2.0, 3, 1.0), (1.0, 2, 1.0))
+    assert _C._plan_solve([good], 10, True) is not None
+
+    def changed(**fields):
+        block = {**good, "selective": dict(good["selective"]),
+                 "attention": dict(good["attention"])}
+        for key, value in fields.items():
+            policy, _, name = key.partition("__")
+            if name:
+                block[policy][name] = value
+            else:
+                block[key] = value
+        return block
+
+    with pytest.raises(TypeError, match="block 1: block must be a dict, got tuple"):
+        _C._plan_solve([good, (1.0, 1.0)], 10, True)
+    with pytest.raises(TypeError, match="block 0: block must have exactly the keys"):
+        _C._plan_solve([{**good, "extra": 1}], 10, True)
+    missing = dict(good)
+    del missing["copy_s"]
+    missing["typo_s"] = 1.0
+    with pytest.raises(TypeError, match="block 0: block has no copy_s"):
+        _C._plan_solve([missing], 10, True)
+    with pytest.raises(TypeError, match="block 0: attention must be a dict"):
+        _C._plan_solve([changed(attention=None)], 10, True)
+    with pytest.raises(TypeError, match="block 0: selective must have exactly the keys"):
+        _C._plan_solve([{**good, "selective": {**good["selective"], "x": 1}}], 10, True)
+    for key in ("input_units", "selective__units", "attention__offload_held_units"):
+        with pytest.raises(ValueError, match="block 0: .* must be an int from 0"):
+            _C._plan_solve([changed(**{key: -1})], 10, True)
+        with pytest.raises(OverflowError, match="larger unit"):
+            _C._plan_solve([changed(**{key: 1 << 50})], 10, True)
+        with pytest.raises(ValueError, match="must be an int"):
+            _C._plan_solve([changed(**{key: 1.0})], 10, True)
+    for key in ("forward_s", "recompute_s", "selective__time_s", "attention__copy_s"):
+        for bad in (float("nan"), -2.0):
+            with pytest.raises(ValueError, match=f"block 0: .*{key.rpartition('_')[2]} must "
+                                                 f"be a number >= 0"):
+                _C._plan_solve([changed(**{key: bad})], 10, True)
+        with pytest.raises(ValueError, match="must be finite"):
+            _C._plan_solve([changed(**{key: float("inf")})], 10, True)
+        with pytest.raises(TypeError):
+            _C._plan_solve([changed(**{key: "1"})], 10, True)
     with pytest.raises(ValueError, match="block 0: times too large, they and their sum"):
-        _C._plan_solve([(1e308, 1e308, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 1.0)], 10, True)
-    full = (1.0, 1.0, 1.0, 2, 1, 2, 3, 2.0, 3, 1.0, 3.0, 1.0, 2, 1.0)
-    for part in (1, 2):
-        with pytest.raises(TypeError, match="block 0: offload_held_units, "
-                                            "selective_offload_held_units and "
-                                            "attention_offload_held_units come together"):
-            _C._plan_solve([full + (0,) * part], 10, True)
-    with pytest.raises(TypeError, match="block 0: .*attention_offload_held_units\\]\\]\\]\\)"):
-        _C._plan_solve([full + (0, 0, 0, 5)], 10, True)
-    for stays, name in (((3, 0, 0), "offload_held_units above input_units"),
-                        ((0, 4, 0), "selective_offload_held_units above selective_units"),
-                        ((0, 0, 3), "attention_offload_held_units above attention_units")):
+        _C._plan_solve([changed(forward_s=1e308, backward_s=1e308)], 10, True)
+    for key, name in (("offload_held_units", "offload_held_units above input_units"),
+                      ("selective__offload_held_units",
+                       "selective's offload_held_units above its units"),
+                      ("attention__offload_held_units",
+                       "attention's offload_held_units above its units")):
         with pytest.raises(ValueError, match=f"block 0: {name}"):
-            _C._plan_solve([full + stays], 10, True)
-    with pytest.raises(ValueError, match="non-negative"):
-        _C._plan_solve([full + (-1, 0, 0)], 10, True)
-    assert _C._plan_solve([full + (2, 3, 2)], 10, True) is not None
-    with pytest.raises(ValueError, match="non-negative"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, -1, 1.0)], 10, True)
-    with pytest.raises(ValueError, match="must be finite"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, 1, float("inf"))],
-                       10, True)
-    with pytest.raises(OverflowError, match="larger unit"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0, 3.0, 1.0, 1 << 50, 1.0)],
-                       10, True)
-    with pytest.raises(TypeError, match="selective_units, selective_copy_s"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1)], 10, True)
+            _C._plan_solve([changed(**{key: 4})], 10, True)
     with pytest.raises(ValueError, match="3 choices for 1 blocks"):
-        _C._plan_evaluate([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0)], bytes(3), True)
-    with pytest.raises(ValueError, match="choice 7 .* not 0 to 6"):
-        _C._plan_evaluate([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0)], bytes([7]), True)
+        _C._plan_evaluate([good], bytes(3), True)
+    with pytest.raises(ValueError, match=f"choice {CHOICES} .* not 0 to {CHOICES - 1}"):
+        _C._plan_evaluate([good], bytes([CHOICES]), True)
     with pytest.raises(MemoryError, match="larger unit"):
-        _C._plan_solve([(1.0, 1.0, 1.0, 1, 1, 2, 3, 2.0, 1, 1.0)] * 4, 1 << 62, True)
+        _C._plan_solve([good] * 4, 1 << 62, True)
+
+
+def test_choice_table_is_the_one_python_reads() -> None:
+    """C's table names every choice once, says what each saves, and the
+    planner's Python reads it (no copy of its own)."""
+    from matepoint._planning import block_profile as _block_profile, choices as _choices
+    assert _choices.CHOICES == tuple(NAMES) and len(set(NAMES)) == CHOICES
+    assert all(choice["saves"] and isinstance(choice["offloads"], bool)
+               and choice["policy"] in (None, *_C.PLAN_POLICIES) for choice in _C.PLAN_CHOICES)
+    assert [i for i, c in enumerate(_C.PLAN_CHOICES) if c["offloads"]] == \
+        sorted(_choices._OFFLOADING)
+    assert _block_profile._UNMEASURED_S == UNMEASURED_S
+    assert set(_choices._CONTEXTS) == {c["name"] for c in _C.PLAN_CHOICES if c["policy"]}
+    assert set(_block_profile._POLICY_FIELDS) == set(_C.PLAN_POLICIES)
+    profile = _block_profile.BlockProfile(1, 1, 1, 1, 1, 1, 1, 1)
+    record_keys = set(_block_profile._records([profile], 1)[0])
+    assert record_keys == set(_C.PLAN_BLOCK_FIELDS) | set(_C.PLAN_POLICIES)
 
 
 def test_empty_chain() -> None:

@@ -93,6 +93,15 @@ offload_device_type_py(PyObject *module, PyObject *unused)
 }
 
 static PyObject *
+offload_left_on_device_py(PyObject *module, PyObject *args)
+{
+    PyObject *function, *tensors;
+    if (!PyArg_ParseTuple(args, "OO:_offload_left_on_device", &function, &tensors))
+        return NULL;
+    return offload_left_on_device(mp_state_of(module), function, tensors);
+}
+
+static PyObject *
 empty_pool(PyObject *module, PyObject *unused)
 {
     (void)unused;
@@ -119,6 +128,8 @@ PyDoc_STRVAR(reserve_pool_doc,
 "_reserve_pool($module, buffer_bytes, count, /)\n--\n\nAdd count host pool buffers of buffer_bytes bytes; returns how many were added.\nmatepoint.reserve_pool is the checked public entry.");
 PyDoc_STRVAR(pool_stats_doc,
 "pool_stats($module, /)\n--\n\nCounters of the pinned host pool, as a dict.");
+PyDoc_STRVAR(offload_left_on_device_doc,
+"_offload_left_on_device($module, function, tensors, /)\n--\n\nPer tensor, True where an offload of checkpoint(function, *tensors) leaves it on\nthe device (the engine's own rule; the planner counts them as held).");
 PyDoc_STRVAR(offload_device_type_doc,
 "_offload_device_type($module, /)\n--\n\ntorch's device type of the tensors offload moves: 'cuda' ('cpu' on the simulated GPU of test builds).");
 PyDoc_STRVAR(sac_offload_doc,
@@ -146,9 +157,9 @@ PyDoc_STRVAR(allocator_reset_peaks_doc,
 PyDoc_STRVAR(allocator_empty_cache_doc,
 "_allocator_empty_cache($module, /)\n--\n\nGive the allocator's cached, unused segments back to the device.");
 PyDoc_STRVAR(plan_solve_doc,
-"_plan_solve($module, blocks, budget_units, pipeline, /)\n--\n\nThe fastest plan within budget_units: (choices bytes, seconds, peak units), or None.\nblocks: (forward_s, backward_s, copy_s, input_units, activation_units,\nkeep_work_units, checkpoint_work_units, selective_s, selective_units,\nselective_copy_s[, recompute_s[, attention_s, attention_units, attention_copy_s]])\ntuples.");
+"_plan_solve($module, blocks, budget_units, pipeline, /)\n--\n\nThe fastest plan within budget_units: (choices bytes, seconds, peak units), or None.\nblocks: one record per block, a dict keyed by PLAN_BLOCK_FIELDS and, per name of\nPLAN_POLICIES, a dict keyed by PLAN_POLICY_FIELDS.");
 PyDoc_STRVAR(plan_evaluate_doc,
-"_plan_evaluate($module, blocks, choices, pipeline, /)\n--\n\n(seconds, peak units) of the plan choices (bytes of 0 keep, 1 recompute, 2 offload,\n3 selective, 4 offload+selective, 5 attention, 6 offload+attention).");
+"_plan_evaluate($module, blocks, choices, pipeline, /)\n--\n\n(seconds, peak units) of the plan choices (bytes, indexes into PLAN_CHOICES).");
 PyDoc_STRVAR(plan_min_budget_doc,
 "_plan_min_budget($module, blocks, pipeline, /)\n--\n\nThe smallest budget in units that any plan of blocks fits in.");
 PyDoc_STRVAR(plan_frontier_doc,
@@ -161,6 +172,8 @@ static PyMethodDef module_methods[] = {
     {"pool_stats", pool_stats, METH_NOARGS, pool_stats_doc},
     {"empty_pool", empty_pool, METH_NOARGS, empty_pool_doc},
     {"_offload_device_type", offload_device_type_py, METH_NOARGS, offload_device_type_doc},
+    {"_offload_left_on_device", offload_left_on_device_py, METH_VARARGS,
+     offload_left_on_device_doc},
     {"_sac_offload", offload_sac_save_py, METH_VARARGS, sac_offload_doc},
     {"_sac_restore", offload_sac_restore_py, METH_VARARGS, sac_restore_doc},
     {"_sac_prefetch", offload_sac_prefetch_py, METH_O, sac_prefetch_doc},
@@ -385,7 +398,7 @@ module_exec(PyObject *module)
         return -1;
 #endif
     if (PyModule_AddIntConstant(module, "TEST_BUILD", MATEPOINT_TEST_BUILD) < 0 ||
-        options_add_table(module) < 0 ||
+        options_add_table(module) < 0 || plan_add_constants(module) < 0 ||
         add_new(module, "CHECKPOINT_KEYWORDS", checkpoint_keywords()) < 0 ||
         add_new(module, "POOL_STATS_KEYS", offload_pool_stats_keys()) < 0 ||
         add_new(module, "ALLOCATOR_SYMBOLS", alloc_link_symbols()) < 0)

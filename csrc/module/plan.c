@@ -1,75 +1,119 @@
-/* Python face of the budget planner (planner/planner.h). Blocks arrive as a
- * sequence of (forward_s, backward_s, copy_s, input_units,
- * activation_units, keep_work_units, checkpoint_work_units, selective_s,
- * selective_units, selective_copy_s[, recompute_s[, attention_s,
- * attention_units, attention_copy_s[, offload_held_units,
- * selective_offload_held_units, attention_offload_held_units]]]) tuples:
- * recompute_s is 2 * forward_s + backward_s when left out, the attention
- * policy unmeasured (never chosen), and an offload moves everything;
- * choices as a bytes object of PLAN_* values. The solver runs without the
- * GIL. */
+/* Python face of the budget planner (planner/planner.h). Each block
+ * arrives as one record, a dict with every field of PLAN_BLOCK_FIELDS and,
+ * per policy of PLAN_POLICIES, a dict of PLAN_POLICY_FIELDS: named, fixed,
+ * no defaults (what a block did not measure is Python's to fill in, from
+ * PLAN_UNMEASURED_S). Choices cross as a bytes object of indexes into
+ * PLAN_CHOICES. The solver runs without the GIL. */
 #include "plan.h"
 
 #include "planner/planner.h"
 
 #include <limits.h>
 #include <math.h>
+#include <stddef.h>
+#include <string.h>
 
-/* The time of a policy not measured: any plan using it costs more than
- * every plan without, as Python's planner gives its unmeasured ones. */
-#define UNMEASURED_S 1e30
+/* One figure of a record: its key, whether it counts units (an int) or
+ * seconds (a number), and where it goes. */
+typedef struct {
+    const char *name;
+    int units;
+    size_t offset;
+} record_field;
 
-static const char block_fields[] =
-    "(forward_s, backward_s, copy_s, input_units, activation_units, keep_work_units, "
-    "checkpoint_work_units, selective_s, selective_units, selective_copy_s[, recompute_s[, "
-    "attention_s, attention_units, attention_copy_s[, offload_held_units, "
-    "selective_offload_held_units, attention_offload_held_units]]])";
-/* units[] of a block tuple, in its order */
-enum { INPUT, ACTIVATION, KEEP_WORK, CHECKPOINT_WORK, SELECTIVE, ATTENTION, OFFLOAD_HELD,
-       SELECTIVE_OFFLOAD_HELD, ATTENTION_OFFLOAD_HELD, UNIT_FIELDS };
+static const record_field block_fields[] = {
+    {"forward_s", 0, offsetof(plan_block, forward_s)},
+    {"backward_s", 0, offsetof(plan_block, backward_s)},
+    {"recompute_s", 0, offsetof(plan_block, recompute_s)},
+    {"copy_s", 0, offsetof(plan_block, copy_s)},
+    {"input_units", 1, offsetof(plan_block, input_units)},
+    {"activation_units", 1, offsetof(plan_block, activation_units)},
+    {"offload_held_units", 1, offsetof(plan_block, offload_held_units)},
+    {"keep_work_units", 1, offsetof(plan_block, keep_work_units)},
+    {"checkpoint_work_units", 1, offsetof(plan_block, checkpoint_work_units)},
+};
+#define BLOCK_FIELDS (sizeof block_fields / sizeof block_fields[0])
 
-/* Fills in what a shorter tuple leaves out; -1 with an exception where it
- * gives a group of fields in part. */
+static const record_field policy_fields[] = {
+    {"time_s", 0, offsetof(plan_policy, time_s)},
+    {"units", 1, offsetof(plan_policy, units)},
+    {"copy_s", 0, offsetof(plan_policy, copy_s)},
+    {"offload_held_units", 1, offsetof(plan_policy, offload_held_units)},
+};
+#define POLICY_FIELDS (sizeof policy_fields / sizeof policy_fields[0])
+
+/* sums of units over a chain must not wrap: keep each far below 2^64 */
+#define MAX_UNITS (1LL << 42)
+
+/* Reads the fields of `table` from dict `record` into `out`; -1 with an
+ * exception naming block `index` (and `policy`, NULL for the block's own)
+ * where one is missing, extra or out of range. *sum gains the times. */
 static int
-block_defaults(Py_ssize_t size, Py_ssize_t index, plan_block *block,
-               long long units[UNIT_FIELDS])
+read_fields(PyObject *record, const record_field *table, size_t count, Py_ssize_t extra,
+            Py_ssize_t index, const char *policy, char *out, double *sum)
 {
-    if (size == 12 || size == 13 || size == 15 || size == 16) {
-        PyErr_Format(PyExc_TypeError, "block %zd: %s come together; expected %s", index,
-                     size < 14 ? "attention_s, attention_units and attention_copy_s"
-                               : "offload_held_units, selective_offload_held_units and "
-                                 "attention_offload_held_units",
-                     block_fields);
+    const char *where = policy ? policy : "block";
+    if (!PyDict_Check(record)) {
+        PyErr_Format(PyExc_TypeError, "block %zd: %s must be a dict, got %s", index, where,
+                     Py_TYPE(record)->tp_name);
         return -1;
     }
-    if (size < 11)
-        block->recompute_s = 2 * block->forward_s + block->backward_s;
-    if (size < 14) {
-        block->attention.time_s = UNMEASURED_S;
-        units[ATTENTION] = units[INPUT];
-        block->attention.copy_s = UNMEASURED_S;
+    if (PyDict_GET_SIZE(record) != (Py_ssize_t)count + extra) {
+        PyErr_Format(PyExc_TypeError, "block %zd: %s must have exactly the keys of %s", index,
+                     where, policy ? "PLAN_POLICY_FIELDS" : "PLAN_BLOCK_FIELDS and PLAN_POLICIES");
+        return -1;
     }
-    if (size < 17)
-        units[OFFLOAD_HELD] = units[SELECTIVE_OFFLOAD_HELD] = units[ATTENTION_OFFLOAD_HELD] = 0;
+    for (size_t k = 0; k < count; k++) {
+        PyObject *value = PyDict_GetItemString(record, table[k].name);
+        if (value == NULL) {
+            PyErr_Format(PyExc_TypeError, "block %zd: %s has no %s", index, where,
+                         table[k].name);
+            return -1;
+        }
+        if (table[k].units) {
+            long long units = PyLong_Check(value) ? PyLong_AsLongLong(value) : -1;
+            if (units == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                units = MAX_UNITS + 1;
+            }
+            if (!PyLong_Check(value) || units < 0 || units > MAX_UNITS) {
+                PyErr_Format(units > MAX_UNITS ? PyExc_OverflowError : PyExc_ValueError,
+                             "block %zd: %s's %s must be an int from 0 to 2**42 (use a larger "
+                             "unit)", index, where, table[k].name);
+                return -1;
+            }
+            uint64_t stored = (uint64_t)units;
+            memcpy(out + table[k].offset, &stored, sizeof stored);
+        } else {
+            double seconds = PyFloat_AsDouble(value);
+            if (seconds == -1.0 && PyErr_Occurred())
+                return -1;
+            if (!(seconds >= 0)) {
+                PyErr_Format(PyExc_ValueError, "block %zd: %s's %s must be a number >= 0",
+                             index, where, table[k].name);
+                return -1;
+            }
+            memcpy(out + table[k].offset, &seconds, sizeof seconds);
+            *sum += seconds;
+        }
+    }
     return 0;
 }
 
 /* -1 with an exception where what an offload leaves on the device is more
  * than it would hold kept. */
 static int
-check_offload_held(Py_ssize_t index, const long long units[UNIT_FIELDS])
+check_offload_held(Py_ssize_t index, const plan_block *block)
 {
-    static const struct {
-        int held, whole;
-        const char *names;
-    } pairs[] = {{OFFLOAD_HELD, INPUT, "offload_held_units above input_units"},
-                 {SELECTIVE_OFFLOAD_HELD, SELECTIVE,
-                  "selective_offload_held_units above selective_units"},
-                 {ATTENTION_OFFLOAD_HELD, ATTENTION,
-                  "attention_offload_held_units above attention_units"}};
-    for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++) {
-        if (units[pairs[k].held] > units[pairs[k].whole]) {
-            PyErr_Format(PyExc_ValueError, "block %zd: %s", index, pairs[k].names);
+    if (block->offload_held_units > block->input_units) {
+        PyErr_Format(PyExc_ValueError, "block %zd: offload_held_units above input_units", index);
+        return -1;
+    }
+    for (int p = 0; p < PLAN_POLICIES; p++) {
+        const plan_policy *policy = plan_block_policy_const(block, p);
+        if (policy->offload_held_units > policy->units) {
+            PyErr_Format(PyExc_ValueError, "block %zd: %s's offload_held_units above its units",
+                         index, plan_policy_names[p]);
             return -1;
         }
     }
@@ -77,47 +121,24 @@ check_offload_held(Py_ssize_t index, const long long units[UNIT_FIELDS])
 }
 
 static int
-block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
+block_from_record(PyObject *record, Py_ssize_t index, plan_block *block)
 {
-    long long units[UNIT_FIELDS];
-    if (!PyTuple_Check(item) ||
-        !PyArg_ParseTuple(item, "dddLLLLdLd|ddLdLLL", &block->forward_s, &block->backward_s,
-                          &block->copy_s, &units[INPUT], &units[ACTIVATION], &units[KEEP_WORK],
-                          &units[CHECKPOINT_WORK], &block->selective.time_s, &units[SELECTIVE],
-                          &block->selective.copy_s, &block->recompute_s,
-                          &block->attention.time_s, &units[ATTENTION], &block->attention.copy_s,
-                          &units[OFFLOAD_HELD], &units[SELECTIVE_OFFLOAD_HELD],
-                          &units[ATTENTION_OFFLOAD_HELD])) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "block %zd: expected %s", index, block_fields);
-        return -1;
-    }
-    if (block_defaults(PyTuple_GET_SIZE(item), index, block, units) < 0)
-        return -1;
-    double times[] = {block->forward_s, block->backward_s, block->copy_s, block->recompute_s,
-                      block->selective.time_s, block->selective.copy_s,
-                      block->attention.time_s, block->attention.copy_s};
-    int negative = 0;
     double sum = 0;
-    for (size_t k = 0; k < sizeof times / sizeof times[0]; k++) {
-        negative |= !(times[k] >= 0);
-        sum += times[k];
-    }
-    for (int k = 0; k < UNIT_FIELDS; k++) {
-        negative |= units[k] < 0;
-        /* sums of units over a chain must not wrap: keep each far below 2^64 */
-        if (units[k] > (1LL << 42)) {
-            PyErr_Format(PyExc_OverflowError, "block %zd: too many units; use a larger unit",
-                         index);
+    if (read_fields(record, block_fields, BLOCK_FIELDS, PLAN_POLICIES, index, NULL,
+                    (char *)block, &sum) < 0)
+        return -1;
+    for (int p = 0; p < PLAN_POLICIES; p++) {
+        PyObject *policy = PyDict_GetItemString(record, plan_policy_names[p]);
+        if (policy == NULL) {
+            PyErr_Format(PyExc_TypeError, "block %zd: block has no %s", index,
+                         plan_policy_names[p]);
             return -1;
         }
+        if (read_fields(policy, policy_fields, POLICY_FIELDS, 0, index, plan_policy_names[p],
+                        (char *)plan_block_policy(block, p), &sum) < 0)
+            return -1;
     }
-    if (negative) {
-        PyErr_Format(PyExc_ValueError, "block %zd: times and units must be non-negative numbers",
-                     index);
-        return -1;
-    }
-    if (check_offload_held(index, units) < 0)
+    if (check_offload_held(index, block) < 0)
         return -1;
     /* the solver adds a block's times together: their sum must stay finite */
     if (!isfinite(sum)) {
@@ -125,15 +146,6 @@ block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
                      "block %zd: times too large, they and their sum must be finite", index);
         return -1;
     }
-    block->input_units = (uint64_t)units[INPUT];
-    block->activation_units = (uint64_t)units[ACTIVATION];
-    block->keep_work_units = (uint64_t)units[KEEP_WORK];
-    block->checkpoint_work_units = (uint64_t)units[CHECKPOINT_WORK];
-    block->selective.units = (uint64_t)units[SELECTIVE];
-    block->attention.units = (uint64_t)units[ATTENTION];
-    block->offload_held_units = (uint64_t)units[OFFLOAD_HELD];
-    block->selective.offload_held_units = (uint64_t)units[SELECTIVE_OFFLOAD_HELD];
-    block->attention.offload_held_units = (uint64_t)units[ATTENTION_OFFLOAD_HELD];
     return 0;
 }
 
@@ -141,7 +153,7 @@ block_from_tuple(PyObject *item, Py_ssize_t index, plan_block *block)
 static plan_block *
 blocks_from_sequence(PyObject *sequence, int *n)
 {
-    PyObject *fast = PySequence_Fast(sequence, "blocks must be a sequence of tuples");
+    PyObject *fast = PySequence_Fast(sequence, "blocks must be a sequence of block records");
     if (fast == NULL)
         return NULL;
     Py_ssize_t size = PySequence_Fast_GET_SIZE(fast);
@@ -156,7 +168,7 @@ blocks_from_sequence(PyObject *sequence, int *n)
         goto error;
     }
     for (Py_ssize_t i = 0; i < size; i++) {
-        if (block_from_tuple(PySequence_Fast_GET_ITEM(fast, i), i, &blocks[i]) < 0)
+        if (block_from_record(PySequence_Fast_GET_ITEM(fast, i), i, &blocks[i]) < 0)
             goto error;
     }
     Py_DECREF(fast);
@@ -351,4 +363,72 @@ done:
     PyMem_Free(points);
     PyMem_Free(blocks);
     return result;
+}
+
+/* A tuple of the names in `table`; NULL with an exception. */
+static PyObject *
+field_names(const record_field *table, size_t count)
+{
+    PyObject *names = PyTuple_New((Py_ssize_t)count);
+    for (size_t k = 0; names != NULL && k < count; k++) {
+        PyObject *name = PyUnicode_FromString(table[k].name);
+        if (name == NULL)
+            Py_CLEAR(names);
+        else
+            PyTuple_SET_ITEM(names, (Py_ssize_t)k, name);
+    }
+    return names;
+}
+
+/* PLAN_CHOICES: one dict per choice, in PLAN_* order. */
+static PyObject *
+choice_table(void)
+{
+    PyObject *table = PyTuple_New(PLAN_CHOICES);
+    for (int c = 0; table != NULL && c < PLAN_CHOICES; c++) {
+        const plan_choice_info *info = &plan_choice_table[c];
+        PyObject *entry = Py_BuildValue(
+            "{s:s, s:s, s:z, s:O}", "name", info->name, "saves", info->saves, "policy",
+            info->policy >= 0 ? plan_policy_names[info->policy] : NULL, "offloads",
+            info->offloads ? Py_True : Py_False);
+        if (entry == NULL)
+            Py_CLEAR(table);
+        else
+            PyTuple_SET_ITEM(table, c, entry);
+    }
+    return table;
+}
+
+static PyObject *
+policy_names(void)
+{
+    PyObject *names = PyTuple_New(PLAN_POLICIES);
+    for (int p = 0; names != NULL && p < PLAN_POLICIES; p++) {
+        PyObject *name = PyUnicode_FromString(plan_policy_names[p]);
+        if (name == NULL)
+            Py_CLEAR(names);
+        else
+            PyTuple_SET_ITEM(names, p, name);
+    }
+    return names;
+}
+
+/* Adds `value` (a new reference, or NULL with an error set) as `name`. */
+static int
+add_new(PyObject *module, const char *name, PyObject *value)
+{
+    int status = value != NULL ? PyModule_AddObjectRef(module, name, value) : -1;
+    Py_XDECREF(value);
+    return status;
+}
+
+int
+plan_add_constants(PyObject *module)
+{
+    if (add_new(module, "PLAN_CHOICES", choice_table()) < 0 ||
+        add_new(module, "PLAN_POLICIES", policy_names()) < 0 ||
+        add_new(module, "PLAN_BLOCK_FIELDS", field_names(block_fields, BLOCK_FIELDS)) < 0 ||
+        add_new(module, "PLAN_POLICY_FIELDS", field_names(policy_fields, POLICY_FIELDS)) < 0)
+        return -1;
+    return add_new(module, "PLAN_UNMEASURED_S", PyFloat_FromDouble(PLAN_UNMEASURED_S));
 }

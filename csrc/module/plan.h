@@ -1,6 +1,8 @@
 /* matepoint._C's planner functions (_plan_solve, _plan_evaluate,
- * _plan_min_budget, _plan_frontier): thin argument conversion around
- * planner/planner.h. Memory is counted in the caller's units. */
+ * _plan_min_budget, _plan_frontier) and constants (PLAN_CHOICES, ...): thin
+ * argument conversion around planner/planner.h. Blocks are records (dicts
+ * keyed by PLAN_BLOCK_FIELDS and PLAN_POLICIES); memory is counted in the
+ * caller's units. */
 #ifndef MATEPOINT_MODULE_PLAN_H
 #define MATEPOINT_MODULE_PLAN_H
 
@@ -22,5 +24,10 @@ PyObject *plan_evaluate_blocks_py(PyObject *module, PyObject *args);
 PyObject *plan_min_budget_py(PyObject *module, PyObject *args);
 /* (blocks, pipeline, max_points) -> [(time_s, peak_units), ...], peak falling */
 PyObject *plan_frontier_py(PyObject *module, PyObject *args);
+
+/* Adds PLAN_CHOICES (per choice a dict: name, saves, policy, offloads),
+ * PLAN_POLICIES, PLAN_BLOCK_FIELDS, PLAN_POLICY_FIELDS and
+ * PLAN_UNMEASURED_S to the module; -1 with an exception. */
+int plan_add_constants(PyObject *module);
 
 #endif

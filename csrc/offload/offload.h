@@ -63,6 +63,14 @@ int offload_spill_configure(offload_engine *engine, const offload_options *optio
  * simulated GPU of test builds). */
 const char *offload_device_type(mp_state *st);
 
+/* Per tensor of the sequence `tensors`, True where an offload of
+ * checkpoint(function, *tensors) leaves it on the device, by the engine's
+ * own rule (inspect_input: parameters, module buffers of `function`,
+ * nested, sparse and other non-strided tensors, tensors under
+ * min_offload_bytes, tensors not on the offload device); a new list, or
+ * NULL with an exception. The planner's memory model asks this. */
+PyObject *offload_left_on_device(mp_state *st, PyObject *function, PyObject *tensors);
+
 /* Python: dict of pool counters; drop cached buffers. */
 PyObject *offload_pool_stats(mp_state *st);
 /* pool_stats()'s keys, in order, as a new tuple. */

@@ -1,6 +1,8 @@
 #include "offload_internal.h"
 #include "base/pyvalue.h"
 
+#include <string.h>
+
 void
 input_info_clear(input_info *info)
 {
@@ -184,4 +186,32 @@ int
 inspect_same_storage(const input_info *a, const input_info *b)
 {
     return a->device_index == b->device_index && a->storage_ptr == b->storage_ptr;
+}
+
+PyObject *
+offload_left_on_device(mp_state *st, PyObject *function, PyObject *tensors)
+{
+    /* a tuple: Python code run by the questions cannot change its length */
+    PyObject *items = PySequence_Tuple(tensors);
+    PyObject *result = items ? PyList_New(PyTuple_GET_SIZE(items)) : NULL;
+    PyObject *buffers = NULL;
+    if (result == NULL)
+        goto error;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
+        input_info info;
+        memset(&info, 0, sizeof info);
+        int eligible = inspect_input(st, function, PyTuple_GET_ITEM(items, i), &buffers, &info);
+        input_info_clear(&info);
+        if (eligible < 0)
+            goto error;
+        PyList_SET_ITEM(result, i, Py_NewRef(eligible ? Py_False : Py_True));
+    }
+    Py_XDECREF(buffers);
+    Py_DECREF(items);
+    return result;
+error:
+    Py_XDECREF(buffers);
+    Py_XDECREF(result);
+    Py_XDECREF(items);
+    return NULL;
 }

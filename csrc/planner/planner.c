@@ -12,23 +12,14 @@
 static const plan_policy *
 policy_of(const plan_block *b, int choice)
 {
-    switch (choice) {
-    case PLAN_SELECTIVE:
-    case PLAN_OFFLOAD_SELECTIVE:
-        return &b->selective;
-    case PLAN_ATTENTION:
-    case PLAN_OFFLOAD_ATTENTION:
-        return &b->attention;
-    default:
-        return NULL;
-    }
+    return plan_block_policy_const(b, plan_choice_table[choice].policy);
 }
 
 /* Whether a policy's saved outputs go to the host with its input. */
 static int
 offloads_saved(int choice)
 {
-    return choice == PLAN_OFFLOAD_SELECTIVE || choice == PLAN_OFFLOAD_ATTENTION;
+    return plan_choice_table[choice].offloads && plan_choice_table[choice].policy >= 0;
 }
 
 uint64_t

@@ -45,6 +45,7 @@
 #ifndef MATEPOINT_PLANNER_H
 #define MATEPOINT_PLANNER_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 enum {
@@ -57,6 +58,28 @@ enum {
     PLAN_OFFLOAD_ATTENTION = 6,
     PLAN_CHOICES = 7
 };
+
+/* The saving policies a block is measured under (plan_block's
+ * `selective` and `attention`, in this order). */
+enum { PLAN_POLICY_SELECTIVE = 0, PLAN_POLICY_ATTENTION = 1, PLAN_POLICIES = 2 };
+
+/* The time a policy not measured is given (a block without attention, a
+ * plan saved before the policy existed): any plan using it costs more than
+ * every plan without, so it is never chosen. */
+#define PLAN_UNMEASURED_S 1e30
+
+/* One choice as callers name it: the one table of choices (choices.c);
+ * Python reads it as _C.PLAN_CHOICES. */
+typedef struct {
+    const char *name;   /* as plans name it: "keep", "offload+selective", ... */
+    const char *saves;  /* what it keeps for backward, in the user's words */
+    int policy;         /* PLAN_POLICY_* it runs under, or -1 */
+    int offloads;       /* 1: its input (and saved outputs) go to host memory */
+} plan_choice_info;
+
+extern const plan_choice_info plan_choice_table[PLAN_CHOICES];
+/* The policies' names, indexed by PLAN_POLICY_*. */
+extern const char *const plan_policy_names[PLAN_POLICIES];
 
 /* A checkpoint policy that saves some outputs and recomputes the rest. */
 typedef struct {
@@ -83,6 +106,21 @@ typedef struct {
     double time_s;
     uint64_t peak_units;
 } plan_cost;
+
+/* Block b's policy PLAN_POLICY_* (NULL for any other value). */
+static inline plan_policy *
+plan_block_policy(plan_block *b, int policy)
+{
+    return policy == PLAN_POLICY_SELECTIVE ? &b->selective
+           : policy == PLAN_POLICY_ATTENTION ? &b->attention : NULL;
+}
+
+static inline const plan_policy *
+plan_block_policy_const(const plan_block *b, int policy)
+{
+    return policy == PLAN_POLICY_SELECTIVE ? &b->selective
+           : policy == PLAN_POLICY_ATTENTION ? &b->attention : NULL;
+}
 
 /* The cost of a given plan under the model above. */
 plan_cost plan_evaluate(const plan_block *blocks, int n, const uint8_t *choices, int pipeline);
