@@ -27,20 +27,6 @@ return_first(offload_engine *engine, offload_device *device)
             (size_t)device->returning_count * sizeof(*device->returning));
 }
 
-/* The host waits for `event` without the GIL; a failure has nothing left
- * to undo (the device is going away, or the buffer could not be queued):
- * it is cleared from the thread's last error, where torch would find it. */
-static void
-wait_for(offload_engine *engine, void *event)
-{
-    int status;
-    Py_BEGIN_ALLOW_THREADS
-    status = engine->rt->event_synchronize(event);
-    Py_END_ALLOW_THREADS
-    if (status != CUDART_SUCCESS)
-        (void)engine->rt->get_last_error();
-}
-
 void
 offload_return_after(offload_engine *engine, offload_device *device, pool_block *block,
                      void *event)
@@ -59,7 +45,7 @@ offload_return_after_on(offload_engine *engine, offload_device *device, pool_blo
             PyMem_Realloc(device->returning, (size_t)capacity * sizeof(*grown));
         if (grown == NULL) {
             /* no memory to remember it: the one host wait left */
-            wait_for(engine, event);
+            streams_wait_event_quietly(engine->rt, event);
             pool_release(engine->pool, block);
             offload_device_give_event(engine, device, event);
             return;
@@ -141,12 +127,7 @@ offload_return_wait_stream(offload_engine *engine)
             stream = device->returning[k].stream;
         if (stream == NULL)
             continue;
-        int status;
-        Py_BEGIN_ALLOW_THREADS
-        status = engine->rt->stream_synchronize(stream);
-        Py_END_ALLOW_THREADS
-        if (status != CUDART_SUCCESS)
-            (void)engine->rt->get_last_error();
+        streams_wait_stream_quietly(engine->rt, stream);
         return offload_return_poll(engine, device) > 0;
     }
     return 0;
@@ -156,7 +137,7 @@ void
 offload_return_drain(offload_engine *engine, offload_device *device)
 {
     while (device->returning_count > 0) {
-        wait_for(engine, device->returning[0].event);
+        streams_wait_event_quietly(engine->rt, device->returning[0].event);
         return_first(engine, device);
     }
     PyMem_Free(device->returning);

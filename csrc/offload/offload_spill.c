@@ -292,14 +292,8 @@ wait_for_room(offload_engine *engine, int pending_d2h)
         return 1;
     for (int d = 0; d < MAX_CUDA_DEVICES; d++) {
         void *stream = engine->cuda[d] != NULL ? engine->cuda[d]->copy_out : NULL;
-        int status = CUDART_SUCCESS;
-        if (stream == NULL)
-            continue;
-        Py_BEGIN_ALLOW_THREADS
-        status = engine->rt->stream_synchronize(stream);
-        Py_END_ALLOW_THREADS
-        if (status != CUDART_SUCCESS)
-            (void)engine->rt->get_last_error();
+        if (stream != NULL)
+            streams_wait_stream_quietly(engine->rt, stream);
     }
     return 0;
 }

@@ -21,6 +21,28 @@ streams_event_done(const cudart *rt, void *event)
     return streams_check(rt, status, "cudaEventQuery");
 }
 
+void
+streams_wait_event_quietly(const cudart *rt, void *event)
+{
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rt->event_synchronize(event);
+    Py_END_ALLOW_THREADS
+    if (status != CUDART_SUCCESS)
+        (void)rt->get_last_error();
+}
+
+void
+streams_wait_stream_quietly(const cudart *rt, void *stream)
+{
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rt->stream_synchronize(stream);
+    Py_END_ALLOW_THREADS
+    if (status != CUDART_SUCCESS)
+        (void)rt->get_last_error();
+}
+
 int
 streams_memcpy(const cudart *rt, void *dst, const void *src, size_t bytes, int kind,
                void *stream, int pageable)

@@ -40,4 +40,12 @@ int streams_enter_device(const cudart *rt, int device, int *previous);
  * caller's. */
 int streams_record_event(const cudart *rt, void *stream, void **event);
 
+/* The host waits for `event`, or for all of `stream`, with the GIL released,
+ * where a failure leaves nothing to undo (a device going away, a buffer
+ * that goes back either way): unlike the helpers above they raise nothing,
+ * and only clear the failure from the thread's last error, where torch
+ * would find it. */
+void streams_wait_event_quietly(const cudart *rt, void *event);
+void streams_wait_stream_quietly(const cudart *rt, void *stream);
+
 #endif
