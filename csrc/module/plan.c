@@ -110,7 +110,7 @@ check_offload_held(Py_ssize_t index, const plan_block *block)
         return -1;
     }
     for (int p = 0; p < PLAN_POLICIES; p++) {
-        const plan_policy *policy = plan_block_policy_const(block, p);
+        const plan_policy *policy = &block->policies[p];
         if (policy->offload_held_units > policy->units) {
             PyErr_Format(PyExc_ValueError, "block %zd: %s's offload_held_units above its units",
                          index, plan_policy_names[p]);
@@ -135,7 +135,7 @@ block_from_record(PyObject *record, Py_ssize_t index, plan_block *block)
             return -1;
         }
         if (read_fields(policy, policy_fields, POLICY_FIELDS, 0, index, plan_policy_names[p],
-                        (char *)plan_block_policy(block, p), &sum) < 0)
+                        (char *)&block->policies[p], &sum) < 0)
             return -1;
     }
     if (check_offload_held(index, block) < 0)

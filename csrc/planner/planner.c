@@ -12,7 +12,7 @@
 static const plan_policy *
 policy_of(const plan_block *b, int choice)
 {
-    return plan_block_policy_const(b, plan_choice_table[choice].policy);
+    return plan_block_policy(b, plan_choice_table[choice].policy);
 }
 
 /* Whether a policy's saved outputs go to the host with its input. */
@@ -151,10 +151,12 @@ static uint64_t
 plan_max_budget(const plan_block *blocks, int n)
 {
     uint64_t total = 0;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         total += blocks[i].input_units * 2 + blocks[i].activation_units +
-                 blocks[i].selective.units + blocks[i].attention.units +
                  blocks[i].keep_work_units + blocks[i].checkpoint_work_units;
+        for (int p = 0; p < PLAN_POLICIES; p++)
+            total += blocks[i].policies[p].units;
+    }
     return total;
 }
 

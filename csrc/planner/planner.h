@@ -59,8 +59,8 @@ enum {
     PLAN_CHOICES = 7
 };
 
-/* The saving policies a block is measured under (plan_block's
- * `selective` and `attention`, in this order). */
+/* The saving policies a block is measured under: indexes into
+ * plan_block's `policies`. */
 enum { PLAN_POLICY_SELECTIVE = 0, PLAN_POLICY_ATTENTION = 1, PLAN_POLICIES = 2 };
 
 /* The time a policy not measured is given (a block without attention, a
@@ -98,8 +98,9 @@ typedef struct {
     uint64_t offload_held_units;    /* of the input, what stays on the device when
                                      * offloaded (tensors too small to move) */
     uint64_t keep_work_units, checkpoint_work_units;
-    plan_policy selective;          /* saves matmul, convolution and attention outputs */
-    plan_policy attention;          /* saves attention outputs only */
+    /* per PLAN_POLICY_*: selective saves matmul, convolution and attention
+     * outputs; attention saves attention outputs only */
+    plan_policy policies[PLAN_POLICIES];
 } plan_block;
 
 typedef struct {
@@ -107,19 +108,12 @@ typedef struct {
     uint64_t peak_units;
 } plan_cost;
 
-/* Block b's policy PLAN_POLICY_* (NULL for any other value). */
-static inline plan_policy *
-plan_block_policy(plan_block *b, int policy)
-{
-    return policy == PLAN_POLICY_SELECTIVE ? &b->selective
-           : policy == PLAN_POLICY_ATTENTION ? &b->attention : NULL;
-}
-
+/* Block b's policy PLAN_POLICY_* (NULL for any other value: -1 is a
+ * choice without one). */
 static inline const plan_policy *
-plan_block_policy_const(const plan_block *b, int policy)
+plan_block_policy(const plan_block *b, int policy)
 {
-    return policy == PLAN_POLICY_SELECTIVE ? &b->selective
-           : policy == PLAN_POLICY_ATTENTION ? &b->attention : NULL;
+    return policy >= 0 && policy < PLAN_POLICIES ? &b->policies[policy] : NULL;
 }
 
 /* The cost of a given plan under the model above. */

@@ -67,8 +67,11 @@ random_chain(plan_block *blocks, int n)
             /* between keep and recompute in both time and memory, as measured;
              * the copy's time grows with the bytes copied */
             .offload_held_units = random_stay(in, stays),
-            .selective = random_policy(forward_s, backward_s, copy_s, in, selective, stays),
-            .attention = random_policy(forward_s, backward_s, copy_s, in, attention, stays),
+            .policies = {
+                [PLAN_POLICY_SELECTIVE] = random_policy(forward_s, backward_s, copy_s, in,
+                                                        selective, stays),
+                [PLAN_POLICY_ATTENTION] = random_policy(forward_s, backward_s, copy_s, in,
+                                                        attention, stays)},
         };
     }
 }
@@ -170,10 +173,12 @@ frontier_by_full_solves(const plan_block *blocks, int n, int pipeline, int max_p
     uint8_t choices[16];
     uint64_t budget = 0;
     int count = 0;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         budget += blocks[i].input_units * 2 + blocks[i].activation_units +
-                  blocks[i].selective.units + blocks[i].attention.units +
                   blocks[i].keep_work_units + blocks[i].checkpoint_work_units;
+        for (int p = 0; p < PLAN_POLICIES; p++)
+            budget += blocks[i].policies[p].units;
+    }
     while (count < max_points) {
         plan_cost cost;
         if (plan_solve(blocks, n, budget, pipeline, choices, &cost) != 0)
@@ -214,8 +219,10 @@ four_blocks(plan_block *blocks, double copy_s, double selective_copy_s)
     plan_block block = {.forward_s = 1, .backward_s = 2, .recompute_s = 4, .copy_s = copy_s,
                         .input_units = 1, .activation_units = 10, .keep_work_units = 10,
                         .checkpoint_work_units = 11,
-                        .selective = {.time_s = 3.2, .units = 4, .copy_s = selective_copy_s},
-                        .attention = {.time_s = 1e30, .units = 1, .copy_s = 1e30}};
+                        .policies = {[PLAN_POLICY_SELECTIVE] = {.time_s = 3.2, .units = 4,
+                                                                .copy_s = selective_copy_s},
+                                     [PLAN_POLICY_ATTENTION] = {.time_s = 1e30, .units = 1,
+                                                                .copy_s = 1e30}}};
     for (int i = 0; i < 4; i++)
         blocks[i] = block;
 }
@@ -254,7 +261,7 @@ test_offload_selective_chosen(void)
     CHECK(choices[3] == PLAN_KEEP);
     CHECK(fabs(cost.time_s - (3 * (3.2 + 0.4) + 3)) < 1e-12 && cost.peak_units == 11);
     for (int i = 0; i < 4; i++)
-        blocks[i].selective.copy_s = 2.0;
+        blocks[i].policies[PLAN_POLICY_SELECTIVE].copy_s = 2.0;
     CHECK(plan_solve(blocks, 4, 12, 1, choices, &cost) == 0);
     for (int i = 0; i < 3; i++)
         CHECK(choices[i] == PLAN_OFFLOAD);
@@ -270,7 +277,8 @@ test_attention_chosen(void)
     plan_block blocks[4];
     four_blocks(blocks, 1e30, 1e30);
     for (int i = 0; i < 4; i++)
-        blocks[i].attention = (plan_policy){.time_s = 3.5, .units = 2, .copy_s = 1e30};
+        blocks[i].policies[PLAN_POLICY_ATTENTION] =
+            (plan_policy){.time_s = 3.5, .units = 2, .copy_s = 1e30};
     uint8_t choices[4];
     plan_cost cost;
     CHECK(plan_solve(blocks, 4, 16, 0, choices, &cost) == 0);
@@ -280,7 +288,7 @@ test_attention_chosen(void)
     CHECK(fabs(cost.time_s - (3 * 3.5 + 3)) < 1e-12 && cost.peak_units == 16);
     for (int i = 0; i < 4; i++) {
         blocks[i].copy_s = 0.1;
-        blocks[i].attention.copy_s = 0.2;
+        blocks[i].policies[PLAN_POLICY_ATTENTION].copy_s = 0.2;
     }
     CHECK(plan_solve(blocks, 4, 11, 1, choices, &cost) == 0);
     for (int i = 0; i < 3; i++)
@@ -294,8 +302,8 @@ test_edges(void)
     plan_block blocks[2] = {{.forward_s = 1, .backward_s = 1, .recompute_s = 3, .input_units = 1,
                              .activation_units = 1, .keep_work_units = 2,
                              .checkpoint_work_units = 3,
-                             .selective = {.time_s = 3, .units = 1},
-                             .attention = {.time_s = 3, .units = 1}}};
+                             .policies = {[PLAN_POLICY_SELECTIVE] = {.time_s = 3, .units = 1},
+                                          [PLAN_POLICY_ATTENTION] = {.time_s = 3, .units = 1}}}};
     blocks[1] = blocks[0];
     uint8_t choices[2];
     plan_cost cost;
@@ -316,8 +324,8 @@ test_offload_held(void)
     plan_block blocks[2] = {{.forward_s = 1, .backward_s = 2, .recompute_s = 4, .copy_s = 0.5,
                              .input_units = 4, .activation_units = 20, .keep_work_units = 20,
                              .checkpoint_work_units = 10, .offload_held_units = 1,
-                             .selective = {.time_s = 9, .units = 20},
-                             .attention = {.time_s = 9, .units = 20}}};
+                             .policies = {[PLAN_POLICY_SELECTIVE] = {.time_s = 9, .units = 20},
+                                          [PLAN_POLICY_ATTENTION] = {.time_s = 9, .units = 20}}}};
     blocks[1] = blocks[0];
     uint8_t offloaded[2] = {PLAN_OFFLOAD, PLAN_OFFLOAD};
     /* block 1: 1 unit held by block 0, its own work 10, block 0's 3 moved units */
