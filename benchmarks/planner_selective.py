@@ -110,10 +110,10 @@ def run(block: str, layers: int, shape: Tuple[int, int, int], rounds: int, repea
     # the unit of the budgets compared, not of the probe's unbounded one
     # (16 MiB there: coarser than a block's input)
     unit = default_unit(sum(p.input_bytes + p.activation_bytes for p in profiles))
-    no_attention = [dataclasses.replace(p, attention_s=None, attention_bytes=None)
-                    for p in profiles]
-    whole = [dataclasses.replace(p, selective_s=None, selective_bytes=None)
-             for p in no_attention]
+    no_attention = [dataclasses.replace(p, policies={
+        name: figures for name, figures in p.policies.items() if name != "attention"})
+        for p in profiles]
+    whole = [dataclasses.replace(p, policies={}) for p in profiles]
     kept = predict(profiles, ["keep"] * layers, unit, False)[0]
     recomputed = predict(profiles, ["recompute"] * layers, unit, False)[0]
 

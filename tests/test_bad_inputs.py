@@ -253,16 +253,35 @@ def bad_plan_files():
                          ("input_bytes", 1.5), ("activation_bytes", 2**64),
                          ("output_bytes", "x"), ("forward_peak_bytes", True),
                          ("recompute_s", -1.0), ("recompute_s", "2"),
-                         # more than the input, of a policy not measured, or not a size
+                         # more than the input, or not a size
                          ("offload_stay_bytes", 4097), ("offload_stay_bytes", -1),
                          ("offload_stay_bytes", 1.5), ("offload_stay_bytes", True),
-                         ("selective_stay_bytes", 0), ("attention_stay_bytes", 1.5)]:
+                         # a policy's figures: of no policy, out of range, missing,
+                         # a stay more than it holds, not a mapping
+                         ("policies", {"nope": {"seconds": 1e-3, "held_bytes": 4096}}),
+                         ("policies", {"selective": {"seconds": -1.0, "held_bytes": 4096}}),
+                         ("policies", {"attention": {"seconds": 1e-3, "held_bytes": 1.5}}),
+                         ("policies", {"attention": {"seconds": 1e-3, "held_bytes": None}}),
+                         ("policies", {"selective": {"seconds": 1e-3}}),
+                         ("policies", {"selective": {"seconds": 1e-3, "held_bytes": 4096,
+                                                     "stay_bytes": 4097}}),
+                         ("policies", {"selective": [1e-3, 4096]}), ("policies", [1e-3]),
+                         # a plan-1 field in a plan-2 file
+                         ("selective_stay_bytes", 0)]:
         data = json.loads(json.dumps(good))
         data["profiles"][1][field] = value
         yield f"profile {field}={value!r}", data
     data = json.loads(json.dumps(good))
     del data["unit_bytes"]
     yield "missing unit_bytes", data
+    # plan-1 files: each policy's figures were flat fields, all or none given
+    for fields in ({"selective_s": 1e-3}, {"attention_bytes": 4096},
+                   {"selective_stay_bytes": 0}, {"attention_s": 1e-3, "attention_bytes": 1.5}):
+        data = json.loads(json.dumps(good))
+        data["format"] = "matepoint-plan-1"
+        del data["profiles"][1]["policies"]
+        data["profiles"][1].update(fields)
+        yield f"plan-1 profile {fields}", data
 
 
 @pytest.mark.parametrize("name,data", list(bad_plan_files()),

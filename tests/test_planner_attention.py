@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import matepoint
 from matepoint import _C
 from matepoint._planning import choices as _planner
-from matepoint._planner import BlockProfile, Plan, planned_choice, predict, solve
+from matepoint._planner import BlockProfile, Plan, PolicyFigures, planned_choice, predict, solve
 import sim
 from conftest import OpCounter, assert_bitwise_equal
 
@@ -68,8 +68,9 @@ def unplanned_gradients(model: nn.Module, x: torch.Tensor):
 def profile(attention_s: float = 3.5e-3, copy_s: float = 1e-4) -> BlockProfile:
     """1 MiB in, 10 MiB saved; selective keeps 4 MiB in 3.4 ms, attention
     2 MiB in ``attention_s``, a recompute 4 ms (inputs included)."""
-    return BlockProfile(1e-3, 2e-3, copy_s, MIB, 10 * MIB, MIB, 0, 0, 3.4e-3, 4 * MIB, 4e-3,
-                        attention_s, 2 * MIB)
+    return BlockProfile(1e-3, 2e-3, copy_s, MIB, 10 * MIB, MIB, 0, 0, 4e-3,
+                        policies={"selective": PolicyFigures(3.4e-3, 4 * MIB),
+                                  "attention": PolicyFigures(attention_s, 2 * MIB)})
 
 
 def test_profile_measures_what_attention_keeps() -> None:
@@ -78,11 +79,12 @@ def test_profile_measures_what_attention_keeps() -> None:
     plan = matepoint.plan(chain(3), sample(), budget_bytes=64 * MIB, repeats=1)
     out_bytes, logsumexp_bytes = BATCH * TOKENS * WIDTH * 4, BATCH * HEADS * TOKENS * 4
     for p in plan.profiles:
-        assert p.attention_bytes == p.input_bytes + out_bytes + logsumexp_bytes
+        attention = p.policies["attention"].held_bytes
+        assert attention == p.input_bytes + out_bytes + logsumexp_bytes
         # selective keeps the qkv projection's output as well
-        assert p.selective_bytes == p.attention_bytes + BATCH * TOKENS * 3 * WIDTH * 4
+        assert p.policies["selective"].held_bytes == attention + BATCH * TOKENS * 3 * WIDTH * 4
     plan = matepoint.plan(mlp_chain(2), sample(), budget_bytes=64 * MIB, repeats=1)
-    assert [(p.attention_s, p.attention_bytes) for p in plan.profiles] == [(None, None)] * 2
+    assert ["attention" in p.policies for p in plan.profiles] == [False] * 2
     recomputed = predict(plan.profiles, ["recompute"] * 2, 1024, True)[0]
     assert "attention" not in solve(plan.profiles, recomputed, 1024, True,
                                     offload=False).choices
@@ -159,41 +161,29 @@ def test_attention_is_planned_at_its_modelled_cost() -> None:
     assert solve(profiles, 12 * MIB, 1024, True).choices == ["offload+attention"] * 3 + ["keep"]
     # attention as slow as a recompute, or not measured: never chosen
     for slower in (profile(attention_s=4.5e-3),
-                   BlockProfile(1e-3, 2e-3, 1e-4, MIB, 10 * MIB, MIB, 0, 0, 3.4e-3, 4 * MIB,
-                                4e-3)):
+                   BlockProfile(1e-3, 2e-3, 1e-4, MIB, 10 * MIB, MIB, 0, 0, 4e-3,
+                                policies={"selective": PolicyFigures(3.4e-3, 4 * MIB)})):
         assert not {"attention", "offload+attention"} & set(
             solve([slower] * 4, 17 * MIB, 1024, True).choices + solve(
                 [slower] * 4, 12 * MIB, 1024, True).choices)
 
 
 def test_save_and_load_keep_the_choice_and_its_figures(tmp_path) -> None:
-    """The attention figures travel with a saved plan; one given without
-    the other is refused, naming both."""
+    """The attention figures travel with a saved plan; a figure missing
+    from them is refused, naming the policy and the figure."""
     path = tmp_path / "plan.json"
     plan = solve([profile()] * 4, 12 * MIB, 1024, True)
     plan.save(str(path))
     assert Plan.load(str(path)) == plan and "offload+attention" in plan.choices
     data = plan.to_dict()
-    data["profiles"][0]["attention_bytes"] = None
+    data["profiles"][0]["policies"]["attention"]["held_bytes"] = None
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="attention_s and attention_bytes too"):
+    with pytest.raises(ValueError, match="block 0's attention.held_bytes must be a size"):
         Plan.load(str(path))
-
-
-def test_a_plan_saved_before_attention_was_measured_loads(tmp_path) -> None:
-    """Its profiles lack the attention fields: they load as unmeasured,
-    and the plan solves to the same choices again."""
-    path = tmp_path / "plan.json"
-    plan = solve([profile()] * 4, 30 * MIB, 1024, True, offload=False)
-    data = plan.to_dict()
-    for fields in data["profiles"]:
-        del fields["attention_s"], fields["attention_bytes"]
+    del data["profiles"][0]["policies"]["attention"]["held_bytes"]
     path.write_text(json.dumps(data))
-    loaded = Plan.load(str(path))
-    assert loaded.choices == plan.choices
-    assert {(p.attention_s, p.attention_bytes) for p in loaded.profiles} == {(None, None)}
-    assert loaded.profiles[0].selective_bytes == 4 * MIB
-    assert solve(loaded.profiles, 30 * MIB, 1024, True, offload=False).choices == plan.choices
+    with pytest.raises(ValueError, match="held_bytes"):
+        Plan.load(str(path))
 
 
 def test_a_policy_the_block_cannot_run_is_left_unmeasured(monkeypatch) -> None:
@@ -204,8 +194,8 @@ def test_a_policy_the_block_cannot_run_is_left_unmeasured(monkeypatch) -> None:
     monkeypatch.setitem(_planner._CONTEXTS, "attention", failing)
     plan = matepoint.plan(chain(2), sample(), budget_bytes=64 * MIB, repeats=1)
     for p in plan.profiles:
-        assert p.attention_s is None and p.attention_bytes is None
-        assert p.selective_s is not None and p.selective_bytes > p.input_bytes
+        assert "attention" not in p.policies
+        assert p.policies["selective"].held_bytes > p.input_bytes
 
 
 # A stand-in for fused attention with dropout on CUDA (CPU attention has no

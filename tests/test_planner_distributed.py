@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import matepoint
-from matepoint._planner import BlockProfile, predict, reduce_profiles
+from matepoint._planner import BlockProfile, PolicyFigures, predict, reduce_profiles
 
 WORLD = 2
 DEPTH = 6
@@ -40,9 +40,11 @@ def chain() -> nn.Sequential:
 
 def rank_profiles(rank: int):
     """Figures that differ per rank; the attention policy measured on rank 0 only."""
-    measured = (3e-3, 1 << 21) if rank == 0 else (None, None)
+    policies = {"selective": PolicyFigures(3.4e-3, 4 << 20, rank << 20)}
+    if rank == 0:
+        policies["attention"] = PolicyFigures(3e-3, 1 << 21)
     return [BlockProfile(1e-3 * (1 + rank), 2e-3 * (2 - rank), 1e-4, 1 << 20, (10 + rank) << 20,
-                         1 << 20, 5 << 20, (6 - rank) << 20, 3.4e-3, 4 << 20, 4e-3, *measured)]
+                         1 << 20, 5 << 20, (6 - rank) << 20, 4e-3, policies=policies)]
 
 
 def worker(rank: int, store: str, budgets, results) -> None:
@@ -79,8 +81,8 @@ def test_every_rank_gets_the_same_plan_at_every_budget(tmp_path) -> None:
     assert plans[0] == plans[1], plans
     # each figure its max; the one rank 1 did not measure unmeasured on both
     assert reduced[0] == reduced[1] == [BlockProfile(
-        2e-3, 4e-3, 1e-4, 1 << 20, 11 << 20, 1 << 20, 5 << 20, 6 << 20, 3.4e-3, 4 << 20, 4e-3,
-        None, None)]
+        2e-3, 4e-3, 1e-4, 1 << 20, 11 << 20, 1 << 20, 5 << 20, 6 << 20, 4e-3,
+        policies={"selective": PolicyFigures(3.4e-3, 4 << 20, 1 << 20)})]
     # the budgets really trade: the plans differ from one another
     assert len({tuple(p) for p in plans[0]}) >= 3, plans[0]
 

@@ -5,7 +5,9 @@ budgets, the choices, peak and time the solver gave (recorded by the solver
 of commit 16c7d5d, before the speed work of issue 36), with each chain's
 frontier and, for a budget too small, the smallest budget named. The solver
 must give the same back, bit for bit: the same choices where several plans
-tie (chains of identical blocks tie everywhere), the same floats.
+tie (chains of identical blocks tie everywhere), the same floats. The
+profiles are recorded as plan-1 files held them (each policy's figures as
+flat fields) and read through Plan.load's upgrade of those.
 
     python tests/test_planner_golden.py --record   # rewrites the JSON (only
                                                    # when the model changes)
@@ -22,7 +24,9 @@ from typing import Any, Dict, List
 
 import pytest
 
-from matepoint._planner import BlockProfile, PlanError, solve
+from matepoint._planner import BlockProfile, PlanError, PolicyFigures, solve
+from matepoint._planning.plan_record import (_PLAN_1_POLICY_FIELDS, _upgraded_profile,
+                                             profile_from_dict)
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "planner_golden.json")
 MIB = 1 << 20
@@ -41,17 +45,21 @@ def _random_profile(rng: random.Random, stays: bool) -> BlockProfile:
 
     def stay(nbytes: int) -> int:
         return rng.randint(0, nbytes // 4) if stays else 0
-    return BlockProfile(
+    profile = BlockProfile(
         forward_s=forward_s, backward_s=2 * forward_s * rng.uniform(0.8, 1.2),
         copy_s=input_bytes / rng.uniform(5e9, 25e9), input_bytes=input_bytes,
         activation_bytes=activations, output_bytes=input_bytes,
         forward_peak_bytes=activations + rng.randint(0, input_bytes),
         backward_peak_bytes=activations // rng.randint(1, 3),
-        selective_s=3 * forward_s * rng.uniform(1.0, 1.2), selective_bytes=selective,
-        recompute_s=3 * forward_s * rng.uniform(1.2, 1.33),
-        attention_s=3 * forward_s * rng.uniform(1.05, 1.3), attention_bytes=attention,
-        offload_stay_bytes=stay(input_bytes), selective_stay_bytes=stay(selective),
-        attention_stay_bytes=stay(attention))
+        # drawn in the order the recording drew them
+        policies={"selective": PolicyFigures(3 * forward_s * rng.uniform(1.0, 1.2), selective)},
+        recompute_s=3 * forward_s * rng.uniform(1.2, 1.33))
+    profile.policies["attention"] = PolicyFigures(3 * forward_s * rng.uniform(1.05, 1.3),
+                                                  attention)
+    profile.offload_stay_bytes = stay(input_bytes)
+    for name, figures in profile.policies.items():
+        profile.policies[name] = dataclasses.replace(figures, stay_bytes=stay(figures.held_bytes))
+    return profile
 
 
 def _identical_profiles(count: int) -> List[BlockProfile]:
@@ -60,10 +68,10 @@ def _identical_profiles(count: int) -> List[BlockProfile]:
     block = BlockProfile(
         forward_s=4e-3, backward_s=8e-3, copy_s=3e-3, input_bytes=16 * MIB,
         activation_bytes=128 * MIB, output_bytes=16 * MIB, forward_peak_bytes=136 * MIB,
-        backward_peak_bytes=64 * MIB, selective_s=13e-3, selective_bytes=56 * MIB,
-        recompute_s=15e-3, attention_s=14e-3, attention_bytes=28 * MIB,
-        offload_stay_bytes=MIB, selective_stay_bytes=2 * MIB, attention_stay_bytes=MIB)
-    return [dataclasses.replace(block) for _ in range(count)]
+        backward_peak_bytes=64 * MIB, recompute_s=15e-3, offload_stay_bytes=MIB,
+        policies={"selective": PolicyFigures(13e-3, 56 * MIB, 2 * MIB),
+                  "attention": PolicyFigures(14e-3, 28 * MIB, MIB)})
+    return [dataclasses.replace(block, policies=dict(block.policies)) for _ in range(count)]
 
 
 def _benchmark_profiles() -> List[BlockProfile]:
@@ -91,17 +99,16 @@ def _chains() -> List[Dict[str, Any]]:
     # save the same, and ties between them go to selective
     twins = [_random_profile(rng, True) for _ in range(16)]
     for p in twins:
-        p.attention_s, p.attention_bytes = p.selective_s, p.selective_bytes
-        p.attention_stay_bytes = p.selective_stay_bytes
+        p.policies["attention"] = p.policies["selective"]
     chains.append({"name": "twin-policies", "unit_bytes": MIB // 4, "profiles": twins})
     for chain in chains:
         # some selective and attention figures unmeasured, as for blocks
         # without attention or profiled before those choices existed
         if chain["name"] == "random-2":
             for p in chain["profiles"][::3]:
-                p.attention_s = p.attention_bytes = p.attention_stay_bytes = None
+                p.policies.pop("attention", None)
             for p in chain["profiles"][::5]:
-                p.selective_s = p.selective_bytes = p.selective_stay_bytes = None
+                p.policies.pop("selective", None)
     return chains
 
 
@@ -140,8 +147,19 @@ def _record() -> Dict[str, Any]:
                 frontier = [list(point) for point in plan.frontier(points)]
             cases.append({"name": chain["name"], "unit_bytes": unit, "pipeline": pipeline,
                           "offload": offload, "solves": solves, "frontier": frontier})
-    chains = {c["name"]: [dataclasses.asdict(p) for p in c["profiles"]] for c in _chains()}
+    chains = {c["name"]: [_plan_1_profile(p) for p in c["profiles"]] for c in _chains()}
     return {"recorded_by": "16c7d5d", "profiles": chains, "cases": cases}
+
+
+def _plan_1_profile(profile: BlockProfile) -> Dict[str, Any]:
+    """``profile`` as a plan-1 file holds it: each policy's figures flat."""
+    fields = dataclasses.asdict(profile)
+    policies = fields.pop("policies")
+    for policy, names in _PLAN_1_POLICY_FIELDS.items():
+        figures = policies.get(policy, {"seconds": None, "held_bytes": None, "stay_bytes": None})
+        fields.update(zip(names, (figures["seconds"], figures["held_bytes"],
+                                  figures["stay_bytes"])))
+    return fields
 
 
 def _load() -> Dict[str, Any]:
@@ -159,7 +177,7 @@ def _case_id(case: Dict[str, Any]) -> str:
 
 @pytest.mark.parametrize("case", GOLDEN["cases"], ids=_case_id)
 def test_same_plans_as_recorded(case: Dict[str, Any]) -> None:
-    profiles = [BlockProfile(**p) for p in GOLDEN["profiles"][case["name"]]]
+    profiles = [profile_from_dict(_upgraded_profile(p)) for p in GOLDEN["profiles"][case["name"]]]
     for recorded in case["solves"]:
         got = _outcome(profiles, recorded["budget_bytes"], case["unit_bytes"], case["pipeline"],
                        case["offload"])

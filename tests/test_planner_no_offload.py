@@ -43,9 +43,9 @@ def test_plan_on_the_cpu_keeps_or_recomputes_and_says_why(every_tensor_moves) ->
     assert all(p.offload_stay_bytes == p.input_bytes for p in plan.profiles)
     # the same profiles as a GPU run would give them, every input movable: an
     # offload would lower the floor
-    plan.profiles = [dataclasses.replace(p, offload_stay_bytes=0, selective_stay_bytes=0,
-                                         attention_stay_bytes=0 if p.attention_s else None)
-                     for p in plan.profiles]
+    plan.profiles = [dataclasses.replace(p, offload_stay_bytes=0, policies={
+        name: dataclasses.replace(figures, stay_bytes=0) for name, figures in p.policies.items()})
+        for p in plan.profiles]
     # the smallest budget without offload, and one a smaller budget needs offload for
     least, least_with_offload = smallest(plan.profiles, False), smallest(plan.profiles, True)
     assert least_with_offload < least

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import matepoint
 from matepoint import _C
-from matepoint._planner import BlockProfile, Plan, planned_choice, predict, solve
+from matepoint._planner import BlockProfile, Plan, PolicyFigures, planned_choice, predict, solve
 import sim
 from conftest import OpCounter, assert_bitwise_equal
 
@@ -36,7 +36,8 @@ def buffers_taken() -> int:
 def profile(selective_s: float = 3.2e-3, copy_s: float = 1e-4) -> BlockProfile:
     """A block whose matmul outputs are 3/8 of what it saves: 1 MiB in,
     8 MiB saved, selective keeps 3 MiB (its input included)."""
-    return BlockProfile(1e-3, 2e-3, copy_s, MIB, 8 * MIB, MIB, 0, 0, selective_s, 3 * MIB)
+    return BlockProfile(1e-3, 2e-3, copy_s, MIB, 8 * MIB, MIB, 0, 0,
+                        policies={"selective": PolicyFigures(selective_s, 3 * MIB)})
 
 
 @pytest.mark.parametrize("gpu", ["offload", "simulated"])

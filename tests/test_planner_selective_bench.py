@@ -21,7 +21,8 @@ def test_selective_bench_compares_plans_at_each_budget(tmp_path, block: str) -> 
     assert "largest predicted gain" in result.stderr
     payload = json.loads(out.read_text())
     # both blocks run fused attention: the attention choice is measured
-    assert all(p["attention_bytes"] > p["input_bytes"] for p in payload["profiles"])
+    assert all(p["policies"]["attention"]["held_bytes"] > p["input_bytes"]
+               for p in payload["profiles"])
     budgets = payload["budgets"]
     # the asked budget, and the one of largest predicted gain (unless the same)
     assert 0.5 in [b["fraction"] for b in budgets] and 1 <= len(budgets) <= 2

@@ -1,9 +1,10 @@
 """What one block costs (:class:`BlockProfile`, measured once by
-:func:`matepoint.plan`) and its conversion into the record the C planner
-takes (``_records``: one dict per block keyed by ``_C.PLAN_BLOCK_FIELDS``,
-one per policy keyed by ``_C.PLAN_POLICY_FIELDS``). A new figure is a
-field here, its entry in ``_records``, and the C side (plan.c's field
-table, the cost model)."""
+:func:`matepoint.plan`, with a :class:`PolicyFigures` per saving policy)
+and its conversion into the record the C planner takes (``_records``: one
+dict per block keyed by ``_C.PLAN_BLOCK_FIELDS``, one per policy keyed by
+``_C.PLAN_POLICY_FIELDS``). A new figure is a field here with its entry in
+``_records``, and the C side (its row in plan.c's field table, the cost
+model); a new policy needs nothing here."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,17 +27,13 @@ _NO_OFFLOAD_COPY_S = _UNMEASURED_S
 
 @dataclasses.dataclass(frozen=True)
 class PolicyFigures:
-    """What a block measured under one saving policy (selective, attention)."""
+    """What a block measured under one saving policy of ``_C.PLAN_POLICIES``
+    (``"selective"``, ``"attention"``): checkpointed, saving the outputs the
+    policy names and recomputing the rest."""
 
-    seconds: float     # forward + backward under the policy
-    held_bytes: int    # held after its forward: its input and the saved outputs
-    stay_bytes: int    # of those, what an offload leaves on the device
-
-
-# Per policy of _C.PLAN_POLICIES, the BlockProfile fields holding its
-# figures (seconds, bytes, stay bytes): the names plan files use.
-_POLICY_FIELDS = {"selective": ("selective_s", "selective_bytes", "selective_stay_bytes"),
-                  "attention": ("attention_s", "attention_bytes", "attention_stay_bytes")}
+    seconds: float       # forward + backward under the policy, recompute included
+    held_bytes: int      # held after its forward: its input and the saved outputs
+    stay_bytes: int = 0  # of those, what an offload leaves on the device
 
 
 @dataclasses.dataclass
@@ -51,39 +48,22 @@ class BlockProfile:
     output_bytes: int
     forward_peak_bytes: int   # above its input, while its forward runs
     backward_peak_bytes: int  # above its saved tensors and output gradient, in backward
-    # forward + backward under the selective policy, and what it holds after
-    # its forward (its input and the saved outputs); None: not measured
-    selective_s: Optional[float] = None
-    selective_bytes: Optional[int] = None
     # forward + backward checkpointed, its recompute included (which stops
     # at the last saved tensor: often less than a second forward); None:
     # taken as 2 forward_s + backward_s (a plan saved before it was measured)
     recompute_s: Optional[float] = None
-    # as selective_s and selective_bytes, under the policy that saves only
-    # attention outputs; None: not measured (a block without attention)
-    attention_s: Optional[float] = None
-    attention_bytes: Optional[int] = None
-    # what each offloading choice leaves on the device, the tensors the
+    # what offloading leaves on the device of its input: the tensors the
     # engine does not move (under min_offload_bytes as set when profiled,
-    # parameters): of its input (offload), of selective_bytes
-    # (offload+selective), of attention_bytes (offload+attention); None:
-    # nothing (a plan saved before they were measured)
+    # parameters); None: nothing (a plan saved before it was measured)
     offload_stay_bytes: Optional[int] = None
-    selective_stay_bytes: Optional[int] = None
-    attention_stay_bytes: Optional[int] = None
+    # per name of _C.PLAN_POLICIES, its figures; a policy not measured (a
+    # block without attention) is absent
+    policies: Dict[str, PolicyFigures] = dataclasses.field(default_factory=dict)
 
     def checkpointed_s(self) -> float:
         """Forward + backward when recomputed."""
         return 2 * self.forward_s + self.backward_s if self.recompute_s is None \
             else self.recompute_s
-
-    def policy(self, name: str) -> Optional[PolicyFigures]:
-        """Its figures under the policy ``name`` (one of ``_C.PLAN_POLICIES``),
-        or None where that policy was not measured."""
-        seconds, nbytes, stay = (getattr(self, field) for field in _POLICY_FIELDS[name])
-        if seconds is None or nbytes is None:
-            return None
-        return PolicyFigures(seconds, nbytes, stay or 0)
 
     def keep_work_bytes(self) -> int:
         """Its own peak when kept: forward, or backward over what it saved."""
@@ -116,7 +96,7 @@ def _policy_copy_s(p: BlockProfile, nbytes: int) -> float:
 def _policy_figures(p: BlockProfile, policy: str) -> PolicyFigures:
     """The figures of ``policy``; unmeasured, it holds what recompute holds
     (offloaded, what offload does) at a time that is never chosen."""
-    figures = p.policy(policy)
+    figures = p.policies.get(policy)
     if figures is None:
         return PolicyFigures(_UNMEASURED_S, p.input_bytes, p.offload_stay_bytes or 0)
     return figures

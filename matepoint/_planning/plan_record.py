@@ -14,7 +14,7 @@ from matepoint import _C
 from matepoint._planning.arguments import (MAX_BYTES, MAX_FRONTIER_POINTS, MIB, Blocks,
                                            _check_blocks, _finite_number, _int_argument,
                                            _path_argument, _show)
-from matepoint._planning.block_profile import (_NO_OFFLOAD_COPY_S, _POLICY_FIELDS, BlockProfile,
+from matepoint._planning.block_profile import (_NO_OFFLOAD_COPY_S, BlockProfile, PolicyFigures,
                                                _held_bytes, _records, head_profile)
 from matepoint._planning.choices import CHOICES, apply_choice
 
@@ -169,9 +169,9 @@ class Plan:
 
     def to_dict(self) -> Dict[str, Any]:
         """The plan as plain JSON-ready values (what :meth:`save` writes),
-        with ``"format": "matepoint-plan-1"``."""
+        with ``"format": "matepoint-plan-2"``."""
         data = dataclasses.asdict(self)
-        data["format"] = "matepoint-plan-1"
+        data["format"] = PLAN_FORMAT
         return data
 
     def save(self, path: str) -> None:
@@ -182,22 +182,25 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        """Reads a plan written by :meth:`save` from the file ``path``; a file
-        that is not one, or whose fields are out of range, raises ValueError
-        naming the field."""
+        """Reads a plan written by :meth:`save` from the file ``path`` (one
+        saved by an earlier matepoint too); a file that is not one, or whose
+        fields are out of range, raises ValueError naming the field."""
         _path_argument("matepoint.Plan.load", path)
         with open(path, encoding="utf-8") as file:
             try:
                 data = json.load(file)
             except ValueError as error:
                 raise ValueError(f"{path!r} is not a matepoint plan: {error}") from None
-        if not isinstance(data, dict) or data.pop("format", None) != "matepoint-plan-1":
+        file_format = data.pop("format", None) if isinstance(data, dict) else None
+        if file_format not in (PLAN_FORMAT, _PLAN_FORMAT_1):
             raise ValueError(f"{path!r} is not a matepoint plan")
         try:
             if not isinstance(data["profiles"], list) or \
                     not all(isinstance(p, dict) for p in data["profiles"]):
                 raise TypeError("profiles must be a list of objects")
-            data["profiles"] = [BlockProfile(**p) for p in data["profiles"]]
+            if file_format == _PLAN_FORMAT_1:
+                data["profiles"] = [_upgraded_profile(p) for p in data["profiles"]]
+            data["profiles"] = [profile_from_dict(p) for p in data["profiles"]]
             plan = cls(**data)
             _check_loaded(plan)
         except (KeyError, TypeError, ValueError) as error:
@@ -205,9 +208,53 @@ class Plan:
         return plan
 
 
-# the figures every profile must have (no default)
-_REQUIRED = frozenset(field.name for field in dataclasses.fields(BlockProfile)
-                      if field.default is dataclasses.MISSING)
+# What save writes. Plan-1 files (matepoint before PolicyFigures) kept
+# each policy's figures as flat fields of the profile: seconds, bytes and
+# stay bytes under these names, all null where not measured (absent in
+# files older still).
+PLAN_FORMAT = "matepoint-plan-2"
+_PLAN_FORMAT_1 = "matepoint-plan-1"
+_PLAN_1_POLICY_FIELDS = {
+    "selective": ("selective_s", "selective_bytes", "selective_stay_bytes"),
+    "attention": ("attention_s", "attention_bytes", "attention_stay_bytes")}
+
+
+def _upgraded_profile(fields: Dict[str, Any]) -> Dict[str, Any]:
+    """A profile as a plan-1 file holds it, in the shape of
+    :func:`profile_from_dict`."""
+    upgraded = dict(fields)
+    upgraded["policies"] = {}
+    for policy, names in _PLAN_1_POLICY_FIELDS.items():
+        seconds, held, stay = (upgraded.pop(name, None) for name in names)
+        if seconds is None and held is None and stay is None:
+            continue
+        if seconds is None or held is None:
+            raise ValueError(f"{names[0]} and {names[1]} must be both given or both null "
+                             f"(a {policy} stay needs them too)")
+        upgraded["policies"][policy] = {"seconds": seconds, "held_bytes": held,
+                                        "stay_bytes": 0 if stay is None else stay}
+    return upgraded
+
+
+def profile_from_dict(fields: Dict[str, Any]) -> BlockProfile:
+    """The :class:`BlockProfile` of a profile as :meth:`Plan.to_dict` writes
+    it; an unknown or missing name raises TypeError (a value out of range
+    passes: :func:`_check_loaded` names it)."""
+    fields = dict(fields)
+    policies = fields.pop("policies", {})
+    if not isinstance(policies, dict) or not all(isinstance(f, dict) for f in policies.values()):
+        raise TypeError(f"policies must map a policy's name to its figures, not {policies!r}")
+    unknown = set(policies) - set(_C.PLAN_POLICIES)
+    if unknown:
+        raise ValueError(f"policies must be some of {_C.PLAN_POLICIES}, not {sorted(unknown)}")
+    return BlockProfile(**fields, policies={name: PolicyFigures(**figures)
+                                            for name, figures in policies.items()})
+
+
+# the figures a profile may leave null (not measured); a policy's figures
+# never are: a policy not measured is absent
+_MAY_BE_NULL = frozenset(field.name for field in dataclasses.fields(BlockProfile)
+                         if field.default is None)
 
 
 def _check_loaded(plan: Plan) -> None:
@@ -230,24 +277,35 @@ def _check_loaded(plan: Plan) -> None:
         raise ValueError(f"predicted_time_s must be a finite number >= 0, "
                          f"not {_show(plan.predicted_time_s)}")
     for i, profile in enumerate(plan.profiles):
-        values = dataclasses.astuple(profile)
-        named = {field.name: getattr(profile, field.name) for field in dataclasses.fields(profile)}
-        # by name, not position: every figure is a time (*_s) or a size
-        # (*_bytes); those without a default must be given
-        given = [v for name, v in named.items() if v is not None or name in _REQUIRED]
-        sizes = [v for name, v in named.items() if name.endswith("_bytes") and v is not None]
-        # per policy, its (seconds, bytes, stay bytes); an offload's own
-        # stay is part of the input
-        policies = [tuple(named[field] for field in fields) for fields in _POLICY_FIELDS.values()]
-        stays = [(profile.offload_stay_bytes, profile.input_bytes)] + \
-            [(stay, nbytes) for _, nbytes, stay in policies]
-        if not all(_finite_number(v) and v >= 0 for v in given) or \
-                not all(isinstance(v, int) and v <= MAX_BYTES for v in sizes) or \
-                any((seconds is None) != (nbytes is None) for seconds, nbytes, _ in policies) or \
-                any(stay is not None and (whole is None or stay > whole)
-                    for stay, whole in stays):
-            raise ValueError(f"block {i} has {values}: times must be finite numbers >= 0 "
-                             f"and sizes ints from 0 to 2**63 - 1 (selective_s and "
-                             f"selective_bytes both given or both null, attention_s and "
-                             f"attention_bytes too; recompute_s may be null; each "
-                             f"*_stay_bytes null or at most the bytes it is part of)")
+        _check_loaded_profile(i, profile)
+
+
+def _check_loaded_profile(index: int, profile: BlockProfile) -> None:
+    """Every figure of block ``index``'s profile in range: by name, not
+    position, each a time (``*_s``, ``seconds``) or a size (``*_bytes``);
+    raises ValueError naming the block and the figure."""
+    named = {field.name: getattr(profile, field.name) for field in dataclasses.fields(profile)
+             if field.name != "policies"}
+    # what is part of what: an offload's stay of the input, a policy's
+    # stay of what it holds
+    parts = [("offload_stay_bytes", profile.offload_stay_bytes, profile.input_bytes)]
+    for policy, figures in profile.policies.items():
+        named.update({f"{policy}.{field.name}": getattr(figures, field.name)
+                      for field in dataclasses.fields(figures)})
+        parts.append((f"{policy}.stay_bytes", figures.stay_bytes, figures.held_bytes))
+    for name, value in named.items():
+        if value is None and name in _MAY_BE_NULL:
+            continue
+        if name.endswith("_bytes"):
+            good = isinstance(value, int) and not isinstance(value, bool) and \
+                0 <= value <= MAX_BYTES
+            kind = "a size: an int from 0 to 2**63 - 1"
+        else:
+            good = _finite_number(value) and value >= 0
+            kind = "a time: a finite number >= 0"
+        if not good:
+            raise ValueError(f"block {index}'s {name} must be {kind}, not {_show(value)}")
+    for name, part, whole in parts:
+        if part is not None and part > whole:
+            raise ValueError(f"block {index}'s {name} ({part}) is more than the bytes it is "
+                             f"part of ({whole})")

@@ -20,7 +20,7 @@ from matepoint import _C
 from matepoint._composable import _call, is_checkpointed, uncheckpoint_module
 from matepoint._meter import PeakMeter, TensorMeter, saved_tensor_bytes
 from matepoint._planning.arguments import _device_of, _tensors_in
-from matepoint._planning.block_profile import BlockProfile
+from matepoint._planning.block_profile import BlockProfile, PolicyFigures
 from matepoint._planning.choices import _CONTEXTS, _choice_options
 from matepoint._planning.ranks import distributed, reduce_max
 from matepoint._timing import time_call
@@ -39,17 +39,43 @@ def reduce_profiles(profiles: List[BlockProfile], group: Optional[Any] = None,
     same number of blocks (:func:`matepoint._planning.ranks.reduce_max`)."""
     if not distributed(group):
         return profiles
-    fields = [field.name for field in dataclasses.fields(BlockProfile)]
-    # infinity stands for None: the max of it is defined (NaN's is not)
-    # and no measured figure is infinite
-    rows = [[math.inf if getattr(p, f) is None else float(getattr(p, f)) for f in fields]
+    # infinity stands for None (and a policy not measured): the max of it is
+    # defined (NaN's is not) and no measured figure is infinite
+    rows = [[math.inf if v is None else float(v) for v in _figures(p).values()]
             for p in profiles]
-    reduced = []
-    for row in reduce_max(rows, where, group):
-        values = {f: (None if math.isinf(v) else v if f.endswith("_s") else int(v))
-                  for f, v in zip(fields, row)}
-        reduced.append(BlockProfile(**values))
-    return reduced
+    names = list(_figures(profiles[0])) if profiles else []
+    return [_from_figures(dict(zip(names, row))) for row in reduce_max(rows, where, group)]
+
+
+# A profile's figures by name, a policy's as "policy.field", every policy
+# of _C.PLAN_POLICIES present (None where not measured): what the ranks
+# reduce, name for name.
+_BLOCK_FIGURES = [f.name for f in dataclasses.fields(BlockProfile) if f.name != "policies"]
+_POLICY_FIGURES = [f.name for f in dataclasses.fields(PolicyFigures)]
+
+
+def _figures(profile: BlockProfile) -> Dict[str, Optional[float]]:
+    figures = {name: getattr(profile, name) for name in _BLOCK_FIGURES}
+    for policy in _C.PLAN_POLICIES:
+        measured = profile.policies.get(policy)
+        figures.update({f"{policy}.{name}": None if measured is None else getattr(measured, name)
+                        for name in _POLICY_FIGURES})
+    return figures
+
+
+def _from_figures(figures: Dict[str, float]) -> BlockProfile:
+    """The profile of reduced ``figures`` (infinite: not measured)."""
+    def value(name: str, number: float) -> Optional[float]:
+        """A time stays a float, a size becomes an int again."""
+        return None if math.isinf(number) else number if name.endswith("_s") or \
+            name == "seconds" else int(number)
+    policies = {}
+    for policy in _C.PLAN_POLICIES:
+        own = {name: value(name, figures[f"{policy}.{name}"]) for name in _POLICY_FIGURES}
+        if own["seconds"] is not None:
+            policies[policy] = PolicyFigures(**own)
+    return BlockProfile(**{name: value(name, figures[name]) for name in _BLOCK_FIGURES},
+                        policies=policies)
 
 
 def _storage_bytes(tensors: List[torch.Tensor], resident: AbstractSet[int] = frozenset()) -> int:
@@ -146,15 +172,11 @@ def profile_block(block: Callable, args: Tuple, bandwidth: float, repeats: int,
     # fits (a hair slower so that keep wins the tie)
     least = (forward_s + backward_s) * (1 + _OVER_KEEP)
     recompute_s = max(recompute_s, least)
-    measured = {choice: (max(seconds, least), saved + input_bytes, stay + input_stay)
-                for (choice, (_, saved, stay)), seconds in zip(policies.items(), timed[3:])}
-    selective_s, selective_bytes, selective_stay = measured.get("selective", (None,) * 3)
-    attention_s, attention_bytes, attention_stay = measured.get("attention", (None,) * 3)
+    measured = {name: PolicyFigures(max(seconds, least), saved + input_bytes, stay + input_stay)
+                for (name, (_, saved, stay)), seconds in zip(policies.items(), timed[3:])}
     profile = BlockProfile(forward_s, backward_s, input_bytes / bandwidth,
                            input_bytes, activation_bytes, output_bytes,
-                           forward_peak, backward_peak, selective_s, selective_bytes,
-                           recompute_s, attention_s, attention_bytes, input_stay,
-                           selective_stay, attention_stay)
+                           forward_peak, backward_peak, recompute_s, input_stay, measured)
     return profile, out
 
 
