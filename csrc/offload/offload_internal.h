@@ -464,6 +464,9 @@ enum { SPILL_RESIDENT, SPILL_WRITING, SPILL_ON_DISK, SPILL_READING };
 /* The pool's limit: the smaller nonzero of pool_limit_bytes and, with a
  * disk tier, host_limit_bytes; 0 for none. */
 uint64_t offload_spill_pool_limit(const offload_engine *engine);
+/* The option whose value offload_spill_pool_limit() is: "host_limit_bytes"
+ * or "pool_limit_bytes" (the pool's when both are equal); NULL for none. */
+const char *offload_spill_limit_name(const offload_engine *engine);
 /* Before a new span of `nbytes` takes a pool buffer (save): finishes
  * writes, starts spilling the oldest resident spans, and waits for them
  * while the span would not fit under the limit. */

@@ -36,6 +36,15 @@ offload_spill_pool_limit(const offload_engine *engine)
     return pool < host ? pool : host;
 }
 
+const char *
+offload_spill_limit_name(const offload_engine *engine)
+{
+    uint64_t limit = offload_spill_pool_limit(engine);
+    if (limit == 0)
+        return NULL;
+    return limit == engine->options.pool_limit_bytes ? "pool_limit_bytes" : "host_limit_bytes";
+}
+
 int
 offload_spill_check_dir(const char *path)
 {
