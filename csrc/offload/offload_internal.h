@@ -118,7 +118,8 @@ struct offload_engine {
     int warned_fallback;
     uint64_t prefetched;        /* spans copied back ahead of their recompute */
     uint64_t fetched_at_need;   /* spans copied back when the recompute asked */
-    uint64_t used_in_place;     /* spans backward found still on the device: never copied back */
+    uint64_t used_in_place;     /* spans backward found still on the device and used
+                                 * there (a restore took them): never copied back */
     int fail_next_acquires;     /* tests: make the pool refuse this many spans */
     /* the disk tier (offload_spill.c): made at the first spill */
     spill_tier *spill;
@@ -304,6 +305,7 @@ typedef struct {
     PyObject *fetched;          /* uint8 tensor holding the span again, or NULL;
                                  * in_place: the source storage itself */
     int in_place;               /* backward uses the source: no copy back, no host buffer */
+    int in_place_used;          /* a restore took it: counted in used_in_place once */
     void *fetched_on;           /* the stream whose allocator gave it (a key only) */
     void *h2d_done;             /* the last copy back, until the copy goes */
     void *h2d_stream;           /* the stream it was queued on (a key only) */
