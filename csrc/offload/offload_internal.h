@@ -232,8 +232,8 @@ typedef struct {
 
 void input_info_clear(input_info *info);
 
-/* The buffers of `function` when it is a module (never offloaded), else
- * an empty list. */
+/* The buffers of `function` when it is a module or a method bound to one
+ * (never offloaded), else an empty list. */
 PyObject *inspect_module_buffers(mp_state *st, PyObject *function);
 
 /* Fills `info` for an input of `function` worth offloading: 1 if so, 0 if
