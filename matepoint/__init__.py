@@ -84,7 +84,7 @@ def pool_stats() -> Dict[str, Any]:
     host_allocations, hits, misses, fallbacks (pageable memory used), failures,
     blocks_in_use, backend ("cuda-pinned", "host" or "none"); prefetched,
     fetched_at_need, used_in_place: spans copied back ahead of time, on demand,
-    or found still on the device; device_bytes_in_flight,
+    or used where backward found them (once each); device_bytes_in_flight,
     peak_device_bytes_in_flight: device memory of inputs held while their copy
     out may run (``offload_window``); spilled_bytes, peak_spilled_bytes,
     spill_writes, spill_reads, spill_read_stalls, spill_failures: the disk

@@ -9,10 +9,12 @@ module gets an instance attribute ``forward`` (an object, not a closure, so
 class's ``forward`` (or the ``forward`` the instance already had) through
 ``matepoint.checkpoint``. Parameters, buffers, ``state_dict`` keys, module
 hooks and ``type(module)`` stay as they were; the module's forward hooks run
-once per call, outside the checkpointed region.
+once per call, outside the checkpointed region. With offload on, the module's
+buffers stay on the device, as when the module itself is checkpointed.
 """
 from __future__ import annotations
 
+from types import MethodType
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch.nn as nn
@@ -23,6 +25,14 @@ from matepoint._errors import check_module
 
 
 def _call(forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    return forward(*args, **kwargs)
+
+
+def _call_of(module: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...],
+             kwargs: Dict[str, Any]) -> Any:
+    """:func:`_call`, bound to ``module`` (``MethodType``) when it runs a
+    checkpointed module: the offload engine keeps the buffers of the module
+    a checkpointed method is bound to on the device, as for the module itself."""
     return forward(*args, **kwargs)
 
 
@@ -51,7 +61,8 @@ class CheckpointedForward:
             forward = type(self.module).forward.__get__(self.module)
         # args and kwargs go in as two arguments: a keyword of the module's forward that
         # happens to be named like a checkpoint option stays the module's
-        return checkpoint(_call, forward, args, kwargs, **self.options)
+        return checkpoint(MethodType(_call_of, self.module), forward, args, kwargs,
+                          **self.options)
 
 
 def checkpoint_module(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:

@@ -288,3 +288,52 @@ def test_one_input_passed_twice_and_backward_twice_without_retain(simulated):
     del out, hidden
     gc.collect()
     assert matepoint.pool_stats()["bytes_in_use"] == 0
+
+
+def matmul_last(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # the recompute stops at the matmul's saved tensors, before asking the
+    # selective-checkpoint cache for its output: that output is let go
+    return torch.mm(torch.tanh(x), weight)
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_let_go_outputs_are_not_counted_as_used_in_place(simulated, window: int):
+    """Selective checkpointing offloads each region's last matmul output,
+    which the recompute never asks for (let go when the forward ends). On
+    the lagging simulator those copies are still in the window when
+    backward begins: only spans a restore really took on the device count
+    as used in place, and every span backward needed was either copied
+    back or used in place, once."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, func, *args, **kwargs):
+        return (CheckpointPolicy.MUST_CPU_OFFLOAD if func is torch.ops.aten.mm.default
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    matepoint.set_options(offload_window=window, prefetch_depth=1)
+    depth = 4
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    weights = [torch.randn(WIDTH, WIDTH, requires_grad=True) for _ in range(depth)]
+    h = x
+    for weight in weights:
+        h = matepoint.checkpoint(matmul_last, h, weight,
+                                 context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    before = counters()
+    h.sum().backward()
+    made = delta(counters(), before)
+    # two input spans a region (h and its weight); the matmuls' outputs never come back
+    needed = 2 * depth
+    assert made["prefetched"] + made["fetched_at_need"] + made["used_in_place"] == needed, made
+    assert made["used_in_place"] == 2 * min(window, depth), made
+    got = [x.grad] + [w.grad for w in weights]
+    x.grad = None
+    for weight in weights:
+        weight.grad = None
+    h = x
+    for weight in weights:
+        h = matmul_last(h, weight)
+    h.sum().backward()
+    assert_bitwise_equal([x.grad] + [w.grad for w in weights], got)
+    del h
+    gc.collect()

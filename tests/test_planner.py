@@ -200,10 +200,23 @@ def test_what_an_offload_leaves_is_what_the_engine_leaves(offload) -> None:
     # a planned block's checkpoint gets _call: the engine sees no module there
     assert [id(t) for t in _left_on_device(tensors)] == \
         [id(t) for t in tensors[1:6] + tensors[7:]]
-    for function, args in ((holder, tensors), (_call, (holder, tensors, {}))):
+    # ... and when a method bound to the module is (block.forward, layer.__call__)
+    assert [id(t) for t in _left_on_device(tensors, holder.forward)] == \
+        [id(t) for t in tensors[1:]]
+    for function, args in ((holder, tensors), (_call, (holder, tensors, {})),
+                           (holder.forward, tensors)):
         left = {id(t) for t in _left_on_device(tensors, function)}
         expected = _storage_bytes([t for t in tensors if id(t) not in left])
         assert _engine_moved_bytes(holder, function, args) == expected > 0, function
+    # checkpoint_module keeps the module's buffers as checkpointing the module does
+    left = {id(t) for t in _left_on_device(tensors, holder)}
+    holder.moved = []
+    matepoint.checkpoint_module(holder, matepoint_offload=True)
+    try:
+        holder(*tensors).backward()
+    finally:
+        matepoint.uncheckpoint_module(holder)
+    assert holder.moved[0] == _storage_bytes([t for t in tensors if id(t) not in left]) > 0
 
 
 def test_too_small_a_budget_names_the_smallest_feasible(offload) -> None:

@@ -93,6 +93,57 @@ def test_a_span_larger_than_the_limit_is_never_pinned(simulated, spill_dir):
     assert entries(spill_dir) == []
 
 
+@pytest.mark.parametrize("pool_limit, host_limit, named", [
+    (INPUT_BYTES // 2, None, "pool_limit_bytes"),
+    (None, INPUT_BYTES // 2, "host_limit_bytes"),
+    (INPUT_BYTES // 2, 4 * INPUT_BYTES, "pool_limit_bytes"),
+    (4 * INPUT_BYTES, INPUT_BYTES // 2, "host_limit_bytes"),
+], ids=["pool-limit", "host-limit", "pool-limit-below-host", "host-limit-below-pool"])
+def test_the_fallback_warning_names_the_limit_it_hit(simulated, spill_dir, pool_limit,
+                                                     host_limit, named):
+    """Every span is larger than the smaller limit: the one warning names
+    that option, its value, and what to do about it."""
+    model, x = MLP(WIDTH, 4), torch.randn(BATCH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    matepoint.set_options(pool_limit_bytes=pool_limit, host_limit_bytes=host_limit,
+                          spill_dir=spill_dir if host_limit else None)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, grads = train_step(model, x, matepoint.checkpoint)
+    finally:
+        matepoint.set_options(pool_limit_bytes=None)
+    assert_bitwise_equal(grads, expected)
+    messages = [str(w.message) for w in caught if "pageable" in str(w.message)]
+    assert len(messages) == 1, messages
+    other = ({"pool_limit_bytes", "host_limit_bytes"} - {named}).pop()
+    assert f"at {named} ({INPUT_BYTES // 2} bytes)" in messages[0]
+    assert other not in messages[0].split(";")[0]
+    assert f"raise {named}" in messages[0]
+    if named == "pool_limit_bytes":
+        assert "set spill_dir" in messages[0]
+    assert matepoint.pool_stats()["fallbacks"] >= 4
+
+
+def test_the_fallback_warning_says_when_pinning_failed_under_no_limit(simulated, spill_dir):
+    """No limit was hit (the system refused to pin): the warning names no
+    option's limit."""
+    import sim
+    from matepoint import _C
+    matepoint.set_options(spill_dir=spill_dir, host_limit_bytes=64 * INPUT_BYTES)
+    _C._sim_fail("cudaHostAlloc", 0, 1 << 40, 2)   # cudaErrorMemoryAllocation
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_step(MLP(WIDTH, 4), torch.randn(BATCH, WIDTH), matepoint.checkpoint)
+    finally:
+        _C._sim_fail("cudaHostAlloc", 0, 0, 0)
+    sim.assert_no_cuda_error()
+    messages = [str(w.message) for w in caught if "pageable" in str(w.message)]
+    assert len(messages) == 1 and "pinning host memory failed" in messages[0], messages
+    assert "limit_bytes" not in messages[0]
+
+
 class PinnedWithin(TorchDispatchMode):
     """Checks the pool after every aten operator: in the forward, and on
     backward's threads (autograd carries the mode there)."""

@@ -53,13 +53,27 @@ is_buffer_of(PyObject *buffers, PyObject *tensor)
     return 0;
 }
 
+/* The module whose buffers stay: `function` itself, or the module a bound
+ * method of it belongs to (`block.forward`, transformers' `layer.__call__`,
+ * and checkpoint_module's call, bound to its module for this): a borrowed
+ * reference, NULL without error for none. */
+static PyObject *
+module_of(mp_state *st, PyObject *function, int *error)
+{
+    PyObject *candidate = PyMethod_Check(function) ? PyMethod_GET_SELF(function) : function;
+    int is_module = PyObject_IsInstance(candidate, st->module_type);
+    *error = is_module < 0;
+    return is_module > 0 ? candidate : NULL;
+}
+
 PyObject *
 inspect_module_buffers(mp_state *st, PyObject *function)
 {
-    int is_module = PyObject_IsInstance(function, st->module_type);
-    if (is_module <= 0)
-        return is_module < 0 ? NULL : PyList_New(0);
-    PyObject *iter = PyObject_CallMethod(function, "buffers", NULL);
+    int error;
+    PyObject *module = module_of(st, function, &error);
+    if (module == NULL)
+        return error ? NULL : PyList_New(0);
+    PyObject *iter = PyObject_CallMethod(module, "buffers", NULL);
     PyObject *list = iter ? PySequence_List(iter) : NULL;
     Py_XDECREF(iter);
     return list;

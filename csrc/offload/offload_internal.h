@@ -118,7 +118,8 @@ struct offload_engine {
     int warned_fallback;
     uint64_t prefetched;        /* spans copied back ahead of their recompute */
     uint64_t fetched_at_need;   /* spans copied back when the recompute asked */
-    uint64_t used_in_place;     /* spans backward found still on the device: never copied back */
+    uint64_t used_in_place;     /* spans backward found still on the device and used
+                                 * there (a restore took them): never copied back */
     int fail_next_acquires;     /* tests: make the pool refuse this many spans */
     /* the disk tier (offload_spill.c): made at the first spill */
     spill_tier *spill;
@@ -231,8 +232,8 @@ typedef struct {
 
 void input_info_clear(input_info *info);
 
-/* The buffers of `function` when it is a module (never offloaded), else
- * an empty list. */
+/* The buffers of `function` when it is a module or a method bound to one
+ * (never offloaded), else an empty list. */
 PyObject *inspect_module_buffers(mp_state *st, PyObject *function);
 
 /* Fills `info` for an input of `function` worth offloading: 1 if so, 0 if
@@ -304,6 +305,7 @@ typedef struct {
     PyObject *fetched;          /* uint8 tensor holding the span again, or NULL;
                                  * in_place: the source storage itself */
     int in_place;               /* backward uses the source: no copy back, no host buffer */
+    int in_place_used;          /* a restore took it: counted in used_in_place once */
     void *fetched_on;           /* the stream whose allocator gave it (a key only) */
     void *h2d_done;             /* the last copy back, until the copy goes */
     void *h2d_stream;           /* the stream it was queued on (a key only) */
@@ -456,14 +458,28 @@ void offload_window_drain(offload_engine *engine, offload_device *device);
  *   SPILL_WRITING   in its block, being written out (the block is busy)
  *   SPILL_ON_DISK   only in its file; no block
  *   SPILL_READING   being read back into a new block
+ *   SPILL_STAYS     in its block: its write failed, and it is not tried again
+ *   SPILL_FORKED    (a forked child) only in a file of the parent's tier,
+ *                   which the child does not read: a copy back raises
  * A write that fails (ENOSPC, EIO) leaves the span resident: the pool
  * then falls back to pageable memory past the limit, as without a tier.
  * GIL held; the GIL is released around every wait on the disk. */
-enum { SPILL_RESIDENT, SPILL_WRITING, SPILL_ON_DISK, SPILL_READING };
+enum { SPILL_RESIDENT, SPILL_WRITING, SPILL_ON_DISK, SPILL_READING, SPILL_STAYS, SPILL_FORKED };
+
+/* A dead copy's slot whose request still runs: its block goes back to the
+ * pool once the request finished (engine->orphans). */
+struct spill_orphan {
+    spill_slot *slot;
+    pool_block block;
+    int writing;
+};
 
 /* The pool's limit: the smaller nonzero of pool_limit_bytes and, with a
  * disk tier, host_limit_bytes; 0 for none. */
 uint64_t offload_spill_pool_limit(const offload_engine *engine);
+/* The option whose value offload_spill_pool_limit() is: "host_limit_bytes"
+ * or "pool_limit_bytes" (the pool's when both are equal); NULL for none. */
+const char *offload_spill_limit_name(const offload_engine *engine);
 /* Before a new span of `nbytes` takes a pool buffer (save): finishes
  * writes, starts spilling the oldest resident spans, and waits for them
  * while the span would not fit under the limit. */
@@ -477,6 +493,17 @@ int offload_spill_ready(mp_state *st, StorageCopy *copy);
 /* A dying copy gives up its file; a block the tier still uses goes back to
  * the pool once its request finished (the copy's block is zeroed). */
 void offload_spill_forget(offload_engine *engine, StorageCopy *copy);
+/* Calls `visit` on every copy of every device, oldest group first, until
+ * it returns nonzero (returned). `visit` must not release the GIL. */
+int offload_spill_walk(offload_engine *engine,
+                       int (*visit)(offload_engine *, StorageCopy *, void *), void *ctx);
+/* In a child forked after the tier started (offload_spill_fork.c): drops
+ * the parent's tier, whose threads the child lacks, freeing no file of
+ * it; every copy's span stays in its block where the child's memory holds
+ * it, else becomes SPILL_FORKED. Called first by every entry point above. */
+void offload_spill_leave_forked(offload_engine *engine);
+/* The same for one copy, which no walk of the groups may reach. */
+void offload_spill_leave_copy(offload_engine *engine, StorageCopy *copy);
 /* Finishes what the tier completed; refreshes the engine's counters. */
 void offload_spill_poll(offload_engine *engine);
 /* Waits for every request and stops the tier (engine going away). */

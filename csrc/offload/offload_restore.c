@@ -418,6 +418,11 @@ restore_record(mp_state *st, PyObject *record_obj)
                  await_h2d(st, copy) < 0;
     MP_ASSERT(failed || copy->fetched != NULL);
     PyObject *view = failed ? NULL : view_of_copy(st, record, copy->fetched);
+    /* a span used where it was, once: the copy back it saved */
+    if (view != NULL && copy->in_place && !copy->in_place_used) {
+        copy->in_place_used = 1;
+        st->engine->used_in_place++;
+    }
     MP_ASSERT(copy->restoring > 0);
     if (--copy->restoring == 0 && copy->discard_pending)
         discard_restored(st, copy);

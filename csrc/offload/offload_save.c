@@ -4,20 +4,45 @@
 #include "offload_internal.h"
 #include "streams.h"
 
+#include <string.h>
+
 #define SPAN_ALIGN 16   /* largest element size: keeps every view offset whole */
 
+/* The pool fell back to pageable memory for a span of `nbytes`: either a
+ * limit left no room for it (pool_limit_bytes, or host_limit_bytes with a
+ * disk tier that could not make room: the pool's limit is the smaller)
+ * or pinning itself failed. The warning names which, and what to change. */
 static void
-warn_fallback_once(offload_engine *engine)
+warn_fallback_once(offload_engine *engine, uint64_t nbytes)
 {
     if (engine->warned_fallback)
         return;
     engine->warned_fallback = 1;
-    if (PyErr_WarnEx(PyExc_RuntimeWarning,
-                     "matepoint: the pinned host pool is at pool_limit_bytes or pinning failed; "
-                     "offloading into pageable memory: each such copy waits for the GPU to "
-                     "reach it (a host synchronization) and copies more slowly; "
-                     "pool_stats()['fallbacks'] counts them",
-                     1) < 0)
+    const char *option = offload_spill_limit_name(engine);
+    uint64_t limit = offload_spill_pool_limit(engine);
+    uint64_t reserved = pool_get_stats(engine->pool).bytes_reserved;
+    int at_limit = option != NULL && reserved + pool_class_size(nbytes) > limit;
+    const char *advice = !at_limit ? "pinning host memory failed (the system refused more "
+                                     "page-locked memory)"
+                         : strcmp(option, "pool_limit_bytes") == 0
+                             ? "raise pool_limit_bytes, or set spill_dir and "
+                               "host_limit_bytes to send older inputs to disk"
+                             : "raise host_limit_bytes: the disk tier in spill_dir could not "
+                               "make room (an input larger than the limit, or writes that "
+                               "failed: pool_stats()['spill_failures'])";
+    int failed = at_limit
+        ? PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                           "matepoint: pinned host memory is at %s (%llu bytes); offloading "
+                           "into pageable memory: each such copy waits for the GPU to reach "
+                           "it (a host synchronization) and copies more slowly; %s; "
+                           "pool_stats()['fallbacks'] counts them",
+                           option, (unsigned long long)limit, advice)
+        : PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                           "matepoint: %s; offloading into pageable memory: each such copy "
+                           "waits for the GPU to reach it (a host synchronization) and copies "
+                           "more slowly; pool_stats()['fallbacks'] counts them",
+                           advice);
+    if (failed < 0)
         PyErr_WriteUnraisable(NULL);
 }
 
@@ -92,7 +117,7 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
     /* a failed copy has its error set, which a warning must not meet: the
      * warning waits for a copy into pageable memory that works */
     if (!failed && copy->block.fallback)
-        warn_fallback_once(engine);
+        warn_fallback_once(engine, copy->nbytes);
     if (failed || offload_window_add(engine, device, copy, storage, producer) < 0)
         return -1;
     return 1;

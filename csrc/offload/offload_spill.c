@@ -9,16 +9,6 @@
 #include <unistd.h>
 
 #define SPILL_WORKERS 2
-/* a copy that failed to spill stays resident and is never tried again */
-#define SPILL_STAYS (SPILL_READING + 1)
-
-/* A dead copy's slot whose request still runs: its block goes back to the
- * pool once the request finished. */
-struct spill_orphan {
-    spill_slot *slot;
-    pool_block block;
-    int writing;
-};
 
 static int
 tier_wanted(const offload_options *options)
@@ -34,6 +24,15 @@ offload_spill_pool_limit(const offload_engine *engine)
     if (pool == 0 || host == 0)
         return pool + host;
     return pool < host ? pool : host;
+}
+
+const char *
+offload_spill_limit_name(const offload_engine *engine)
+{
+    uint64_t limit = offload_spill_pool_limit(engine);
+    if (limit == 0)
+        return NULL;
+    return limit == engine->options.pool_limit_bytes ? "pool_limit_bytes" : "host_limit_bytes";
 }
 
 int
@@ -78,11 +77,7 @@ offload_spill_configure(offload_engine *engine, const offload_options *options)
 static int
 ensure_tier(offload_engine *engine)
 {
-    /* a forked child leaves its parent's tier (threads it lacks) alone */
-    if (engine->spill != NULL && spill_in_forked_child(engine->spill)) {
-        engine->spill = NULL;
-        engine->orphan_count = 0;
-    }
+    offload_spill_leave_forked(engine);
     if (engine->spill != NULL)
         return 0;
     char why[512];
@@ -95,10 +90,8 @@ ensure_tier(offload_engine *engine)
     return 0;
 }
 
-/* Calls `visit` on every copy of every device, oldest group first, until
- * it returns nonzero (returned). `visit` must not release the GIL. */
-static int
-walk_copies(offload_engine *engine, int (*visit)(offload_engine *, StorageCopy *, void *),
+int
+offload_spill_walk(offload_engine *engine, int (*visit)(offload_engine *, StorageCopy *, void *),
             void *ctx)
 {
     for (int d = 0; d < MAX_CUDA_DEVICES; d++) {
@@ -200,9 +193,10 @@ poll_orphans(offload_engine *engine)
 void
 offload_spill_poll(offload_engine *engine)
 {
+    offload_spill_leave_forked(engine);
     if (engine->spill == NULL)
         return;
-    walk_copies(engine, poll_copy, NULL);
+    offload_spill_walk(engine, poll_copy, NULL);
     poll_orphans(engine);
     warn_failure_once(engine);
     spill_stats stats = spill_get_stats(engine->spill);
@@ -278,7 +272,7 @@ static int
 wait_for_room(offload_engine *engine, int pending_d2h)
 {
     StorageCopy *copy = NULL;
-    walk_copies(engine, oldest_writing, &copy);
+    offload_spill_walk(engine, oldest_writing, &copy);
     if (copy != NULL) {
         Py_INCREF(copy);
         spill_slot *slot = copy->spill;
@@ -316,7 +310,7 @@ offload_spill_room(mp_state *st, uint64_t nbytes)
          * forward, and backward reads back into the other half */
         uint64_t after = in_use - engine->spill_writing_bytes + need;
         spill_goal goal = {after > limit / 2 ? after - limit / 2 : 0, 0};
-        walk_copies(engine, start_one, &goal);
+        offload_spill_walk(engine, start_one, &goal);
         if (in_use + need <= limit || wait_for_room(engine, goal.pending_d2h && !synced) != 0)
             return 0;
         synced |= goal.pending_d2h;
@@ -392,6 +386,7 @@ int
 offload_spill_readahead(mp_state *st, OffloadGroup *group)
 {
     offload_engine *engine = st->engine;
+    offload_spill_leave_forked(engine);
     if (engine->spill == NULL || engine->pool == NULL)
         return 0;
     offload_spill_poll(engine);
@@ -449,6 +444,14 @@ ready_step(offload_engine *engine, StorageCopy *copy)
         else
             start_read(engine, copy, &block);
         return 0;
+    case SPILL_FORKED:
+        PyErr_Format(PyExc_RuntimeError,
+                     "matepoint: this process was forked after a forward that sent offloaded "
+                     "inputs to spill_dir %s; a forked child cannot read them back (the disk "
+                     "tier and its threads stay with the parent): run backward in the "
+                     "process that ran the forward, or start workers with the spawn or "
+                     "forkserver method", engine->spill_dir);
+        return -1;
     case SPILL_READING:
         wait_request(engine, copy);
         if (copy->spill_phase != SPILL_READING)
@@ -472,6 +475,8 @@ int
 offload_spill_ready(mp_state *st, StorageCopy *copy)
 {
     offload_engine *engine = st->engine;
+    offload_spill_leave_forked(engine);
+    offload_spill_leave_copy(engine, copy);     /* one no walk reaches */
     if (copy->spill_phase == SPILL_RESIDENT || copy->spill_phase == SPILL_STAYS)
         return 0;
     Py_INCREF(copy);
@@ -511,6 +516,10 @@ offload_spill_forget(offload_engine *engine, StorageCopy *copy)
 {
     if (copy->spill == NULL)
         return;
+    offload_spill_leave_forked(engine);
+    offload_spill_leave_copy(engine, copy);     /* one no walk reaches */
+    if (copy->spill == NULL)
+        return;
     int busy = !spill_done(engine->spill, copy->spill);
     if (busy && adopt_orphan(engine, copy) == 0) {
         copy->spill = NULL;
@@ -528,6 +537,7 @@ offload_spill_forget(offload_engine *engine, StorageCopy *copy)
 void
 offload_spill_free(offload_engine *engine)
 {
+    offload_spill_leave_forked(engine);
     if (engine->spill == NULL)
         return;
     spill_tier *tier = engine->spill;

@@ -98,7 +98,10 @@ retire_source(mp_state *st, StorageCopy *copy, int force, int ask)
  * source becomes the copy's restored data (in place, for as long as the
  * copy lives) and the host buffer goes back to the pool, after the D2H
  * that may still write it (the window section says why nothing else waits
- * for that D2H). Moves references only: runs no Python code. */
+ * for that D2H). Moves references only: runs no Python code. Counted in
+ * used_in_place only once a restore takes it (restore_record): a copy
+ * nobody asks for again (a selective-checkpoint output let go after the
+ * forward) is kept here too, but saved no copy back. */
 static void
 keep_in_place(offload_engine *engine, StorageCopy *copy)
 {
@@ -117,7 +120,6 @@ keep_in_place(offload_engine *engine, StorageCopy *copy)
         pool_release(engine->pool, &copy->block);
     copy->d2h_done = NULL;
     copy_advance(copy, COPY_RETURNED);
-    engine->used_in_place++;
 }
 
 static Py_ssize_t

@@ -10,7 +10,8 @@
 
 /* Owner: the tier owns its mutex, its threads and every slot on its live
  * list. `lock` guards every field below but `dirfd`, `workers` and
- * `threads`, which are set before the threads start and read-only after. */
+ * `threads`, which are set before the threads start and read-only after
+ * (but in a forked child, which has none of the threads: it closes dirfd). */
 struct spill_tier {
     pthread_mutex_t lock;
     pthread_cond_t work;        /* signalled when a request is queued or the tier stops */
@@ -25,7 +26,92 @@ struct spill_tier {
     spill_slot *live;           /* every slot, newest first */
     spill_stats stats;
     int inject_error, inject_count;
+    spill_tier *next_registered;    /* the registry's list (registry_lock) */
 };
+
+/* Every tier this process made and has not destroyed, for the fork
+ * handlers. Owner: this file; `registry` and each tier's next_registered
+ * are guarded by registry_lock, which is taken before any tier's lock and
+ * never while one is held. */
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static spill_tier *registry;
+static pthread_once_t fork_handlers_once = PTHREAD_ONCE_INIT;
+static int fork_handlers_error;     /* pthread_atfork's, written once under fork_handlers_once */
+
+/* Around fork(): every tier's lock is taken first, so the child gets each
+ * tier's queue and slots in a consistent state (a worker may have held a
+ * lock mid-update otherwise). */
+static void
+before_fork(void)
+{
+    pthread_mutex_lock(&registry_lock);
+    for (spill_tier *tier = registry; tier != NULL; tier = tier->next_registered)
+        pthread_mutex_lock(&tier->lock);
+}
+
+static void
+after_fork_in_parent(void)
+{
+    for (spill_tier *tier = registry; tier != NULL; tier = tier->next_registered)
+        pthread_mutex_unlock(&tier->lock);
+    pthread_mutex_unlock(&registry_lock);
+}
+
+/* The child has no worker: its copies of the tiers' files are closed, so
+ * the parent's files go when the parent frees them (a child holding one
+ * open would keep its disk space until it exits). The tiers stay, on the
+ * registry too, for spill_slot_forked() and spill_slot_free(); nothing
+ * else uses them here (a later fork finds their files closed already). */
+static void
+after_fork_in_child(void)
+{
+    for (spill_tier *tier = registry; tier != NULL; tier = tier->next_registered) {
+        for (spill_slot *slot = tier->live; slot != NULL; slot = slot->next_live) {
+            if (slot->fd >= 0)
+                close(slot->fd);
+            slot->fd = -1;
+        }
+        if (tier->dirfd >= 0)
+            close(tier->dirfd);     /* spill_destroy() closes nothing here */
+        tier->dirfd = -1;
+        pthread_mutex_unlock(&tier->lock);
+    }
+    pthread_mutex_unlock(&registry_lock);
+}
+
+static void
+install_fork_handlers(void)
+{
+    fork_handlers_error = pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
+}
+
+/* 0, or the error that kept the fork handlers out (then no tier starts:
+ * a child could find a tier's lock held forever). */
+static int
+register_tier(spill_tier *tier)
+{
+    pthread_once(&fork_handlers_once, install_fork_handlers);
+    if (fork_handlers_error != 0)
+        return fork_handlers_error;
+    pthread_mutex_lock(&registry_lock);
+    tier->next_registered = registry;
+    registry = tier;
+    pthread_mutex_unlock(&registry_lock);
+    return 0;
+}
+
+static void
+unregister_tier(spill_tier *tier)
+{
+    pthread_mutex_lock(&registry_lock);
+    for (spill_tier **at = &registry; *at != NULL; at = &(*at)->next_registered) {
+        if (*at == tier) {
+            *at = tier->next_registered;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&registry_lock);
+}
 
 /* Takes the oldest queued slot; lock held. NULL when none. */
 static spill_slot *
@@ -57,7 +143,10 @@ run_request(spill_tier *tier, spill_slot *slot, int injected, int *direct, uint6
         int fd = spill_file_make(tier->dirfd);
         if (fd < 0)
             return -fd;
+        /* under the lock: a fork sees it, and the child closes it */
+        pthread_mutex_lock(&tier->lock);
         slot->fd = fd;
+        pthread_mutex_unlock(&tier->lock);
     }
     return spill_io_write(slot->fd, slot->buffer, slot->bytes, direct, direct_bytes);
 }
@@ -154,12 +243,19 @@ spill_create(const char *path, int workers, char *why, size_t why_len)
     tier->pid = getpid();
     tier->direct = 1;
     tier->stats.direct = 1;
+    int error = register_tier(tier);
+    if (error != 0) {
+        snprintf(why, why_len, "the spill tier could not install its fork handlers: %s",
+                 strerror(error));
+        goto error;
+    }
     for (int i = 0; i < workers; i++) {
-        int error = pthread_create(&tier->threads[i], NULL, worker_main, tier);
+        error = pthread_create(&tier->threads[i], NULL, worker_main, tier);
         if (error != 0) {
             snprintf(why, why_len, "the spill tier could not start a thread: %s",
                      strerror(error));
             stop_workers(tier, i);
+            unregister_tier(tier);
             goto error;
         }
         tier->workers = i + 1;
@@ -211,11 +307,27 @@ spill_in_forked_child(const spill_tier *tier)
     return in_forked_child(tier);
 }
 
+int
+spill_slot_forked(const spill_slot *slot)
+{
+    return in_forked_child(slot->tier);
+}
+
+/* The status a forked child sees of a parent's slot: its last request's
+ * if it had finished at the fork, else ECHILD (it never will here). No
+ * lock: nothing in the child changes the slot but its owner. */
+static int
+forked_status(const spill_slot *slot)
+{
+    return slot->phase == SLOT_IDLE ? slot->status : ECHILD;
+}
+
 void
 spill_destroy(spill_tier *tier)
 {
     if (tier == NULL || in_forked_child(tier))
         return;
+    unregister_tier(tier);
     /* the workers drain the queue before they see `stopping` */
     stop_workers(tier, tier->workers);
     pthread_mutex_lock(&tier->lock);
@@ -254,6 +366,7 @@ spill_submit_write(spill_tier *tier, const void *buffer, uint64_t bytes)
     spill_slot *slot = calloc(1, sizeof *slot);
     if (slot == NULL)
         return NULL;
+    slot->tier = tier;
     slot->fd = -1;
     slot->bytes = bytes;
     slot->phase = SLOT_IDLE;
@@ -285,6 +398,8 @@ spill_submit_read(spill_tier *tier, spill_slot *slot, void *buffer)
 int
 spill_done(spill_tier *tier, spill_slot *slot)
 {
+    if (spill_slot_forked(slot))
+        return 1;
     pthread_mutex_lock(&tier->lock);
     int done = slot->phase == SLOT_IDLE;
     pthread_mutex_unlock(&tier->lock);
@@ -294,6 +409,8 @@ spill_done(spill_tier *tier, spill_slot *slot)
 int
 spill_status(spill_tier *tier, spill_slot *slot)
 {
+    if (spill_slot_forked(slot))
+        return forked_status(slot);
     pthread_mutex_lock(&tier->lock);
     int status = slot->phase == SLOT_IDLE ? slot->status : -1;
     pthread_mutex_unlock(&tier->lock);
@@ -303,6 +420,8 @@ spill_status(spill_tier *tier, spill_slot *slot)
 int
 spill_wait(spill_tier *tier, spill_slot *slot)
 {
+    if (spill_slot_forked(slot))
+        return forked_status(slot);
     pthread_mutex_lock(&tier->lock);
     if (slot->phase != SLOT_IDLE)
         tier->stats.waits++;
@@ -319,11 +438,36 @@ spill_slot_bytes(const spill_slot *slot)
     return slot->bytes;
 }
 
+/* A parent's slot in a forked child: off its tier's live list and freed,
+ * without waiting for a request no thread here runs (its file was closed
+ * at the fork; a queued one stays in the dead queue, never read). */
+static void
+forget_forked(spill_slot *slot)
+{
+    spill_tier *tier = slot->tier;
+    /* usable here: the fork handlers held it across the fork */
+    pthread_mutex_lock(&tier->lock);
+    if (slot->prev_live != NULL)
+        slot->prev_live->next_live = slot->next_live;
+    else
+        tier->live = slot->next_live;
+    if (slot->next_live != NULL)
+        slot->next_live->prev_live = slot->prev_live;
+    pthread_mutex_unlock(&tier->lock);
+    if (slot->fd >= 0)
+        close(slot->fd);
+    free(slot);
+}
+
 void
 spill_slot_free(spill_tier *tier, spill_slot *slot)
 {
     if (slot == NULL)
         return;
+    if (spill_slot_forked(slot)) {
+        forget_forked(slot);
+        return;
+    }
     pthread_mutex_lock(&tier->lock);
     while (slot->phase != SLOT_IDLE)
         pthread_cond_wait(&tier->finished, &tier->lock);

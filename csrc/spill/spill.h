@@ -23,10 +23,19 @@
  * its statistics (the tier owns it). A caller holding a lock of its own,
  * such as the GIL, releases it around spill_wait(), spill_slot_free() of a
  * busy slot, and spill_destroy(): only they block. spill_submit_*(),
- * spill_done() and spill_get_stats() never wait on the disk. In a child
- * forked from the process that made the tier (which has none of its
- * threads) submissions are refused and spill_destroy() does nothing: the
- * child leaves the parent's tier alone and makes its own.
+ * spill_done() and spill_get_stats() never wait on the disk.
+ *
+ * Fork: fork handlers (pthread_atfork, installed with the first tier)
+ * take every tier's lock around fork(), so a child finds each tier in a
+ * consistent state, and close the child's copies of the tiers' files, so
+ * a child never keeps the parent's disk space (a file made by a worker in
+ * the instant before the fork may stay open in the child until it exits).
+ * In the child, which has none of a tier's threads, nothing touches the
+ * parent's files: submissions are refused, spill_done() answers 1,
+ * spill_wait() and spill_status() never block (a request unfinished at
+ * the fork reports ECHILD), spill_slot_free() only frees the child's
+ * memory, and spill_destroy() does nothing (the tier's memory stays for
+ * the slots the child still holds). The child makes a tier of its own.
  *
  * Ownership: the caller owns a slot from spill_submit_write() until
  * spill_slot_free(); the buffer passed to a request stays the caller's and
@@ -97,6 +106,9 @@ void spill_slot_free(spill_tier *tier, spill_slot *slot);
 spill_stats spill_get_stats(spill_tier *tier);
 /* 1 in a child forked from the process that made the tier. */
 int spill_in_forked_child(const spill_tier *tier);
+/* 1 when the slot's tier is a parent's (this is a forked child): its
+ * bytes cannot be read back here. */
+int spill_slot_forked(const spill_slot *slot);
 
 /* Tests: the next `count` writes fail with errno `error` (ENOSPC, EIO)
  * before they touch the disk; count 0 clears it. */

@@ -23,7 +23,8 @@ typedef enum {
  * worker running the slot's request uses (phase RUNNING), or the owner
  * once the slot is IDLE. */
 struct spill_slot {
-    int fd;                     /* -1 until a write made the file */
+    spill_tier *tier;           /* the tier that made it: set once, read-only */
+    int fd;                     /* -1 until a write made the file (or a fork closed it) */
     uint64_t bytes;
     slot_phase phase;
     spill_op op;

@@ -227,6 +227,77 @@ test_forked_child_leaves_the_tier_alone(void)
     mp_host_free(buffer);
 }
 
+/* Files of the tier's directory the process holds open (unnamed files
+ * read "<root>/#123 (deleted)"; the directory itself is `root`). */
+static int
+open_files_under(const char *dir)
+{
+    DIR *fds = opendir("/proc/self/fd");
+    int count = 0;
+    size_t length = strlen(dir);
+    for (struct dirent *e; fds != NULL && (e = readdir(fds)) != NULL;) {
+        char path[300], link[600];
+        snprintf(path, sizeof path, "/proc/self/fd/%s", e->d_name);
+        ssize_t n = readlink(path, link, sizeof link - 1);
+        if (n <= 0)
+            continue;
+        link[n] = '\0';
+        count += strncmp(link, dir, length) == 0 && (link[length] == '/' || link[length] == '\0');
+    }
+    if (fds != NULL)
+        closedir(fds);
+    return count;
+}
+
+/* Requests still queued or running at the fork: the child, which has no
+ * worker, never waits for them (ECHILD), frees its slots without touching
+ * the parent's files, and holds none of them open (the fork handlers
+ * closed its copies); the parent's requests all finish, bit for bit. */
+static void
+test_forked_child_never_waits_for_the_parents_requests(void)
+{
+    enum { SLOTS = 32, BYTES = 1 << 20 };
+    char why[512];
+    spill_tier *tier = spill_create(root, 2, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(BYTES, SPILL_ALIGN);
+    unsigned char *back = mp_host_alloc(BYTES, SPILL_ALIGN);
+    fill(buffer, BYTES, 11);
+    spill_slot *slots[SLOTS];
+    for (int i = 0; i < SLOTS; i++)
+        slots[i] = spill_submit_write(tier, buffer, BYTES);
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        alarm(20);              /* a wait that blocks fails the test, not hangs it */
+        int ok = open_files_under(root) == 0, unfinished = 0;
+        for (int i = 0; i < SLOTS; i++) {
+            int status = spill_wait(tier, slots[i]);
+            ok &= spill_slot_forked(slots[i]) && spill_done(tier, slots[i]) == 1 &&
+                  (status == 0 || status == ECHILD) && spill_status(tier, slots[i]) == status;
+            unfinished += status == ECHILD;
+            spill_slot_free(tier, slots[i]);
+        }
+        spill_destroy(tier);
+        mp_host_free(buffer);
+        mp_host_free(back);
+        _exit(ok ? (unfinished > 0 ? 0 : 2) : 1);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    /* 2: every write had finished at the fork (a machine far faster than
+     * this one): the child's answers were still right */
+    CHECK(WIFEXITED(status) && (WEXITSTATUS(status) == 0 || WEXITSTATUS(status) == 2));
+    for (int i = 0; i < SLOTS; i++) {
+        CHECK(!spill_slot_forked(slots[i]) && spill_wait(tier, slots[i]) == 0);
+        memset(back, 0, BYTES);
+        CHECK(spill_submit_read(tier, slots[i], back) == 0 && spill_wait(tier, slots[i]) == 0);
+        CHECK(memcmp(back, buffer, BYTES) == 0);
+    }
+    spill_destroy(tier);
+    mp_host_free(buffer);
+    mp_host_free(back);
+}
+
 /* A real full disk: a 1 MiB tmpfs in a mount namespace of its own (a
  * child process, so no mount outlives the test), where one can be made:
  * ENOSPC from the reservation, and the directory is empty afterwards. */
@@ -292,6 +363,7 @@ main(void)
     test_injected_errors();
     test_destroy_with_live_slots();
     test_forked_child_leaves_the_tier_alone();
+    test_forked_child_never_waits_for_the_parents_requests();
     test_full_tmpfs();
     CHECK(entries(root) == 0);
     rmdir(root);
