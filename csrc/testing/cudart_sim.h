@@ -9,7 +9,9 @@
  *   non-blocking (torch and matepoint create no other kind).
  * - Every operation queued on a stream (copies, event records, waits,
  *   kernels) runs only when the test advances the simulation, when a caller blocks on it
- *   (event or stream synchronization, a copy through pageable host memory),
+ *   (event or stream synchronization, a device-to-host copy into pageable
+ *   host memory; one from pageable memory only stages its bytes at the
+ *   call, and lands in device memory when its stream reaches it),
  *   when a CPU "kernel" launches on its stream and needs it (a launch
  *   lands what the kernel's memory depends on: cudart_sim_launch_for), or
  *   `progress_per_call` operations at every runtime call. Streams are in
@@ -61,7 +63,7 @@ typedef struct {
     uint64_t ops_queued;        /* operations waiting on streams */
     uint64_t ops_run;           /* operations run so far */
     uint64_t copies_run;        /* of which copies */
-    uint64_t pageable_copies;   /* copies that synchronized (pageable host memory) */
+    uint64_t pageable_copies;   /* copies through pageable host memory (the host waited) */
     uint64_t launch_errors;     /* launches that found a last error (torch would raise) */
     uint64_t kernels_queued;    /* kernels whose results are still kept aside */
     uint64_t kernels_run;       /* kernels whose results landed (or poison did) */

@@ -5,6 +5,7 @@
 #include "common/mp_assert.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #define HOST_ALIGN 64
 
@@ -245,8 +246,7 @@ sim_event_synchronize(void *event_handle)
     return sim_leave(status);
 }
 
-/* Host memory not pinned by cudaHostAlloc: CUDA copies through it
- * synchronously (a D2H returns once the copy completed). */
+/* Host memory not pinned by cudaHostAlloc. */
 static int
 touches_pageable(const void *dst, const void *src, int kind)
 {
@@ -258,6 +258,40 @@ touches_pageable(const void *dst, const void *src, int kind)
     return range == NULL || range->device != -1;
 }
 
+/* CUDA copies through pageable memory synchronously for the host, but
+ * only for the host: a device-to-host copy returns once it completed
+ * (after the stream's earlier work), a host-to-device copy once the bytes
+ * were staged into the driver's pinned memory, with the copy into device
+ * memory still queued ("the DMA to final destination may not have
+ * completed", CUDA's API synchronization behavior). So the source may be
+ * reused at once, and whatever reads the destination must still wait for
+ * the stream. Modelled the adversarial way: staged now, landed when the
+ * stream reaches it. */
+static int
+push_copy(sim_stream *s, void *dst, const void *src, size_t bytes, int kind)
+{
+    int pageable = touches_pageable(dst, src, kind);
+    void *staged = NULL;
+    if (pageable && kind == CUDART_MEMCPY_HOST_TO_DEVICE) {
+        if ((staged = malloc(bytes ? bytes : 1)) == NULL)
+            return CUDART_ERROR_MEMORY_ALLOCATION;
+        memcpy(staged, src, bytes);
+        src = staged;
+    }
+    int status = sim_push_locked(s, (sim_op){.kind = OP_COPY, .dst = dst, .src = src,
+                                             .bytes = bytes, .staged = staged});
+    if (status != CUDART_SUCCESS) {
+        free(staged);
+        return status;
+    }
+    if (!pageable)
+        return CUDART_SUCCESS;
+    sim_gpu.stats.pageable_copies++;
+    /* the host waits either way: for the copy, or while the driver stages */
+    sim_note_sync_locked(SIM_MEMCPY_ASYNC);
+    return staged != NULL ? CUDART_SUCCESS : sim_drain_locked(s);
+}
+
 static int
 sim_memcpy_async(void *dst, const void *src, size_t bytes, int kind, void *stream)
 {
@@ -265,16 +299,9 @@ sim_memcpy_async(void *dst, const void *src, size_t bytes, int kind, void *strea
     sim_stream *s = sim_resolve(stream);
     if (status == CUDART_SUCCESS && s == NULL)
         status = CUDART_ERROR_INVALID_HANDLE;
-    if (status == CUDART_SUCCESS)
-        status = sim_push_locked(s, (sim_op){.kind = OP_COPY, .dst = dst, .src = src,
-                                         .bytes = bytes});
     if (status == CUDART_SUCCESS) {
         sim_use_device(s->device);
-        if (touches_pageable(dst, src, kind)) {
-            sim_gpu.stats.pageable_copies++;
-            sim_note_sync_locked(SIM_MEMCPY_ASYNC);
-            status = sim_drain_locked(s);
-        }
+        status = push_copy(s, dst, src, bytes, kind);
     }
     return sim_leave(status);
 }

@@ -54,6 +54,8 @@ typedef struct {
     const void *src;
     size_t bytes;
     sim_kernel *kernel;         /* OP_KERNEL: owned by the op until it runs */
+    void *staged;               /* OP_COPY from pageable memory: `src`, the bytes
+                                 * staged at the call, owned until it runs */
 } sim_op;
 
 typedef struct sim_stream {

@@ -37,6 +37,7 @@ op_run(sim_op *op)
     switch (op->kind) {
     case OP_COPY:
         memcpy(op->dst, op->src, op->bytes);
+        free(op->staged);
         sim_gpu.stats.copies_run++;
         return;
     case OP_RECORD:
