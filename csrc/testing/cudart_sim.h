@@ -37,6 +37,15 @@
  *   it, cudart_sim_peek_last_error only reads it.
  * - Using a device (memory, streams, events, cudaSetDevice) creates its
  *   primary context; cudaGetDevice does not.
+ * - Graph capture in CUDA's default (global) mode, as torch.cuda.graph
+ *   begins it (cudart_sim_begin_capture): while any stream captures, the
+ *   calls CUDA forbids then from every thread (cudaMalloc, cudaFree,
+ *   cudaEventQuery, cudaEventSynchronize, cudaStreamSynchronize,
+ *   cudaDeviceSynchronize) fail with cudaErrorStreamCaptureUnsupported and
+ *   invalidate every capture underway; cudaStreamIsCapturing answers, and
+ *   on a legacy stream fails with cudaErrorStreamCaptureImplicit while a
+ *   stream of its device captures. Work queued meanwhile runs as usual (no
+ *   graph is built).
  * - "Device" and pinned host memory are host memory, so tests can read it.
  *
  * Thread-safety: the simulation is process-wide state behind one mutex,
@@ -48,7 +57,11 @@
 
 #include "cuda/cudart.h"
 
-enum { CUDART_SIM_DEADLOCK = 999, CUDART_SIM_DEVICES = 2 };
+enum {
+    CUDART_SIM_DEADLOCK = 999,
+    CUDART_SIM_CAPTURE_INVALIDATED = 901,   /* cudaErrorStreamCaptureInvalidated */
+    CUDART_SIM_DEVICES = 2,
+};
 
 /* The runtime entry points, for call counts and failure injection. */
 typedef enum {
@@ -56,7 +69,7 @@ typedef enum {
     SIM_STREAM_CREATE, SIM_STREAM_DESTROY, SIM_STREAM_WAIT_EVENT, SIM_STREAM_SYNCHRONIZE,
     SIM_EVENT_CREATE, SIM_EVENT_DESTROY, SIM_EVENT_RECORD, SIM_EVENT_QUERY,
     SIM_EVENT_SYNCHRONIZE, SIM_MEMCPY_ASYNC, SIM_MALLOC, SIM_FREE, SIM_MEM_GET_INFO,
-    SIM_DEVICE_SYNCHRONIZE, SIM_GET_LAST_ERROR, SIM_ENTRY_COUNT
+    SIM_DEVICE_SYNCHRONIZE, SIM_GET_LAST_ERROR, SIM_STREAM_IS_CAPTURING, SIM_ENTRY_COUNT
 } cudart_sim_entry;
 
 typedef struct {
@@ -208,6 +221,13 @@ size_t cudart_sim_wait_log(cudart_sim_wait *out, size_t max);
  * cudaFree, cudaFreeHost and copies through pageable memory. NULL: none. */
 typedef void (*cudart_sim_observer)(cudart_sim_entry entry);
 void cudart_sim_set_sync_observer(cudart_sim_observer observer);
+
+/* Begins a capture on created stream `stream` of `device` (CUDA refuses
+ * the legacy stream and a stream capturing already), in global mode. */
+int cudart_sim_begin_capture(int device, void *stream);
+/* Ends it: CUDART_SUCCESS when the capture stayed valid, else
+ * cudaErrorStreamCaptureInvalidated (901), as cudaStreamEndCapture. */
+int cudart_sim_end_capture(int device, void *stream);
 
 /* No device has a primary context, as in a new process. */
 void cudart_sim_forget_contexts(void);

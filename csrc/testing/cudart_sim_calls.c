@@ -86,6 +86,8 @@ sim_malloc(void **ptr, size_t bytes)
 {
     int status = sim_enter(SIM_MALLOC);
     if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
+    if (status == CUDART_SUCCESS)
         status = aligned_alloc_range(ptr, bytes, sim_current_device);
     if (status == CUDART_SUCCESS) {
         sim_use_device(sim_current_device);
@@ -98,6 +100,9 @@ static int
 sim_free(void *ptr)
 {
     int injected = sim_enter(SIM_FREE);
+    int forbidden = sim_capture_forbids_locked();
+    if (forbidden != CUDART_SUCCESS)
+        return sim_leave(forbidden);   /* CUDA frees nothing then */
     int status = ptr != NULL ? sim_free_range_locked(ptr, 0, SIM_FREE) : CUDART_SUCCESS;
     return sim_leave(status != CUDART_SUCCESS ? status : injected);
 }
@@ -167,6 +172,8 @@ static int
 sim_stream_synchronize(void *stream)
 {
     int status = sim_enter(SIM_STREAM_SYNCHRONIZE);
+    if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
     sim_stream *s = sim_resolve(stream);
     if (status == CUDART_SUCCESS && s == NULL)
         status = CUDART_ERROR_INVALID_HANDLE;
@@ -229,6 +236,8 @@ static int
 sim_event_query(void *event)
 {
     int status = sim_enter(SIM_EVENT_QUERY);
+    if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
     if (status == CUDART_SUCCESS && !sim_event_done(event))
         status = CUDART_ERROR_NOT_READY;
     return sim_leave(status);
@@ -239,6 +248,8 @@ sim_event_synchronize(void *event_handle)
 {
     sim_event *event = event_handle;
     int status = sim_enter(SIM_EVENT_SYNCHRONIZE);
+    if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
     if (status == CUDART_SUCCESS) {
         sim_note_sync_locked(SIM_EVENT_SYNCHRONIZE);
         status = sim_run_until_locked(event, event->recorded);
@@ -322,6 +333,8 @@ static int
 sim_device_synchronize(void)
 {
     int status = sim_enter(SIM_DEVICE_SYNCHRONIZE);
+    if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
     if (status == CUDART_SUCCESS) {
         sim_note_sync_locked(SIM_DEVICE_SYNCHRONIZE);
         status = sim_drain_locked(&sim_gpu.legacy[sim_current_device]);
@@ -330,6 +343,25 @@ sim_device_synchronize(void)
         if (s->device == sim_current_device)
             status = sim_drain_locked(s);
     }
+    return sim_leave(status);
+}
+
+/* CUDA's cudaStreamCaptureStatus of `stream`; the legacy stream fails
+ * while a stream of its device captures (it would join the capture). */
+static int
+sim_stream_is_capturing(void *stream, int *capture_status)
+{
+    int status = sim_enter(SIM_STREAM_IS_CAPTURING);
+    sim_stream *s = sim_resolve(stream);
+    if (status == CUDART_SUCCESS && s == NULL)
+        status = CUDART_ERROR_INVALID_HANDLE;
+    for (sim_stream *t = sim_gpu.streams; status == CUDART_SUCCESS && !s->created && t != NULL;
+         t = t->next) {
+        if (t->capture != 0 && t->device == s->device)
+            status = CUDART_ERROR_STREAM_CAPTURE_IMPLICIT;
+    }
+    if (status == CUDART_SUCCESS)
+        *capture_status = s->capture;
     return sim_leave(status);
 }
 
@@ -355,6 +387,11 @@ sim_get_error_string(int status)
     case CUDART_ERROR_INVALID_DEVICE: return "invalid device ordinal (simulated)";
     case CUDART_ERROR_INVALID_HANDLE: return "invalid resource handle (simulated)";
     case CUDART_SIM_DEADLOCK: return "the awaited work can never run (simulated deadlock)";
+    case CUDART_ERROR_STREAM_CAPTURE_UNSUPPORTED:
+        return "operation not permitted when stream is capturing (simulated)";
+    case CUDART_ERROR_STREAM_CAPTURE_IMPLICIT:
+        return "operation would make the legacy stream depend on a capturing blocking stream "
+               "(simulated)";
     default: return "simulated CUDA error";
     }
 }
@@ -381,5 +418,6 @@ const cudart sim_table = {
     .device_synchronize = sim_device_synchronize,
     .get_last_error = sim_get_last_error,
     .get_error_string = sim_get_error_string,
+    .stream_is_capturing = sim_stream_is_capturing,
 };
 

@@ -64,6 +64,8 @@ sim_stream_unlink_and_free(sim_stream *stream)
         }
     }
     mp_counter_sub(&sim_gpu.stats.streams_live, 1);
+    if (stream->capture != 0)
+        mp_counter_sub(&sim_gpu.captures, 1);
     free(stream->ops);
     free(stream);
 }
