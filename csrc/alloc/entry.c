@@ -229,10 +229,56 @@ out_of_memory(allocator *a, size_t size, int device)
     abort();
 }
 
+/* Is `stream` (of the current device, `device` as torch calls) being
+ * captured into a CUDA graph? The legacy stream counts while another
+ * stream of its device captures: CUDA refuses to ask it then. A failure
+ * to ask is cleared and taken as no. */
+static int
+stream_capturing(void *stream)
+{
+    if (runtime == NULL || runtime->stream_is_capturing == NULL)
+        return 0;
+    int capture = CUDART_STREAM_CAPTURE_STATUS_NONE;
+    int status = runtime->stream_is_capturing(stream, &capture);
+    if (status == CUDART_SUCCESS)
+        return capture != CUDART_STREAM_CAPTURE_STATUS_NONE;
+    (void)runtime->get_last_error();
+    return status == CUDART_ERROR_STREAM_CAPTURE_IMPLICIT;
+}
+
+/* An allocation during CUDA graph capture. torch gives a pluggable
+ * allocator a graph's private pool only through hooks C cannot set
+ * (std::function), and no-ops otherwise: memory handed out now would go to
+ * other tensors once freed while the replayed graph still writes it, and
+ * the event queries, cudaMalloc and cudaFree the allocator may make
+ * invalidate a capture in CUDA's global mode. Refused, through the same
+ * handler as out of memory (the one exception this library can throw). */
+static void
+refuse_capture(size_t size, int device)
+{
+    char message[512];
+    snprintf(message, sizeof(message),
+             "matepoint's allocator cannot allocate during CUDA graph capture (asked for %zu "
+             "bytes on GPU %d): torch gives a pluggable allocator no private pool for a "
+             "graph's memory, so it could be handed to other tensors while the graph still "
+             "uses it. Capture CUDA graphs (torch.cuda.graph, make_graphed_callables, "
+             "torch.compile's cudagraphs) in a process without "
+             "matepoint.install_allocator().",
+             size, device);
+    oom_handler handler = atomic_load(&raise_oom);
+    if (handler != NULL)
+        handler(message);  /* throws through this frame; does not return */
+    fprintf(stderr, "matepoint allocator: %s\n", message);
+    fflush(stderr);
+    abort();
+}
+
 EXPORT void *
 matepoint_malloc(size_t size, int device, void *stream)
 {
     allocator *a = get_allocator();
+    if (stream_capturing(stream))
+        refuse_capture(size, device);
     void *ptr = a ? alloc_malloc(a, size, device, stream, current_tag) : NULL;
     if (ptr == NULL)
         out_of_memory(a, size, device);
