@@ -230,9 +230,9 @@ out_of_memory(allocator *a, size_t size, int device)
 }
 
 /* Is `stream` (of the current device, `device` as torch calls) being
- * captured into a CUDA graph? The legacy stream counts while another
- * stream of its device captures: CUDA refuses to ask it then. A failure
- * to ask is cleared and taken as no. */
+ * captured into a CUDA graph? The legacy stream counts while a blocking
+ * stream of its device captures (CUDA refuses to ask it then: it cannot
+ * be used). Another failure to ask is cleared and taken as no. */
 static int
 stream_capturing(void *stream)
 {

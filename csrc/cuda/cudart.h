@@ -66,7 +66,7 @@ typedef struct cudart {
      * *status is CUDA's cudaStreamCaptureStatus: CUDART_STREAM_CAPTURE_
      * STATUS_NONE, else a capture (active, or invalidated) is underway on
      * `stream`. The legacy stream (NULL) answers
-     * CUDART_ERROR_STREAM_CAPTURE_IMPLICIT while another stream of its
+     * CUDART_ERROR_STREAM_CAPTURE_IMPLICIT while a blocking stream of its
      * device captures. Allowed during a capture, unlike event queries,
      * synchronizations, cudaMalloc and cudaFree, which invalidate it. */
     int (*stream_is_capturing)(void *stream, int *status);

@@ -42,10 +42,9 @@
  *   calls CUDA forbids then from every thread (cudaMalloc, cudaFree,
  *   cudaEventQuery, cudaEventSynchronize, cudaStreamSynchronize,
  *   cudaDeviceSynchronize) fail with cudaErrorStreamCaptureUnsupported and
- *   invalidate every capture underway; cudaStreamIsCapturing answers, and
- *   on a legacy stream fails with cudaErrorStreamCaptureImplicit while a
- *   stream of its device captures. Work queued meanwhile runs as usual (no
- *   graph is built).
+ *   invalidate every capture underway; cudaStreamIsCapturing answers
+ *   (none for a legacy stream: the streams are non-blocking). Work queued
+ *   meanwhile runs as usual (no graph is built).
  * - "Device" and pinned host memory are host memory, so tests can read it.
  *
  * Thread-safety: the simulation is process-wide state behind one mutex,

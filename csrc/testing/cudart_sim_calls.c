@@ -346,8 +346,9 @@ sim_device_synchronize(void)
     return sim_leave(status);
 }
 
-/* CUDA's cudaStreamCaptureStatus of `stream`; the legacy stream fails
- * while a stream of its device captures (it would join the capture). */
+/* CUDA's cudaStreamCaptureStatus of `stream`. (CUDA fails the question
+ * for the legacy stream only while a blocking stream captures; the
+ * simulated streams are all non-blocking, as torch's.) */
 static int
 sim_stream_is_capturing(void *stream, int *capture_status)
 {
@@ -355,11 +356,6 @@ sim_stream_is_capturing(void *stream, int *capture_status)
     sim_stream *s = sim_resolve(stream);
     if (status == CUDART_SUCCESS && s == NULL)
         status = CUDART_ERROR_INVALID_HANDLE;
-    for (sim_stream *t = sim_gpu.streams; status == CUDART_SUCCESS && !s->created && t != NULL;
-         t = t->next) {
-        if (t->capture != 0 && t->device == s->device)
-            status = CUDART_ERROR_STREAM_CAPTURE_IMPLICIT;
-    }
     if (status == CUDART_SUCCESS)
         *capture_status = s->capture;
     return sim_leave(status);
@@ -389,9 +385,6 @@ sim_get_error_string(int status)
     case CUDART_SIM_DEADLOCK: return "the awaited work can never run (simulated deadlock)";
     case CUDART_ERROR_STREAM_CAPTURE_UNSUPPORTED:
         return "operation not permitted when stream is capturing (simulated)";
-    case CUDART_ERROR_STREAM_CAPTURE_IMPLICIT:
-        return "operation would make the legacy stream depend on a capturing blocking stream "
-               "(simulated)";
     default: return "simulated CUDA error";
     }
 }
