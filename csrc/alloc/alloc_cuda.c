@@ -4,15 +4,31 @@
 
 #include <stdio.h>
 
+/* The calling thread's last reported failure (alloc_cuda_failure): each
+ * thread owns its own copy, so no lock. */
+static _Thread_local char failure[256];
+
+const char *
+alloc_cuda_failure(void)
+{
+    return failure;
+}
+
+void
+alloc_cuda_forget_failure(void)
+{
+    failure[0] = '\0';
+}
+
 /* A CUDA failure the allocator goes on from: reported where it happened,
- * and cleared from the thread's last error, which torch checks after its
- * kernel launches and would raise far from here (as torch clears it). */
+ * kept for the caller's message, and cleared from the thread's last error,
+ * which torch checks after its kernel launches and would raise far from
+ * here (as torch clears it). */
 static void
 report(const cudart *rt, int status, const char *what)
 {
-    char text[256];
-    cudart_describe_failure(rt, status, what, text, sizeof(text));
-    fprintf(stderr, "matepoint allocator: %s\n", text);
+    cudart_describe_failure(rt, status, what, failure, sizeof(failure));
+    fprintf(stderr, "matepoint allocator: %s\n", failure);
 }
 
 /* Runs with `device` current; returns the previous device, or -1. */

@@ -12,4 +12,11 @@
 struct cudart;
 alloc_backend alloc_cuda_backend(const struct cudart *rt);
 
+/* The text of the last CUDA failure the backend reported on the calling
+ * thread since alloc_cuda_forget_failure() ("" when none): why a request
+ * got nothing when that was not out of memory (a sticky error of an
+ * earlier kernel fails cudaMalloc too). */
+const char *alloc_cuda_failure(void);
+void alloc_cuda_forget_failure(void);
+
 #endif

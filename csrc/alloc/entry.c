@@ -214,19 +214,40 @@ oom_message(char *out, size_t n, allocator *a, size_t size, int device)
 }
 
 /* torch does not check the pointer it gets back: returning NULL would
- * surface later as an illegal memory access far from its cause. Raise
- * torch's exception through the handler, or stop here with the numbers. */
+ * surface later as an illegal memory access far from its cause. Raises
+ * torch's exception through the handler (the one exception this library
+ * can throw), or stops here with the message. */
 static void
-out_of_memory(allocator *a, size_t size, int device)
+give_up(const char *message)
 {
-    char message[512];
-    oom_message(message, sizeof(message), a, size, device);
     oom_handler handler = atomic_load(&raise_oom);
     if (handler != NULL)
         handler(message);  /* throws through this frame; does not return */
     fprintf(stderr, "matepoint allocator: %s\n", message);
     fflush(stderr);
     abort();
+}
+
+static void
+out_of_memory(allocator *a, size_t size, int device)
+{
+    char message[512];
+    oom_message(message, sizeof(message), a, size, device);
+    give_up(message);
+}
+
+/* A CUDA failure other than out of memory (`failure`, its text) left the
+ * request with nothing: said as such, not as out of memory. */
+static void
+cuda_failure(size_t size, int device, const char *failure)
+{
+    char message[512];
+    snprintf(message, sizeof(message),
+             "matepoint's allocator could not allocate %zu bytes on GPU %d: %s. This is a CUDA "
+             "error, not out of memory: CUDA errors of a failed kernel are sticky, every later "
+             "call fails with them (CUDA_LAUNCH_BLOCKING=1 shows which kernel failed).",
+             size, device, failure);
+    give_up(message);
 }
 
 /* Is `stream` (of the current device, `device` as torch calls) being
@@ -256,7 +277,7 @@ stream_capturing(void *stream)
 static void
 refuse_capture(size_t size, int device)
 {
-    char message[512];
+    char message[640];
     snprintf(message, sizeof(message),
              "matepoint's allocator cannot allocate during CUDA graph capture (asked for %zu "
              "bytes on GPU %d): torch gives a pluggable allocator no private pool for a "
@@ -265,12 +286,7 @@ refuse_capture(size_t size, int device)
              "torch.compile's cudagraphs) in a process without "
              "matepoint.install_allocator().",
              size, device);
-    oom_handler handler = atomic_load(&raise_oom);
-    if (handler != NULL)
-        handler(message);  /* throws through this frame; does not return */
-    fprintf(stderr, "matepoint allocator: %s\n", message);
-    fflush(stderr);
-    abort();
+    give_up(message);
 }
 
 EXPORT void *
@@ -279,7 +295,10 @@ matepoint_malloc(size_t size, int device, void *stream)
     allocator *a = get_allocator();
     if (stream_capturing(stream))
         refuse_capture(size, device);
+    alloc_cuda_forget_failure();
     void *ptr = a ? alloc_malloc(a, size, device, stream, current_tag) : NULL;
+    if (ptr == NULL && alloc_cuda_failure()[0] != '\0')
+        cuda_failure(size, device, alloc_cuda_failure());
     if (ptr == NULL)
         out_of_memory(a, size, device);
     return ptr;
