@@ -17,8 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import matepoint
 import sim
 from matepoint import _C
+
+from conftest import MLP, assert_bitwise_equal, no_checkpoint, train_step
 
 ELEMENTS = 1 << 14
 CAPTURE_INVALIDATED = 901
@@ -47,3 +50,31 @@ def test_allocation_on_a_capturing_stream_is_refused_and_the_capture_survives(of
     with sim.stream(0, side):               # after the capture: served as before
         assert float(torch.ones(ELEMENTS).sum()) == ELEMENTS
 
+
+
+@pytest.mark.xfail(strict=True, reason="csrc/offload/offload_save.c: start_d2h copies out on "
+                   "a capturing stream (helper A's report)")
+def test_checkpoint_on_a_capturing_stream_keeps_its_inputs_and_the_capture(offload_heap_memory):
+    """A checkpointed region captured into a CUDA graph (make_graphed_callables
+    over checkpointed blocks): a copy out would become part of the graph,
+    and the engine's event query at the next region invalidated the capture
+    (RuntimeError: cudaEventQuery failed ... CUDA error 900). Its inputs
+    stay on the device instead; offload goes on once the capture ended. The
+    fix (start_d2h: a span whose producer stream captures stays, before any
+    runtime call a capture forbids) makes this pass; checked, then reverted:
+    csrc/offload is not this helper's to edit."""
+    side, _ = sim.side_streams()
+    torch.manual_seed(0)
+    model, x = MLP(32, 4), torch.randn(16, 32)
+    _, expected = train_step(model, x, no_checkpoint)
+    _C._sim_capture(0, side, True)
+    try:
+        with sim.stream(0, side):
+            _, grads = train_step(model, x, matepoint.checkpoint)
+    finally:
+        status = _C._sim_capture(0, side, False)
+    assert status == 0, "the capture was invalidated"
+    assert_bitwise_equal(grads, expected)
+    with sim.stream(0, side):
+        _, grads = train_step(model, x, matepoint.checkpoint)
+    assert_bitwise_equal(grads, expected)
