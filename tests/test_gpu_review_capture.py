@@ -52,6 +52,26 @@ def test_allocation_on_a_capturing_stream_is_refused_and_the_capture_survives(of
 
 
 
+
+def test_allocations_beside_a_capture_do_not_invalidate_it(offload):
+    """While a stream captures, the allocator serves other streams (the
+    legacy one here) without the calls global mode forbids: it makes its
+    event queries and cudaMalloc in relaxed mode, as torch's allocator does
+    for cudaMalloc, so another stream's capture survives."""
+    side, other = sim.side_streams()
+    shared = torch.ones(ELEMENTS)           # on the legacy stream
+    sim.record_stream(shared, 0, other)     # its free leaves an event to query
+    del shared
+    _C._sim_capture(0, side, True)
+    try:
+        served = [torch.ones(ELEMENTS), torch.ones(64 * ELEMENTS)]   # a query, a cudaMalloc
+    finally:
+        status = _C._sim_capture(0, side, False)
+    assert status != CAPTURE_INVALIDATED, "the allocator made a call CUDA forbids in a capture"
+    assert status == 0
+    assert [float(t.sum()) for t in served] == [ELEMENTS, 64 * ELEMENTS]
+    assert _C._sim_take_last_error() == 0
+
 @pytest.mark.xfail(strict=True, reason="csrc/offload/offload_save.c: start_d2h copies out on "
                    "a capturing stream (helper A's report)")
 def test_checkpoint_on_a_capturing_stream_keeps_its_inputs_and_the_capture(offload_heap_memory):

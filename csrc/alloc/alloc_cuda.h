@@ -2,7 +2,9 @@
  * runtime). Device calls switch to the block's device and back. Every
  * failure the allocator goes on from (a failed cudaMalloc, cudaErrorNotReady
  * from cudaEventQuery, a failed record, free or switch) is cleared from the
- * thread's last error, so torch's later error checks do not see it.
+ * thread's last error, so torch's later error checks do not see it. The
+ * calls a CUDA graph capture forbids run in relaxed capture mode, so a
+ * capture of another stream survives them.
  * Thread-safety: stateless apart from the runtime table. */
 #ifndef MATEPOINT_ALLOC_CUDA_H
 #define MATEPOINT_ALLOC_CUDA_H

@@ -27,6 +27,7 @@ enum {
     CUDART_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDART_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
     CUDART_STREAM_CAPTURE_STATUS_NONE = 0,
+    CUDART_STREAM_CAPTURE_MODE_RELAXED = 2,
     CUDART_MEMCPY_HOST_TO_DEVICE = 1,
     CUDART_MEMCPY_DEVICE_TO_HOST = 2,
     CUDART_HOST_ALLOC_PORTABLE = 1,
@@ -70,6 +71,13 @@ typedef struct cudart {
      * device captures. Allowed during a capture, unlike event queries,
      * synchronizations, cudaMalloc and cudaFree, which invalidate it. */
     int (*stream_is_capturing)(void *stream, int *status);
+    /* Optional, NULL where the runtime lacks it:
+     * cudaThreadExchangeStreamCaptureMode. Makes *mode (CUDA's
+     * cudaStreamCaptureMode) the calling thread's and returns the one it
+     * had in *mode. A thread in CUDART_STREAM_CAPTURE_MODE_RELAXED may make
+     * the calls above that a capture forbids, as torch's allocator does
+     * for cudaMalloc while a capture is underway. */
+    int (*thread_exchange_stream_capture_mode)(int *mode);
 } cudart;
 
 const cudart *cudart_load(void);

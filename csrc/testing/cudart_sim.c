@@ -13,6 +13,7 @@ _Thread_local int sim_current_device;
 _Thread_local int sim_last_error;
 _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
 _Thread_local int sim_handouts_deferred;
+_Thread_local int sim_capture_mode;
 
 static const char *const entry_names[SIM_ENTRY_COUNT] = {
     "cudaGetDeviceCount", "cudaGetDevice", "cudaSetDevice", "cudaHostAlloc", "cudaFreeHost",
@@ -20,6 +21,7 @@ static const char *const entry_names[SIM_ENTRY_COUNT] = {
     "cudaStreamSynchronize", "cudaEventCreateWithFlags", "cudaEventDestroy", "cudaEventRecord",
     "cudaEventQuery", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMalloc", "cudaFree",
     "cudaMemGetInfo", "cudaDeviceSynchronize", "cudaGetLastError", "cudaStreamIsCapturing",
+    "cudaThreadExchangeStreamCaptureMode",
 };
 
 /* ---- test controls ---------------------------------------------------------------- */
@@ -275,7 +277,7 @@ cudart_sim_end_capture(int device, void *stream)
 int
 sim_capture_forbids_locked(void)
 {
-    if (sim_gpu.captures == 0)
+    if (sim_gpu.captures == 0 || sim_capture_mode == CUDART_STREAM_CAPTURE_MODE_RELAXED)
         return CUDART_SUCCESS;
     for (sim_stream *s = sim_gpu.streams; s != NULL; s = s->next) {
         if (s->capture != 0)

@@ -42,7 +42,9 @@
  *   calls CUDA forbids then from every thread (cudaMalloc, cudaFree,
  *   cudaEventQuery, cudaEventSynchronize, cudaStreamSynchronize,
  *   cudaDeviceSynchronize) fail with cudaErrorStreamCaptureUnsupported and
- *   invalidate every capture underway; cudaStreamIsCapturing answers
+ *   invalidate every capture underway, unless the calling thread's mode
+ *   (cudaThreadExchangeStreamCaptureMode) is relaxed; a thread-local mode
+ *   counts as global here (stricter); cudaStreamIsCapturing answers
  *   (none for a legacy stream: the streams are non-blocking). Work queued
  *   meanwhile runs as usual (no graph is built).
  * - "Device" and pinned host memory are host memory, so tests can read it.
@@ -68,7 +70,8 @@ typedef enum {
     SIM_STREAM_CREATE, SIM_STREAM_DESTROY, SIM_STREAM_WAIT_EVENT, SIM_STREAM_SYNCHRONIZE,
     SIM_EVENT_CREATE, SIM_EVENT_DESTROY, SIM_EVENT_RECORD, SIM_EVENT_QUERY,
     SIM_EVENT_SYNCHRONIZE, SIM_MEMCPY_ASYNC, SIM_MALLOC, SIM_FREE, SIM_MEM_GET_INFO,
-    SIM_DEVICE_SYNCHRONIZE, SIM_GET_LAST_ERROR, SIM_STREAM_IS_CAPTURING, SIM_ENTRY_COUNT
+    SIM_DEVICE_SYNCHRONIZE, SIM_GET_LAST_ERROR, SIM_STREAM_IS_CAPTURING,
+    SIM_THREAD_EXCHANGE_STREAM_CAPTURE_MODE, SIM_ENTRY_COUNT
 } cudart_sim_entry;
 
 typedef struct {

@@ -362,6 +362,20 @@ sim_stream_is_capturing(void *stream, int *capture_status)
 }
 
 static int
+sim_thread_exchange_stream_capture_mode(int *mode)
+{
+    int status = sim_enter(SIM_THREAD_EXCHANGE_STREAM_CAPTURE_MODE);
+    if (status == CUDART_SUCCESS && (*mode < 0 || *mode > CUDART_STREAM_CAPTURE_MODE_RELAXED))
+        status = CUDART_ERROR_INVALID_VALUE;
+    if (status == CUDART_SUCCESS) {
+        int previous = sim_capture_mode;
+        sim_capture_mode = *mode;
+        *mode = previous;
+    }
+    return sim_leave(status);
+}
+
+static int
 sim_get_last_error(void)
 {
     pthread_mutex_lock(&sim_gpu.lock);
@@ -412,5 +426,6 @@ const cudart sim_table = {
     .get_last_error = sim_get_last_error,
     .get_error_string = sim_get_error_string,
     .stream_is_capturing = sim_stream_is_capturing,
+    .thread_exchange_stream_capture_mode = sim_thread_exchange_stream_capture_mode,
 };
 

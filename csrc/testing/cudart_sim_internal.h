@@ -110,6 +110,7 @@ extern _Thread_local int sim_current_device;
 extern _Thread_local int sim_last_error;
 extern _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
 extern _Thread_local int sim_handouts_deferred;
+extern _Thread_local int sim_capture_mode;     /* cudaStreamCaptureMode, 0: global */
 
 /* The runtime table (cudart_sim_calls.c). */
 extern const cudart sim_table;
