@@ -4,15 +4,57 @@
 
 #include <stdio.h>
 
+/* The calling thread's last reported failure (alloc_cuda_failure): each
+ * thread owns its own copy, so no lock. */
+static _Thread_local char failure[256];
+
+const char *
+alloc_cuda_failure(void)
+{
+    return failure;
+}
+
+void
+alloc_cuda_forget_failure(void)
+{
+    failure[0] = '\0';
+}
+
 /* A CUDA failure the allocator goes on from: reported where it happened,
- * and cleared from the thread's last error, which torch checks after its
- * kernel launches and would raise far from here (as torch clears it). */
+ * kept for the caller's message, and cleared from the thread's last error,
+ * which torch checks after its kernel launches and would raise far from
+ * here (as torch clears it). */
 static void
 report(const cudart *rt, int status, const char *what)
 {
-    char text[256];
-    cudart_describe_failure(rt, status, what, text, sizeof(text));
-    fprintf(stderr, "matepoint allocator: %s\n", text);
+    cudart_describe_failure(rt, status, what, failure, sizeof(failure));
+    fprintf(stderr, "matepoint allocator: %s\n", failure);
+}
+
+/* The calls a CUDA graph capture forbids in its global mode, from every
+ * thread (cudaMalloc, cudaFree, event queries and synchronizations), run
+ * in relaxed mode, as torch's allocator runs cudaMalloc: the allocator
+ * serves no capturing stream (entry.c refuses them), so a capture of
+ * another stream must not see them. Returns the mode to give back to
+ * calm_down(), or -1 (the runtime lacks the call, or it failed). */
+static int
+relax(const cudart *rt)
+{
+    int mode = CUDART_STREAM_CAPTURE_MODE_RELAXED;
+    if (rt->thread_exchange_stream_capture_mode == NULL)
+        return -1;
+    if (rt->thread_exchange_stream_capture_mode(&mode) != CUDART_SUCCESS) {
+        (void)rt->get_last_error();
+        return -1;
+    }
+    return mode;
+}
+
+static void
+calm_down(const cudart *rt, int mode)
+{
+    if (mode >= 0 && rt->thread_exchange_stream_capture_mode(&mode) != CUDART_SUCCESS)
+        (void)rt->get_last_error();
 }
 
 /* Runs with `device` current; returns the previous device, or -1. */
@@ -36,7 +78,9 @@ cuda_device_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
     int previous = enter_device(rt, device);
     if (previous < 0)
         return ALLOC_ERROR;
+    int mode = relax(rt);
     int status = rt->malloc(ptr, (size_t)bytes);
+    calm_down(rt, mode);
     cudart_leave_device(rt, device, previous);
     if (status == CUDART_SUCCESS)
         return ALLOC_OK;
@@ -56,7 +100,9 @@ cuda_device_free(void *ctx, int device, void *ptr, uint64_t bytes)
     int previous = enter_device(rt, device);
     if (previous < 0)
         return;
+    int mode = relax(rt);
     int status = rt->free(ptr);
+    calm_down(rt, mode);
     cudart_leave_device(rt, device, previous);
     if (status != CUDART_SUCCESS)
         report(rt, status, "cudaFree");
@@ -83,8 +129,9 @@ static int
 cuda_event_query(void *ctx, void *event)
 {
     const cudart *rt = ctx;
-    int status;
+    int status, mode = relax(rt);
     int done = cudart_event_done(rt, event, &status);
+    calm_down(rt, mode);
     if (done >= 0)
         return done;
     report(rt, status, "cudaEventQuery");
@@ -95,7 +142,9 @@ static void
 cuda_event_wait(void *ctx, void *event)
 {
     const cudart *rt = ctx;
+    int mode = relax(rt);
     int status = rt->event_synchronize(event);
+    calm_down(rt, mode);
     if (status != CUDART_SUCCESS)
         report(rt, status, "cudaEventSynchronize");
 }
@@ -116,7 +165,9 @@ cuda_device_synchronize(void *ctx, int device)
     int previous = enter_device(rt, device);
     if (previous < 0)
         return;
+    int mode = relax(rt);
     int status = rt->device_synchronize();
+    calm_down(rt, mode);
     cudart_leave_device(rt, device, previous);
     if (status != CUDART_SUCCESS)
         report(rt, status, "cudaDeviceSynchronize");

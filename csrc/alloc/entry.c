@@ -214,13 +214,12 @@ oom_message(char *out, size_t n, allocator *a, size_t size, int device)
 }
 
 /* torch does not check the pointer it gets back: returning NULL would
- * surface later as an illegal memory access far from its cause. Raise
- * torch's exception through the handler, or stop here with the numbers. */
+ * surface later as an illegal memory access far from its cause. Raises
+ * torch's exception through the handler (the one exception this library
+ * can throw), or stops here with the message. */
 static void
-out_of_memory(allocator *a, size_t size, int device)
+give_up(const char *message)
 {
-    char message[512];
-    oom_message(message, sizeof(message), a, size, device);
     oom_handler handler = atomic_load(&raise_oom);
     if (handler != NULL)
         handler(message);  /* throws through this frame; does not return */
@@ -229,11 +228,77 @@ out_of_memory(allocator *a, size_t size, int device)
     abort();
 }
 
+static void
+out_of_memory(allocator *a, size_t size, int device)
+{
+    char message[512];
+    oom_message(message, sizeof(message), a, size, device);
+    give_up(message);
+}
+
+/* A CUDA failure other than out of memory (`failure`, its text) left the
+ * request with nothing: said as such, not as out of memory. */
+static void
+cuda_failure(size_t size, int device, const char *failure)
+{
+    char message[512];
+    snprintf(message, sizeof(message),
+             "matepoint's allocator could not allocate %zu bytes on GPU %d: %s. This is a CUDA "
+             "error, not out of memory: CUDA errors of a failed kernel are sticky, every later "
+             "call fails with them (CUDA_LAUNCH_BLOCKING=1 shows which kernel failed).",
+             size, device, failure);
+    give_up(message);
+}
+
+/* Is `stream` (of the current device, `device` as torch calls) being
+ * captured into a CUDA graph? The legacy stream counts while a blocking
+ * stream of its device captures (CUDA refuses to ask it then: it cannot
+ * be used). Another failure to ask is cleared and taken as no. */
+static int
+stream_capturing(void *stream)
+{
+    if (runtime == NULL || runtime->stream_is_capturing == NULL)
+        return 0;
+    int capture = CUDART_STREAM_CAPTURE_STATUS_NONE;
+    int status = runtime->stream_is_capturing(stream, &capture);
+    if (status == CUDART_SUCCESS)
+        return capture != CUDART_STREAM_CAPTURE_STATUS_NONE;
+    (void)runtime->get_last_error();
+    return status == CUDART_ERROR_STREAM_CAPTURE_IMPLICIT;
+}
+
+/* An allocation during CUDA graph capture. torch gives a pluggable
+ * allocator a graph's private pool only through hooks C cannot set
+ * (std::function), and no-ops otherwise: memory handed out now would go to
+ * other tensors once freed while the replayed graph still writes it, and
+ * the event queries, cudaMalloc and cudaFree the allocator may make
+ * invalidate a capture in CUDA's global mode. Refused, through the same
+ * handler as out of memory (the one exception this library can throw). */
+static void
+refuse_capture(size_t size, int device)
+{
+    char message[640];
+    snprintf(message, sizeof(message),
+             "matepoint's allocator cannot allocate during CUDA graph capture (asked for %zu "
+             "bytes on GPU %d): torch gives a pluggable allocator no private pool for a "
+             "graph's memory, so it could be handed to other tensors while the graph still "
+             "uses it. Capture CUDA graphs (torch.cuda.graph, make_graphed_callables, "
+             "torch.compile's cudagraphs) in a process without "
+             "matepoint.install_allocator().",
+             size, device);
+    give_up(message);
+}
+
 EXPORT void *
 matepoint_malloc(size_t size, int device, void *stream)
 {
     allocator *a = get_allocator();
+    if (stream_capturing(stream))
+        refuse_capture(size, device);
+    alloc_cuda_forget_failure();
     void *ptr = a ? alloc_malloc(a, size, device, stream, current_tag) : NULL;
+    if (ptr == NULL && alloc_cuda_failure()[0] != '\0')
+        cuda_failure(size, device, alloc_cuda_failure());
     if (ptr == NULL)
         out_of_memory(a, size, device);
     return ptr;

@@ -92,6 +92,10 @@ resolve_all(void *handle)
         if (!resolve(handle, symbols[i].slot, symbols[i].name))
             return 0;
     }
+    /* optional: every CUDA since 10 has it, a stand-in library may not */
+    *(void **)&runtime.stream_is_capturing = dlsym(handle, "cudaStreamIsCapturing");
+    *(void **)&runtime.thread_exchange_stream_capture_mode =
+        dlsym(handle, "cudaThreadExchangeStreamCaptureMode");
     resolve_driver();
     Dl_info info;
     if (dladdr((void *)runtime.get_device, &info) != 0 && info.dli_fname != NULL)

@@ -24,6 +24,10 @@ enum {
     CUDART_ERROR_INVALID_DEVICE = 101,
     CUDART_ERROR_INVALID_HANDLE = 400,
     CUDART_ERROR_NOT_READY = 600,
+    CUDART_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDART_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
+    CUDART_STREAM_CAPTURE_STATUS_NONE = 0,
+    CUDART_STREAM_CAPTURE_MODE_RELAXED = 2,
     CUDART_MEMCPY_HOST_TO_DEVICE = 1,
     CUDART_MEMCPY_DEVICE_TO_HOST = 2,
     CUDART_HOST_ALLOC_PORTABLE = 1,
@@ -59,6 +63,21 @@ typedef struct cudart {
      * *active set, else nonzero (unknown; the last error is untouched).
      * NULL where the driver lacks it: unknown too. */
     int (*primary_context_active)(int device, int *active);
+    /* Optional, NULL where the runtime lacks it: cudaStreamIsCapturing.
+     * *status is CUDA's cudaStreamCaptureStatus: CUDART_STREAM_CAPTURE_
+     * STATUS_NONE, else a capture (active, or invalidated) is underway on
+     * `stream`. The legacy stream (NULL) answers
+     * CUDART_ERROR_STREAM_CAPTURE_IMPLICIT while a blocking stream of its
+     * device captures. Allowed during a capture, unlike event queries,
+     * synchronizations, cudaMalloc and cudaFree, which invalidate it. */
+    int (*stream_is_capturing)(void *stream, int *status);
+    /* Optional, NULL where the runtime lacks it:
+     * cudaThreadExchangeStreamCaptureMode. Makes *mode (CUDA's
+     * cudaStreamCaptureMode) the calling thread's and returns the one it
+     * had in *mode. A thread in CUDART_STREAM_CAPTURE_MODE_RELAXED may make
+     * the calls above that a capture forbids, as torch's allocator does
+     * for cudaMalloc while a capture is underway. */
+    int (*thread_exchange_stream_capture_mode)(int *mode);
 } cudart;
 
 const cudart *cudart_load(void);

@@ -2,6 +2,7 @@
  * The scheduler is in cudart_sim_queue.c, the runtime table in
  * cudart_sim_calls.c. */
 #include "cudart_sim_internal.h"
+#include "common/mp_assert.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -12,13 +13,15 @@ _Thread_local int sim_current_device;
 _Thread_local int sim_last_error;
 _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
 _Thread_local int sim_handouts_deferred;
+_Thread_local int sim_capture_mode;
 
 static const char *const entry_names[SIM_ENTRY_COUNT] = {
     "cudaGetDeviceCount", "cudaGetDevice", "cudaSetDevice", "cudaHostAlloc", "cudaFreeHost",
     "cudaStreamCreateWithFlags", "cudaStreamDestroy", "cudaStreamWaitEvent",
     "cudaStreamSynchronize", "cudaEventCreateWithFlags", "cudaEventDestroy", "cudaEventRecord",
     "cudaEventQuery", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMalloc", "cudaFree",
-    "cudaMemGetInfo", "cudaDeviceSynchronize", "cudaGetLastError",
+    "cudaMemGetInfo", "cudaDeviceSynchronize", "cudaGetLastError", "cudaStreamIsCapturing",
+    "cudaThreadExchangeStreamCaptureMode",
 };
 
 /* ---- test controls ---------------------------------------------------------------- */
@@ -231,6 +234,56 @@ cudart_sim_set_sync_observer(cudart_sim_observer observer)
     pthread_mutex_lock(&sim_gpu.lock);
     sim_gpu.sync_observer = observer;
     pthread_mutex_unlock(&sim_gpu.lock);
+}
+
+/* The created, live stream `handle` of `device`; NULL otherwise. */
+static sim_stream *
+created_stream_locked(int device, void *handle)
+{
+    sim_stream *s = handle == NULL ? NULL : sim_resolve(handle);
+    return s != NULL && s->created && s->device == device ? s : NULL;
+}
+
+int
+cudart_sim_begin_capture(int device, void *stream)
+{
+    pthread_mutex_lock(&sim_gpu.lock);
+    sim_stream *s = created_stream_locked(device, stream);
+    int status = s == NULL || s->capture != 0 ? CUDART_ERROR_INVALID_VALUE : CUDART_SUCCESS;
+    if (status == CUDART_SUCCESS) {
+        s->capture = 1;
+        sim_gpu.captures++;
+    }
+    pthread_mutex_unlock(&sim_gpu.lock);
+    return status;
+}
+
+int
+cudart_sim_end_capture(int device, void *stream)
+{
+    pthread_mutex_lock(&sim_gpu.lock);
+    sim_stream *s = created_stream_locked(device, stream);
+    int status = s == NULL || s->capture == 0 ? CUDART_ERROR_INVALID_VALUE
+                 : s->capture == 1 ? CUDART_SUCCESS
+                 : CUDART_SIM_CAPTURE_INVALIDATED;
+    if (s != NULL && s->capture != 0) {
+        s->capture = 0;
+        mp_counter_sub(&sim_gpu.captures, 1);
+    }
+    pthread_mutex_unlock(&sim_gpu.lock);
+    return status;
+}
+
+int
+sim_capture_forbids_locked(void)
+{
+    if (sim_gpu.captures == 0 || sim_capture_mode == CUDART_STREAM_CAPTURE_MODE_RELAXED)
+        return CUDART_SUCCESS;
+    for (sim_stream *s = sim_gpu.streams; s != NULL; s = s->next) {
+        if (s->capture != 0)
+            s->capture = 2;
+    }
+    return CUDART_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 }
 
 void

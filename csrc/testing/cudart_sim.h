@@ -9,7 +9,9 @@
  *   non-blocking (torch and matepoint create no other kind).
  * - Every operation queued on a stream (copies, event records, waits,
  *   kernels) runs only when the test advances the simulation, when a caller blocks on it
- *   (event or stream synchronization, a copy through pageable host memory),
+ *   (event or stream synchronization, a device-to-host copy into pageable
+ *   host memory; one from pageable memory only stages its bytes at the
+ *   call, and lands in device memory when its stream reaches it),
  *   when a CPU "kernel" launches on its stream and needs it (a launch
  *   lands what the kernel's memory depends on: cudart_sim_launch_for), or
  *   `progress_per_call` operations at every runtime call. Streams are in
@@ -35,6 +37,16 @@
  *   it, cudart_sim_peek_last_error only reads it.
  * - Using a device (memory, streams, events, cudaSetDevice) creates its
  *   primary context; cudaGetDevice does not.
+ * - Graph capture in CUDA's default (global) mode, as torch.cuda.graph
+ *   begins it (cudart_sim_begin_capture): while any stream captures, the
+ *   calls CUDA forbids then from every thread (cudaMalloc, cudaFree,
+ *   cudaEventQuery, cudaEventSynchronize, cudaStreamSynchronize,
+ *   cudaDeviceSynchronize) fail with cudaErrorStreamCaptureUnsupported and
+ *   invalidate every capture underway, unless the calling thread's mode
+ *   (cudaThreadExchangeStreamCaptureMode) is relaxed; a thread-local mode
+ *   counts as global here (stricter); cudaStreamIsCapturing answers
+ *   (none for a legacy stream: the streams are non-blocking). Work queued
+ *   meanwhile runs as usual (no graph is built).
  * - "Device" and pinned host memory are host memory, so tests can read it.
  *
  * Thread-safety: the simulation is process-wide state behind one mutex,
@@ -46,7 +58,11 @@
 
 #include "cuda/cudart.h"
 
-enum { CUDART_SIM_DEADLOCK = 999, CUDART_SIM_DEVICES = 2 };
+enum {
+    CUDART_SIM_DEADLOCK = 999,
+    CUDART_SIM_CAPTURE_INVALIDATED = 901,   /* cudaErrorStreamCaptureInvalidated */
+    CUDART_SIM_DEVICES = 2,
+};
 
 /* The runtime entry points, for call counts and failure injection. */
 typedef enum {
@@ -54,14 +70,15 @@ typedef enum {
     SIM_STREAM_CREATE, SIM_STREAM_DESTROY, SIM_STREAM_WAIT_EVENT, SIM_STREAM_SYNCHRONIZE,
     SIM_EVENT_CREATE, SIM_EVENT_DESTROY, SIM_EVENT_RECORD, SIM_EVENT_QUERY,
     SIM_EVENT_SYNCHRONIZE, SIM_MEMCPY_ASYNC, SIM_MALLOC, SIM_FREE, SIM_MEM_GET_INFO,
-    SIM_DEVICE_SYNCHRONIZE, SIM_GET_LAST_ERROR, SIM_ENTRY_COUNT
+    SIM_DEVICE_SYNCHRONIZE, SIM_GET_LAST_ERROR, SIM_STREAM_IS_CAPTURING,
+    SIM_THREAD_EXCHANGE_STREAM_CAPTURE_MODE, SIM_ENTRY_COUNT
 } cudart_sim_entry;
 
 typedef struct {
     uint64_t ops_queued;        /* operations waiting on streams */
     uint64_t ops_run;           /* operations run so far */
     uint64_t copies_run;        /* of which copies */
-    uint64_t pageable_copies;   /* copies that synchronized (pageable host memory) */
+    uint64_t pageable_copies;   /* copies through pageable host memory (the host waited) */
     uint64_t launch_errors;     /* launches that found a last error (torch would raise) */
     uint64_t kernels_queued;    /* kernels whose results are still kept aside */
     uint64_t kernels_run;       /* kernels whose results landed (or poison did) */
@@ -206,6 +223,13 @@ size_t cudart_sim_wait_log(cudart_sim_wait *out, size_t max);
  * cudaFree, cudaFreeHost and copies through pageable memory. NULL: none. */
 typedef void (*cudart_sim_observer)(cudart_sim_entry entry);
 void cudart_sim_set_sync_observer(cudart_sim_observer observer);
+
+/* Begins a capture on created stream `stream` of `device` (CUDA refuses
+ * the legacy stream and a stream capturing already), in global mode. */
+int cudart_sim_begin_capture(int device, void *stream);
+/* Ends it: CUDART_SUCCESS when the capture stayed valid, else
+ * cudaErrorStreamCaptureInvalidated (901), as cudaStreamEndCapture. */
+int cudart_sim_end_capture(int device, void *stream);
 
 /* No device has a primary context, as in a new process. */
 void cudart_sim_forget_contexts(void);

@@ -5,6 +5,7 @@
 #include "common/mp_assert.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #define HOST_ALIGN 64
 
@@ -85,6 +86,8 @@ sim_malloc(void **ptr, size_t bytes)
 {
     int status = sim_enter(SIM_MALLOC);
     if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
+    if (status == CUDART_SUCCESS)
         status = aligned_alloc_range(ptr, bytes, sim_current_device);
     if (status == CUDART_SUCCESS) {
         sim_use_device(sim_current_device);
@@ -97,6 +100,9 @@ static int
 sim_free(void *ptr)
 {
     int injected = sim_enter(SIM_FREE);
+    int forbidden = sim_capture_forbids_locked();
+    if (forbidden != CUDART_SUCCESS)
+        return sim_leave(forbidden);   /* CUDA frees nothing then */
     int status = ptr != NULL ? sim_free_range_locked(ptr, 0, SIM_FREE) : CUDART_SUCCESS;
     return sim_leave(status != CUDART_SUCCESS ? status : injected);
 }
@@ -166,6 +172,8 @@ static int
 sim_stream_synchronize(void *stream)
 {
     int status = sim_enter(SIM_STREAM_SYNCHRONIZE);
+    if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
     sim_stream *s = sim_resolve(stream);
     if (status == CUDART_SUCCESS && s == NULL)
         status = CUDART_ERROR_INVALID_HANDLE;
@@ -228,6 +236,8 @@ static int
 sim_event_query(void *event)
 {
     int status = sim_enter(SIM_EVENT_QUERY);
+    if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
     if (status == CUDART_SUCCESS && !sim_event_done(event))
         status = CUDART_ERROR_NOT_READY;
     return sim_leave(status);
@@ -238,6 +248,8 @@ sim_event_synchronize(void *event_handle)
 {
     sim_event *event = event_handle;
     int status = sim_enter(SIM_EVENT_SYNCHRONIZE);
+    if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
     if (status == CUDART_SUCCESS) {
         sim_note_sync_locked(SIM_EVENT_SYNCHRONIZE);
         status = sim_run_until_locked(event, event->recorded);
@@ -245,8 +257,7 @@ sim_event_synchronize(void *event_handle)
     return sim_leave(status);
 }
 
-/* Host memory not pinned by cudaHostAlloc: CUDA copies through it
- * synchronously (a D2H returns once the copy completed). */
+/* Host memory not pinned by cudaHostAlloc. */
 static int
 touches_pageable(const void *dst, const void *src, int kind)
 {
@@ -258,6 +269,40 @@ touches_pageable(const void *dst, const void *src, int kind)
     return range == NULL || range->device != -1;
 }
 
+/* CUDA copies through pageable memory synchronously for the host, but
+ * only for the host: a device-to-host copy returns once it completed
+ * (after the stream's earlier work), a host-to-device copy once the bytes
+ * were staged into the driver's pinned memory, with the copy into device
+ * memory still queued ("the DMA to final destination may not have
+ * completed", CUDA's API synchronization behavior). So the source may be
+ * reused at once, and whatever reads the destination must still wait for
+ * the stream. Modelled the adversarial way: staged now, landed when the
+ * stream reaches it. */
+static int
+push_copy(sim_stream *s, void *dst, const void *src, size_t bytes, int kind)
+{
+    int pageable = touches_pageable(dst, src, kind);
+    void *staged = NULL;
+    if (pageable && kind == CUDART_MEMCPY_HOST_TO_DEVICE) {
+        if ((staged = malloc(bytes ? bytes : 1)) == NULL)
+            return CUDART_ERROR_MEMORY_ALLOCATION;
+        memcpy(staged, src, bytes);
+        src = staged;
+    }
+    int status = sim_push_locked(s, (sim_op){.kind = OP_COPY, .dst = dst, .src = src,
+                                             .bytes = bytes, .staged = staged});
+    if (status != CUDART_SUCCESS) {
+        free(staged);
+        return status;
+    }
+    if (!pageable)
+        return CUDART_SUCCESS;
+    sim_gpu.stats.pageable_copies++;
+    /* the host waits either way: for the copy, or while the driver stages */
+    sim_note_sync_locked(SIM_MEMCPY_ASYNC);
+    return staged != NULL ? CUDART_SUCCESS : sim_drain_locked(s);
+}
+
 static int
 sim_memcpy_async(void *dst, const void *src, size_t bytes, int kind, void *stream)
 {
@@ -265,16 +310,9 @@ sim_memcpy_async(void *dst, const void *src, size_t bytes, int kind, void *strea
     sim_stream *s = sim_resolve(stream);
     if (status == CUDART_SUCCESS && s == NULL)
         status = CUDART_ERROR_INVALID_HANDLE;
-    if (status == CUDART_SUCCESS)
-        status = sim_push_locked(s, (sim_op){.kind = OP_COPY, .dst = dst, .src = src,
-                                         .bytes = bytes});
     if (status == CUDART_SUCCESS) {
         sim_use_device(s->device);
-        if (touches_pageable(dst, src, kind)) {
-            sim_gpu.stats.pageable_copies++;
-            sim_note_sync_locked(SIM_MEMCPY_ASYNC);
-            status = sim_drain_locked(s);
-        }
+        status = push_copy(s, dst, src, bytes, kind);
     }
     return sim_leave(status);
 }
@@ -295,6 +333,8 @@ static int
 sim_device_synchronize(void)
 {
     int status = sim_enter(SIM_DEVICE_SYNCHRONIZE);
+    if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
     if (status == CUDART_SUCCESS) {
         sim_note_sync_locked(SIM_DEVICE_SYNCHRONIZE);
         status = sim_drain_locked(&sim_gpu.legacy[sim_current_device]);
@@ -302,6 +342,35 @@ sim_device_synchronize(void)
     for (sim_stream *s = sim_gpu.streams; status == CUDART_SUCCESS && s != NULL; s = s->next) {
         if (s->device == sim_current_device)
             status = sim_drain_locked(s);
+    }
+    return sim_leave(status);
+}
+
+/* CUDA's cudaStreamCaptureStatus of `stream`. (CUDA fails the question
+ * for the legacy stream only while a blocking stream captures; the
+ * simulated streams are all non-blocking, as torch's.) */
+static int
+sim_stream_is_capturing(void *stream, int *capture_status)
+{
+    int status = sim_enter(SIM_STREAM_IS_CAPTURING);
+    sim_stream *s = sim_resolve(stream);
+    if (status == CUDART_SUCCESS && s == NULL)
+        status = CUDART_ERROR_INVALID_HANDLE;
+    if (status == CUDART_SUCCESS)
+        *capture_status = s->capture;
+    return sim_leave(status);
+}
+
+static int
+sim_thread_exchange_stream_capture_mode(int *mode)
+{
+    int status = sim_enter(SIM_THREAD_EXCHANGE_STREAM_CAPTURE_MODE);
+    if (status == CUDART_SUCCESS && (*mode < 0 || *mode > CUDART_STREAM_CAPTURE_MODE_RELAXED))
+        status = CUDART_ERROR_INVALID_VALUE;
+    if (status == CUDART_SUCCESS) {
+        int previous = sim_capture_mode;
+        sim_capture_mode = *mode;
+        *mode = previous;
     }
     return sim_leave(status);
 }
@@ -328,6 +397,8 @@ sim_get_error_string(int status)
     case CUDART_ERROR_INVALID_DEVICE: return "invalid device ordinal (simulated)";
     case CUDART_ERROR_INVALID_HANDLE: return "invalid resource handle (simulated)";
     case CUDART_SIM_DEADLOCK: return "the awaited work can never run (simulated deadlock)";
+    case CUDART_ERROR_STREAM_CAPTURE_UNSUPPORTED:
+        return "operation not permitted when stream is capturing (simulated)";
     default: return "simulated CUDA error";
     }
 }
@@ -354,5 +425,7 @@ const cudart sim_table = {
     .device_synchronize = sim_device_synchronize,
     .get_last_error = sim_get_last_error,
     .get_error_string = sim_get_error_string,
+    .stream_is_capturing = sim_stream_is_capturing,
+    .thread_exchange_stream_capture_mode = sim_thread_exchange_stream_capture_mode,
 };
 

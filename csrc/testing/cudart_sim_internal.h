@@ -54,6 +54,8 @@ typedef struct {
     const void *src;
     size_t bytes;
     sim_kernel *kernel;         /* OP_KERNEL: owned by the op until it runs */
+    void *staged;               /* OP_COPY from pageable memory: `src`, the bytes
+                                 * staged at the call, owned until it runs */
 } sim_op;
 
 typedef struct sim_stream {
@@ -62,6 +64,7 @@ typedef struct sim_stream {
     int device;
     int created;                /* 0 for the legacy streams, which live forever */
     int destroyed;              /* freed once its queue ran dry */
+    int capture;                /* CUDA's capture status: 0 none, 1 active, 2 invalidated */
     uint64_t land_pass;         /* the launch (sim_gpu.land_passes) that last looked here */
     uint64_t land_below;        /* ... and the orders below which it looked */
     struct sim_stream *next;
@@ -96,6 +99,7 @@ typedef struct {
     size_t wait_log_count, wait_log_capacity;
     int wait_log_on;
     cudart_sim_observer sync_observer;
+    uint64_t captures;          /* streams capturing (valid or not): global mode */
     cudart_sim_stats stats;
 } sim_world;
 
@@ -106,6 +110,7 @@ extern _Thread_local int sim_current_device;
 extern _Thread_local int sim_last_error;
 extern _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
 extern _Thread_local int sim_handouts_deferred;
+extern _Thread_local int sim_capture_mode;     /* cudaStreamCaptureMode, 0: global */
 
 /* The runtime table (cudart_sim_calls.c). */
 extern const cudart sim_table;
@@ -188,6 +193,10 @@ int sim_enter(cudart_sim_entry entry);
 void sim_log_wait_locked(const sim_stream *waiter, const sim_event *event);
 /* Whether this cudaStreamWaitEvent is one cudart_sim_drop_waits drops. */
 int sim_take_dropped_wait(void);
+/* A call CUDA forbids while a capture is underway in global mode: with
+ * one underway, every capture is invalidated and the call fails
+ * (cudaErrorStreamCaptureUnsupported); else CUDART_SUCCESS. */
+int sim_capture_forbids_locked(void);
 /* Releases the lock; a failing status becomes the thread's last error. */
 int sim_leave(int status);
 

@@ -37,6 +37,7 @@ op_run(sim_op *op)
     switch (op->kind) {
     case OP_COPY:
         memcpy(op->dst, op->src, op->bytes);
+        free(op->staged);
         sim_gpu.stats.copies_run++;
         return;
     case OP_RECORD:
@@ -63,6 +64,8 @@ sim_stream_unlink_and_free(sim_stream *stream)
         }
     }
     mp_counter_sub(&sim_gpu.stats.streams_live, 1);
+    if (stream->capture != 0)
+        mp_counter_sub(&sim_gpu.captures, 1);
     free(stream->ops);
     free(stream);
 }

@@ -136,7 +136,36 @@ sim_device_of(PyObject *module, PyObject *ptr)
     return PyLong_FromLong(cudart_sim_device_of(address));
 }
 
+/* Begins (`begin` true) or ends a graph capture on a created stream: the
+ * end's CUDA status (0: the capture stayed valid, 901: invalidated). */
+static PyObject *
+sim_capture(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *device_obj, *handle;
+    int device, begin;
+    void *stream;
+    if (!PyArg_ParseTuple(args, "OOp:_sim_capture", &device_obj, &handle, &begin) ||
+        testing_device_arg(device_obj, &device) < 0 || stream_of(handle, &stream) < 0)
+        return NULL;
+    if (begin) {
+        int status = cudart_sim_begin_capture(device, stream);
+        if (status != CUDART_SUCCESS)
+            return PyErr_Format(PyExc_RuntimeError, "simulated GPU: no capture begun (%d)",
+                                status);
+        return PyLong_FromLong(status);
+    }
+    int status = cudart_sim_end_capture(device, stream);
+    if (status != CUDART_SUCCESS && status != CUDART_SIM_CAPTURE_INVALIDATED)
+        return PyErr_Format(PyExc_RuntimeError, "simulated GPU: no capture to end (%d)", status);
+    return PyLong_FromLong(status);
+}
+
 static PyMethodDef lag_methods[] = {
+    {"_sim_capture", sim_capture, METH_VARARGS,
+     "_sim_capture($module, device, handle, begin, /)\n--\n\n"
+     "Begins (begin true) or ends a graph capture on a created stream, in CUDA's global mode; "
+     "the end returns 0, or 901 when a forbidden call invalidated the capture."},
     {"_sim_device_of", sim_device_of, METH_O,
      "_sim_device_of($module, ptr, /)\n--\n\n"
      "The simulated device whose memory holds ptr, else -1."},

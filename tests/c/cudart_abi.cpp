@@ -60,13 +60,15 @@ SAME(mem_get_info, cudaMemGetInfo);
 SAME(device_synchronize, cudaDeviceSynchronize);
 SAME(get_last_error, cudaGetLastError);
 SAME(get_error_string, cudaGetErrorString);
+SAME(stream_is_capturing, cudaStreamIsCapturing);
+SAME(thread_exchange_stream_capture_mode, cudaThreadExchangeStreamCaptureMode);
 
 // every entry point above, and no other, is in the table
 #define EQUAL(ours, cuda) \
     static_assert(static_cast<long>(ours) == static_cast<long>(cuda), #ours " is not " #cuda)
 
 // ... plus primary_context_active, matepoint's wrapper of a driver call
-static_assert(sizeof(cudart) == 22 * sizeof(void *), "cudart has entries this file does not check");
+static_assert(sizeof(cudart) == 24 * sizeof(void *), "cudart has entries this file does not check");
 
 EQUAL(CUDART_SUCCESS, cudaSuccess);
 EQUAL(CUDART_ERROR_INVALID_VALUE, cudaErrorInvalidValue);
@@ -74,6 +76,10 @@ EQUAL(CUDART_ERROR_MEMORY_ALLOCATION, cudaErrorMemoryAllocation);
 EQUAL(CUDART_ERROR_INVALID_DEVICE, cudaErrorInvalidDevice);
 EQUAL(CUDART_ERROR_INVALID_HANDLE, cudaErrorInvalidResourceHandle);
 EQUAL(CUDART_ERROR_NOT_READY, cudaErrorNotReady);
+EQUAL(CUDART_ERROR_STREAM_CAPTURE_UNSUPPORTED, cudaErrorStreamCaptureUnsupported);
+EQUAL(CUDART_ERROR_STREAM_CAPTURE_IMPLICIT, cudaErrorStreamCaptureImplicit);
+EQUAL(CUDART_STREAM_CAPTURE_STATUS_NONE, cudaStreamCaptureStatusNone);
+EQUAL(CUDART_STREAM_CAPTURE_MODE_RELAXED, cudaStreamCaptureModeRelaxed);
 EQUAL(CUDART_MEMCPY_HOST_TO_DEVICE, cudaMemcpyHostToDevice);
 EQUAL(CUDART_MEMCPY_DEVICE_TO_HOST, cudaMemcpyDeviceToHost);
 EQUAL(CUDART_HOST_ALLOC_PORTABLE, cudaHostAllocPortable);
