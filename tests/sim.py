@@ -105,6 +105,16 @@ def stream(index: int, handle: Optional[int]) -> Iterator[None]:
         _C._sim_order_streams(index, previous, index, handle)
 
 
+def empty_device_cache() -> None:
+    """torch.cuda.empty_cache() for the simulated devices' allocator: its
+    cached segments and the completed events it keeps for reuse (at most
+    64 a device) go back."""
+    library, _, _ = _attach()
+    library.matepoint_reset.argtypes = []
+    library.matepoint_reset.restype = None
+    library.matepoint_reset()
+
+
 def record_stream(tensor, index: int, handle: Optional[int]) -> None:
     """tensor.record_stream(stream) for `handle` of device `index`: the
     memory goes back to the stream that allocated it only once the work

@@ -179,6 +179,9 @@ def settle(where: str, baseline: Dict[str, int]) -> List[str]:
         problems.append(f"{where}: CUDA error {_C._sim_peek_last_error()} left for torch")
         _C._sim_fail("cudaGetLastError", 0, 0, 0)
     _C._simulate_cuda(False)     # the engine gives its streams and events back
+    # the device allocator keeps completed events for reuse, as many as were
+    # ever pending at once: not the engine's to give back
+    sim.empty_device_cache()
     counts = _C._sim_stats()
     for name in ("events_live", "streams_live"):
         extra = counts[name] - baseline[name]
@@ -204,6 +207,7 @@ def sweep(phase: Phase, model: nn.Module, x: torch.Tensor, expected: List[torch.
     sim.finish()
     gc.collect()
     _C._simulate_cuda(False)
+    sim.empty_device_cache()
     baseline = dict(_C._sim_stats())     # with the engine holding no device
     _C._simulate_cuda(True)
     problems = []

@@ -8,10 +8,11 @@ allocations there get memory the copy back may still write on a real GPU.
 Shown on the simulated GPU far behind the CPU: after such a backward, new
 tensors on the compute stream must hold what their kernels wrote.
 
-Defect in csrc/offload (not this helper's to edit): the fix marks the
-prefetched buffer used by the copy-in stream (record_stream) in
-offload_restore.c's fetch_copy; with it this test passes (checked), so it
-is marked to fail strictly until the fix is in."""
+The fix: offload_restore.c's fetch_copy marks a prefetched buffer used by
+the copy-in stream (record_stream), so it goes back to the compute
+stream's pool only once that stream passed the copy. Without it, 1152
+elements come out wrong. tests/test_waits_needed.py cites this test as the
+proof that record_stream is needed."""
 from __future__ import annotations
 
 import gc
@@ -27,8 +28,6 @@ from conftest import MLP
 WIDTH, BATCH, DEPTH = 64, 32, 6
 
 
-@pytest.mark.xfail(strict=True, reason="csrc/offload/offload_restore.c: a prefetched buffer "
-                   "is not marked used by the copy-in stream (helper A's report)")
 def test_memory_of_spans_prefetched_and_never_read_is_reused_after_the_copy(simulated) -> None:
     matepoint.set_options(offload_window=1, prefetch_depth=2)
     torch.manual_seed(0)

@@ -44,6 +44,11 @@ ADVERSARIES = {"GPU far behind": 0, "copies keep up": sim.EVERYTHING}
 # landed all the work queued on their stream, waits included, the region's
 # next kernel ran the copy out first and the branch's reuse came too late.
 KNOWN_BLIND_SPOTS: set = set()
+# Kinds these scenarios need not show, each with the test that proves it by
+# data: the record on copy in matters only for a prefetched buffer that
+# dies unread (backward stopping short of its region), which no scenario
+# here runs.
+PROVEN_ELSEWHERE = {"record_stream on copy in": "tests/test_gpu_review_prefetch.py"}
 
 
 def plain(fn, x):
@@ -215,6 +220,6 @@ def test_every_wait_and_record_is_needed(simulated) -> None:
         _C._sim_log_waits(False)
         _C._sim_set_progress(0)
     unproven = {kind: f"0 of {count} dropped" for kind, count in seen.items() if not proven[kind]}
-    assert set(unproven) == KNOWN_BLIND_SPOTS, (
+    assert set(unproven) - set(PROVEN_ELSEWHERE) == KNOWN_BLIND_SPOTS, (
         f"dropping these changes no data (redundant, or a blind spot of the simulator); "
         f"proven: { {kind: len(where) for kind, where in proven.items()} }")

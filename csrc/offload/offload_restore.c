@@ -94,9 +94,10 @@ publish_fetched(mp_state *st, StorageCopy *copy, PyObject *fetched, void *done, 
         engine->fetched_at_need++;
 }
 
-/* A copy back another thread beat (fetch_copy): its buffer goes unread,
- * to the allocator of `compute`, which made it; that stream is ordered
- * after the copy first (a pageable copy may still be writing). */
+/* A copy back another thread beat, or whose buffer could not be marked
+ * used by the copy-in stream (fetch_copy): its buffer goes unread, to the
+ * allocator of `compute`, which made it; that stream is ordered after the
+ * copy first (a pageable copy may still be writing). */
 static int
 drop_beaten(mp_state *st, StorageCopy *copy, void *done, void *compute)
 {
@@ -133,10 +134,16 @@ fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
     int failed = fetched == NULL || tensor_ptr(fetched, &dst) < 0;
     if (!failed && copy->fetched == NULL)
         failed = start_h2d(st, copy, dst, on_copy_stream, &compute, &done) < 0;
+    /* the copy-in stream writes memory of the compute stream's pool: it
+     * goes back to that pool only once the copy-in stream passed the copy,
+     * whoever drops it, read or not (a copy dying prefetched) */
+    if (!failed && done != NULL && copy->fetched == NULL && on_copy_stream)
+        failed = st->engine->runtime->record_stream(st, fetched, copy->device->index,
+                                                    copy->device->copy_in) < 0;
     if (!failed && done != NULL && copy->fetched == NULL)
         publish_fetched(st, copy, fetched, done, compute, on_copy_stream);
-    else if (done != NULL)
-        failed = drop_beaten(st, copy, done, compute) < 0;
+    else if (done != NULL && drop_beaten(st, copy, done, compute) < 0)
+        failed = 1;
     Py_XDECREF(fetched);
     Py_DECREF(copy);
     return failed ? -1 : 0;

@@ -94,6 +94,17 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
     if (offload_engine_current_stream(st, device->index, &producer) < 0 ||
         offload_engine_enter_device(st, device->index, &previous) < 0)
         return -1;
+    /* a stream being captured into a CUDA graph: a copy out would become
+     * part of the graph, and the engine's event queries would invalidate
+     * the capture; the span stays on the device */
+    int capture = CUDART_STREAM_CAPTURE_STATUS_NONE;
+    if (rt->stream_is_capturing != NULL &&
+        (rt->stream_is_capturing(producer, &capture) != CUDART_SUCCESS ||
+         capture != CUDART_STREAM_CAPTURE_STATUS_NONE)) {
+        (void)rt->get_last_error();
+        offload_engine_leave_device(st, device->index, previous);
+        return 0;
+    }
     int acquired = acquire_buffer(st, copy);
     if (acquired < 0) {
         offload_engine_leave_device(st, device->index, previous);
