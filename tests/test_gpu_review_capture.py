@@ -72,17 +72,13 @@ def test_allocations_beside_a_capture_do_not_invalidate_it(offload):
     assert [float(t.sum()) for t in served] == [ELEMENTS, 64 * ELEMENTS]
     assert _C._sim_take_last_error() == 0
 
-@pytest.mark.xfail(strict=True, reason="csrc/offload/offload_save.c: start_d2h copies out on "
-                   "a capturing stream (helper A's report)")
 def test_checkpoint_on_a_capturing_stream_keeps_its_inputs_and_the_capture(offload_heap_memory):
     """A checkpointed region captured into a CUDA graph (make_graphed_callables
     over checkpointed blocks): a copy out would become part of the graph,
     and the engine's event query at the next region invalidated the capture
     (RuntimeError: cudaEventQuery failed ... CUDA error 900). Its inputs
-    stay on the device instead; offload goes on once the capture ended. The
-    fix (start_d2h: a span whose producer stream captures stays, before any
-    runtime call a capture forbids) makes this pass; checked, then reverted:
-    csrc/offload is not this helper's to edit."""
+    stay on the device instead (start_d2h asks before any runtime call a
+    capture forbids); offload goes on once the capture ended."""
     side, _ = sim.side_streams()
     torch.manual_seed(0)
     model, x = MLP(32, 4), torch.randn(16, 32)
