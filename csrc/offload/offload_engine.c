@@ -39,8 +39,14 @@ forget_failure(const cudart *rt, int status)
         (void)rt->get_last_error();
 }
 
+/* The device's events, and its copy streams unless `keep_streams`: at
+ * module free they stay for the life of the process, as torch's own pool
+ * streams do. Device memory retired with record_stream on a copy stream
+ * may be freed after the module (at interpreter exit), and torch's
+ * allocator then records an event on that stream; a destroyed one fails
+ * that record inside a deleter, which ends the process. */
 static void
-device_free(offload_engine *engine, offload_device *device)
+device_free(offload_engine *engine, offload_device *device, int keep_streams)
 {
     const cudart *rt = engine->rt;
     offload_window_drain(engine, device);
@@ -50,8 +56,10 @@ device_free(offload_engine *engine, offload_device *device)
     PyMem_Free(device->spare);
     if (device->ordering != NULL)
         forget_failure(rt, rt->event_destroy(device->ordering));
-    forget_failure(rt, rt->stream_destroy(device->copy_out));
-    forget_failure(rt, rt->stream_destroy(device->copy_in));
+    if (!keep_streams) {
+        forget_failure(rt, rt->stream_destroy(device->copy_out));
+        forget_failure(rt, rt->stream_destroy(device->copy_in));
+    }
     PyMem_Free(device);
 }
 
@@ -103,11 +111,11 @@ offload_device_give_event(offload_engine *engine, offload_device *device, void *
 }
 
 static void
-free_devices(offload_engine *engine)
+free_devices(offload_engine *engine, int keep_streams)
 {
     for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
         if (engine->cuda[i] != NULL)
-            device_free(engine, engine->cuda[i]);
+            device_free(engine, engine->cuda[i], keep_streams);
         engine->cuda[i] = NULL;
     }
 }
@@ -117,7 +125,7 @@ offload_engine_free(offload_engine *engine)
 {
     if (engine == NULL)
         return;
-    free_devices(engine);
+    free_devices(engine, 1);
     offload_spill_free(engine);
     /* buffers still held by live copies are the process's until exit */
     if (engine->pool != NULL && pool_get_stats(engine->pool).blocks_in_use == 0)
@@ -340,7 +348,7 @@ offload_engine_use_runtime(offload_engine *engine, const offload_runtime *runtim
     }
     /* devices and pool belong to the runtime that made them */
     if (engine->rt != NULL)
-        free_devices(engine);
+        free_devices(engine, 0);
     if (engine->pool != NULL)
         destroy_pool(engine);
     engine->runtime = runtime;
