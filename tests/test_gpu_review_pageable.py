@@ -21,7 +21,7 @@ from matepoint import _C
 
 from conftest import MLP
 from test_waits_needed import (ADVERSARIES, BATCH, DEPTH, WAIT, WIDTH, Scenario,
-                               logged_calls, plain, run, same, step)
+                               logged_calls, plain, run, run_dropped, same, step)
 
 COMPUTE_WAITS_FOR_COPY_IN = "compute waits for copy in"
 
@@ -51,12 +51,7 @@ def test_a_pageable_copy_back_is_awaited_by_data(simulated) -> None:
                     if call != WAIT or kind != COMPUTE_WAITS_FOR_COPY_IN:
                         continue
                     dropped_count += 1
-                    _C._sim_drop(call, index, 1)
-                    try:
-                        dropped = run(scenario, model, x)
-                    finally:
-                        _C._sim_drop(call, 0, 0)
-                    if not same(dropped, expected):
+                    if not same(run_dropped(scenario, model, x, call, index), expected):
                         shown.append((adversary, index))
     finally:
         _C._sim_log_waits(False)

@@ -154,6 +154,17 @@ def run(scenario: Scenario, model: nn.Module, x: torch.Tensor) -> Optional[List]
     return grads
 
 
+def run_dropped(scenario: Scenario, model: nn.Module, x: torch.Tensor, call: str,
+                index: int) -> Optional[List]:
+    """run() with call #index of its kind (as logged_calls names it)
+    succeeding and doing nothing."""
+    _C._sim_drop(call, index, 1)
+    try:
+        return run(scenario, model, x)
+    finally:
+        _C._sim_drop(call, 0, 0)
+
+
 def same(grads, expected) -> bool:
     if grads is None:
         return False
@@ -209,12 +220,7 @@ def test_every_wait_and_record_is_needed(simulated) -> None:
                 assert calls, f"{where}: no wait"
                 for call, index, kind in calls:
                     seen[kind] += 1
-                    _C._sim_drop(call, index, 1)
-                    try:
-                        dropped = run(scenario, model, x)
-                    finally:
-                        _C._sim_drop(call, 0, 0)
-                    if not same(dropped, expected):
+                    if not same(run_dropped(scenario, model, x, call, index), expected):
                         proven[kind].append(where)
     finally:
         _C._sim_log_waits(False)

@@ -274,17 +274,24 @@ error:
     return NULL;
 }
 
-/* Takes a slot off the live list and frees it; lock held, slot idle. */
+/* Takes a slot off the tier's live list; lock held. */
 static void
-slot_drop(spill_tier *tier, spill_slot *slot)
+live_unlink(spill_tier *tier, spill_slot *slot)
 {
-    MP_ASSERT(slot->phase == SLOT_IDLE);
     if (slot->prev_live != NULL)
         slot->prev_live->next_live = slot->next_live;
     else
         tier->live = slot->next_live;
     if (slot->next_live != NULL)
         slot->next_live->prev_live = slot->prev_live;
+}
+
+/* Takes a slot off the live list and frees it; lock held, slot idle. */
+static void
+slot_drop(spill_tier *tier, spill_slot *slot)
+{
+    MP_ASSERT(slot->phase == SLOT_IDLE);
+    live_unlink(tier, slot);
     if (slot->written)
         mp_counter_sub(&tier->stats.bytes_on_disk, slot->bytes);
     mp_counter_sub(&tier->stats.slots, 1);
@@ -447,12 +454,7 @@ forget_forked(spill_slot *slot)
     spill_tier *tier = slot->tier;
     /* usable here: the fork handlers held it across the fork */
     pthread_mutex_lock(&tier->lock);
-    if (slot->prev_live != NULL)
-        slot->prev_live->next_live = slot->next_live;
-    else
-        tier->live = slot->next_live;
-    if (slot->next_live != NULL)
-        slot->next_live->prev_live = slot->prev_live;
+    live_unlink(tier, slot);
     pthread_mutex_unlock(&tier->lock);
     if (slot->fd >= 0)
         close(slot->fd);
