@@ -16,6 +16,11 @@ struct spill_tier {
     pthread_mutex_t lock;
     pthread_cond_t work;        /* signalled when a request is queued or the tier stops */
     pthread_cond_t finished;    /* broadcast when any request finished */
+    /* Workers between making a file and making it their slot's: a fork
+     * waits for none, so a child never holds a file it does not know of
+     * (and so cannot close). `published` is broadcast as each one ends. */
+    int making_files;
+    pthread_cond_t published;
     int dirfd;
     int workers;
     pid_t pid;                  /* the process whose threads these are */
@@ -40,13 +45,17 @@ static int fork_handlers_error;     /* pthread_atfork's, written once under fork
 
 /* Around fork(): every tier's lock is taken first, so the child gets each
  * tier's queue and slots in a consistent state (a worker may have held a
- * lock mid-update otherwise). */
+ * lock mid-update otherwise), once no worker holds a file its slot does
+ * not (making_files). */
 static void
 before_fork(void)
 {
     pthread_mutex_lock(&registry_lock);
-    for (spill_tier *tier = registry; tier != NULL; tier = tier->next_registered)
+    for (spill_tier *tier = registry; tier != NULL; tier = tier->next_registered) {
         pthread_mutex_lock(&tier->lock);
+        while (tier->making_files > 0)
+            pthread_cond_wait(&tier->published, &tier->lock);
+    }
 }
 
 static void
@@ -140,13 +149,19 @@ run_request(spill_tier *tier, spill_slot *slot, int injected, int *direct, uint6
     if (injected != 0)
         return injected;
     if (slot->fd < 0) {
+        pthread_mutex_lock(&tier->lock);
+        tier->making_files++;
+        pthread_mutex_unlock(&tier->lock);
         int fd = spill_file_make(tier->dirfd);
-        if (fd < 0)
-            return -fd;
         /* under the lock: a fork sees it, and the child closes it */
         pthread_mutex_lock(&tier->lock);
-        slot->fd = fd;
+        if (fd >= 0)
+            slot->fd = fd;
+        tier->making_files--;
+        pthread_cond_broadcast(&tier->published);
         pthread_mutex_unlock(&tier->lock);
+        if (fd < 0)
+            return -fd;
     }
     return spill_io_write(slot->fd, slot->buffer, slot->bytes, direct, direct_bytes);
 }
@@ -239,6 +254,7 @@ spill_create(const char *path, int workers, char *why, size_t why_len)
     pthread_mutex_init(&tier->lock, NULL);
     pthread_cond_init(&tier->work, NULL);
     pthread_cond_init(&tier->finished, NULL);
+    pthread_cond_init(&tier->published, NULL);
     tier->dirfd = dirfd;
     tier->pid = getpid();
     tier->direct = 1;
@@ -265,6 +281,7 @@ error:
     if (tier == NULL)
         snprintf(why, why_len, "out of memory for the spill tier");
     else {
+        pthread_cond_destroy(&tier->published);
         pthread_cond_destroy(&tier->finished);
         pthread_cond_destroy(&tier->work);
         pthread_mutex_destroy(&tier->lock);
@@ -342,6 +359,7 @@ spill_destroy(spill_tier *tier)
         slot_drop(tier, tier->live);
     pthread_mutex_unlock(&tier->lock);
     close(tier->dirfd);
+    pthread_cond_destroy(&tier->published);
     pthread_cond_destroy(&tier->finished);
     pthread_cond_destroy(&tier->work);
     pthread_mutex_destroy(&tier->lock);

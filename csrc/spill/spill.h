@@ -27,9 +27,9 @@
  *
  * Fork: fork handlers (pthread_atfork, installed with the first tier)
  * take every tier's lock around fork(), so a child finds each tier in a
- * consistent state, and close the child's copies of the tiers' files, so
- * a child never keeps the parent's disk space (a file made by a worker in
- * the instant before the fork may stay open in the child until it exits).
+ * consistent state (a fork waits for a worker that made a file to make it
+ * its slot's), and close the child's copies of the tiers' files, so a
+ * child never keeps the parent's disk space.
  * In the child, which has none of a tier's threads, nothing touches the
  * parent's files: submissions are refused, spill_done() answers 1,
  * spill_wait() and spill_status() never block (a request unfinished at
