@@ -250,23 +250,6 @@ cuda_failure(size_t size, int device, const char *failure)
     give_up(message);
 }
 
-/* Is `stream` (of the current device, `device` as torch calls) being
- * captured into a CUDA graph? The legacy stream counts while a blocking
- * stream of its device captures (CUDA refuses to ask it then: it cannot
- * be used). Another failure to ask is cleared and taken as no. */
-static int
-stream_capturing(void *stream)
-{
-    if (runtime == NULL || runtime->stream_is_capturing == NULL)
-        return 0;
-    int capture = CUDART_STREAM_CAPTURE_STATUS_NONE;
-    int status = runtime->stream_is_capturing(stream, &capture);
-    if (status == CUDART_SUCCESS)
-        return capture != CUDART_STREAM_CAPTURE_STATUS_NONE;
-    (void)runtime->get_last_error();
-    return status == CUDART_ERROR_STREAM_CAPTURE_IMPLICIT;
-}
-
 /* An allocation during CUDA graph capture. torch gives a pluggable
  * allocator a graph's private pool only through hooks C cannot set
  * (std::function), and no-ops otherwise: memory handed out now would go to
@@ -293,7 +276,9 @@ EXPORT void *
 matepoint_malloc(size_t size, int device, void *stream)
 {
     allocator *a = get_allocator();
-    if (stream_capturing(stream))
+    /* `stream` is of the current device (`device`, as torch calls); a
+     * failure to ask is taken as no */
+    if (runtime != NULL && cudart_stream_capturing(runtime, stream) > 0)
         refuse_capture(size, device);
     alloc_cuda_forget_failure();
     void *ptr = a ? alloc_malloc(a, size, device, stream, current_tag) : NULL;

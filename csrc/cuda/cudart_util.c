@@ -77,3 +77,16 @@ cudart_event_done(const cudart *rt, void *event, int *status)
     }
     return -1;
 }
+
+int
+cudart_stream_capturing(const cudart *rt, void *stream)
+{
+    if (rt->stream_is_capturing == NULL)
+        return 0;
+    int capture = CUDART_STREAM_CAPTURE_STATUS_NONE;
+    int status = rt->stream_is_capturing(stream, &capture);
+    if (status == CUDART_SUCCESS)
+        return capture != CUDART_STREAM_CAPTURE_STATUS_NONE;
+    (void)rt->get_last_error();
+    return status == CUDART_ERROR_STREAM_CAPTURE_IMPLICIT ? 1 : -1;
+}

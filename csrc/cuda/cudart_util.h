@@ -49,4 +49,11 @@ int cudart_record_event(const cudart *rt, void *stream, void **event, const char
  * its status in *status. */
 int cudart_event_done(const cudart *rt, void *event, int *status);
 
+/* Is `stream` being captured into a CUDA graph? 1 yes (the legacy stream
+ * counts while a blocking stream of its device captures: CUDA refuses to
+ * ask it then, as it cannot be used), 0 no (also where the runtime lacks
+ * cudaStreamIsCapturing), -1 another failure to ask, cleared from the
+ * last error: the caller chooses what that means. */
+int cudart_stream_capturing(const cudart *rt, void *stream);
+
 #endif

@@ -22,27 +22,25 @@ warn_fallback_once(offload_engine *engine, uint64_t nbytes)
     uint64_t limit = offload_spill_pool_limit(engine);
     uint64_t reserved = pool_get_stats(engine->pool).bytes_reserved;
     int at_limit = option != NULL && reserved + pool_class_size(nbytes) > limit;
-    const char *advice = !at_limit ? "pinning host memory failed (the system refused more "
-                                     "page-locked memory)"
+    char cause[96];
+    if (at_limit)
+        snprintf(cause, sizeof cause, "pinned host memory is at %s (%llu bytes)", option,
+                 (unsigned long long)limit);
+    else
+        snprintf(cause, sizeof cause,
+                 "pinning host memory failed (the system refused more page-locked memory)");
+    const char *advice = !at_limit ? ""
                          : strcmp(option, "pool_limit_bytes") == 0
                              ? "raise pool_limit_bytes, or set spill_dir and "
-                               "host_limit_bytes to send older inputs to disk"
+                               "host_limit_bytes to send older inputs to disk; "
                              : "raise host_limit_bytes: the disk tier in spill_dir could not "
                                "make room (an input larger than the limit, or writes that "
-                               "failed: pool_stats()['spill_failures'])";
-    int failed = at_limit
-        ? PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
-                           "matepoint: pinned host memory is at %s (%llu bytes); offloading "
-                           "into pageable memory: each such copy waits for the GPU to reach "
-                           "it (a host synchronization) and copies more slowly; %s; "
-                           "pool_stats()['fallbacks'] counts them",
-                           option, (unsigned long long)limit, advice)
-        : PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
-                           "matepoint: %s; offloading into pageable memory: each such copy "
-                           "waits for the GPU to reach it (a host synchronization) and copies "
-                           "more slowly; pool_stats()['fallbacks'] counts them",
-                           advice);
-    if (failed < 0)
+                               "failed: pool_stats()['spill_failures']); ";
+    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                         "matepoint: %s; offloading into pageable memory: each such copy waits "
+                         "for the GPU to reach it (a host synchronization) and copies more "
+                         "slowly; %spool_stats()['fallbacks'] counts them",
+                         cause, advice) < 0)
         PyErr_WriteUnraisable(NULL);
 }
 
@@ -94,14 +92,10 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
     if (offload_engine_current_stream(st, device->index, &producer) < 0 ||
         offload_engine_enter_device(st, device->index, &previous) < 0)
         return -1;
-    /* a stream being captured into a CUDA graph: a copy out would become
-     * part of the graph, and the engine's event queries would invalidate
-     * the capture; the span stays on the device */
-    int capture = CUDART_STREAM_CAPTURE_STATUS_NONE;
-    if (rt->stream_is_capturing != NULL &&
-        (rt->stream_is_capturing(producer, &capture) != CUDART_SUCCESS ||
-         capture != CUDART_STREAM_CAPTURE_STATUS_NONE)) {
-        (void)rt->get_last_error();
+    /* a stream being captured into a CUDA graph (or one that cannot say):
+     * a copy out would become part of the graph, and the engine's event
+     * queries would invalidate the capture; the span stays on the device */
+    if (cudart_stream_capturing(rt, producer) != 0) {
         offload_engine_leave_device(st, device->index, previous);
         return 0;
     }
