@@ -28,7 +28,7 @@ POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c $(C
 PLANNER_SOURCES := $(sort $(wildcard csrc/planner/*.c))
 SPILL_SOURCES := $(sort $(wildcard csrc/spill/*.c)) $(COMMON_SOURCES)
 SIM_SOURCES := $(sort $(wildcard csrc/testing/cudart_sim*.c)) $(COMMON_SOURCES)
-CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
+CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_alloc_pools build/ctest/test_planner \
            build/ctest/test_cudart_sim build/ctest/test_helpers build/ctest/test_spill
 
 .PHONY: test test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
@@ -153,6 +153,8 @@ valgrind:
 	  tests/c/test_pool.c $(POOL_SOURCES) -lpthread
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_alloc \
 	  tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
+	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_alloc_pools \
+	  tests/c/test_alloc_pools.c $(ALLOC_SOURCES) -lpthread
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_planner \
 	  tests/c/test_planner.c $(PLANNER_SOURCES) -lm
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_cudart_sim \
@@ -163,6 +165,7 @@ valgrind:
 	  tests/c/test_spill.c $(SPILL_SOURCES) -lpthread
 	@if command -v valgrind >/dev/null; then \
 	  $(VALGRIND) build/valgrind/test_pool && $(VALGRIND) build/valgrind/test_alloc && \
+	  $(VALGRIND) build/valgrind/test_alloc_pools && \
 	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim && \
 	  $(VALGRIND) build/valgrind/test_helpers && $(VALGRIND) build/valgrind/test_spill; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
@@ -208,6 +211,10 @@ coverage: build/ctest/test_cudart_load
 build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h tests/c/lock_probe.h $(ALLOC_SOURCES) $(ALLOC_HEADERS)
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
+
+build/ctest/test_alloc_pools: tests/c/test_alloc_pools.c tests/c/check.h $(ALLOC_SOURCES) $(ALLOC_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc_pools.c $(ALLOC_SOURCES) -lpthread
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -21,6 +21,8 @@ _HOOKS = {
     "set_reset_fn": "reset",
     "set_record_stream_fn": "record_stream",
     "set_memory_fraction_fn": "set_memory_fraction",
+    # CUDA IPC: the segment a tensor's block is carved from, not the block
+    "set_base_alloc_fn": "base_allocation",
 }
 _REQUIRED_HOOK = "set_record_stream_fn"
 _installed = False

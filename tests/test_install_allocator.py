@@ -16,11 +16,13 @@ import torch
 import matepoint
 from matepoint import _C, _allocator, _oom
 
-SETTERS = ("set_init_fn", "set_reset_fn", "set_record_stream_fn", "set_memory_fraction_fn")
+SETTERS = ("set_init_fn", "set_reset_fn", "set_record_stream_fn", "set_memory_fraction_fn",
+           "set_base_alloc_fn")
 # the library's entry point each setter must receive (the names csrc/base/alloc_link.c exports)
 EXPECTED = {"set_init_fn": "matepoint_init", "set_reset_fn": "matepoint_reset",
             "set_record_stream_fn": "matepoint_record_stream",
-            "set_memory_fraction_fn": "matepoint_set_memory_fraction"}
+            "set_memory_fraction_fn": "matepoint_set_memory_fraction",
+            "set_base_alloc_fn": "matepoint_base_allocation"}
 
 
 class Binding:

@@ -38,12 +38,16 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     uint64_t rounded = alloc_round_size(size);
     int small = rounded <= SMALL_REQUEST;
     pthread_mutex_lock(&dev->lock);
-    if (dev->events_pending != 0)
+    /* while a capture allocates to a pool, no event is queried (torch's
+     * rule: one recorded in the capture cannot be) */
+    private_pool *pool = dev->active_pools != 0 ? pool_for_stream(dev, stream) : NULL;
+    if (dev->events_pending != 0 && dev->active_pools == 0)
         events_process(a, dev, 0);
     block *b = NULL;
-    if (rounded != 0 && (b = block_find_free(dev, rounded, small, stream)) != NULL) {
+    if (rounded != 0 &&
+        (b = block_find_free(stream_list(dev, pool), rounded, small, stream)) != NULL) {
         dev->stats.cache_hits++;
-    } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream)) == NULL) {
+    } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool)) == NULL) {
         stats_record_oom(a, dev, size);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
@@ -82,8 +86,11 @@ alloc_free(allocator *a, void *ptr, int device)
         a->backend.device_synchronize(a->backend.ctx, dev->index);
     }
     block_forget_streams(b);
-    if (b->event_count == 0)
+    if (b->event_count == 0) {
+        segment *seg = b->seg;
         block_insert_free(b);
+        pool_settle_segment(a, dev, seg);
+    }
     pthread_mutex_unlock(&dev->lock);
     return 0;
 }
@@ -140,9 +147,7 @@ alloc_empty_cache(allocator *a)
     for (int d = 0; d < a->device_count; d++) {
         device_state *dev = &a->devices[d];
         pthread_mutex_lock(&dev->lock);
-        events_process(a, dev, 1);
-        events_free_spares(a, dev);
-        segment_release_free(a, dev);
+        segment_release_cached(a, dev);
         pthread_mutex_unlock(&dev->lock);
     }
 }
@@ -166,6 +171,10 @@ alloc_destroy(allocator *a)
     alloc_empty_cache(a);
     for (int d = 0; d < a->device_count; d++) {
         device_state *dev = &a->devices[d];
+        /* pools still in use too: nothing replays them any more */
+        pthread_mutex_lock(&dev->lock);
+        segment_release_free(a, dev, RELEASE_ALL);
+        pthread_mutex_unlock(&dev->lock);
         /* segments with live blocks stay with the backend: only our books go */
         for (segment *seg = dev->segments, *next; seg != NULL; seg = next) {
             next = seg->next;
@@ -182,6 +191,7 @@ alloc_destroy(allocator *a)
             events_free_chain(a, s->head);
             free(s);
         }
+        pools_free_all(dev);
         free(dev->map);
         free(dev->tags);
         pthread_mutex_destroy(&dev->lock);

@@ -105,6 +105,59 @@ alloc_oom_info alloc_last_oom(allocator *a);
 /* Checks internal invariants of `device` (tests); 0 when they hold. */
 int alloc_check(allocator *a, int device);
 
+/* ---- private pools (CUDA graphs) ---------------------------------------------
+ * torch's graph pools (CUDACachingAllocator's PrivatePool): between
+ * alloc_begin_pool and alloc_end_pool, every alloc_malloc on `device`
+ * whose stream `use_pool(filter, stream)` accepts (nonzero) is served from
+ * the pool's own segments, never from the ordinary cache; with several
+ * pools begun, the one begun last that accepts the stream serves it. A
+ * pool's blocks, freed, return to the pool (per stream, as everywhere)
+ * and are handed out again only to a later allocation into the same pool;
+ * the ordinary cache never sees them, and emptying the cache leaves them.
+ *
+ * A pool is named by torch's MempoolId_t, (pool_a, pool_b), per device.
+ * Each alloc_begin_pool takes one use of it (creating it with one use), as
+ * torch's capture_begin does, and alloc_release_pool gives one back
+ * (torch's CUDAGraph reset). Once no use is left its segments go back to
+ * the backend as soon as no block in them is live: at the release, and at
+ * the free (or completed cross-stream event) of the last live block.
+ *
+ * While a pool is being allocated to on a device, the allocator makes no
+ * call a capture forbids for that device's ordinary cache: no event query
+ * or wait, and out of memory releases only released pools' segments
+ * (torch's rule: its captures_underway).
+ *
+ * `use_pool` is called with the device's lock held: it must not call the
+ * allocator. `filter` stays the caller's and must stay valid until
+ * alloc_end_pool of that pool returned. */
+typedef int (*alloc_pool_filter)(void *filter, void *stream);
+
+/* 0; -1 for a device out of range, a pool being allocated to already (as
+ * torch refuses), a pool released already, or no memory. */
+int alloc_begin_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
+                     alloc_pool_filter use_pool, void *filter);
+/* Stops allocating to the pool; 0, or -1 when it is not being allocated to. */
+int alloc_end_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
+/* Gives one use of the pool back; 0, or -1 when the device has no such
+ * pool with a use left. */
+int alloc_release_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
+/* 1 when a pool being allocated to takes `stream`'s requests on `device`
+ * (alloc_malloc would serve them from it), else 0. */
+int alloc_pool_takes(allocator *a, int device, void *stream);
+/* Uses left of a pool (torch's getPoolUseCount); -1: no such pool. */
+int alloc_pool_use_count(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
+
+/* The largest free block cached on `device`, in the ordinary cache or any
+ * pool (what torch's cacheInfo reports beside its guess of free device
+ * memory); 0 when none, or for a device out of range. */
+uint64_t alloc_largest_free_block(allocator *a, int device);
+
+/* The segment holding live allocation `ptr` (a pointer into its block):
+ * its base, and its size in *size (torch's getBaseAllocation; CUDA IPC
+ * shares whole segments). NULL, *size untouched, when `ptr` is inside no
+ * live block of any device. */
+void *alloc_base_allocation(allocator *a, void *ptr, uint64_t *size);
+
 /* Rounding applied to a request (tests and reports); 0 when `size` is
  * within 511 bytes of UINT64_MAX and cannot be rounded up. */
 uint64_t alloc_round_size(uint64_t size);

@@ -8,6 +8,8 @@
  *                    (buckets), best fit, split and coalesce, segments
  *                    taken from and given back to the backend
  * - alloc_streams.c  per-stream state and the events of cross-stream frees
+ * - alloc_pools.c    private pools of CUDA graphs (torch's PrivatePool),
+ *                    the largest free block, a pointer's segment
  * - alloc_stats.c    the live-pointer table, per-tag and device statistics,
  *                    the last out-of-memory report, alloc_check()
  *
@@ -42,6 +44,7 @@ typedef struct segment segment;
 typedef struct block block;
 typedef struct stream_state stream_state;
 typedef struct pending_event pending_event;
+typedef struct private_pool private_pool;
 
 struct block {
     uintptr_t ptr;
@@ -61,7 +64,9 @@ struct block {
 
 /* Blocks of a segment serve only the stream the segment was allocated on
  * (torch's rule): reuse on that stream is ordered by the stream itself,
- * so no event is needed, and no other stream ever waits on it. */
+ * so no event is needed, and no other stream ever waits on it. A private
+ * pool's segment is owned by a stream state of that pool (owner->pool):
+ * its blocks serve only allocations into that pool. */
 struct segment {
     uintptr_t base;
     uint64_t size;
@@ -80,16 +85,35 @@ struct pending_event {
     pending_event *next;
 };
 
-/* One stream of a device: the free blocks of its segments, and the events
- * frees recorded on it, oldest first. `stream` is a key only: nothing is
- * recorded on it after the call that named it returned, so a stream
+/* One stream of a device, in the ordinary cache (pool NULL, on the
+ * device's list) or in a private pool (on the pool's list): the free
+ * blocks of its segments, and the events frees recorded on it, oldest
+ * first (ordinary ones only: events are queued on the stream that used a
+ * block, whatever pool the block is in). `stream` is a key only: nothing
+ * is recorded on it after the call that named it returned, so a stream
  * destroyed since does no harm. Freed once it has neither. */
 struct stream_state {
     void *stream;
+    private_pool *pool;
     block *buckets[2][BUCKETS];     /* [small][floor(log2 size)] */
     uint64_t segments;
     pending_event *head, *tail;
     stream_state *next;
+};
+
+/* A CUDA graph's private pool on one device (torch's PrivatePool), named
+ * by torch's MempoolId_t. Being allocated to while `use_pool` is set
+ * (alloc_begin_pool to alloc_end_pool); its segments go back to the
+ * backend once `use_count` is 0 and they hold no live block; forgotten
+ * once it has no segment left and no use. */
+struct private_pool {
+    uint64_t id_a, id_b;
+    uint64_t use_count;             /* begins not released yet */
+    uint64_t segments;              /* segments it holds (torch's cudaMalloc_count) */
+    stream_state *streams;          /* the free blocks of its segments, per stream */
+    alloc_pool_filter use_pool;     /* non-NULL while being allocated to */
+    void *filter;
+    private_pool *next;
 };
 
 typedef struct {
@@ -111,6 +135,8 @@ typedef struct {
     uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
     pending_event *spare_events;    /* completed, ready to be recorded again */
     uint64_t spare_count;
+    private_pool *pools;            /* the one begun last first (torch asks LIFO) */
+    uint64_t active_pools;          /* pools being allocated to: captures underway */
 } device_state;
 
 struct allocator {
@@ -129,22 +155,36 @@ device_of(allocator *a, int device)
     return device >= 0 && device < a->device_count ? &a->devices[device] : NULL;
 }
 
-/* The state of `stream`, moved to the front: a device mostly allocates on
- * one or two streams. NULL when the device has none for it. Inline: on
- * every malloc. */
-static inline stream_state *
-stream_find(device_state *dev, void *stream)
+/* The stream states of the ordinary cache (`pool` NULL) or of a pool. */
+static inline stream_state **
+stream_list(device_state *dev, private_pool *pool)
 {
-    for (stream_state **link = &dev->streams; *link != NULL; link = &(*link)->next) {
+    return pool != NULL ? &pool->streams : &dev->streams;
+}
+
+/* The state of `stream` in `list`, moved to the front: a device mostly
+ * allocates on one or two streams. NULL when the list has none for it.
+ * Inline: on every malloc. */
+static inline stream_state *
+stream_find_in(stream_state **list, void *stream)
+{
+    for (stream_state **link = list; *link != NULL; link = &(*link)->next) {
         stream_state *s = *link;
         if (s->stream != stream)
             continue;
         *link = s->next;
-        s->next = dev->streams;
-        dev->streams = s;
+        s->next = *list;
+        *list = s;
         return s;
     }
     return NULL;
+}
+
+/* The state of `stream` in the device's ordinary cache, or NULL. */
+static inline stream_state *
+stream_find(device_state *dev, void *stream)
+{
+    return stream_find_in(&dev->streams, stream);
 }
 
 /* ---- alloc_blocks.c ----------------------------------------------------- */
@@ -152,23 +192,39 @@ stream_find(device_state *dev, void *stream)
 block **block_bucket(block *b);
 /* A block becomes free: merged with its free neighbours, indexed. */
 void block_insert_free(block *b);
-/* Best fit among the free blocks of `stream`'s segments; NULL if none. */
-block *block_find_free(device_state *dev, uint64_t size, int small, void *stream);
+/* Best fit among the free blocks of `stream`'s segments in `list` (a
+ * stream_list()); NULL if none. */
+block *block_find_free(stream_state **list, uint64_t size, int small, void *stream);
 /* Takes `b` for `size` bytes, splitting the rest off as a free block;
  * 0, or -1 without memory (then `b` is indexed again). */
 int block_take(block *b, uint64_t size);
-/* A new segment of `stream` for a request of `rounded` bytes, holding one
- * free block (not indexed); on out-of-memory it waits for pending frees,
- * releases the cached segments of every stream and retries once. NULL
- * when out of memory. */
-block *segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream);
-/* Releases every segment with no live or pending block. */
-void segment_release_free(allocator *a, device_state *dev);
+/* A new segment of `stream` for a request of `rounded` bytes, in `pool`
+ * (NULL: the ordinary cache), holding one free block (not indexed); on
+ * out-of-memory it frees what it may (segment_release_cached) and retries
+ * once. NULL when out of memory. */
+block *segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream,
+                   private_pool *pool);
+/* 1 when no block of `seg` is live or pending. */
+int segment_all_free(const segment *seg);
+/* Gives `seg`, all free, back to the backend. */
+void segment_release(allocator *a, device_state *dev, segment *seg);
+
+/* Which segments with no live or pending block segment_release_free gives
+ * back: those of released pools only (while a capture is underway),
+ * those of the ordinary cache too, or every one (alloc_destroy). */
+typedef enum { RELEASE_RELEASED_POOLS, RELEASE_CACHE, RELEASE_ALL } release_scope;
+void segment_release_free(allocator *a, device_state *dev, release_scope scope);
+/* Frees what the cache may without a call a capture forbids while pools
+ * are being allocated to (then released pools' segments only), else
+ * waits for pending frees and releases every cached segment: emptyCache,
+ * and the retry after out of memory. */
+void segment_release_cached(allocator *a, device_state *dev);
 
 /* ---- alloc_streams.c ---------------------------------------------------- */
 
-/* The state of `stream`, made when missing; NULL without memory. */
-stream_state *stream_get(device_state *dev, void *stream);
+/* The state of `stream` in `pool` (NULL: the ordinary cache), made when
+ * missing; NULL without memory. */
+stream_state *stream_get(device_state *dev, private_pool *pool, void *stream);
 /* Frees `s` when it has neither segments nor pending events. */
 void stream_drop_if_unused(device_state *dev, stream_state *s);
 /* Retires completed events of every stream (all of them, waiting, if
@@ -183,6 +239,23 @@ void events_free_chain(allocator *a, pending_event *e);
 void events_free_spares(allocator *a, device_state *dev);
 /* Forgets the streams `b` was used on (after its free recorded on them). */
 void block_forget_streams(block *b);
+
+/* ---- alloc_pools.c ------------------------------------------------------ */
+
+/* The pool an allocation on `stream` goes to while pools are being
+ * allocated to: the one begun last whose filter takes the stream; NULL
+ * for the ordinary cache. */
+private_pool *pool_for_stream(device_state *dev, void *stream);
+/* 1 when the segments of `pool` may go back to the backend once free: no
+ * use is left and nothing allocates to it. */
+int pool_released(const private_pool *pool);
+/* After a block of `seg` became free: gives the segment back when it is
+ * all free and its pool released. */
+void pool_settle_segment(allocator *a, device_state *dev, segment *seg);
+/* Forgets released pools left without segments. */
+void pools_forget_done(device_state *dev);
+/* Frees every pool's books (alloc_destroy; their segments are gone). */
+void pools_free_all(device_state *dev);
 
 /* ---- alloc_stats.c ------------------------------------------------------ */
 

@@ -251,10 +251,11 @@ alloc_last_oom(allocator *a)
 
 /* ---- invariants (tests) ------------------------------------------------------- */
 
+/* `s` is on the list it belongs to: its pool's, or the device's. */
 static int
 stream_known(device_state *dev, const stream_state *s)
 {
-    for (const stream_state *t = dev->streams; t != NULL; t = t->next) {
+    for (const stream_state *t = *stream_list(dev, s->pool); t != NULL; t = t->next) {
         if (t == s)
             return 1;
     }
@@ -296,15 +297,43 @@ check_segment(device_state *dev, segment *seg, uint64_t *allocated, uint64_t *li
     return total == seg->size ? 0 : -6;
 }
 
+static uint64_t
+segments_owned_by(device_state *dev, const stream_state *s)
+{
+    uint64_t segments = 0;
+    for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
+        segments += seg->owner == s;
+    return segments;
+}
+
+/* A pool's books match its segments: counts, its streams' counts, and
+ * the number of pools being allocated to. */
+static int
+check_pools(device_state *dev)
+{
+    uint64_t active = 0;
+    for (private_pool *p = dev->pools; p != NULL; p = p->next) {
+        uint64_t segments = 0;
+        for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
+            segments += seg->owner->pool == p;
+        if (segments != p->segments || (pool_released(p) && segments == 0))
+            return -13;     /* a released, empty pool is forgotten */
+        for (stream_state *s = p->streams; s != NULL; s = s->next) {
+            if (s->pool != p || s->head != NULL || s->segments == 0 ||
+                segments_owned_by(dev, s) != s->segments)
+                return -14;
+        }
+        active += p->use_pool != NULL;
+    }
+    return active == dev->active_pools ? 0 : -15;
+}
+
 /* Segment counts per stream and queued events match the blocks'. */
 static int
 check_streams(device_state *dev, uint64_t events)
 {
     for (stream_state *s = dev->streams; s != NULL; s = s->next) {
-        uint64_t segments = 0;
-        for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
-            segments += seg->owner == s;
-        if (segments != s->segments)
+        if (s->pool != NULL || segments_owned_by(dev, s) != s->segments)
             return -9;
         for (pending_event *e = s->head; e != NULL; e = e->next) {
             if (e->b->event_count <= 0 || (e->next == NULL && e != s->tail))
@@ -336,6 +365,8 @@ alloc_check(allocator *a, int device)
         result = -12;
     if (result == 0)
         result = check_streams(dev, events);
+    if (result == 0)
+        result = check_pools(dev);
     pthread_mutex_unlock(&dev->lock);
     return result;
 }

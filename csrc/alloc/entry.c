@@ -250,24 +250,26 @@ cuda_failure(size_t size, int device, const char *failure)
     give_up(message);
 }
 
-/* An allocation during CUDA graph capture. torch gives a pluggable
- * allocator a graph's private pool only through hooks C cannot set
- * (std::function), and no-ops otherwise: memory handed out now would go to
- * other tensors once freed while the replayed graph still writes it, and
- * the event queries, cudaMalloc and cudaFree the allocator may make
- * invalidate a capture in CUDA's global mode. Refused, through the same
- * handler as out of memory (the one exception this library can throw). */
+/* An allocation during a CUDA graph capture that no private pool takes.
+ * torch gives a graph its pool through hooks C cannot set (std::function):
+ * the C++ adapter install_allocator() builds sets them (alloc_begin_pool).
+ * Without a pool, memory handed out now would go to other tensors once
+ * freed while the replayed graph still writes it, and the event queries,
+ * cudaMalloc and cudaFree the allocator may make invalidate a capture in
+ * CUDA's global mode. Refused, through the same handler as out of memory
+ * (the one exception this library can throw). */
 static void
 refuse_capture(size_t size, int device)
 {
-    char message[640];
+    char message[768];
     snprintf(message, sizeof(message),
-             "matepoint's allocator cannot allocate during CUDA graph capture (asked for %zu "
-             "bytes on GPU %d): torch gives a pluggable allocator no private pool for a "
-             "graph's memory, so it could be handed to other tensors while the graph still "
-             "uses it. Capture CUDA graphs (torch.cuda.graph, make_graphed_callables, "
-             "torch.compile's cudagraphs) in a process without "
-             "matepoint.install_allocator().",
+             "matepoint's allocator cannot allocate during this CUDA graph capture (asked for "
+             "%zu bytes on GPU %d): no private memory pool takes the capturing stream, so the "
+             "memory could be handed to other tensors while the graph still uses it. "
+             "torch.cuda.graph, make_graphed_callables and torch.compile's cudagraphs give it "
+             "one through the C++ adapter matepoint.install_allocator() builds (it warned if "
+             "it could not); a capture begun otherwise (cudaStreamBeginCapture directly) gets "
+             "none: capture it in a process without matepoint.install_allocator().",
              size, device);
     give_up(message);
 }
@@ -277,8 +279,10 @@ matepoint_malloc(size_t size, int device, void *stream)
 {
     allocator *a = get_allocator();
     /* `stream` is of the current device (`device`, as torch calls); a
-     * failure to ask is taken as no */
-    if (runtime != NULL && cudart_stream_capturing(runtime, stream) > 0)
+     * failure to ask is taken as no. A graph's pool (begun before its
+     * capture) takes its stream's requests. */
+    if (runtime != NULL && cudart_stream_capturing(runtime, stream) > 0 &&
+        (a == NULL || !alloc_pool_takes(a, device, stream)))
         refuse_capture(size, device);
     alloc_cuda_forget_failure();
     void *ptr = a ? alloc_malloc(a, size, device, stream, current_tag) : NULL;
@@ -390,3 +394,72 @@ matepoint_alloc_reset_peaks(void)
     if (a != NULL)
         alloc_reset_peaks(a);
 }
+
+/* ---- CUDA IPC ------------------------------------------------------------ */
+
+/* torch's base_alloc_fn (CUDAPluggableAllocator::set_base_alloc_fn, behind
+ * getBaseAllocation): the segment holding `ptr`, its size in *size. For a
+ * pointer the allocator did not hand out, `ptr` itself, *size untouched
+ * (torch's answer without the hook). */
+EXPORT void *
+matepoint_base_allocation(void *ptr, size_t *size)
+{
+    allocator *a = get_allocator();
+    uint64_t bytes = 0;
+    void *base = a ? alloc_base_allocation(a, ptr, &bytes) : NULL;
+    if (base == NULL)
+        return ptr;
+    if (size != NULL)
+        *size = (size_t)bytes;
+    return base;
+}
+
+#ifdef MATEPOINT_TESTING
+/* ---- test builds: graph pools and cacheInfo without torch's C++ side -------
+ * The C++ adapter reaches these through its table; tests of the simulated
+ * GPU (tests/test_gpu_review_capture.py) call them by name, with
+ * matepoint_test_stream_filter as the filter: `filter` is the one stream
+ * the pool takes (torch's _cuda_beginAllocateCurrentStreamToPool). */
+
+EXPORT int
+matepoint_test_stream_filter(void *filter, void *stream)
+{
+    return filter == stream;
+}
+
+EXPORT int
+matepoint_test_begin_pool(int device, uint64_t pool_a, uint64_t pool_b,
+                          alloc_pool_filter use_pool, void *filter)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_begin_pool(a, device, pool_a, pool_b, use_pool, filter) : -1;
+}
+
+EXPORT int
+matepoint_test_end_pool(int device, uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_end_pool(a, device, pool_a, pool_b) : -1;
+}
+
+EXPORT int
+matepoint_test_release_pool(int device, uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_release_pool(a, device, pool_a, pool_b) : -1;
+}
+
+EXPORT int
+matepoint_test_pool_use_count(int device, uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_pool_use_count(a, device, pool_a, pool_b) : -1;
+}
+
+EXPORT uint64_t
+matepoint_test_largest_free_block(int device)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_largest_free_block(a, device) : 0;
+}
+#endif
