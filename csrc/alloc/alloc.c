@@ -68,6 +68,24 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     return ptr;
 }
 
+/* A freed block: queued behind events of the streams it was used on, or
+ * free at once (and its segment back to the backend if its pool was
+ * released). Lock held. */
+void
+block_retire(allocator *a, device_state *dev, block *b)
+{
+    if (b->n_extra > 0 && events_insert(a, dev, b) < 0) {
+        /* no event for some stream: only a device-wide wait is safe */
+        a->backend.device_synchronize(a->backend.ctx, dev->index);
+    }
+    block_forget_streams(b);
+    if (b->event_count == 0) {
+        segment *seg = b->seg;
+        block_insert_free(b);
+        pool_settle_segment(a, dev, seg);
+    }
+}
+
 int
 alloc_free(allocator *a, void *ptr, int device)
 {
@@ -81,16 +99,10 @@ alloc_free(allocator *a, void *ptr, int device)
         return -1;
     }
     stats_account_free(dev, b);
-    if (b->n_extra > 0 && events_insert(a, dev, b) < 0) {
-        /* no event for some stream: only a device-wide wait is safe */
-        a->backend.device_synchronize(a->backend.ctx, dev->index);
-    }
-    block_forget_streams(b);
-    if (b->event_count == 0) {
-        segment *seg = b->seg;
-        block_insert_free(b);
-        pool_settle_segment(a, dev, seg);
-    }
+    if (b->n_extra > 0 && dev->active_pools != 0)
+        block_defer(dev, b);
+    else
+        block_retire(a, dev, b);
     pthread_mutex_unlock(&dev->lock);
     return 0;
 }

@@ -17,9 +17,11 @@
  * `dev->lock`), except where it says otherwise.
  *
  * A block is in exactly one state: allocated (in the live-pointer table),
- * pending (freed, waiting for `event_count` events of other streams), or
- * free (in its stream's bucket, `in_index`). Free neighbours inside a
- * segment are always merged. */
+ * pending (freed, waiting for `event_count` events of other streams),
+ * deferred (freed during a capture after use on other streams: its events
+ * are recorded once no capture is underway), or free (in its stream's
+ * bucket, `in_index`). Free neighbours inside a segment are always
+ * merged. */
 #ifndef MATEPOINT_ALLOC_INTERNAL_H
 #define MATEPOINT_ALLOC_INTERNAL_H
 
@@ -59,7 +61,7 @@ struct block {
     void *extra_inline[EXTRA_INLINE];
     int n_extra;
     int event_count;                /* events of its free not yet seen complete */
-    uint8_t allocated, in_index;
+    uint8_t allocated, in_index, deferred;
 };
 
 /* Blocks of a segment serve only the stream the segment was allocated on
@@ -136,6 +138,7 @@ typedef struct {
     pending_event *spare_events;    /* completed, ready to be recorded again */
     uint64_t spare_count;
     private_pool *pools;            /* the one begun last first (torch asks LIFO) */
+    block *deferred;                /* deferred blocks, linked by list_next */
     uint64_t active_pools;          /* pools being allocated to: captures underway */
 } device_state;
 
@@ -186,6 +189,12 @@ stream_find(device_state *dev, void *stream)
 {
     return stream_find_in(&dev->streams, stream);
 }
+
+/* ---- alloc.c ------------------------------------------------------------ */
+
+/* A block just freed (taken from the live-pointer table): queued behind
+ * events of the streams it was used on, else free at once. */
+void block_retire(allocator *a, device_state *dev, block *b);
 
 /* ---- alloc_blocks.c ----------------------------------------------------- */
 /* The bucket a free block of `b`'s size and stream lives in. */
@@ -256,6 +265,13 @@ void pool_settle_segment(allocator *a, device_state *dev, segment *seg);
 void pools_forget_done(device_state *dev);
 /* Frees every pool's books (alloc_destroy; their segments are gone). */
 void pools_free_all(device_state *dev);
+/* A block used on other streams freed while a capture is underway: an
+ * event recorded now on a capturing stream could never be queried, so
+ * its events wait for the last capture's end (torch's deferred_blocks). */
+void block_defer(device_state *dev, block *b);
+/* Records the deferred blocks' events (or frees them) once no pool is
+ * being allocated to. */
+void deferred_process(allocator *a, device_state *dev);
 
 /* ---- alloc_stats.c ------------------------------------------------------ */
 

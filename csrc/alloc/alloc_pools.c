@@ -143,6 +143,30 @@ done:
     return result;
 }
 
+void
+block_defer(device_state *dev, block *b)
+{
+    MP_ASSERT(!b->allocated && !b->in_index && !b->deferred && b->event_count == 0);
+    b->deferred = 1;
+    b->list_next = dev->deferred;
+    dev->deferred = b;
+}
+
+void
+deferred_process(allocator *a, device_state *dev)
+{
+    MP_ASSERT(dev->active_pools == 0);
+    block *b = dev->deferred;
+    dev->deferred = NULL;
+    while (b != NULL) {
+        block *next = b->list_next;
+        b->list_next = NULL;
+        b->deferred = 0;
+        block_retire(a, dev, b);
+        b = next;
+    }
+}
+
 int
 alloc_end_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b)
 {
@@ -156,6 +180,8 @@ alloc_end_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b)
         pool->use_pool = NULL;
         pool->filter = NULL;
         mp_counter_sub(&dev->active_pools, 1);
+        if (dev->active_pools == 0)
+            deferred_process(a, dev);
         if (pool_released(pool))          /* released while still recorded to */
             pool_release_free(a, dev, pool);
         result = 0;

@@ -273,7 +273,8 @@ check_segment(device_state *dev, segment *seg, uint64_t *allocated, uint64_t *li
     for (block *b = seg->first; b != NULL; b = b->next) {
         if (b->ptr != expected || b->seg != seg || (b->next && b->next->prev != b))
             return -1;
-        if (b->allocated + (b->event_count > 0) + b->in_index != 1 || b->event_count < 0)
+        if (b->allocated + (b->event_count > 0) + b->in_index + b->deferred != 1 ||
+            b->event_count < 0)
             return -2;   /* exactly one state */
         *events += (uint64_t)b->event_count;
         if (b->allocated) {
@@ -325,7 +326,17 @@ check_pools(device_state *dev)
         }
         active += p->use_pool != NULL;
     }
-    return active == dev->active_pools ? 0 : -15;
+    if (active != dev->active_pools)
+        return -15;
+    /* deferred blocks wait on the list, and only while a capture is underway */
+    uint64_t deferred = 0, listed = 0;
+    for (segment *seg = dev->segments; seg != NULL; seg = seg->next) {
+        for (block *b = seg->first; b != NULL; b = b->next)
+            deferred += b->deferred;
+    }
+    for (block *b = dev->deferred; b != NULL; b = b->list_next)
+        listed += b->deferred;
+    return deferred == listed && (active != 0 || deferred == 0) ? 0 : -16;
 }
 
 /* Segment counts per stream and queued events match the blocks'. */

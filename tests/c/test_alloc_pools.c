@@ -204,6 +204,42 @@ test_no_forbidden_calls_during_a_capture(void)
     finish(a, &ctx);
 }
 
+/* A block used on another stream and freed during a capture records no
+ * event then (one recorded on a capturing stream can never be queried):
+ * its events wait for the capture's end, then it waits for them. */
+static void
+test_cross_stream_free_during_a_capture_is_deferred(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream side = {0}, reader = {0};
+    allocator *a = make(&ctx, 0);
+    capture cap = {.streams = {&side}};
+    CHECK(alloc_begin_pool(a, 0, 5, 0, captures, &cap) == 0);
+    void *p = alloc_malloc(a, 8192, 0, &side, 0);
+    CHECK(alloc_record_stream(a, p, &reader) == 0);
+    alloc_host_submit(&reader);
+    alloc_free(a, p, 0);
+    CHECK(atomic_load(&ctx.events_recorded) == 0 && alloc_check(a, 0) == 0);
+    void *q = alloc_malloc(a, 8192, 0, &side, 0);
+    CHECK(q != p);                              /* not free yet */
+    CHECK(alloc_end_pool(a, 0, 5, 0) == 0);
+    CHECK(atomic_load(&ctx.events_recorded) == 1 && alloc_check(a, 0) == 0);
+    alloc_host_complete(&reader);
+    CHECK(alloc_begin_pool(a, 0, 5, 0, captures, &cap) == 0);   /* a graph sharing it */
+    CHECK(alloc_end_pool(a, 0, 5, 0) == 0);
+    alloc_free(a, alloc_malloc(a, 8, 0, NULL, 0), 0);          /* retires the event */
+    CHECK(alloc_begin_pool(a, 0, 5, 0, captures, &cap) == 0);
+    void *r = alloc_malloc(a, 8192, 0, &side, 0);
+    CHECK(r == p);                              /* back in the pool once its event completed */
+    CHECK(alloc_end_pool(a, 0, 5, 0) == 0);
+    alloc_free(a, q, 0);
+    alloc_free(a, r, 0);
+    for (int i = 0; i < 3; i++)
+        CHECK(alloc_release_pool(a, 0, 5, 0) == 0);
+    CHECK(alloc_pool_use_count(a, 0, 5, 0) == -1);
+    finish(a, &ctx);
+}
+
 /* Nested captures: the pool begun last that takes a stream serves it. */
 static void
 test_nested_pools_innermost_first(void)
@@ -312,6 +348,7 @@ main(void)
     test_released_pool_keeps_live_blocks_until_freed();
     test_pool_block_used_on_another_stream();
     test_no_forbidden_calls_during_a_capture();
+    test_cross_stream_free_during_a_capture_is_deferred();
     test_nested_pools_innermost_first();
     test_destroy_with_a_pool_in_use();
     test_largest_free_block();
