@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Union
 
 import torch
 
-from matepoint import _C, _oom
+from matepoint import _adapter, _C, _oom
 from matepoint._errors import type_error, value_error
 from matepoint._options import show_int
 
@@ -79,16 +79,33 @@ def install_allocator() -> bool:
             "matepoint.install_allocator must run before CUDA is first used: CUDA is already "
             "initialized here, so torch's own allocator may hold memory")
     path = allocator_path()
+    library = ctypes.CDLL(path)
+    try:
+        _adapter.install(library)
+        raises = _oom.attach_oom_handler(library)
+    except (OSError, AttributeError, _oom.BuildError, RuntimeError) as error:
+        raises = _install_plain(path, library, str(error))
+    _C._attach_allocator(path)
+    _installed = True
+    return raises
+
+
+def _install_plain(path: str, library: ctypes.CDLL, reason: str) -> bool:
+    """torch's plain CUDAPluggableAllocator over the library, where the
+    adapter cannot be had: torch's memory functions then raise an error
+    naming matepoint's allocator when called (warned once, here)."""
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, _SYMBOLS["malloc"],
                                                           _SYMBOLS["free"])
     setters = _hook_setters(pluggable)
-    library = ctypes.CDLL(path)
     raises = _oom.attach_oom_handler(library)
     for setter, register in setters.items():
         register(ctypes.cast(getattr(library, _SYMBOLS[_HOOKS[setter]]), ctypes.c_void_p).value)
     torch.cuda.memory.change_current_allocator(pluggable)
-    _C._attach_allocator(path)
-    _installed = True
+    _adapter.guard_torch_memory_api(reason)
+    _oom._warn("matepoint: torch's memory API (torch.cuda.memory_stats, max_memory_allocated, "
+               "memory snapshots, out-of-memory observers) will raise under matepoint's "
+               "allocator, because the C++ adapter that answers it could not be built here: "
+               f"{reason}. matepoint.memory_stats() and memory_report() still work.")
     return raises
 
 

@@ -82,8 +82,10 @@ alloc_free(allocator *a, void *ptr, int device)
         a->backend.device_synchronize(a->backend.ctx, dev->index);
     }
     block_forget_streams(b);
-    if (b->event_count == 0)
+    if (b->event_count == 0) {
+        stats_block_inactive(dev, b);
         block_insert_free(b);
+    }
     pthread_mutex_unlock(&dev->lock);
     return 0;
 }

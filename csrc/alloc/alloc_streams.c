@@ -112,8 +112,10 @@ retire_events(allocator *a, device_state *dev, stream_state *s, int wait)
         mp_counter_sub(&dev->events_pending, 1);
         block *b = e->b;
         event_give_spare(a, dev, e);
-        if (--b->event_count == 0)
+        if (--b->event_count == 0) {
+            stats_block_inactive(dev, b);
             block_insert_free(b);
+        }
     }
 }
 

@@ -20,6 +20,7 @@ static const struct {
     [ALLOC_SYM_GET_STATS] = {"get_stats", "matepoint_alloc_get_stats"},
     [ALLOC_SYM_GET_TAG_STATS] = {"get_tag_stats", "matepoint_alloc_get_tag_stats"},
     [ALLOC_SYM_RESET_PEAKS] = {"reset_peaks", "matepoint_alloc_reset_peaks"},
+    [ALLOC_SYM_TORCH_BRIDGE] = {"torch_bridge", "matepoint_alloc_torch_bridge"},
 };
 
 /* Names of the phases below a tag's region, by phase (3 is unused). */
