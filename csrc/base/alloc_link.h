@@ -9,6 +9,7 @@
 #include <Python.h>
 
 #include "alloc/alloc.h"
+#include "alloc/torch_bridge.h"
 
 /* An allocation's tag: the checkpointed region (0: outside any) above two
  * bits of phase. The one encoding: _allocator_stats() decodes it for Python. */
@@ -38,6 +39,7 @@ typedef struct alloc_link {
     int (*get_tag_stats)(int device, alloc_tag_stats *out, int max);
     void (*reset_peaks)(void);
     void (*empty_cache)(void);
+    const matepoint_torch_bridge *bridge;   /* torch's figures (torch_bridge.h) */
 } alloc_link;
 
 /* Sets this thread's allocation tag; returns the previous one. */
