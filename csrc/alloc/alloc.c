@@ -81,6 +81,7 @@ block_retire(allocator *a, device_state *dev, block *b)
     block_forget_streams(b);
     if (b->event_count == 0) {
         segment *seg = b->seg;
+        stats_block_inactive(dev, b);
         block_insert_free(b);
         pool_settle_segment(a, dev, seg);
     }

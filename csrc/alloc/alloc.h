@@ -29,6 +29,7 @@
 #ifndef MATEPOINT_ALLOC_H
 #define MATEPOINT_ALLOC_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 enum { ALLOC_OK = 0, ALLOC_OUT_OF_MEMORY = 1, ALLOC_ERROR = -1 };
@@ -70,6 +71,70 @@ typedef struct {
     uint64_t live_bytes, peak_bytes, allocations;
 } alloc_tag_stats;
 
+/* torch's statistics model (c10's DeviceStats), kept beside alloc_stats so
+ * that torch.cuda.memory_stats() answers from this allocator. A stat is an
+ * amount now (`current`), its highest since the last peak reset (`peak`),
+ * and what was added (`allocated`) and taken (`freed`) since the last reset
+ * of accumulated counts. Pools as torch's:
+ * the small pool serves requests of at most 1 MiB from 2 MiB segments.
+ * "active": allocated, or freed but still used by another stream (its
+ * events pending); "inactive split": a free block of a segment holding
+ * more than one block (cannot be given back to the device). */
+typedef struct {
+    int64_t current, peak, allocated, freed;
+} alloc_stat;
+
+enum { ALLOC_POOL_ALL, ALLOC_POOL_SMALL, ALLOC_POOL_LARGE, ALLOC_POOLS };
+enum {
+    ALLOC_STAT_ALLOCATION, ALLOC_STAT_SEGMENT, ALLOC_STAT_ACTIVE, ALLOC_STAT_INACTIVE_SPLIT,
+    ALLOC_STAT_ALLOCATED_BYTES, ALLOC_STAT_RESERVED_BYTES, ALLOC_STAT_ACTIVE_BYTES,
+    ALLOC_STAT_INACTIVE_SPLIT_BYTES, ALLOC_STAT_REQUESTED_BYTES, ALLOC_STAT_ARRAYS
+};
+enum { ALLOC_STAT_CURRENT, ALLOC_STAT_PEAK, ALLOC_STAT_ALLOCATED, ALLOC_STAT_FREED, ALLOC_STAT_FIELDS };
+
+typedef struct {
+    alloc_stat arrays[ALLOC_STAT_ARRAYS][ALLOC_POOLS];
+    alloc_stat oversize_allocations, oversize_segments;   /* always 0: no max_split_size */
+    int64_t num_alloc_retries, num_ooms, num_sync_all_streams;
+    int64_t num_device_alloc, num_device_free;
+    int64_t max_split_size;     /* -1: every block may be split (torch's default) */
+} alloc_device_stats;
+
+/* torch's names (memory_stats() keys): the one table, read by matepoint._C. */
+static inline const char *
+alloc_stat_array_name(int kind)
+{
+    static const char *const names[ALLOC_STAT_ARRAYS] = {
+        "allocation", "segment", "active", "inactive_split", "allocated_bytes",
+        "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"};
+    return kind >= 0 && kind < ALLOC_STAT_ARRAYS ? names[kind] : NULL;
+}
+
+static inline const char *
+alloc_pool_name(int pool)
+{
+    static const char *const names[ALLOC_POOLS] = {"all", "small_pool", "large_pool"};
+    return pool >= 0 && pool < ALLOC_POOLS ? names[pool] : NULL;
+}
+
+static inline const char *
+alloc_stat_field_name(int field)
+{
+    static const char *const names[ALLOC_STAT_FIELDS] = {"current", "peak", "allocated", "freed"};
+    return field >= 0 && field < ALLOC_STAT_FIELDS ? names[field] : NULL;
+}
+
+static inline int64_t
+alloc_stat_field(const alloc_stat *stat, int field)
+{
+    switch (field) {
+    case ALLOC_STAT_CURRENT: return stat->current;
+    case ALLOC_STAT_PEAK: return stat->peak;
+    case ALLOC_STAT_ALLOCATED: return stat->allocated;
+    default: return stat->freed;
+    }
+}
+
 typedef struct {
     uint64_t requested;         /* bytes asked for by the failing call */
     int device;
@@ -98,6 +163,14 @@ void alloc_set_limit(allocator *a, int device, uint64_t limit_bytes);
 
 alloc_stats alloc_get_stats(allocator *a, int device);
 void alloc_reset_peaks(allocator *a);
+/* torch's figures of `device`; -1 (nothing written) when out of range. */
+int alloc_get_device_stats(allocator *a, int device, alloc_device_stats *out);
+/* torch.cuda.reset_peak_memory_stats(device): peaks of torch's figures,
+ * matepoint's and the tags' restart from now. -1 when out of range. */
+int alloc_reset_device_peaks(allocator *a, int device);
+/* torch.cuda.reset_accumulated_memory_stats(device): the allocated and
+ * freed counts of torch's figures and its num_* counters restart from 0. */
+int alloc_reset_accumulated(allocator *a, int device);
 /* Copies up to `max` tag entries of `device` with live or peak bytes into
  * `out`; returns how many there are in all. */
 int alloc_get_tag_stats(allocator *a, int device, alloc_tag_stats *out, int max);

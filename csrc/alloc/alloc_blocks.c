@@ -78,6 +78,7 @@ index_insert(block *b)
     MP_ASSERT(!b->allocated && b->event_count == 0 && b->n_extra == 0);
     list_push(block_bucket(b), b);
     b->in_index = 1;
+    stats_segment_shape(b->seg, 0, 1, (int64_t)b->size);
 }
 
 static void
@@ -85,6 +86,7 @@ index_remove(block *b)
 {
     list_remove(block_bucket(b), b);
     b->in_index = 0;
+    stats_segment_shape(b->seg, 0, -1, -(int64_t)b->size);
 }
 
 /* ---- blocks and segments ------------------------------------------------- */
@@ -101,6 +103,7 @@ absorb_next(block *b, block *victim)
     b->next = victim->next;
     if (victim->next != NULL)
         victim->next->prev = b;
+    stats_segment_shape(b->seg, -1, 0, 0);
     free(victim);
 }
 
@@ -139,7 +142,7 @@ segment_release(allocator *a, device_state *dev, segment *seg)
             free(b);
     }
     a->backend.device_free(a->backend.ctx, dev->index, (void *)seg->base, seg->size);
-    stats_segment_released(dev, seg->size);
+    stats_segment_released(dev, seg);
     MP_ASSERT((seg->prev == NULL) == (dev->segments == seg));
     MP_ASSERT(seg->next == NULL || seg->next->prev == seg);
     if (seg->prev != NULL)
@@ -257,6 +260,7 @@ block_take(block *b, uint64_t size)
             b->next->prev = rest;
         b->next = rest;
         b->size = size;
+        stats_segment_shape(b->seg, 1, 0, 0);
         MP_ASSERT(b->ptr + b->size == rest->ptr && rest->ptr + rest->size <= b->seg->base + b->seg->size);
         block_insert_free(rest);
     }
@@ -290,7 +294,7 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, pri
         return NULL;
     int status = backend_segment(a, dev, size, &ptr);
     if (status == ALLOC_OUT_OF_MEMORY) {
-        dev->stats.oom_retries++;
+        stats_count_retry(dev);
         segment_release_cached(a, dev);
         status = backend_segment(a, dev, size, &ptr);
     }
@@ -308,7 +312,8 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, pri
         return NULL;
     }
     *seg = (segment){.base = (uintptr_t)ptr, .size = size, .small = rounded <= SMALL_REQUEST,
-                     .owner = owner, .first = b, .next = dev->segments};
+                     .dev = dev, .n_blocks = 1, .owner = owner, .first = b,
+                     .next = dev->segments};
     if (dev->segments != NULL)
         dev->segments->prev = seg;
     dev->segments = seg;
@@ -316,6 +321,6 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, pri
     if (pool != NULL)
         pool->segments++;
     *b = (block){.ptr = (uintptr_t)ptr, .size = size, .seg = seg};
-    stats_segment_added(dev, size);
+    stats_segment_added(dev, seg);
     return b;
 }

@@ -47,6 +47,7 @@ typedef struct block block;
 typedef struct stream_state stream_state;
 typedef struct pending_event pending_event;
 typedef struct private_pool private_pool;
+typedef struct device_state device_state;
 
 struct block {
     uintptr_t ptr;
@@ -73,6 +74,10 @@ struct segment {
     uintptr_t base;
     uint64_t size;
     int small;
+    device_state *dev;
+    /* blocks, and how many of them are free and their bytes: the segment's
+     * share of torch's inactive_split figures (stats_segment_shape) */
+    int64_t n_blocks, free_blocks, free_bytes;
     stream_state *owner;
     block *first;
     segment *prev, *next;
@@ -123,7 +128,7 @@ typedef struct {
     int used;
 } tag_slot;
 
-typedef struct {
+struct device_state {
     pthread_mutex_t lock;
     int index;
     stream_state *streams;          /* most recently allocated on first */
@@ -133,6 +138,7 @@ typedef struct {
     tag_slot *tags;
     uint64_t tag_capacity, tag_count;
     alloc_stats stats;
+    alloc_device_stats torch;       /* torch's figures (alloc.h), kept with `stats` */
     uint64_t limit;
     uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
     pending_event *spare_events;    /* completed, ready to be recorded again */
@@ -140,7 +146,7 @@ typedef struct {
     private_pool *pools;            /* the one begun last first (torch asks LIFO) */
     block *deferred;                /* deferred blocks, linked by list_next */
     uint64_t active_pools;          /* pools being allocated to: captures underway */
-} device_state;
+};
 
 struct allocator {
     alloc_backend backend;
@@ -284,9 +290,18 @@ void stats_account_malloc(device_state *dev, block *b, uint64_t size, uint64_t t
 /* Counts the free of an allocated block. */
 void stats_account_free(device_state *dev, block *b);
 /* Counts a segment of `size` bytes taken from, or given back to, the backend. */
-void stats_segment_added(device_state *dev, uint64_t size);
-void stats_segment_released(device_state *dev, uint64_t size);
+void stats_segment_added(device_state *dev, segment *seg);
+void stats_segment_released(device_state *dev, segment *seg);
 /* Counts a failed request and keeps its numbers for alloc_last_oom(). */
 void stats_record_oom(allocator *a, device_state *dev, uint64_t size);
+/* A freed block stops being active: at its free, or once the events of the
+ * other streams that used it completed. */
+void stats_block_inactive(device_state *dev, block *b);
+/* The segment of `seg` gains `blocks` blocks and `free_blocks` free ones of
+ * `free_bytes` bytes (negative: loses): torch's inactive_split follows. */
+void stats_segment_shape(segment *seg, int64_t blocks, int64_t free_blocks, int64_t free_bytes);
+/* A retry after releasing the cache (torch's num_alloc_retries and
+ * num_sync_all_streams: the release waits for every stream's events). */
+void stats_count_retry(device_state *dev);
 
 #endif

@@ -117,6 +117,7 @@ retire_events(allocator *a, device_state *dev, stream_state *s, int wait)
         event_give_spare(a, dev, e);
         if (--b->event_count == 0) {
             segment *seg = b->seg;
+            stats_block_inactive(dev, b);
             block_insert_free(b);
             pool_settle_segment(a, dev, seg);
         }

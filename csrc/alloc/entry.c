@@ -19,6 +19,7 @@
 #ifdef MATEPOINT_TESTING
 #include "alloc_host.h"
 #endif
+#include "torch_bridge.h"
 #include "cuda/cudart.h"
 #include "cuda/cudart_util.h"
 
@@ -228,11 +229,44 @@ give_up(const char *message)
     abort();
 }
 
+/* torch's out-of-memory observers, through the adapter's trampoline:
+ * written by set_oom_observer, read by any thread that runs out of memory
+ * (copied under the lock, called after it). */
+static pthread_mutex_t observer_lock = PTHREAD_MUTEX_INITIALIZER;
+static matepoint_oom_observer oom_observer;
+static void *oom_observer_ctx;
+
+static void
+set_oom_observer(matepoint_oom_observer observer, void *ctx)
+{
+    pthread_mutex_lock(&observer_lock);
+    oom_observer = observer;
+    oom_observer_ctx = ctx;
+    pthread_mutex_unlock(&observer_lock);
+}
+
+/* Tells the observer, as torch's allocator does before it throws. */
+static void
+notify_oom(allocator *a, int device)
+{
+    pthread_mutex_lock(&observer_lock);
+    matepoint_oom_observer observer = oom_observer;
+    void *ctx = oom_observer_ctx;
+    pthread_mutex_unlock(&observer_lock);
+    if (observer == NULL)
+        return;
+    uint64_t free_bytes, total_bytes;
+    alloc_stats stats = a ? alloc_get_stats(a, device) : (alloc_stats){0};
+    device_memory(device, &free_bytes, &total_bytes);
+    observer(ctx, device, stats.allocated_bytes, total_bytes, free_bytes);
+}
+
 static void
 out_of_memory(allocator *a, size_t size, int device)
 {
     char message[512];
     oom_message(message, sizeof(message), a, size, device);
+    notify_oom(a, device);
     give_up(message);
 }
 
@@ -327,6 +361,11 @@ matepoint_record_stream(void *ptr, void *stream)
         fprintf(stderr, "matepoint allocator: record_stream on unknown pointer %p\n", ptr);
 }
 
+/* The fraction set last per device (torch's getMemoryFraction), as
+ * double bits: 0 stands for none set (1.0). Written by any thread. */
+#define FRACTION_DEVICES 64
+static _Atomic uint64_t fractions[FRACTION_DEVICES];
+
 /* torch.cuda.set_per_process_memory_fraction: caps what the allocator
  * reserves on `device` at that fraction of its total memory. */
 EXPORT void
@@ -339,6 +378,21 @@ matepoint_set_memory_fraction(double fraction, int device)
     device_memory(device, &free_bytes, &total_bytes);
     if (total_bytes != 0)
         alloc_set_limit(a, device, (uint64_t)(fraction * (double)total_bytes));
+    if (device >= 0 && device < FRACTION_DEVICES) {
+        uint64_t bits;
+        memcpy(&bits, &fraction, sizeof(bits));
+        atomic_store(&fractions[device], bits);
+    }
+}
+
+static double
+get_memory_fraction(int device)
+{
+    uint64_t bits = device >= 0 && device < FRACTION_DEVICES ? atomic_load(&fractions[device]) : 0;
+    double fraction = 1.0;
+    if (bits != 0)
+        memcpy(&fraction, &bits, sizeof(fraction));
+    return fraction;
 }
 
 /* install_allocator(): the function that raises torch.OutOfMemoryError. */
@@ -463,3 +517,99 @@ matepoint_test_largest_free_block(int device)
     return a ? alloc_largest_free_block(a, device) : 0;
 }
 #endif
+
+/* ---- the table of the C++ adapter (torch_bridge.h) ------------------------ */
+
+static int
+bridge_device_stats(int device, alloc_device_stats *out)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_get_device_stats(a, device, out) : -1;
+}
+
+static int
+bridge_reset_peaks(int device)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_reset_device_peaks(a, device) : -1;
+}
+
+static int
+bridge_reset_accumulated(int device)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_reset_accumulated(a, device) : -1;
+}
+
+/* CUDA graph pools (alloc.h). torch checks what it asks (a pool begun
+ * twice, ended unbegun) itself; a begin the allocator cannot take (no
+ * memory, a pool released already) leaves the capture's requests to
+ * matepoint_malloc's refusal, which says why. */
+static void
+bridge_begin_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_filter use_pool,
+                  void *filter)
+{
+    allocator *a = get_allocator();
+    if (a == NULL || alloc_begin_pool(a, device, pool_a, pool_b, use_pool, filter) < 0)
+        fprintf(stderr, "matepoint allocator: could not begin graph pool (%llu, %llu) on "
+                        "device %d\n", (unsigned long long)pool_a, (unsigned long long)pool_b,
+                device);
+}
+
+static void
+bridge_end_pool(int device, uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = get_allocator();
+    if (a != NULL)
+        (void)alloc_end_pool(a, device, pool_a, pool_b);
+}
+
+static void
+bridge_release_pool(int device, uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = get_allocator();
+    if (a != NULL)
+        (void)alloc_release_pool(a, device, pool_a, pool_b);
+}
+
+static uint64_t
+bridge_largest_free_block(int device)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_largest_free_block(a, device) : 0;
+}
+
+static void *
+bridge_base_allocation(void *ptr, uint64_t *size)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_base_allocation(a, ptr, size) : NULL;
+}
+
+/* Constant: every entry is the library's for the process. */
+static const matepoint_torch_bridge bridge = {
+    .version = MATEPOINT_TORCH_BRIDGE_VERSION,
+    .size = sizeof(matepoint_torch_bridge),
+    .malloc = matepoint_malloc,
+    .free = matepoint_free,
+    .init = matepoint_init,
+    .empty_cache = matepoint_reset,
+    .record_stream = matepoint_record_stream,
+    .set_memory_fraction = matepoint_set_memory_fraction,
+    .get_memory_fraction = get_memory_fraction,
+    .device_stats = bridge_device_stats,
+    .reset_peaks = bridge_reset_peaks,
+    .reset_accumulated = bridge_reset_accumulated,
+    .set_oom_observer = set_oom_observer,
+    .begin_pool = bridge_begin_pool,
+    .end_pool = bridge_end_pool,
+    .release_pool = bridge_release_pool,
+    .largest_free_block = bridge_largest_free_block,
+    .base_allocation = bridge_base_allocation,
+};
+
+EXPORT const matepoint_torch_bridge *
+matepoint_alloc_torch_bridge(void)
+{
+    return &bridge;
+}
