@@ -20,8 +20,8 @@ export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
 # runtime table the allocator uses (csrc/cuda/cudart_util.c)
 COMMON_SOURCES := $(sort $(wildcard csrc/common/*.c))
 COMMON_HEADERS := $(wildcard csrc/common/*.h)
-# the allocator's C sources but the library's entry points (entry.c)
-ALLOC_SOURCES := $(filter-out csrc/alloc/entry.c,$(sort $(wildcard csrc/alloc/*.c))) \
+# the allocator's C sources but the library's entry points (entry*.c)
+ALLOC_SOURCES := $(filter-out csrc/alloc/entry%,$(sort $(wildcard csrc/alloc/*.c))) \
                  csrc/cuda/cudart_util.c $(COMMON_SOURCES)
 ALLOC_HEADERS := $(wildcard csrc/alloc/*.h) csrc/cuda/cudart_util.h $(COMMON_HEADERS)
 POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c $(COMMON_SOURCES)

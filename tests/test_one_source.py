@@ -124,12 +124,14 @@ def test_pool_stats_docs_name_only_real_keys() -> None:
 # ---- the allocator library ---------------------------------------------------------
 
 def test_allocator_symbols_are_exactly_what_the_library_defines() -> None:
-    """entry.c defines the functions; _C.ALLOCATOR_SYMBOLS is the one list
-    of their names that _C, _allocator.py and _oom.py look them up by."""
+    """entry.c and entry_pools.c define the functions; _C.ALLOCATOR_SYMBOLS
+    is the one list of their names that _C, _allocator.py and _oom.py look
+    them up by."""
     import ctypes
 
     from matepoint._allocator import allocator_path
-    defined = set(re.findall(r"^(matepoint_\w+)\(", read("csrc/alloc/entry.c"), re.M))
+    entries = read("csrc/alloc/entry.c") + read("csrc/alloc/entry_pools.c")
+    defined = set(re.findall(r"^(matepoint_\w+)\(", entries, re.M))
     defined.discard("matepoint_alloc_use_runtime")  # test builds only, for tests/sim.py
     # test builds only: graph pools and cacheInfo for the simulated GPU's tests
     defined -= {name for name in defined if name.startswith("matepoint_test_")}

@@ -16,6 +16,7 @@
  * with the same message, as returning NULL to torch would crash later. */
 #include "alloc.h"
 #include "alloc_cuda.h"
+#include "entry.h"
 #ifdef MATEPOINT_TESTING
 #include "alloc_host.h"
 #endif
@@ -29,7 +30,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define EXPORT __attribute__((visibility("default")))
 #define HOST_DEVICES 8
 
 /* Written once under `create_once`; the allocator locks itself. */
@@ -148,6 +148,12 @@ get_allocator(void)
 {
     pthread_once(&create_once, create);
     return instance;
+}
+
+allocator *
+entry_allocator(void)
+{
+    return get_allocator();
 }
 
 /* Free and total bytes of `device` as the backend sees them; 0 if unknown. */
@@ -449,75 +455,6 @@ matepoint_alloc_reset_peaks(void)
         alloc_reset_peaks(a);
 }
 
-/* ---- CUDA IPC ------------------------------------------------------------ */
-
-/* torch's base_alloc_fn (CUDAPluggableAllocator::set_base_alloc_fn, behind
- * getBaseAllocation): the segment holding `ptr`, its size in *size. For a
- * pointer the allocator did not hand out, `ptr` itself, *size untouched
- * (torch's answer without the hook). */
-EXPORT void *
-matepoint_base_allocation(void *ptr, size_t *size)
-{
-    allocator *a = get_allocator();
-    uint64_t bytes = 0;
-    void *base = a ? alloc_base_allocation(a, ptr, &bytes) : NULL;
-    if (base == NULL)
-        return ptr;
-    if (size != NULL)
-        *size = (size_t)bytes;
-    return base;
-}
-
-#ifdef MATEPOINT_TESTING
-/* ---- test builds: graph pools and cacheInfo without torch's C++ side -------
- * The C++ adapter reaches these through its table; tests of the simulated
- * GPU (tests/test_gpu_review_capture.py) call them by name, with
- * matepoint_test_stream_filter as the filter: `filter` is the one stream
- * the pool takes (torch's _cuda_beginAllocateCurrentStreamToPool). */
-
-EXPORT int
-matepoint_test_stream_filter(void *filter, void *stream)
-{
-    return filter == stream;
-}
-
-EXPORT int
-matepoint_test_begin_pool(int device, uint64_t pool_a, uint64_t pool_b,
-                          alloc_pool_filter use_pool, void *filter)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_begin_pool(a, device, pool_a, pool_b, use_pool, filter) : -1;
-}
-
-EXPORT int
-matepoint_test_end_pool(int device, uint64_t pool_a, uint64_t pool_b)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_end_pool(a, device, pool_a, pool_b) : -1;
-}
-
-EXPORT int
-matepoint_test_release_pool(int device, uint64_t pool_a, uint64_t pool_b)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_release_pool(a, device, pool_a, pool_b) : -1;
-}
-
-EXPORT int
-matepoint_test_pool_use_count(int device, uint64_t pool_a, uint64_t pool_b)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_pool_use_count(a, device, pool_a, pool_b) : -1;
-}
-
-EXPORT uint64_t
-matepoint_test_largest_free_block(int device)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_largest_free_block(a, device) : 0;
-}
-#endif
-
 /* ---- the table of the C++ adapter (torch_bridge.h) ------------------------ */
 
 static int
@@ -539,51 +476,6 @@ bridge_reset_accumulated(int device)
 {
     allocator *a = get_allocator();
     return a ? alloc_reset_accumulated(a, device) : -1;
-}
-
-/* CUDA graph pools (alloc.h). torch checks what it asks (a pool begun
- * twice, ended unbegun) itself; a begin the allocator cannot take (no
- * memory, a pool released already) leaves the capture's requests to
- * matepoint_malloc's refusal, which says why. */
-static void
-bridge_begin_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_filter use_pool,
-                  void *filter)
-{
-    allocator *a = get_allocator();
-    if (a == NULL || alloc_begin_pool(a, device, pool_a, pool_b, use_pool, filter) < 0)
-        fprintf(stderr, "matepoint allocator: could not begin graph pool (%llu, %llu) on "
-                        "device %d\n", (unsigned long long)pool_a, (unsigned long long)pool_b,
-                device);
-}
-
-static void
-bridge_end_pool(int device, uint64_t pool_a, uint64_t pool_b)
-{
-    allocator *a = get_allocator();
-    if (a != NULL)
-        (void)alloc_end_pool(a, device, pool_a, pool_b);
-}
-
-static void
-bridge_release_pool(int device, uint64_t pool_a, uint64_t pool_b)
-{
-    allocator *a = get_allocator();
-    if (a != NULL)
-        (void)alloc_release_pool(a, device, pool_a, pool_b);
-}
-
-static uint64_t
-bridge_largest_free_block(int device)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_largest_free_block(a, device) : 0;
-}
-
-static void *
-bridge_base_allocation(void *ptr, uint64_t *size)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_base_allocation(a, ptr, size) : NULL;
 }
 
 /* Constant: every entry is the library's for the process. */
