@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 from typing import Iterator, Tuple
 
 import pytest
@@ -234,3 +235,29 @@ def test_capture_without_a_pool_for_its_stream_is_still_refused(offload):
         graph.end()
         graph.release()
     assert status == 0
+
+
+def test_a_checkpointed_step_captured_into_a_pool_keeps_its_inputs(offload):
+    """make_graphed_callables over checkpointed blocks under matepoint's
+    allocator: the capture's allocations (forward, and backward on its
+    worker thread, same stream) come from the graph's pool; the regions'
+    inputs stay on the device (no copy would replay correctly); gradients
+    are bit-for-bit those without checkpointing; the pool goes once the
+    graph and its outputs do."""
+    side, _ = sim.side_streams()
+    torch.manual_seed(0)
+    model, x = MLP(32, 4), torch.randn(16, 32)
+    _, expected = train_step(model, x, no_checkpoint)
+    graph = GraphPool((6, 0), side)
+    held = device_bytes()
+    with graph.capture():
+        out, grads = train_step(model, x, matepoint.checkpoint)
+        assert _C._offload_copies() == [], "an input was copied out during the capture"
+    assert device_bytes() > held, "premise: the capture allocated from its pool"
+    assert_bitwise_equal(grads, expected)
+    graph.release()
+    assert graph.use_count() == 0, "the output and gradients, still held, keep their segments"
+    del out, grads
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    assert graph.use_count() == -1
