@@ -8,6 +8,8 @@
  *                    (buckets), best fit, split and coalesce, segments
  *                    taken from and given back to the backend
  * - alloc_streams.c  per-stream state and the events of cross-stream frees
+ * - alloc_history.c  the trace ring and the snapshot's enumeration
+ *                    (alloc_history.h)
  * - alloc_stats.c    the live-pointer table, per-tag and device statistics,
  *                    the last out-of-memory report, alloc_check()
  *
@@ -22,9 +24,11 @@
 #define MATEPOINT_ALLOC_INTERNAL_H
 
 #include "alloc.h"
+#include "alloc_history.h"
 #include "common/mp_assert.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #define MIN_BLOCK 512u
@@ -57,6 +61,7 @@ struct block {
     void *extra_inline[EXTRA_INLINE];
     int n_extra;
     int event_count;                /* events of its free not yet seen complete */
+    void *context;                  /* the stack it was allocated with (history), or NULL */
     uint8_t allocated, in_index;
 };
 
@@ -117,6 +122,9 @@ struct device_state {
     uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
     pending_event *spare_events;    /* completed, ready to be recorded again */
     uint64_t spare_count;
+    alloc_history_config history;   /* a copy, made under this lock (alloc_history.c) */
+    alloc_trace_record *ring;       /* the newest ring_count records from ring_head */
+    uint64_t ring_capacity, ring_head, ring_count;
 };
 
 struct allocator {
@@ -125,6 +133,9 @@ struct allocator {
     device_state *devices;
     pthread_mutex_t oom_lock;       /* guards last_oom */
     alloc_oom_info last_oom;
+    pthread_mutex_t history_lock;   /* guards history; taken after no device lock */
+    alloc_history_config history;
+    _Atomic int history_when;       /* ALLOC_CONTEXT_* of gathering, 0: none (no lock) */
 };
 
 /* The device's state; NULL when `device` is out of range (no lock).
@@ -152,6 +163,20 @@ stream_find(device_state *dev, void *stream)
     }
     return NULL;
 }
+
+/* ---- alloc_history.c ---------------------------------------------------- */
+
+/* A new context for an event of a block tagged `tag` when history
+ * gathers for events of `at_least` (ALLOC_CONTEXT_STATE: allocations,
+ * ALLOC_CONTEXT_ALL: frees too), else NULL. No lock held: it may take the
+ * GIL. */
+void *history_gather(allocator *a, int at_least, uint64_t tag);
+/* Gives up one reference to `context` (NULL: nothing). */
+void history_drop(device_state *dev, void *context);
+/* Adds a record (ALLOC_TRACE_*) when recording; takes its own reference
+ * to `context`. */
+void history_record(device_state *dev, int action, uint64_t address, uint64_t size,
+                    void *stream, uint64_t tag, void *context);
 
 /* ---- alloc_blocks.c ----------------------------------------------------- */
 /* The bucket a free block of `b`'s size and stream lives in. */

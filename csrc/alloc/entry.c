@@ -16,6 +16,7 @@
  * with the same message, as returning NULL to torch would crash later. */
 #include "alloc.h"
 #include "alloc_cuda.h"
+#include "alloc_history.h"
 #ifdef MATEPOINT_TESTING
 #include "alloc_host.h"
 #endif
@@ -468,6 +469,31 @@ bridge_reset_accumulated(int device)
     return a ? alloc_reset_accumulated(a, device) : -1;
 }
 
+static void
+bridge_configure_history(const alloc_history_config *config)
+{
+    allocator *a = get_allocator();
+    if (a != NULL)
+        alloc_history_configure(a, config);
+}
+
+static int
+bridge_take_snapshot(int device, alloc_snapshot *out)
+{
+    allocator *a = get_allocator();
+    if (a == NULL) {
+        memset(out, 0, sizeof(*out));
+        return 0;
+    }
+    return alloc_take_snapshot(a, device, out);
+}
+
+static void
+bridge_free_snapshot(alloc_snapshot *snapshot)
+{
+    alloc_snapshot_free(get_allocator(), snapshot);
+}
+
 /* Constant: the pools and IPC entries stay NULL until they exist. */
 static const matepoint_torch_bridge bridge = {
     .version = MATEPOINT_TORCH_BRIDGE_VERSION,
@@ -482,6 +508,10 @@ static const matepoint_torch_bridge bridge = {
     .device_stats = bridge_device_stats,
     .reset_peaks = bridge_reset_peaks,
     .reset_accumulated = bridge_reset_accumulated,
+    .device_count = matepoint_alloc_device_count,
+    .configure_history = bridge_configure_history,
+    .take_snapshot = bridge_take_snapshot,
+    .free_snapshot = bridge_free_snapshot,
     .set_oom_observer = set_oom_observer,
 };
 
