@@ -144,9 +144,12 @@ def test_allocator_symbols_are_exactly_what_the_library_defines() -> None:
 
 
 def test_tags_are_decoded_by_c() -> None:
-    """The tag encoding (region << 2 | phase) is C's alone: Python gets rows."""
+    """The tag encoding (region << 2 | phase) is C's alone, in the allocator's
+    header: Python gets rows, _C and the torch adapter decode through it."""
     assert not re.search(r">>\s*2|&\s*3\b", read("matepoint/_allocator.py"))
-    assert "TAG_PHASE_BITS" in read("csrc/base/alloc_link.h")
+    assert not re.search(r">>\s*2|&\s*3\b", read("csrc/alloc/torch_adapter.cpp"))
+    assert "TAG_PHASE_BITS" in read("csrc/alloc/alloc.h")
+    assert "TAG_PHASE_BITS" not in read("csrc/base/alloc_link.c")
 
 
 # ---- sources and build flags ----------------------------------------------------------

@@ -176,3 +176,131 @@ def test_memory_summary_reads_the_figures(cuda_up) -> None:
     assert mine(0)["allocated_bytes"] == 5 * MIB     # premise: the one tensor held
     assert allocated and allocated[0].split("|")[2].strip() == "5120 KiB", summary
     del held
+
+
+OBSERVER = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t,
+                            ctypes.c_size_t)
+
+
+def attach_observer(function: Callable[..., None]) -> Any:
+    """torch._C._cuda_attach_out_of_memory_observer without its CUDA
+    initialization (impossible without a GPU): the same C++ entry point,
+    c10::cuda::CUDACachingAllocator::attachOutOfMemoryObserver, reached
+    through the adapter's C export."""
+    adapter = _adapter.build()
+    callback = OBSERVER(function)
+    error = ctypes.create_string_buffer(512)
+    attach = adapter.matepoint_torch_adapter_attach_oom_observer
+    attach.argtypes = [OBSERVER, ctypes.c_char_p, ctypes.c_size_t]
+    assert attach(callback, error, 512) == 0, error.value
+    _observers.append(callback)   # torch keeps calling it: alive for the process
+    return callback
+
+
+_observers: List[Any] = []
+
+
+def test_out_of_memory_observers_fire(cuda_up) -> None:
+    seen: List[Tuple[int, int, int, int]] = []
+    order: List[str] = []
+    attach_observer(lambda *args: (seen.append(args), order.append("first")))
+    attach_observer(lambda *args: order.append("second"))
+    with sim.device(1):
+        held = torch.empty(MIB, dtype=torch.uint8)
+        _C._sim_fail("cudaMalloc", 0, 1 << 40, 2)    # cudaErrorMemoryAllocation, every time
+        try:
+            with pytest.raises(torch.OutOfMemoryError):
+                torch.empty(64 * MIB, dtype=torch.uint8)
+        finally:
+            _C._sim_fail("cudaMalloc", 0, 0, 0)
+    assert order == ["first", "second"]
+    ((device, allocated, total, free),) = seen
+    assert device == 1 and allocated == mine(1)["allocated_bytes"] >= MIB
+    assert total > 0 and free <= total
+    assert mine(1)["num_ooms"] == 1
+    del held
+
+
+def record_history(enabled: bool, stacks: bool = True, max_entries: int = 100000) -> None:
+    """torch.cuda.memory._record_memory_history(context="all" or None,
+    max_entries=...) without its CUDA initialization (impossible without a
+    GPU): the same C++ entry point, the current allocator's recordHistory
+    through c10's recordHistory, with torch's stack gatherer."""
+    adapter = _adapter.build()
+    record = adapter.matepoint_torch_adapter_record_history
+    record.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int,
+                       ctypes.c_char_p, ctypes.c_size_t]
+    error = ctypes.create_string_buffer(512)
+    # clear_history when starting, as each test starts from nothing; kept at the stop
+    assert record(int(enabled), int(stacks), max_entries, int(enabled), error, 512) == 0, \
+        error.value
+
+
+def rendered_snapshot(html: str) -> Dict[str, Any]:
+    """The snapshot a _memory_viz page carries (base64 of its pickle)."""
+    import base64
+    import json
+    import pickle
+    payload = html.split("const local_files = ", 1)[1].split("\n", 1)[0]
+    return pickle.loads(base64.b64decode(json.loads(payload)[0]["base64"]))
+
+
+def test_snapshot_renders_with_region_and_phase_tags(cuda_up, tmp_path) -> None:
+    from torch.cuda import _memory_viz
+    record_history(True)
+    try:
+        checkpointed_step(0, [])
+        with sim.device(0):
+            held = torch.empty(MIB, dtype=torch.uint8)
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._dump_snapshot(str(tmp_path / "snapshot.pickle"))
+    finally:
+        record_history(False)
+    trace = snapshot["device_traces"][0]
+    actions = [entry["action"] for entry in trace]
+    # balanced: each block freed in the trace was allocated in it, and
+    # every requested free completed (no other stream used them)
+    allocated = {entry["addr"] for entry in trace if entry["action"] == "alloc"}
+    assert actions.count("alloc") > actions.count("free_requested") > 10
+    assert actions.count("free_requested") == actions.count("free_completed")
+    assert {e["addr"] for e in trace if e["action"] == "free_requested"} <= allocated
+    assert "segment_alloc" in actions
+    tags = {entry["user_metadata"] for entry in trace if entry["action"] == "alloc"}
+    assert {"matepoint region 0 other"} < tags, tags
+    assert any(t.endswith(" forward") for t in tags) and any(t.endswith(" recompute") for t in tags)
+    # the blocks live now carry their tag and the Python stack of their allocation
+    live = [block for segment in snapshot["segments"] for block in segment["blocks"]
+            if block["state"] == "active_allocated"]
+    mine_now = [b for b in live if b["size"] == MIB]
+    assert mine_now and mine_now[0]["forward_frames"] == ["matepoint region 0 other"]
+    assert any(frame["name"] == "test_snapshot_renders_with_region_and_phase_tags"
+               for frame in mine_now[0]["frames"]), mine_now[0]["frames"]
+    # torch's own viewer pages, and the dumped file, carry the same
+    for page in (_memory_viz.trace_plot(snapshot), _memory_viz.segment_plot(snapshot)):
+        assert page.startswith("\n<!DOCTYPE html>") and "MemoryViz.js" in page
+        shown = rendered_snapshot(page)
+        assert {e.get("user_metadata") for e in shown["device_traces"][0]} >= tags
+    import pickle
+    with open(tmp_path / "snapshot.pickle", "rb") as handle:
+        dumped = pickle.load(handle)
+    assert len(dumped["device_traces"][0]) >= len(trace)
+    del held
+
+
+def test_history_off_records_nothing_and_keeps_stacks_out(cuda_up) -> None:
+    record_history(True, stacks=False)
+    try:
+        with sim.device(0):
+            held = torch.empty(MIB, dtype=torch.uint8)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        record_history(False)
+    (block,) = [b for s in snapshot["segments"] for b in s["blocks"]
+                if b["state"] == "active_allocated" and b["size"] == MIB]
+    assert block["frames"] == [] and block["forward_frames"] == ["matepoint region 0 other"]
+    assert [e["action"] for e in snapshot["device_traces"][0]][-1] == "alloc"
+    with sim.device(0):
+        torch.empty(MIB, dtype=torch.uint8)
+    after = torch.cuda.memory._snapshot()["device_traces"][0]
+    assert len(after) == len(snapshot["device_traces"][0])   # off: nothing more recorded
+    del held

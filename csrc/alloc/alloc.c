@@ -22,6 +22,7 @@ alloc_create(alloc_backend backend, int device_count)
     a->backend = backend;
     a->device_count = device_count;
     pthread_mutex_init(&a->oom_lock, NULL);
+    pthread_mutex_init(&a->history_lock, NULL);
     for (int i = 0; i < device_count; i++) {
         pthread_mutex_init(&a->devices[i].lock, NULL);
         a->devices[i].index = i;
@@ -37,6 +38,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
         return NULL;
     uint64_t rounded = alloc_round_size(size);
     int small = rounded <= SMALL_REQUEST;
+    void *context = history_gather(a, ALLOC_CONTEXT_STATE, tag);
     pthread_mutex_lock(&dev->lock);
     /* while a capture allocates to a pool, no event is queried (torch's
      * rule: one recorded in the capture cannot be) */
@@ -49,6 +51,8 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
         dev->stats.cache_hits++;
     } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool)) == NULL) {
         stats_record_oom(a, dev, size);
+        history_record(dev, ALLOC_TRACE_OOM, 0, size, stream, tag, context);
+        history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
     }
@@ -56,10 +60,16 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
         if (!b->in_index)
             block_insert_free(b);
         stats_record_oom(a, dev, size);
+        history_record(dev, ALLOC_TRACE_OOM, 0, size, stream, tag, context);
+        history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
     }
     stats_account_malloc(dev, b, size, tag);
+    /* the block keeps the stack for snapshots; the record only if asked */
+    b->context = context;
+    history_record(dev, ALLOC_TRACE_ALLOC, b->ptr, b->size, stream, tag,
+                   dev->history.when >= ALLOC_CONTEXT_ALLOC ? context : NULL);
     void *ptr = (void *)b->ptr;
     uint64_t bytes = b->size;
     pthread_mutex_unlock(&dev->lock);
@@ -93,13 +103,19 @@ alloc_free(allocator *a, void *ptr, int device)
     device_state *dev = device_of(a, device);
     if (dev == NULL)
         return -1;
+    /* the free's own stack: its tag is the block's, known under the lock */
+    void *context = history_gather(a, ALLOC_CONTEXT_ALL, ALLOC_TAG_NONE);
     pthread_mutex_lock(&dev->lock);
     block *b = map_take(dev, (uintptr_t)ptr);
     if (b == NULL) {
+        history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
         return -1;
     }
     stats_account_free(dev, b);
+    history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->size, b->seg->owner->stream,
+                   b->tag, context);
+    history_drop(dev, context);
     if (b->n_extra > 0 && dev->active_pools != 0)
         block_defer(dev, b);
     else
@@ -194,6 +210,7 @@ alloc_destroy(allocator *a)
             for (block *b = seg->first, *after; b != NULL; b = after) {
                 after = b->next;
                 block_forget_streams(b);
+                history_drop(dev, b->context);
                 free(b);
             }
             free(seg);
@@ -207,9 +224,13 @@ alloc_destroy(allocator *a)
         pools_free_all(dev);
         free(dev->map);
         free(dev->tags);
+        for (uint64_t i = 0; i < dev->ring_count; i++)
+            history_drop(dev, dev->ring[(dev->ring_head + i) % dev->ring_capacity].context);
+        free(dev->ring);
         pthread_mutex_destroy(&dev->lock);
     }
     pthread_mutex_destroy(&a->oom_lock);
+    pthread_mutex_destroy(&a->history_lock);
     free(a->devices);
     free(a);
 }

@@ -71,6 +71,34 @@ typedef struct {
     uint64_t live_bytes, peak_bytes, allocations;
 } alloc_tag_stats;
 
+/* An allocation's tag: the checkpointed region (0: outside any) above two
+ * bits of phase. The one encoding: matepoint._C makes tags and decodes them
+ * for memory_stats(), the torch adapter names them in snapshots. */
+enum { TAG_OTHER = 0, TAG_FORWARD = 1, TAG_RECOMPUTE = 2, TAG_PHASE_BITS = 2 };
+
+static inline uint64_t
+alloc_region_tag(uint64_t region, int phase)
+{
+    return region << TAG_PHASE_BITS | (uint64_t)phase;
+}
+
+static inline uint64_t
+alloc_tag_region(uint64_t tag)
+{
+    return tag >> TAG_PHASE_BITS;
+}
+
+/* "other", "forward" or "recompute" */
+static inline const char *
+alloc_tag_phase(uint64_t tag)
+{
+    /* by TAG_OTHER, TAG_FORWARD, TAG_RECOMPUTE (3 is unused); positional:
+     * this header is C++'s too (torch_adapter.cpp) */
+    static const char *const names[1 << TAG_PHASE_BITS] = {"other", "forward", "recompute",
+                                                           "other"};
+    return names[tag & ((1u << TAG_PHASE_BITS) - 1)];
+}
+
 /* torch's statistics model (c10's DeviceStats), kept beside alloc_stats so
  * that torch.cuda.memory_stats() answers from this allocator. A stat is an
  * amount now (`current`), its highest since the last peak reset (`peak`),

@@ -10,6 +10,8 @@
  * - alloc_streams.c  per-stream state and the events of cross-stream frees
  * - alloc_pools.c    private pools of CUDA graphs (torch's PrivatePool),
  *                    the largest free block, a pointer's segment
+ * - alloc_history.c  the trace ring and the snapshot's enumeration
+ *                    (alloc_history.h)
  * - alloc_stats.c    the live-pointer table, per-tag and device statistics,
  *                    the last out-of-memory report, alloc_check()
  *
@@ -26,9 +28,11 @@
 #define MATEPOINT_ALLOC_INTERNAL_H
 
 #include "alloc.h"
+#include "alloc_history.h"
 #include "common/mp_assert.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #define MIN_BLOCK 512u
@@ -62,6 +66,7 @@ struct block {
     void *extra_inline[EXTRA_INLINE];
     int n_extra;
     int event_count;                /* events of its free not yet seen complete */
+    void *context;                  /* the stack it was allocated with (history), or NULL */
     uint8_t allocated, in_index, deferred;
 };
 
@@ -146,6 +151,9 @@ struct device_state {
     private_pool *pools;            /* the one begun last first (torch asks LIFO) */
     block *deferred;                /* deferred blocks, linked by list_next */
     uint64_t active_pools;          /* pools being allocated to: captures underway */
+    alloc_history_config history;   /* a copy, made under this lock (alloc_history.c) */
+    alloc_trace_record *ring;       /* the newest ring_count records from ring_head */
+    uint64_t ring_capacity, ring_head, ring_count;
 };
 
 struct allocator {
@@ -154,6 +162,9 @@ struct allocator {
     device_state *devices;
     pthread_mutex_t oom_lock;       /* guards last_oom */
     alloc_oom_info last_oom;
+    pthread_mutex_t history_lock;   /* guards history; taken after no device lock */
+    alloc_history_config history;
+    _Atomic int history_when;       /* ALLOC_CONTEXT_* of gathering, 0: none (no lock) */
 };
 
 /* The device's state; NULL when `device` is out of range (no lock).
@@ -201,6 +212,20 @@ stream_find(device_state *dev, void *stream)
 /* A block just freed (taken from the live-pointer table): queued behind
  * events of the streams it was used on, else free at once. */
 void block_retire(allocator *a, device_state *dev, block *b);
+
+/* ---- alloc_history.c ---------------------------------------------------- */
+
+/* A new context for an event of a block tagged `tag` when history
+ * gathers for events of `at_least` (ALLOC_CONTEXT_STATE: allocations,
+ * ALLOC_CONTEXT_ALL: frees too), else NULL. No lock held: it may take the
+ * GIL. */
+void *history_gather(allocator *a, int at_least, uint64_t tag);
+/* Gives up one reference to `context` (NULL: nothing). */
+void history_drop(device_state *dev, void *context);
+/* Adds a record (ALLOC_TRACE_*) when recording; takes its own reference
+ * to `context`. */
+void history_record(device_state *dev, int action, uint64_t address, uint64_t size,
+                    void *stream, uint64_t tag, void *context);
 
 /* ---- alloc_blocks.c ----------------------------------------------------- */
 /* The bucket a free block of `b`'s size and stream lives in. */

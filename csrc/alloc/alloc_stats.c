@@ -188,6 +188,10 @@ stats_block_inactive(device_state *dev, block *b)
     stat_change(dev, ALLOC_STAT_ACTIVE, b->seg->small, -1);
     stat_change(dev, ALLOC_STAT_ACTIVE_BYTES, b->seg->small, -(int64_t)b->size);
     stat_change(dev, ALLOC_STAT_REQUESTED_BYTES, b->seg->small, -(int64_t)b->requested);
+    history_record(dev, ALLOC_TRACE_FREE_COMPLETED, b->ptr, b->size, b->seg->owner->stream,
+                   b->tag, NULL);
+    history_drop(dev, b->context);
+    b->context = NULL;
 }
 
 void

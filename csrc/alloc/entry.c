@@ -17,6 +17,7 @@
 #include "alloc.h"
 #include "alloc_cuda.h"
 #include "entry.h"
+#include "alloc_history.h"
 #ifdef MATEPOINT_TESTING
 #include "alloc_host.h"
 #endif
@@ -478,6 +479,31 @@ bridge_reset_accumulated(int device)
     return a ? alloc_reset_accumulated(a, device) : -1;
 }
 
+static void
+bridge_configure_history(const alloc_history_config *config)
+{
+    allocator *a = get_allocator();
+    if (a != NULL)
+        alloc_history_configure(a, config);
+}
+
+static int
+bridge_take_snapshot(int device, alloc_snapshot *out)
+{
+    allocator *a = get_allocator();
+    if (a == NULL) {
+        memset(out, 0, sizeof(*out));
+        return 0;
+    }
+    return alloc_take_snapshot(a, device, out);
+}
+
+static void
+bridge_free_snapshot(alloc_snapshot *snapshot)
+{
+    alloc_snapshot_free(get_allocator(), snapshot);
+}
+
 /* Constant: every entry is the library's for the process. */
 static const matepoint_torch_bridge bridge = {
     .version = MATEPOINT_TORCH_BRIDGE_VERSION,
@@ -492,6 +518,10 @@ static const matepoint_torch_bridge bridge = {
     .device_stats = bridge_device_stats,
     .reset_peaks = bridge_reset_peaks,
     .reset_accumulated = bridge_reset_accumulated,
+    .device_count = matepoint_alloc_device_count,
+    .configure_history = bridge_configure_history,
+    .take_snapshot = bridge_take_snapshot,
+    .free_snapshot = bridge_free_snapshot,
     .set_oom_observer = set_oom_observer,
     .begin_pool = bridge_begin_pool,
     .end_pool = bridge_end_pool,

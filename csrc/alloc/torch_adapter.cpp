@@ -10,7 +10,9 @@
 // override falls back to the base class, whose message names the
 // unsupported call. Compiled at run time against the running torch
 // (matepoint/_adapter.py), like oom_raise.cpp.
+#include <c10/util/ApproximateClock.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/csrc/profiler/combined_traceback.h>
 
 #include "torch_bridge.h"
 
@@ -18,6 +20,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -53,6 +56,127 @@ copy_array(const alloc_stat (&from)[ALLOC_POOLS], StatArray &to)
         copy_stat(from[pool], to[static_cast<size_t>(pool)]);
 }
 
+// ---- contexts: torch's gathered stacks as the C side's opaque pointers ----
+
+// One heap cell per gathered stack, counted by the C side's retain and
+// release (alloc_history.h); it holds torch's shared_ptr meanwhile.
+struct Context {
+    std::atomic<int> references{1};
+    std::shared_ptr<c10::GatheredContext> stack;
+};
+
+// torch's context recorder of the last recordHistory (a plain function);
+// read by any allocating thread.
+std::atomic<cca::CreateContextFn> recorder{nullptr};
+
+// "matepoint region 3 forward": how a block's tag reads in a snapshot
+std::string
+describe_tag(uint64_t tag)
+{
+    return "matepoint region " + std::to_string(alloc_tag_region(tag)) + " " +
+           alloc_tag_phase(tag);
+}
+
+// The stack torch's recorder gathers (none without one), with the block's
+// checkpoint region and phase as its forward traceback: the one per-block
+// text torch's snapshot carries into the viewer ("forward_frames"), after
+// any anomaly-mode forward traceback torch gathered.
+void *
+gather_context(uint64_t tag)
+{
+    cca::CreateContextFn gather = recorder.load();
+    std::shared_ptr<c10::GatheredContext> stack = gather ? gather() : nullptr;
+    if (stack == nullptr)
+        stack = std::make_shared<torch::CapturedTraceback>();
+    auto *traceback = dynamic_cast<torch::CapturedTraceback *>(stack.get());
+    if (traceback != nullptr && tag != ALLOC_TAG_NONE) {
+        std::vector<std::string> lines = traceback->forward_traceback().value_or(
+            std::vector<std::string>{});
+        lines.push_back(describe_tag(tag));
+        traceback->set_forward_traceback(std::move(lines));
+    }
+    auto *context = new Context();
+    context->stack = std::move(stack);
+    return context;
+}
+
+void
+retain_context(void *context)
+{
+    static_cast<Context *>(context)->references.fetch_add(1);
+}
+
+void
+release_context(void *context)
+{
+    auto *cell = static_cast<Context *>(context);
+    if (cell->references.fetch_sub(1) == 1)
+        delete cell;
+}
+
+std::shared_ptr<c10::GatheredContext>
+stack_of(void *context)
+{
+    return context ? static_cast<Context *>(context)->stack : nullptr;
+}
+
+int64_t
+approximate_time()
+{
+    return static_cast<int64_t>(c10::getApproximateTime());
+}
+
+// A snapshot of one device, freed (its context references released) at scope exit.
+struct DeviceSnapshot {
+    const matepoint_torch_bridge *bridge;
+    alloc_snapshot data{};
+    DeviceSnapshot(const matepoint_torch_bridge *b, int device) : bridge(b)
+    {
+        TORCH_CHECK(bridge->take_snapshot(device, &data) == 0,
+                    "matepoint's allocator: out of host memory for a memory snapshot");
+    }
+    ~DeviceSnapshot() { bridge->free_snapshot(&data); }
+    DeviceSnapshot(const DeviceSnapshot &) = delete;
+    DeviceSnapshot &operator=(const DeviceSnapshot &) = delete;
+};
+
+cca::SegmentInfo
+segment_info(int device, const alloc_snapshot &data, const alloc_segment_record &seg)
+{
+    cca::SegmentInfo info;
+    info.device = static_cast<c10::DeviceIndex>(device);
+    info.address = seg.address;
+    info.total_size = seg.size;
+    info.stream = seg.stream;
+    info.is_large = !seg.small;
+    for (uint64_t i = seg.first_block; i < seg.first_block + seg.block_count; i++) {
+        const alloc_block_record &b = data.blocks[i];
+        cca::BlockInfo block;
+        block.size = b.size;
+        block.requested_size = b.requested;
+        block.allocated = b.state == ALLOC_BLOCK_ALLOCATED;
+        block.active = b.state != ALLOC_BLOCK_INACTIVE;
+        block.context_when_allocated = stack_of(b.context);
+        info.requested_size += b.requested;
+        info.allocated_size += block.allocated ? b.size : 0;
+        info.active_size += block.active ? b.size : 0;
+        info.blocks.push_back(std::move(block));
+    }
+    return info;
+}
+
+cca::TraceEntry
+trace_entry(int device, const alloc_trace_record &r)
+{
+    auto action = static_cast<cca::TraceEntry::Action>(r.action);
+    bool block_event = r.action == ALLOC_TRACE_ALLOC || r.action == ALLOC_TRACE_FREE_REQUESTED ||
+                       r.action == ALLOC_TRACE_FREE_COMPLETED || r.action == ALLOC_TRACE_OOM;
+    return cca::TraceEntry(action, static_cast<c10::DeviceIndex>(device), r.address, r.size,
+                           static_cast<cudaStream_t>(r.stream), {0, 0},
+                           static_cast<c10::approx_time_t>(r.time), stack_of(r.context), "",
+                           block_event ? describe_tag(r.tag) : "");
+}
+
 class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
   public:
     explicit Adapter(const matepoint_torch_bridge *bridge)
@@ -62,6 +186,14 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         set_reset_fn(bridge->empty_cache);
         set_record_stream_fn(bridge->record_stream);
         set_memory_fraction_fn(bridge->set_memory_fraction);
+    }
+
+    // torch drops an allocator it swapped out: the library forgets the
+    // trampoline that points here
+    ~Adapter() override
+    {
+        if (bridge_->set_oom_observer != nullptr)
+            bridge_->set_oom_observer(nullptr, nullptr);
     }
 
     DeviceStats getDeviceStats(c10::DeviceIndex device) override
@@ -122,6 +254,46 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         std::lock_guard<std::mutex> guard(observers_lock_);
         observers_.push_back(std::move(observer));
         bridge_->set_oom_observer(&Adapter::notify_oom, this);
+    }
+
+    void recordHistory(bool enabled, cca::CreateContextFn context_recorder,
+                       size_t alloc_trace_max_entries, cca::RecordContext when,
+                       bool clear_history, const std::vector<std::string> &skip_actions) override
+    {
+        if (bridge_->configure_history == nullptr)
+            return CUDAPluggableAllocator::recordHistory(enabled, context_recorder,
+                                                         alloc_trace_max_entries, when,
+                                                         clear_history, skip_actions);
+        recorder.store(enabled ? context_recorder : nullptr);
+        alloc_history_config config{};
+        config.enabled = enabled;
+        config.max_entries = alloc_trace_max_entries;
+        config.when = static_cast<int>(when);
+        config.clear = clear_history;
+        config.gather = gather_context;
+        config.retain = retain_context;
+        config.release = release_context;
+        config.clock = approximate_time;
+        bridge_->configure_history(&config);
+    }
+
+    cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool, bool include_traces) override
+    {
+        if (bridge_->take_snapshot == nullptr || bridge_->device_count == nullptr)
+            return CUDAPluggableAllocator::snapshot(mempool, include_traces);
+        cca::SnapshotInfo result;
+        int devices = bridge_->device_count();
+        for (int device = 0; device < devices; device++) {
+            DeviceSnapshot snap(bridge_, device);
+            const alloc_snapshot &data = snap.data;
+            for (uint64_t i = 0; i < data.segment_count; i++)
+                result.segments.push_back(segment_info(device, data, data.segments[i]));
+            result.device_traces.emplace_back();
+            for (uint64_t i = 0; include_traces && i < data.trace_count; i++)
+                result.device_traces.back().push_back(trace_entry(device, data.trace[i]));
+        }
+        result.config_metadata = config_info();
+        return result;
     }
 
     // ---- CUDA graph pools: torch's filter is a std::function, which C
@@ -267,6 +439,18 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         }
     }
 
+    // what torch's snapshot reports of the allocator's settings: matepoint's
+    // rounding (512 bytes) and no split limit
+    static cca::AllocatorConfigInfo config_info()
+    {
+        cca::AllocatorConfigInfo info{};
+        info.garbage_collection_threshold = 0.0;
+        info.max_split_size = SIZE_MAX;
+        info.expandable_segments = false;
+        info.last_allocator_settings = "matepoint";
+        return info;
+    }
+
     // The library calls this after releasing its locks, before it throws
     // torch's OutOfMemoryError; the observers run in attach order, as
     // torch's allocator runs them.
@@ -301,7 +485,60 @@ write_error(char *out, size_t n, const std::string &text)
     out[n - 1] = '\0';
 }
 
+// Python and TorchScript stacks, as torch's _record_memory_history
+// gathers them for context="all"
+std::shared_ptr<c10::GatheredContext>
+gather_stack()
+{
+    return torch::CapturedTraceback::gather(true, true, false);
+}
+
 }  // namespace
+
+// Attaches `observer` through torch's own C++ entry point (the one
+// torch._C._cuda_attach_out_of_memory_observer calls after initializing
+// CUDA), so a C caller (and the tests, where CUDA cannot initialize) reach
+// the current allocator's attachOutOfMemoryObserver. 0, or -1 with the
+// reason in `error` (torch's allocator refused, e.g. the plain pluggable one).
+extern "C" __attribute__((visibility("default"))) int
+matepoint_torch_adapter_attach_oom_observer(void (*observer)(int64_t device, size_t allocated,
+                                                             size_t device_total,
+                                                             size_t device_free),
+                                            char *error, size_t error_size)
+{
+    try {
+        cca::attachOutOfMemoryObserver(
+            [observer](int64_t device, size_t allocated, size_t total, size_t free_bytes) {
+                observer(device, allocated, total, free_bytes);
+            });
+    } catch (const std::exception &failure) {
+        write_error(error, error_size, failure.what());
+        return -1;
+    }
+    return 0;
+}
+
+
+// What torch.cuda.memory._record_memory_history(enabled, context="all" or
+// None, max_entries, clear_history) does once CUDA is initialized: calls
+// the current allocator's recordHistory through torch's C++ entry point.
+// torch's own Python entry initializes CUDA first, which a machine without
+// a GPU cannot; the tests record history through this. 0, or -1 with the
+// reason in `error`.
+extern "C" __attribute__((visibility("default"))) int
+matepoint_torch_adapter_record_history(int enabled, int stacks, uint64_t max_entries, int clear,
+                                       char *error, size_t error_size)
+{
+    try {
+        cca::recordHistory(enabled != 0, stacks ? gather_stack : nullptr, max_entries,
+                           stacks ? cca::RecordContext::ALL : cca::RecordContext::NEVER,
+                           clear != 0, {});
+    } catch (const std::exception &failure) {
+        write_error(error, error_size, failure.what());
+        return -1;
+    }
+    return 0;
+}
 
 // Makes an adapter over the library's table (`get_bridge`, the library's
 // matepoint_alloc_torch_bridge) torch's current CUDA allocator. 0, or -1

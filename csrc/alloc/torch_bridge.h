@@ -22,6 +22,7 @@
 #define MATEPOINT_ALLOC_TORCH_BRIDGE_H
 
 #include "alloc.h"
+#include "alloc_history.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -59,6 +60,17 @@ typedef struct matepoint_torch_bridge {
     int (*device_stats)(int device, alloc_device_stats *out);
     int (*reset_peaks)(int device);
     int (*reset_accumulated)(int device);
+
+    /* how many devices the allocator serves (snapshots walk them all) */
+    int (*device_count)(void);
+
+    /* Memory history (alloc_history.h): torch's recordHistory, and a
+     * snapshot of one device that the caller frees with free_snapshot
+     * (it holds context references). take_snapshot: 0, or -1 without
+     * memory. */
+    void (*configure_history)(const alloc_history_config *config);
+    int (*take_snapshot)(int device, alloc_snapshot *out);
+    void (*free_snapshot)(alloc_snapshot *snapshot);
 
     /* Out-of-memory observers: one observer, replaced by the next call
      * (the adapter keeps torch's list and passes its own trampoline). */

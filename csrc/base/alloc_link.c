@@ -25,12 +25,6 @@ static const struct {
     [ALLOC_SYM_TORCH_BRIDGE] = {"torch_bridge", "matepoint_alloc_torch_bridge"},
 };
 
-/* Names of the phases below a tag's region, by phase (3 is unused). */
-static const char *const phase_names[1 << TAG_PHASE_BITS] = {
-    [TAG_OTHER] = "other", [TAG_FORWARD] = "forward", [TAG_RECOMPUTE] = "recompute",
-    [3] = "other",
-};
-
 PyObject *
 alloc_link_symbols(void)
 {
@@ -116,8 +110,8 @@ by_tag(const void *a, const void *b)
 static PyObject *
 tag_row(const alloc_tag_stats *t)
 {
-    return Py_BuildValue("{sKsssKsKsK}", "region", (unsigned long long)(t->tag >> TAG_PHASE_BITS),
-                         "phase", phase_names[t->tag & ((1u << TAG_PHASE_BITS) - 1)],
+    return Py_BuildValue("{sKsssKsKsK}", "region", (unsigned long long)alloc_tag_region(t->tag),
+                         "phase", alloc_tag_phase(t->tag),
                          "live_bytes", (unsigned long long)t->live_bytes, "peak_bytes",
                          (unsigned long long)t->peak_bytes, "allocations",
                          (unsigned long long)t->allocations);

@@ -11,17 +11,6 @@
 #include "alloc/alloc.h"
 #include "alloc/torch_bridge.h"
 
-/* An allocation's tag: the checkpointed region (0: outside any) above two
- * bits of phase. The one encoding: _allocator_stats() decodes it for Python. */
-enum { TAG_OTHER = 0, TAG_FORWARD = 1, TAG_RECOMPUTE = 2, TAG_PHASE_BITS = 2 };
-
-/* Tag of a checkpointed region in one phase. */
-static inline uint64_t
-alloc_region_tag(uint64_t region, int phase)
-{
-    return region << TAG_PHASE_BITS | (uint64_t)phase;
-}
-
 /* The allocator library's entry points, by role. alloc_link.c holds their
  * one list of names; _C.ALLOCATOR_SYMBOLS gives it to matepoint/_allocator.py
  * (torch's CUDAPluggableAllocator and its hooks) and matepoint/_oom.py. */
