@@ -127,3 +127,18 @@ def test_base_allocation_through_torch(memory) -> None:
     assert base.value <= first.data_ptr() < second.data_ptr() and size.value == 2 << 20
     assert function(1 << 40, ctypes.byref(base), ctypes.byref(size), error, 512) == -1
     assert b"invalid device pointer" in error.value
+
+
+def test_checkpoint_state_is_taken_and_a_restore_is_refused_clearly(memory) -> None:
+    """torch.compile's CUDA graph trees take a pool's state after every
+    recording (it must not raise: a single recorded graph replays), and
+    restore it only when switching graphs, which is refused saying why."""
+    pool = (0, 4444)
+    torch._C._cuda_beginAllocateToPool(0, pool)
+    torch._C._cuda_endAllocateToPool(0, pool)
+    try:
+        state = torch._C._cuda_getCheckpointState(0, pool)
+        with pytest.raises(RuntimeError, match="matepoint's allocator cannot yet restore"):
+            torch._C._cuda_setCheckpointPoolState(0, state, [], [])
+    finally:
+        torch._C._cuda_releasePool(0, pool)

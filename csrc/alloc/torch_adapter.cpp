@@ -417,6 +417,33 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         return open;
     }
 
+    // torch.compile's CUDA graph trees take a pool's state after each
+    // recording (getCheckpointState) and restore it when they switch
+    // between recorded graphs (setCheckpointPoolState). Restoring is not
+    // supported yet: the state is a marker, and a restore says so at once
+    // (torch's base class would already refuse at the first recording).
+    std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                            at::cuda::MempoolId_t id) override
+    {
+        if (bridge_->begin_pool == nullptr)
+            return CUDAPluggableAllocator::getCheckpointState(device, id);
+        return std::make_shared<cca::AllocatorState>();
+    }
+
+    cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                                std::shared_ptr<cca::AllocatorState> state) override
+    {
+        (void)device;
+        (void)state;
+        TORCH_CHECK(false,
+                    "matepoint's allocator cannot yet restore a CUDA graph pool to a checkpointed "
+                    "state (setCheckpointPoolState), which torch.compile's CUDA graph trees ask "
+                    "when they switch between recorded graphs (mode=\"reduce-overhead\" with "
+                    "several compiled graphs, such as training's forward and backward): compile "
+                    "without mode=\"reduce-overhead\", or run without "
+                    "matepoint.install_allocator()");
+    }
+
     std::string name() override { return "matepoint"; }
 
   private:
