@@ -20,15 +20,15 @@ export ASAN_OPTIONS ?= allocator_may_return_null=1:detect_leaks=1
 # runtime table the allocator uses (csrc/cuda/cudart_util.c)
 COMMON_SOURCES := $(sort $(wildcard csrc/common/*.c))
 COMMON_HEADERS := $(wildcard csrc/common/*.h)
-# the allocator's C sources but the library's entry points (entry.c)
-ALLOC_SOURCES := $(filter-out csrc/alloc/entry.c,$(sort $(wildcard csrc/alloc/*.c))) \
+# the allocator's C sources but the library's entry points (entry*.c)
+ALLOC_SOURCES := $(filter-out csrc/alloc/entry%,$(sort $(wildcard csrc/alloc/*.c))) \
                  csrc/cuda/cudart_util.c $(COMMON_SOURCES)
 ALLOC_HEADERS := $(wildcard csrc/alloc/*.h) csrc/cuda/cudart_util.h $(COMMON_HEADERS)
 POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c $(COMMON_SOURCES)
 PLANNER_SOURCES := $(sort $(wildcard csrc/planner/*.c))
 SPILL_SOURCES := $(sort $(wildcard csrc/spill/*.c)) $(COMMON_SOURCES)
 SIM_SOURCES := $(sort $(wildcard csrc/testing/cudart_sim*.c)) $(COMMON_SOURCES)
-CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
+CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_alloc_pools build/ctest/test_planner \
            build/ctest/test_cudart_sim build/ctest/test_helpers build/ctest/test_spill
 
 .PHONY: test test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
@@ -153,6 +153,8 @@ valgrind:
 	  tests/c/test_pool.c $(POOL_SOURCES) -lpthread
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_alloc \
 	  tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
+	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_alloc_pools \
+	  tests/c/test_alloc_pools.c $(ALLOC_SOURCES) -lpthread
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_planner \
 	  tests/c/test_planner.c $(PLANNER_SOURCES) -lm
 	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_cudart_sim \
@@ -163,6 +165,7 @@ valgrind:
 	  tests/c/test_spill.c $(SPILL_SOURCES) -lpthread
 	@if command -v valgrind >/dev/null; then \
 	  $(VALGRIND) build/valgrind/test_pool && $(VALGRIND) build/valgrind/test_alloc && \
+	  $(VALGRIND) build/valgrind/test_alloc_pools && \
 	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim && \
 	  $(VALGRIND) build/valgrind/test_helpers && $(VALGRIND) build/valgrind/test_spill; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
@@ -209,6 +212,10 @@ build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h tests/c/lock_probe.
 	@mkdir -p $(@D)
 	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
 
+build/ctest/test_alloc_pools: tests/c/test_alloc_pools.c tests/c/check.h $(ALLOC_SOURCES) $(ALLOC_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc_pools.c $(ALLOC_SOURCES) -lpthread
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
@@ -236,15 +243,14 @@ demo: install
 bench: install
 	$(PY) -m matepoint.bench
 
-# On a GPU machine with torch installed and no network: build, run every
-# test (the @pytest.mark.cuda ones too), then the benchmark at a size that
-# finishes in minutes; its table comes last.
+# On a GPU machine with torch installed and no network, one command under
+# 8 minutes on one H100/H200: the build, the CUDA tests, torch's API under
+# install_allocator() (benchmarks/allocator_probe.py), the deep-latent
+# bench; each step time-limited and logged to $(OUT) (benchmarks/gpu_check.sh).
 SYSTEM_PY ?= python3
+OUT ?= build/gpu-check
 gpu-check:
-	$(SYSTEM_PY) -m pip install -q --no-build-isolation --no-deps -e .
-	$(SYSTEM_PY) -m pytest -q tests
-	$(SYSTEM_PY) -m pytest -q -rA tests/test_oom.py  # out of memory is caught, training goes on
-	$(SYSTEM_PY) -m matepoint.bench --gpu-check
+	OUT="$(OUT)" PYTHON="$(SYSTEM_PY)" sh benchmarks/gpu_check.sh
 
 clean:
 	rm -rf build *.egg-info matepoint/*.so

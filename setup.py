@@ -40,9 +40,10 @@ allocator = Extension(
 )
 
 class build_py_with_oom_unit(build_py):
-    """Ships the C++ unit that raises torch.OutOfMemoryError inside the
-    package: it is compiled at run time against the torch in use
-    (matepoint/_oom.py), since pip's isolated build has no torch."""
+    """Ships the C++ units (the one that raises torch.OutOfMemoryError, the
+    torch adapter and its headers) inside the package: they are compiled at
+    run time against the torch in use (matepoint/_oom.py, _adapter.py),
+    since pip's isolated build has no torch."""
 
     def run(self) -> None:
         super().run()
@@ -50,7 +51,8 @@ class build_py_with_oom_unit(build_py):
             return  # an editable install finds it in csrc/ (matepoint/_oom.py)
         target = os.path.join(self.build_lib, "matepoint")
         self.mkpath(target)
-        self.copy_file(layout.OOM_UNIT_SOURCE, os.path.join(target, layout.OOM_UNIT))
+        for source in layout.RUNTIME_UNIT_SOURCES:
+            self.copy_file(source, os.path.join(target, os.path.basename(source)))
 
 
 setup(ext_modules=[extension, allocator], cmdclass={"build_py": build_py_with_oom_unit})

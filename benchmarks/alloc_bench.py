@@ -110,7 +110,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the replay needs: the allocator and its host backend, and the helpers
 # of csrc/common they use; not the library's entry points or the CUDA backend.
 REPLAY_FOLDERS = ("alloc", "common")
-REPLAY_SKIPPED = ("entry.c", "alloc_cuda.c", "alloc_cuda.h")
+REPLAY_SKIPPED = ("entry.c", "entry_pools.c", "entry.h", "alloc_cuda.c", "alloc_cuda.h")
 
 
 def synthetic_step(depth: int, streams: int, seed: int = 0) -> List[str]:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Union
 
 import torch
 
-from matepoint import _C, _oom
+from matepoint import _adapter, _C, _oom
 from matepoint._errors import type_error, value_error
 from matepoint._options import show_int
 
@@ -21,6 +21,8 @@ _HOOKS = {
     "set_reset_fn": "reset",
     "set_record_stream_fn": "record_stream",
     "set_memory_fraction_fn": "set_memory_fraction",
+    # CUDA IPC: the segment a tensor's block is carved from, not the block
+    "set_base_alloc_fn": "base_allocation",
 }
 _REQUIRED_HOOK = "set_record_stream_fn"
 _installed = False
@@ -58,16 +60,15 @@ def _hook_setters(pluggable: Any) -> Dict[str, Callable[[int], None]]:
 def install_allocator() -> bool:
     """Make matepoint's allocator torch's CUDA allocator for this process.
 
-    Call it at program start, before anything touches CUDA memory. Under it,
-    torch.cuda.memory_stats() raises: use matepoint.memory_stats(). Out of
-    memory raises torch.OutOfMemoryError, through a small C++ unit the first
-    call compiles and caches (MATEPOINT_BUILD_TIMEOUT; see matepoint/_oom.py).
-
-    Returns whether out of memory raises torch.OutOfMemoryError. When it
-    cannot (no C++ compiler, a failed build), a RuntimeWarning says why: out
-    of memory then stops the process. A second call returns the same answer.
-    Refused (RuntimeError, nothing installed) where torch would ignore
-    record_stream under it (no set_record_stream_fn): data could be corrupted.
+    Call it at program start, before anything touches CUDA memory. torch's
+    memory API (memory_stats, max_memory_allocated, reset_peak_memory_stats,
+    memory_summary, out-of-memory observers, ...) answers from it through a
+    C++ adapter, and out of memory raises torch.OutOfMemoryError through
+    another C++ unit, both compiled and cached at the first call. Returns
+    whether out of memory raises. A unit that cannot be built is warned
+    about: out of memory then stops the process, or torch's memory functions
+    raise naming matepoint's allocator. Refused (RuntimeError) where torch
+    would ignore record_stream (no set_record_stream_fn).
     """
     global _installed
     if _installed:
@@ -79,16 +80,33 @@ def install_allocator() -> bool:
             "matepoint.install_allocator must run before CUDA is first used: CUDA is already "
             "initialized here, so torch's own allocator may hold memory")
     path = allocator_path()
+    library = ctypes.CDLL(path)
+    try:
+        _adapter.install(library)
+        raises = _oom.attach_oom_handler(library)
+    except (OSError, AttributeError, _oom.BuildError, RuntimeError) as error:
+        raises = _install_plain(path, library, str(error))
+    _C._attach_allocator(path)
+    _installed = True
+    return raises
+
+
+def _install_plain(path: str, library: ctypes.CDLL, reason: str) -> bool:
+    """torch's plain CUDAPluggableAllocator over the library, where the
+    adapter cannot be had: torch's memory functions then raise an error
+    naming matepoint's allocator when called (warned once, here)."""
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, _SYMBOLS["malloc"],
                                                           _SYMBOLS["free"])
     setters = _hook_setters(pluggable)
-    library = ctypes.CDLL(path)
     raises = _oom.attach_oom_handler(library)
     for setter, register in setters.items():
         register(ctypes.cast(getattr(library, _SYMBOLS[_HOOKS[setter]]), ctypes.c_void_p).value)
     torch.cuda.memory.change_current_allocator(pluggable)
-    _C._attach_allocator(path)
-    _installed = True
+    _adapter.guard_torch_memory_api(reason)
+    _oom._warn("matepoint: torch's memory API (torch.cuda.memory_stats, max_memory_allocated, "
+               "memory snapshots, out-of-memory observers) will raise under matepoint's "
+               "allocator, because the C++ adapter that answers it could not be built here: "
+               f"{reason}. matepoint.memory_stats() and memory_report() still work.")
     return raises
 
 
@@ -123,12 +141,12 @@ def _device_index(where: str, device: Any) -> int:
 def memory_stats(device: Union[int, str, torch.device] = 0) -> Dict[str, Any]:
     """Memory of matepoint's allocator on ``device`` (int, torch.device or "cuda:N").
 
-    allocated/reserved bytes (current and peak), requested bytes, counts of mallocs, frees,
-    cache hits, device allocations and frees, OOM retries, and ``tags``: live and peak bytes
-    per checkpointed region and phase (region 0 is memory allocated outside any checkpoint),
-    and ``oom_raises``: whether running out of memory raises torch.OutOfMemoryError (False:
-    it stops the process; install_allocator() warned why). Before install_allocator() it
-    raises RuntimeError.
+    allocated/reserved bytes (current and peak), counts of mallocs, frees, cache hits, and
+    torch.cuda.memory_stats()'s keys and figures ("allocated_bytes.all.current", ...),
+    ``tags``: live and peak bytes per checkpointed region and phase (region 0: outside any
+    checkpoint), and ``oom_raises``: whether running out of memory raises
+    torch.OutOfMemoryError (False: it stops the process; install_allocator() warned why).
+    Before install_allocator() it raises RuntimeError.
     """
     device = _device_index("matepoint.memory_stats", device)
     per_device = _C._allocator_stats()

@@ -30,6 +30,13 @@ ALLOCATOR_TEST_SOURCES = ("csrc/alloc/alloc_host.c",)
 # name inside an installed package (compiled at run time, see _oom.py)
 OOM_UNIT_SOURCE = "csrc/alloc/oom_raise.cpp"
 OOM_UNIT = os.path.basename(OOM_UNIT_SOURCE)
+# the C++ adapter that makes the allocator torch's CUDA allocator beyond
+# malloc and free (memory_stats, snapshots, ...), compiled at run time like
+# the OOM unit (matepoint/_adapter.py), and the headers it includes: shipped
+# beside it in the package
+ADAPTER_UNIT_SOURCE = "csrc/alloc/torch_adapter.cpp"
+ADAPTER_HEADER_SOURCES = ("csrc/alloc/torch_bridge.h", "csrc/alloc/alloc.h")
+RUNTIME_UNIT_SOURCES = (OOM_UNIT_SOURCE, ADAPTER_UNIT_SOURCE) + ADAPTER_HEADER_SOURCES
 
 C_FLAGS = ["-std=c11", "-Wall", "-Wextra"]
 CXX_FLAGS = ["-std=c++17", "-O2", "-shared", "-fPIC"]

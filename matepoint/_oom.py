@@ -66,6 +66,18 @@ class BuildError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class UnitExtras:
+    """What a unit needs beyond torch's headers and libc10: compiler flags
+    after the common ones (a later ``-std=`` wins), more include folders,
+    more of torch's libraries (``c10_cuda``), and the headers it includes
+    (their text is part of the cache key)."""
+    flags: Tuple[str, ...] = ()
+    include_dirs: Tuple[str, ...] = ()
+    libraries: Tuple[str, ...] = ()
+    depends: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class HandlerState:
     """Whether running out of memory under matepoint's allocator raises
     torch.OutOfMemoryError (``attached``) or stops the process, and why."""
@@ -129,17 +141,21 @@ def _compiler_identity(command: List[str]) -> str:
     return f"{real}|{info.st_size}|{info.st_mtime_ns}|{shlex.join(command[1:])}"
 
 
-def cache_key(source: str, compiler: Optional[List[str]] = None) -> str:
-    """The hash in a cached library's name: source text, torch (version, C++
-    ABI, library folder), CPU architecture, Python ABI, compiler, flags."""
-    with open(source, "rb") as handle:
-        text = handle.read()
+def cache_key(source: str, compiler: Optional[List[str]] = None,
+              extras: UnitExtras = UnitExtras()) -> str:
+    """The hash in a cached library's name: source text (and its headers'),
+    torch (version, C++ ABI, library folder), CPU architecture, Python ABI,
+    compiler, flags."""
+    text = b""
+    for path in (source,) + extras.depends:
+        with open(path, "rb") as handle:
+            text += handle.read()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     python_abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
     parts = [torch.__version__, f"cxx11abi={abi}", os.path.realpath(_torch_dirs()[1]),
              platform.machine(), str(python_abi),
              _compiler_identity(compiler if compiler is not None else _compiler()),
-             " ".join(_FLAGS)]
+             " ".join(_FLAGS), repr((extras.flags, extras.include_dirs, extras.libraries))]
     return hashlib.sha256(text + "\0".join(parts).encode()).hexdigest()[:20]
 
 
@@ -240,14 +256,19 @@ def _run_compiler(command: List[str], timeout: float) -> Tuple[int, str]:
             raise
 
 
-def _compile(source: str, compiler: List[str], folder: str, target: str) -> None:
+def _compile(source: str, compiler: List[str], folder: str, target: str,
+             extras: UnitExtras = UnitExtras()) -> None:
     include, lib = _torch_dirs()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # build beside the target, then rename: ranks of one job may race here
     handle, partial = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(handle)
-    command = compiler + _FLAGS + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", include, source,
-                                   "-L", lib, "-lc10", f"-Wl,-rpath,{lib}", "-o", partial]
+    command = compiler + _FLAGS + list(extras.flags) + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                                                        "-I", include]
+    for include_dir in extras.include_dirs:
+        command += ["-I", include_dir]
+    command += [source, "-L", lib, "-lc10"] + [f"-l{name}" for name in extras.libraries]
+    command += [f"-Wl,-rpath,{lib}", "-o", partial]
     started = time.monotonic()
     try:
         code, output = _run_compiler(command, build_timeout())
@@ -264,10 +285,11 @@ def _compile(source: str, compiler: List[str], folder: str, target: str) -> None
              time.monotonic() - started)
 
 
-def _build(source: str, name: str) -> Tuple[str, Optional[str]]:
+def _build(source: str, name: str,
+           extras: UnitExtras = UnitExtras()) -> Tuple[str, Optional[str]]:
     """(library path, private folder to remove after loading or None)."""
     compiler = _compiler()
-    key = cache_key(source, compiler)
+    key = cache_key(source, compiler, extras)
     folder = os.path.realpath(cache_dir())
     _make_private_folders(folder)
     target = os.path.join(folder, f"{name}-{key}.so")
@@ -282,7 +304,7 @@ def _build(source: str, name: str) -> Tuple[str, Optional[str]]:
               f"in the private folder {private} instead (set MATEPOINT_CACHE_DIR to a folder "
               f"only you can write to keep the build)")
         try:
-            _compile(source, compiler, private, os.path.join(private, f"{name}.so"))
+            _compile(source, compiler, private, os.path.join(private, f"{name}.so"), extras)
         except BaseException:
             shutil.rmtree(private, ignore_errors=True)
             raise
@@ -296,7 +318,7 @@ def _build(source: str, name: str) -> Tuple[str, Optional[str]]:
                              f"MATEPOINT_BUILD_RETRY=1 to try again): {recorded[-2000:]}")
         os.unlink(marker)
     try:
-        _compile(source, compiler, folder, target)
+        _compile(source, compiler, folder, target, extras)
     except BuildError as error:
         try:
             _write_atomically(folder, marker, f"{error}\n")
@@ -307,7 +329,7 @@ def _build(source: str, name: str) -> Tuple[str, Optional[str]]:
     return target, None
 
 
-def build_library(source: str, name: str) -> str:
+def build_library(source: str, name: str, extras: UnitExtras = UnitExtras()) -> str:
     """Compiles ``source`` (C++ using c10) into a shared library linked to
     the running torch's libc10 and returns its path, reusing a cached build.
 
@@ -316,12 +338,12 @@ def build_library(source: str, name: str) -> str:
     private the library is built in a new private folder that the caller
     owns; load_library() loads it and removes that folder.
     """
-    return _build(source, name)[0]
+    return _build(source, name, extras)[0]
 
 
-def load_library(source: str, name: str) -> ctypes.CDLL:
+def load_library(source: str, name: str, extras: UnitExtras = UnitExtras()) -> ctypes.CDLL:
     """build_library(), then loads the library and keeps it loaded."""
-    path, private = _build(source, name)
+    path, private = _build(source, name, extras)
     try:
         library = ctypes.CDLL(path)
     finally:

@@ -59,6 +59,11 @@ def _attach() -> Tuple[ctypes.CDLL, ctypes.CDLL, int]:
     return _memory
 
 
+def allocator_library() -> ctypes.CDLL:
+    """The allocator library serving the simulated devices' memory."""
+    return _attach()[0]
+
+
 @contextlib.contextmanager
 def device_memory(enabled: bool = True) -> Iterator[Optional[ctypes.CDLL]]:
     """torch's CPU tensors come from the simulated devices meanwhile (or,

@@ -14,13 +14,15 @@ import pytest
 import torch
 
 import matepoint
-from matepoint import _C, _allocator, _oom
+from matepoint import _C, _adapter, _allocator, _oom
 
-SETTERS = ("set_init_fn", "set_reset_fn", "set_record_stream_fn", "set_memory_fraction_fn")
+SETTERS = ("set_init_fn", "set_reset_fn", "set_record_stream_fn", "set_memory_fraction_fn",
+           "set_base_alloc_fn")
 # the library's entry point each setter must receive (the names csrc/base/alloc_link.c exports)
 EXPECTED = {"set_init_fn": "matepoint_init", "set_reset_fn": "matepoint_reset",
             "set_record_stream_fn": "matepoint_record_stream",
-            "set_memory_fraction_fn": "matepoint_set_memory_fraction"}
+            "set_memory_fraction_fn": "matepoint_set_memory_fraction",
+            "set_base_alloc_fn": "matepoint_base_allocation"}
 
 
 class Binding:
@@ -49,6 +51,7 @@ class TorchSide:
         self.bindings: List[Binding] = []
         self.current: Optional[object] = None
         self.attached: List[str] = []
+        self.guarded: List[str] = []
 
     def pluggable(self, path: str, malloc: str, free: str):
         side = self
@@ -75,7 +78,15 @@ def torch_side(monkeypatch, request):
     monkeypatch.setattr(_C, "_attach_allocator", side.attached.append)
     monkeypatch.setattr(_oom, "attach_oom_handler", lambda library: True)
     monkeypatch.setattr(_allocator, "_installed", False)
+    # the plain pluggable allocator: the adapter (test_torch_memory_api.py)
+    # could not be built; torch's memory functions stay as they are
+    monkeypatch.setattr(_adapter, "install", _no_adapter)
+    monkeypatch.setattr(_adapter, "guard_torch_memory_api", side.guarded.append)
     yield side
+
+
+def _no_adapter(library) -> None:
+    raise _oom.BuildError("no adapter in this test")
 
 
 def _address(name: str) -> int:
@@ -84,7 +95,9 @@ def _address(name: str) -> int:
 
 
 def test_every_hook_is_registered_with_its_entry_point(torch_side):
-    assert matepoint.install_allocator() is True
+    with pytest.warns(RuntimeWarning, match="torch's memory API.*will raise.*no adapter in this"):
+        assert matepoint.install_allocator() is True
+    assert torch_side.guarded == ["no adapter in this test"]
     path = _allocator.allocator_path()
     assert torch_side.created == [(path, "matepoint_malloc", "matepoint_free")]
     (binding,) = torch_side.bindings
@@ -100,7 +113,8 @@ def test_every_hook_is_registered_with_its_entry_point(torch_side):
 @pytest.mark.parametrize("torch_side", [("set_record_stream_fn",)], indirect=True)
 def test_optional_hooks_may_be_missing(torch_side):
     """init, reset (empty_cache) and memory fraction are optional."""
-    assert matepoint.install_allocator() is True
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert matepoint.install_allocator() is True
     (binding,) = torch_side.bindings
     assert binding.registered == {"set_record_stream_fn": _address("matepoint_record_stream")}
     assert torch_side.current is not None

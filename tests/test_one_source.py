@@ -124,13 +124,17 @@ def test_pool_stats_docs_name_only_real_keys() -> None:
 # ---- the allocator library ---------------------------------------------------------
 
 def test_allocator_symbols_are_exactly_what_the_library_defines() -> None:
-    """entry.c defines the functions; _C.ALLOCATOR_SYMBOLS is the one list
-    of their names that _C, _allocator.py and _oom.py look them up by."""
+    """entry.c and entry_pools.c define the functions; _C.ALLOCATOR_SYMBOLS
+    is the one list of their names that _C, _allocator.py and _oom.py look
+    them up by."""
     import ctypes
 
     from matepoint._allocator import allocator_path
-    defined = set(re.findall(r"^(matepoint_\w+)\(", read("csrc/alloc/entry.c"), re.M))
+    entries = read("csrc/alloc/entry.c") + read("csrc/alloc/entry_pools.c")
+    defined = set(re.findall(r"^(matepoint_\w+)\(", entries, re.M))
     defined.discard("matepoint_alloc_use_runtime")  # test builds only, for tests/sim.py
+    # test builds only: graph pools and cacheInfo for the simulated GPU's tests
+    defined -= {name for name in defined if name.startswith("matepoint_test_")}
     assert defined == set(_C.ALLOCATOR_SYMBOLS.values())
     library = ctypes.CDLL(allocator_path())
     for name in _C.ALLOCATOR_SYMBOLS.values():
@@ -140,9 +144,12 @@ def test_allocator_symbols_are_exactly_what_the_library_defines() -> None:
 
 
 def test_tags_are_decoded_by_c() -> None:
-    """The tag encoding (region << 2 | phase) is C's alone: Python gets rows."""
+    """The tag encoding (region << 2 | phase) is C's alone, in the allocator's
+    header: Python gets rows, _C and the torch adapter decode through it."""
     assert not re.search(r">>\s*2|&\s*3\b", read("matepoint/_allocator.py"))
-    assert "TAG_PHASE_BITS" in read("csrc/base/alloc_link.h")
+    assert not re.search(r">>\s*2|&\s*3\b", read("csrc/alloc/torch_adapter.cpp"))
+    assert "TAG_PHASE_BITS" in read("csrc/alloc/alloc.h")
+    assert "TAG_PHASE_BITS" not in read("csrc/base/alloc_link.c")
 
 
 # ---- sources and build flags ----------------------------------------------------------

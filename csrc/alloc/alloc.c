@@ -22,6 +22,7 @@ alloc_create(alloc_backend backend, int device_count)
     a->backend = backend;
     a->device_count = device_count;
     pthread_mutex_init(&a->oom_lock, NULL);
+    pthread_mutex_init(&a->history_lock, NULL);
     for (int i = 0; i < device_count; i++) {
         pthread_mutex_init(&a->devices[i].lock, NULL);
         a->devices[i].index = i;
@@ -37,14 +38,21 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
         return NULL;
     uint64_t rounded = alloc_round_size(size);
     int small = rounded <= SMALL_REQUEST;
+    void *context = history_gather(a, ALLOC_CONTEXT_STATE, tag);
     pthread_mutex_lock(&dev->lock);
-    if (dev->events_pending != 0)
+    /* while a capture allocates to a pool, no event is queried (torch's
+     * rule: one recorded in the capture cannot be) */
+    private_pool *pool = dev->active_pools != 0 ? pool_for_stream(dev, stream) : NULL;
+    if (dev->events_pending != 0 && dev->active_pools == 0)
         events_process(a, dev, 0);
     block *b = NULL;
-    if (rounded != 0 && (b = block_find_free(dev, rounded, small, stream)) != NULL) {
+    if (rounded != 0 &&
+        (b = block_find_free(stream_list(dev, pool), rounded, small, stream)) != NULL) {
         dev->stats.cache_hits++;
-    } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream)) == NULL) {
+    } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool)) == NULL) {
         stats_record_oom(a, dev, size);
+        history_record(dev, ALLOC_TRACE_OOM, 0, size, stream, tag, context);
+        history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
     }
@@ -52,10 +60,16 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
         if (!b->in_index)
             block_insert_free(b);
         stats_record_oom(a, dev, size);
+        history_record(dev, ALLOC_TRACE_OOM, 0, size, stream, tag, context);
+        history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
     }
     stats_account_malloc(dev, b, size, tag);
+    /* the block keeps the stack for snapshots; the record only if asked */
+    b->context = context;
+    history_record(dev, ALLOC_TRACE_ALLOC, b->ptr, b->size, stream, tag,
+                   dev->history.when >= ALLOC_CONTEXT_ALLOC ? context : NULL);
     void *ptr = (void *)b->ptr;
     uint64_t bytes = b->size;
     pthread_mutex_unlock(&dev->lock);
@@ -64,26 +78,48 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     return ptr;
 }
 
+/* A freed block: queued behind events of the streams it was used on, or
+ * free at once (and its segment back to the backend if its pool was
+ * released). Lock held. */
+void
+block_retire(allocator *a, device_state *dev, block *b)
+{
+    if (b->n_extra > 0 && events_insert(a, dev, b) < 0) {
+        /* no event for some stream: only a device-wide wait is safe */
+        a->backend.device_synchronize(a->backend.ctx, dev->index);
+    }
+    block_forget_streams(b);
+    if (b->event_count == 0) {
+        segment *seg = b->seg;
+        stats_block_inactive(dev, b);
+        block_insert_free(b);
+        pool_settle_segment(a, dev, seg);
+    }
+}
+
 int
 alloc_free(allocator *a, void *ptr, int device)
 {
     device_state *dev = device_of(a, device);
     if (dev == NULL)
         return -1;
+    /* the free's own stack: its tag is the block's, known under the lock */
+    void *context = history_gather(a, ALLOC_CONTEXT_ALL, ALLOC_TAG_NONE);
     pthread_mutex_lock(&dev->lock);
     block *b = map_take(dev, (uintptr_t)ptr);
     if (b == NULL) {
+        history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
         return -1;
     }
     stats_account_free(dev, b);
-    if (b->n_extra > 0 && events_insert(a, dev, b) < 0) {
-        /* no event for some stream: only a device-wide wait is safe */
-        a->backend.device_synchronize(a->backend.ctx, dev->index);
-    }
-    block_forget_streams(b);
-    if (b->event_count == 0)
-        block_insert_free(b);
+    history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->size, b->seg->owner->stream,
+                   b->tag, context);
+    history_drop(dev, context);
+    if (b->n_extra > 0 && dev->active_pools != 0)
+        block_defer(dev, b);
+    else
+        block_retire(a, dev, b);
     pthread_mutex_unlock(&dev->lock);
     return 0;
 }
@@ -140,9 +176,7 @@ alloc_empty_cache(allocator *a)
     for (int d = 0; d < a->device_count; d++) {
         device_state *dev = &a->devices[d];
         pthread_mutex_lock(&dev->lock);
-        events_process(a, dev, 1);
-        events_free_spares(a, dev);
-        segment_release_free(a, dev);
+        segment_release_cached(a, dev);
         pthread_mutex_unlock(&dev->lock);
     }
 }
@@ -166,12 +200,17 @@ alloc_destroy(allocator *a)
     alloc_empty_cache(a);
     for (int d = 0; d < a->device_count; d++) {
         device_state *dev = &a->devices[d];
+        /* pools still in use too: nothing replays them any more */
+        pthread_mutex_lock(&dev->lock);
+        segment_release_free(a, dev, RELEASE_ALL);
+        pthread_mutex_unlock(&dev->lock);
         /* segments with live blocks stay with the backend: only our books go */
         for (segment *seg = dev->segments, *next; seg != NULL; seg = next) {
             next = seg->next;
             for (block *b = seg->first, *after; b != NULL; b = after) {
                 after = b->next;
                 block_forget_streams(b);
+                history_drop(dev, b->context);
                 free(b);
             }
             free(seg);
@@ -182,11 +221,16 @@ alloc_destroy(allocator *a)
             events_free_chain(a, s->head);
             free(s);
         }
+        pools_free_all(dev);
         free(dev->map);
         free(dev->tags);
+        for (uint64_t i = 0; i < dev->ring_count; i++)
+            history_drop(dev, dev->ring[(dev->ring_head + i) % dev->ring_capacity].context);
+        free(dev->ring);
         pthread_mutex_destroy(&dev->lock);
     }
     pthread_mutex_destroy(&a->oom_lock);
+    pthread_mutex_destroy(&a->history_lock);
     free(a->devices);
     free(a);
 }

@@ -29,6 +29,7 @@
 #ifndef MATEPOINT_ALLOC_H
 #define MATEPOINT_ALLOC_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 enum { ALLOC_OK = 0, ALLOC_OUT_OF_MEMORY = 1, ALLOC_ERROR = -1 };
@@ -70,6 +71,98 @@ typedef struct {
     uint64_t live_bytes, peak_bytes, allocations;
 } alloc_tag_stats;
 
+/* An allocation's tag: the checkpointed region (0: outside any) above two
+ * bits of phase. The one encoding: matepoint._C makes tags and decodes them
+ * for memory_stats(), the torch adapter names them in snapshots. */
+enum { TAG_OTHER = 0, TAG_FORWARD = 1, TAG_RECOMPUTE = 2, TAG_PHASE_BITS = 2 };
+
+static inline uint64_t
+alloc_region_tag(uint64_t region, int phase)
+{
+    return region << TAG_PHASE_BITS | (uint64_t)phase;
+}
+
+static inline uint64_t
+alloc_tag_region(uint64_t tag)
+{
+    return tag >> TAG_PHASE_BITS;
+}
+
+/* "other", "forward" or "recompute" */
+static inline const char *
+alloc_tag_phase(uint64_t tag)
+{
+    /* by TAG_OTHER, TAG_FORWARD, TAG_RECOMPUTE (3 is unused); positional:
+     * this header is C++'s too (torch_adapter.cpp) */
+    static const char *const names[1 << TAG_PHASE_BITS] = {"other", "forward", "recompute",
+                                                           "other"};
+    return names[tag & ((1u << TAG_PHASE_BITS) - 1)];
+}
+
+/* torch's statistics model (c10's DeviceStats), kept beside alloc_stats so
+ * that torch.cuda.memory_stats() answers from this allocator. A stat is an
+ * amount now (`current`), its highest since the last peak reset (`peak`),
+ * and what was added (`allocated`) and taken (`freed`) since the last reset
+ * of accumulated counts. Pools as torch's:
+ * the small pool serves requests of at most 1 MiB from 2 MiB segments.
+ * "active": allocated, or freed but still used by another stream (its
+ * events pending); "inactive split": a free block of a segment holding
+ * more than one block (cannot be given back to the device). */
+typedef struct {
+    int64_t current, peak, allocated, freed;
+} alloc_stat;
+
+enum { ALLOC_POOL_ALL, ALLOC_POOL_SMALL, ALLOC_POOL_LARGE, ALLOC_POOLS };
+enum {
+    ALLOC_STAT_ALLOCATION, ALLOC_STAT_SEGMENT, ALLOC_STAT_ACTIVE, ALLOC_STAT_INACTIVE_SPLIT,
+    ALLOC_STAT_ALLOCATED_BYTES, ALLOC_STAT_RESERVED_BYTES, ALLOC_STAT_ACTIVE_BYTES,
+    ALLOC_STAT_INACTIVE_SPLIT_BYTES, ALLOC_STAT_REQUESTED_BYTES, ALLOC_STAT_ARRAYS
+};
+enum { ALLOC_STAT_CURRENT, ALLOC_STAT_PEAK, ALLOC_STAT_ALLOCATED, ALLOC_STAT_FREED, ALLOC_STAT_FIELDS };
+
+typedef struct {
+    alloc_stat arrays[ALLOC_STAT_ARRAYS][ALLOC_POOLS];
+    alloc_stat oversize_allocations, oversize_segments;   /* always 0: no max_split_size */
+    int64_t num_alloc_retries, num_ooms, num_sync_all_streams;
+    int64_t num_device_alloc, num_device_free;
+    int64_t max_split_size;     /* -1: every block may be split (torch's default) */
+} alloc_device_stats;
+
+/* torch's names (memory_stats() keys): the one table, read by matepoint._C. */
+static inline const char *
+alloc_stat_array_name(int kind)
+{
+    static const char *const names[ALLOC_STAT_ARRAYS] = {
+        "allocation", "segment", "active", "inactive_split", "allocated_bytes",
+        "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"};
+    return kind >= 0 && kind < ALLOC_STAT_ARRAYS ? names[kind] : NULL;
+}
+
+static inline const char *
+alloc_pool_name(int pool)
+{
+    static const char *const names[ALLOC_POOLS] = {"all", "small_pool", "large_pool"};
+    return pool >= 0 && pool < ALLOC_POOLS ? names[pool] : NULL;
+}
+
+static inline const char *
+alloc_stat_field_name(int field)
+{
+    static const char *const names[ALLOC_STAT_FIELDS] = {"current", "peak", "allocated", "freed"};
+    return field >= 0 && field < ALLOC_STAT_FIELDS ? names[field] : NULL;
+}
+
+static inline int64_t
+alloc_stat_field(const alloc_stat *stat, int field)
+{
+    switch (field) {
+    case ALLOC_STAT_CURRENT: return stat->current;
+    case ALLOC_STAT_PEAK: return stat->peak;
+    case ALLOC_STAT_ALLOCATED: return stat->allocated;
+    default: return stat->freed;
+    }
+}
+
 typedef struct {
     uint64_t requested;         /* bytes asked for by the failing call */
     int device;
@@ -98,12 +191,73 @@ void alloc_set_limit(allocator *a, int device, uint64_t limit_bytes);
 
 alloc_stats alloc_get_stats(allocator *a, int device);
 void alloc_reset_peaks(allocator *a);
+/* torch's figures of `device`; -1 (nothing written) when out of range. */
+int alloc_get_device_stats(allocator *a, int device, alloc_device_stats *out);
+/* torch.cuda.reset_peak_memory_stats(device): peaks of torch's figures,
+ * matepoint's and the tags' restart from now. -1 when out of range. */
+int alloc_reset_device_peaks(allocator *a, int device);
+/* torch.cuda.reset_accumulated_memory_stats(device): the allocated and
+ * freed counts of torch's figures and its num_* counters restart from 0. */
+int alloc_reset_accumulated(allocator *a, int device);
 /* Copies up to `max` tag entries of `device` with live or peak bytes into
  * `out`; returns how many there are in all. */
 int alloc_get_tag_stats(allocator *a, int device, alloc_tag_stats *out, int max);
 alloc_oom_info alloc_last_oom(allocator *a);
 /* Checks internal invariants of `device` (tests); 0 when they hold. */
 int alloc_check(allocator *a, int device);
+
+/* ---- private pools (CUDA graphs) ---------------------------------------------
+ * torch's graph pools (CUDACachingAllocator's PrivatePool): between
+ * alloc_begin_pool and alloc_end_pool, every alloc_malloc on `device`
+ * whose stream `use_pool(filter, stream)` accepts (nonzero) is served from
+ * the pool's own segments, never from the ordinary cache; with several
+ * pools begun, the one begun last that accepts the stream serves it. A
+ * pool's blocks, freed, return to the pool (per stream, as everywhere)
+ * and are handed out again only to a later allocation into the same pool;
+ * the ordinary cache never sees them, and emptying the cache leaves them.
+ *
+ * A pool is named by torch's MempoolId_t, (pool_a, pool_b), per device.
+ * Each alloc_begin_pool takes one use of it (creating it with one use), as
+ * torch's capture_begin does, and alloc_release_pool gives one back
+ * (torch's CUDAGraph reset). Once no use is left its segments go back to
+ * the backend as soon as no block in them is live: at the release, and at
+ * the free (or completed cross-stream event) of the last live block.
+ *
+ * While a pool is being allocated to on a device, the allocator makes no
+ * call a capture forbids for that device's ordinary cache: no event query
+ * or wait, and out of memory releases only released pools' segments
+ * (torch's rule: its captures_underway).
+ *
+ * `use_pool` is called with the device's lock held: it must not call the
+ * allocator. `filter` stays the caller's and must stay valid until
+ * alloc_end_pool of that pool returned. */
+typedef int (*alloc_pool_filter)(void *filter, void *stream);
+
+/* 0; -1 for a device out of range, a pool being allocated to already (as
+ * torch refuses), a pool released already, or no memory. */
+int alloc_begin_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
+                     alloc_pool_filter use_pool, void *filter);
+/* Stops allocating to the pool; 0, or -1 when it is not being allocated to. */
+int alloc_end_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
+/* Gives one use of the pool back; 0, or -1 when the device has no such
+ * pool with a use left. */
+int alloc_release_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
+/* 1 when a pool being allocated to takes `stream`'s requests on `device`
+ * (alloc_malloc would serve them from it), else 0. */
+int alloc_pool_takes(allocator *a, int device, void *stream);
+/* Uses left of a pool (torch's getPoolUseCount); -1: no such pool. */
+int alloc_pool_use_count(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
+
+/* The largest free block cached on `device`, in the ordinary cache or any
+ * pool (what torch's cacheInfo reports beside its guess of free device
+ * memory); 0 when none, or for a device out of range. */
+uint64_t alloc_largest_free_block(allocator *a, int device);
+
+/* The segment holding live allocation `ptr` (a pointer into its block):
+ * its base, and its size in *size (torch's getBaseAllocation; CUDA IPC
+ * shares whole segments). NULL, *size untouched, when `ptr` is inside no
+ * live block of any device. */
+void *alloc_base_allocation(allocator *a, void *ptr, uint64_t *size);
 
 /* Rounding applied to a request (tests and reports); 0 when `size` is
  * within 511 bytes of UINT64_MAX and cannot be rounded up. */

@@ -78,6 +78,7 @@ index_insert(block *b)
     MP_ASSERT(!b->allocated && b->event_count == 0 && b->n_extra == 0);
     list_push(block_bucket(b), b);
     b->in_index = 1;
+    stats_segment_shape(b->seg, 0, 1, (int64_t)b->size);
 }
 
 static void
@@ -85,6 +86,7 @@ index_remove(block *b)
 {
     list_remove(block_bucket(b), b);
     b->in_index = 0;
+    stats_segment_shape(b->seg, 0, -1, -(int64_t)b->size);
 }
 
 /* ---- blocks and segments ------------------------------------------------- */
@@ -101,6 +103,7 @@ absorb_next(block *b, block *victim)
     b->next = victim->next;
     if (victim->next != NULL)
         victim->next->prev = b;
+    stats_segment_shape(b->seg, -1, 0, 0);
     free(victim);
 }
 
@@ -124,9 +127,11 @@ block_insert_free(block *b)
 }
 
 /* Gives a segment whose blocks are all free back to the backend. Freeing
- * device memory waits for the device (cudaFree does), so no event is needed. */
-static void
-release_segment(allocator *a, device_state *dev, segment *seg)
+ * device memory waits for the device (cudaFree does), so no event is
+ * needed: neither for the streams that used it, nor for a graph replayed
+ * from a released pool. */
+void
+segment_release(allocator *a, device_state *dev, segment *seg)
 {
     /* free neighbours are always merged: an all-free segment is one block */
     MP_ASSERT(seg->first->next == NULL && seg->first->size == seg->size);
@@ -137,7 +142,9 @@ release_segment(allocator *a, device_state *dev, segment *seg)
             free(b);
     }
     a->backend.device_free(a->backend.ctx, dev->index, (void *)seg->base, seg->size);
-    stats_segment_released(dev, seg->size);
+    stats_segment_released(dev, seg);
+    history_record(dev, ALLOC_TRACE_SEGMENT_FREE, seg->base, seg->size, seg->owner->stream, 0,
+                   NULL);
     MP_ASSERT((seg->prev == NULL) == (dev->segments == seg));
     MP_ASSERT(seg->next == NULL || seg->next->prev == seg);
     if (seg->prev != NULL)
@@ -147,12 +154,14 @@ release_segment(allocator *a, device_state *dev, segment *seg)
     if (seg->next != NULL)
         seg->next->prev = seg->prev;
     mp_counter_sub(&seg->owner->segments, 1);
+    if (seg->owner->pool != NULL)
+        mp_counter_sub(&seg->owner->pool->segments, 1);
     stream_drop_if_unused(dev, seg->owner);
     free(seg->first);
     free(seg);
 }
 
-static int
+int
 segment_all_free(const segment *seg)
 {
     for (const block *b = seg->first; b != NULL; b = b->next) {
@@ -162,24 +171,53 @@ segment_all_free(const segment *seg)
     return 1;
 }
 
-/* Releases every segment with no live or pending block. Lock held. */
+/* Whether `scope` lets a segment of `pool` (NULL: the ordinary cache) go:
+ * a pool still in use keeps its segments, as a graph replays into them. */
+static int
+in_scope(const private_pool *pool, release_scope scope)
+{
+    if (scope == RELEASE_ALL)
+        return 1;
+    if (pool != NULL)
+        return pool_released(pool);
+    return scope == RELEASE_CACHE;
+}
+
+/* Releases the segments with no live or pending block that `scope` lets
+ * go, then forgets the pools left empty. Lock held. */
 void
-segment_release_free(allocator *a, device_state *dev)
+segment_release_free(allocator *a, device_state *dev, release_scope scope)
 {
     segment *seg = dev->segments;
     while (seg != NULL) {
         segment *next = seg->next;
-        if (segment_all_free(seg))
-            release_segment(a, dev, seg);
+        if (in_scope(seg->owner->pool, scope) && segment_all_free(seg))
+            segment_release(a, dev, seg);
         seg = next;
     }
+    pools_forget_done(dev);
+}
+
+/* While a capture allocates to a pool, a wait on an event or a cudaFree of
+ * the ordinary cache could break it (torch skips both then): only
+ * released pools give their memory back. Lock held. */
+void
+segment_release_cached(allocator *a, device_state *dev)
+{
+    if (dev->active_pools != 0) {
+        segment_release_free(a, dev, RELEASE_RELEASED_POOLS);
+        return;
+    }
+    events_process(a, dev, 1);
+    events_free_spares(a, dev);
+    segment_release_free(a, dev, RELEASE_CACHE);
 }
 
 /* Best fit among the free blocks of `stream`'s segments. Lock held. */
 block *
-block_find_free(device_state *dev, uint64_t size, int small, void *stream)
+block_find_free(stream_state **list, uint64_t size, int small, void *stream)
 {
-    stream_state *s = stream_find(dev, stream);
+    stream_state *s = stream_find_in(list, stream);
     if (s == NULL)
         return NULL;
     for (unsigned bucket = bucket_of(size); bucket < BUCKETS; bucket++) {
@@ -224,6 +262,7 @@ block_take(block *b, uint64_t size)
             b->next->prev = rest;
         b->next = rest;
         b->size = size;
+        stats_segment_shape(b->seg, 1, 0, 0);
         MP_ASSERT(b->ptr + b->size == rest->ptr && rest->ptr + rest->size <= b->seg->base + b->seg->size);
         block_insert_free(rest);
     }
@@ -245,11 +284,11 @@ backend_segment(allocator *a, device_state *dev, uint64_t size, void **ptr)
     return a->backend.device_malloc(a->backend.ctx, dev->index, size, ptr);
 }
 
-/* A new segment of `stream` holding one free block; on out-of-memory it
- * waits for pending frees, releases cached segments of every stream and
- * tries once more. NULL when out of memory. */
+/* A new segment of `stream` in `pool` (NULL: the ordinary cache) holding
+ * one free block; on out-of-memory it frees what the cache may and tries
+ * once more. NULL when out of memory. */
 block *
-segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream)
+segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, private_pool *pool)
 {
     uint64_t size = segment_size_for(rounded);
     void *ptr = NULL;
@@ -257,16 +296,14 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream)
         return NULL;
     int status = backend_segment(a, dev, size, &ptr);
     if (status == ALLOC_OUT_OF_MEMORY) {
-        dev->stats.oom_retries++;
-        events_process(a, dev, 1);
-        events_free_spares(a, dev);
-        segment_release_free(a, dev);
+        stats_count_retry(dev);
+        segment_release_cached(a, dev);
         status = backend_segment(a, dev, size, &ptr);
     }
     if (status != ALLOC_OK)
         return NULL;
     /* after the retry, which may have forgotten this stream */
-    stream_state *owner = stream_get(dev, stream);
+    stream_state *owner = stream_get(dev, pool, stream);
     segment *seg = owner ? calloc(1, sizeof(*seg)) : NULL;
     block *b = seg ? calloc(1, sizeof(*b)) : NULL;
     if (b == NULL) {
@@ -277,12 +314,16 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream)
         return NULL;
     }
     *seg = (segment){.base = (uintptr_t)ptr, .size = size, .small = rounded <= SMALL_REQUEST,
-                     .owner = owner, .first = b, .next = dev->segments};
+                     .dev = dev, .n_blocks = 1, .owner = owner, .first = b,
+                     .next = dev->segments};
     if (dev->segments != NULL)
         dev->segments->prev = seg;
     dev->segments = seg;
     owner->segments++;
+    if (pool != NULL)
+        pool->segments++;
     *b = (block){.ptr = (uintptr_t)ptr, .size = size, .seg = seg};
-    stats_segment_added(dev, size);
+    stats_segment_added(dev, seg);
+    history_record(dev, ALLOC_TRACE_SEGMENT_ALLOC, seg->base, seg->size, stream, 0, NULL);
     return b;
 }

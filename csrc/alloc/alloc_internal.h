@@ -8,6 +8,10 @@
  *                    (buckets), best fit, split and coalesce, segments
  *                    taken from and given back to the backend
  * - alloc_streams.c  per-stream state and the events of cross-stream frees
+ * - alloc_pools.c    private pools of CUDA graphs (torch's PrivatePool),
+ *                    the largest free block, a pointer's segment
+ * - alloc_history.c  the trace ring and the snapshot's enumeration
+ *                    (alloc_history.h)
  * - alloc_stats.c    the live-pointer table, per-tag and device statistics,
  *                    the last out-of-memory report, alloc_check()
  *
@@ -15,16 +19,20 @@
  * `dev->lock`), except where it says otherwise.
  *
  * A block is in exactly one state: allocated (in the live-pointer table),
- * pending (freed, waiting for `event_count` events of other streams), or
- * free (in its stream's bucket, `in_index`). Free neighbours inside a
- * segment are always merged. */
+ * pending (freed, waiting for `event_count` events of other streams),
+ * deferred (freed during a capture after use on other streams: its events
+ * are recorded once no capture is underway), or free (in its stream's
+ * bucket, `in_index`). Free neighbours inside a segment are always
+ * merged. */
 #ifndef MATEPOINT_ALLOC_INTERNAL_H
 #define MATEPOINT_ALLOC_INTERNAL_H
 
 #include "alloc.h"
+#include "alloc_history.h"
 #include "common/mp_assert.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #define MIN_BLOCK 512u
@@ -42,6 +50,8 @@ typedef struct segment segment;
 typedef struct block block;
 typedef struct stream_state stream_state;
 typedef struct pending_event pending_event;
+typedef struct private_pool private_pool;
+typedef struct device_state device_state;
 
 struct block {
     uintptr_t ptr;
@@ -56,16 +66,23 @@ struct block {
     void *extra_inline[EXTRA_INLINE];
     int n_extra;
     int event_count;                /* events of its free not yet seen complete */
-    uint8_t allocated, in_index;
+    void *context;                  /* the stack it was allocated with (history), or NULL */
+    uint8_t allocated, in_index, deferred;
 };
 
 /* Blocks of a segment serve only the stream the segment was allocated on
  * (torch's rule): reuse on that stream is ordered by the stream itself,
- * so no event is needed, and no other stream ever waits on it. */
+ * so no event is needed, and no other stream ever waits on it. A private
+ * pool's segment is owned by a stream state of that pool (owner->pool):
+ * its blocks serve only allocations into that pool. */
 struct segment {
     uintptr_t base;
     uint64_t size;
     int small;
+    device_state *dev;
+    /* blocks, and how many of them are free and their bytes: the segment's
+     * share of torch's inactive_split figures (stats_segment_shape) */
+    int64_t n_blocks, free_blocks, free_bytes;
     stream_state *owner;
     block *first;
     segment *prev, *next;
@@ -80,16 +97,35 @@ struct pending_event {
     pending_event *next;
 };
 
-/* One stream of a device: the free blocks of its segments, and the events
- * frees recorded on it, oldest first. `stream` is a key only: nothing is
- * recorded on it after the call that named it returned, so a stream
+/* One stream of a device, in the ordinary cache (pool NULL, on the
+ * device's list) or in a private pool (on the pool's list): the free
+ * blocks of its segments, and the events frees recorded on it, oldest
+ * first (ordinary ones only: events are queued on the stream that used a
+ * block, whatever pool the block is in). `stream` is a key only: nothing
+ * is recorded on it after the call that named it returned, so a stream
  * destroyed since does no harm. Freed once it has neither. */
 struct stream_state {
     void *stream;
+    private_pool *pool;
     block *buckets[2][BUCKETS];     /* [small][floor(log2 size)] */
     uint64_t segments;
     pending_event *head, *tail;
     stream_state *next;
+};
+
+/* A CUDA graph's private pool on one device (torch's PrivatePool), named
+ * by torch's MempoolId_t. Being allocated to while `use_pool` is set
+ * (alloc_begin_pool to alloc_end_pool); its segments go back to the
+ * backend once `use_count` is 0 and they hold no live block; forgotten
+ * once it has no segment left and no use. */
+struct private_pool {
+    uint64_t id_a, id_b;
+    uint64_t use_count;             /* begins not released yet */
+    uint64_t segments;              /* segments it holds (torch's cudaMalloc_count) */
+    stream_state *streams;          /* the free blocks of its segments, per stream */
+    alloc_pool_filter use_pool;     /* non-NULL while being allocated to */
+    void *filter;
+    private_pool *next;
 };
 
 typedef struct {
@@ -97,7 +133,7 @@ typedef struct {
     int used;
 } tag_slot;
 
-typedef struct {
+struct device_state {
     pthread_mutex_t lock;
     int index;
     stream_state *streams;          /* most recently allocated on first */
@@ -107,11 +143,18 @@ typedef struct {
     tag_slot *tags;
     uint64_t tag_capacity, tag_count;
     alloc_stats stats;
+    alloc_device_stats torch;       /* torch's figures (alloc.h), kept with `stats` */
     uint64_t limit;
     uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
     pending_event *spare_events;    /* completed, ready to be recorded again */
     uint64_t spare_count;
-} device_state;
+    private_pool *pools;            /* the one begun last first (torch asks LIFO) */
+    block *deferred;                /* deferred blocks, linked by list_next */
+    uint64_t active_pools;          /* pools being allocated to: captures underway */
+    alloc_history_config history;   /* a copy, made under this lock (alloc_history.c) */
+    alloc_trace_record *ring;       /* the newest ring_count records from ring_head */
+    uint64_t ring_capacity, ring_head, ring_count;
+};
 
 struct allocator {
     alloc_backend backend;
@@ -119,6 +162,9 @@ struct allocator {
     device_state *devices;
     pthread_mutex_t oom_lock;       /* guards last_oom */
     alloc_oom_info last_oom;
+    pthread_mutex_t history_lock;   /* guards history; taken after no device lock */
+    alloc_history_config history;
+    _Atomic int history_when;       /* ALLOC_CONTEXT_* of gathering, 0: none (no lock) */
 };
 
 /* The device's state; NULL when `device` is out of range (no lock).
@@ -129,46 +175,96 @@ device_of(allocator *a, int device)
     return device >= 0 && device < a->device_count ? &a->devices[device] : NULL;
 }
 
-/* The state of `stream`, moved to the front: a device mostly allocates on
- * one or two streams. NULL when the device has none for it. Inline: on
- * every malloc. */
-static inline stream_state *
-stream_find(device_state *dev, void *stream)
+/* The stream states of the ordinary cache (`pool` NULL) or of a pool. */
+static inline stream_state **
+stream_list(device_state *dev, private_pool *pool)
 {
-    for (stream_state **link = &dev->streams; *link != NULL; link = &(*link)->next) {
+    return pool != NULL ? &pool->streams : &dev->streams;
+}
+
+/* The state of `stream` in `list`, moved to the front: a device mostly
+ * allocates on one or two streams. NULL when the list has none for it.
+ * Inline: on every malloc. */
+static inline stream_state *
+stream_find_in(stream_state **list, void *stream)
+{
+    for (stream_state **link = list; *link != NULL; link = &(*link)->next) {
         stream_state *s = *link;
         if (s->stream != stream)
             continue;
         *link = s->next;
-        s->next = dev->streams;
-        dev->streams = s;
+        s->next = *list;
+        *list = s;
         return s;
     }
     return NULL;
 }
+
+/* The state of `stream` in the device's ordinary cache, or NULL. */
+static inline stream_state *
+stream_find(device_state *dev, void *stream)
+{
+    return stream_find_in(&dev->streams, stream);
+}
+
+/* ---- alloc.c ------------------------------------------------------------ */
+
+/* A block just freed (taken from the live-pointer table): queued behind
+ * events of the streams it was used on, else free at once. */
+void block_retire(allocator *a, device_state *dev, block *b);
+
+/* ---- alloc_history.c ---------------------------------------------------- */
+
+/* A new context for an event of a block tagged `tag` when history
+ * gathers for events of `at_least` (ALLOC_CONTEXT_STATE: allocations,
+ * ALLOC_CONTEXT_ALL: frees too), else NULL. No lock held: it may take the
+ * GIL. */
+void *history_gather(allocator *a, int at_least, uint64_t tag);
+/* Gives up one reference to `context` (NULL: nothing). */
+void history_drop(device_state *dev, void *context);
+/* Adds a record (ALLOC_TRACE_*) when recording; takes its own reference
+ * to `context`. */
+void history_record(device_state *dev, int action, uint64_t address, uint64_t size,
+                    void *stream, uint64_t tag, void *context);
 
 /* ---- alloc_blocks.c ----------------------------------------------------- */
 /* The bucket a free block of `b`'s size and stream lives in. */
 block **block_bucket(block *b);
 /* A block becomes free: merged with its free neighbours, indexed. */
 void block_insert_free(block *b);
-/* Best fit among the free blocks of `stream`'s segments; NULL if none. */
-block *block_find_free(device_state *dev, uint64_t size, int small, void *stream);
+/* Best fit among the free blocks of `stream`'s segments in `list` (a
+ * stream_list()); NULL if none. */
+block *block_find_free(stream_state **list, uint64_t size, int small, void *stream);
 /* Takes `b` for `size` bytes, splitting the rest off as a free block;
  * 0, or -1 without memory (then `b` is indexed again). */
 int block_take(block *b, uint64_t size);
-/* A new segment of `stream` for a request of `rounded` bytes, holding one
- * free block (not indexed); on out-of-memory it waits for pending frees,
- * releases the cached segments of every stream and retries once. NULL
- * when out of memory. */
-block *segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream);
-/* Releases every segment with no live or pending block. */
-void segment_release_free(allocator *a, device_state *dev);
+/* A new segment of `stream` for a request of `rounded` bytes, in `pool`
+ * (NULL: the ordinary cache), holding one free block (not indexed); on
+ * out-of-memory it frees what it may (segment_release_cached) and retries
+ * once. NULL when out of memory. */
+block *segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream,
+                   private_pool *pool);
+/* 1 when no block of `seg` is live or pending. */
+int segment_all_free(const segment *seg);
+/* Gives `seg`, all free, back to the backend. */
+void segment_release(allocator *a, device_state *dev, segment *seg);
+
+/* Which segments with no live or pending block segment_release_free gives
+ * back: those of released pools only (while a capture is underway),
+ * those of the ordinary cache too, or every one (alloc_destroy). */
+typedef enum { RELEASE_RELEASED_POOLS, RELEASE_CACHE, RELEASE_ALL } release_scope;
+void segment_release_free(allocator *a, device_state *dev, release_scope scope);
+/* Frees what the cache may without a call a capture forbids while pools
+ * are being allocated to (then released pools' segments only), else
+ * waits for pending frees and releases every cached segment: emptyCache,
+ * and the retry after out of memory. */
+void segment_release_cached(allocator *a, device_state *dev);
 
 /* ---- alloc_streams.c ---------------------------------------------------- */
 
-/* The state of `stream`, made when missing; NULL without memory. */
-stream_state *stream_get(device_state *dev, void *stream);
+/* The state of `stream` in `pool` (NULL: the ordinary cache), made when
+ * missing; NULL without memory. */
+stream_state *stream_get(device_state *dev, private_pool *pool, void *stream);
 /* Frees `s` when it has neither segments nor pending events. */
 void stream_drop_if_unused(device_state *dev, stream_state *s);
 /* Retires completed events of every stream (all of them, waiting, if
@@ -184,6 +280,30 @@ void events_free_spares(allocator *a, device_state *dev);
 /* Forgets the streams `b` was used on (after its free recorded on them). */
 void block_forget_streams(block *b);
 
+/* ---- alloc_pools.c ------------------------------------------------------ */
+
+/* The pool an allocation on `stream` goes to while pools are being
+ * allocated to: the one begun last whose filter takes the stream; NULL
+ * for the ordinary cache. */
+private_pool *pool_for_stream(device_state *dev, void *stream);
+/* 1 when the segments of `pool` may go back to the backend once free: no
+ * use is left and nothing allocates to it. */
+int pool_released(const private_pool *pool);
+/* After a block of `seg` became free: gives the segment back when it is
+ * all free and its pool released. */
+void pool_settle_segment(allocator *a, device_state *dev, segment *seg);
+/* Forgets released pools left without segments. */
+void pools_forget_done(device_state *dev);
+/* Frees every pool's books (alloc_destroy; their segments are gone). */
+void pools_free_all(device_state *dev);
+/* A block used on other streams freed while a capture is underway: an
+ * event recorded now on a capturing stream could never be queried, so
+ * its events wait for the last capture's end (torch's deferred_blocks). */
+void block_defer(device_state *dev, block *b);
+/* Records the deferred blocks' events (or frees them) once no pool is
+ * being allocated to. */
+void deferred_process(allocator *a, device_state *dev);
+
 /* ---- alloc_stats.c ------------------------------------------------------ */
 
 /* The live-pointer table: 0, or -1 without memory. */
@@ -195,9 +315,18 @@ void stats_account_malloc(device_state *dev, block *b, uint64_t size, uint64_t t
 /* Counts the free of an allocated block. */
 void stats_account_free(device_state *dev, block *b);
 /* Counts a segment of `size` bytes taken from, or given back to, the backend. */
-void stats_segment_added(device_state *dev, uint64_t size);
-void stats_segment_released(device_state *dev, uint64_t size);
+void stats_segment_added(device_state *dev, segment *seg);
+void stats_segment_released(device_state *dev, segment *seg);
 /* Counts a failed request and keeps its numbers for alloc_last_oom(). */
 void stats_record_oom(allocator *a, device_state *dev, uint64_t size);
+/* A freed block stops being active: at its free, or once the events of the
+ * other streams that used it completed. */
+void stats_block_inactive(device_state *dev, block *b);
+/* The segment of `seg` gains `blocks` blocks and `free_blocks` free ones of
+ * `free_bytes` bytes (negative: loses): torch's inactive_split follows. */
+void stats_segment_shape(segment *seg, int64_t blocks, int64_t free_blocks, int64_t free_bytes);
+/* A retry after releasing the cache (torch's num_alloc_retries and
+ * num_sync_all_streams: the release waits for every stream's events). */
+void stats_count_retry(device_state *dev);
 
 #endif

@@ -131,10 +131,82 @@ tag_account(device_state *dev, uint64_t tag, uint64_t size, int allocate)
     }
 }
 
+/* ---- torch's figures (alloc.h: alloc_device_stats) --------------------------- */
+
+static void
+stat_increase(alloc_stat *stat, int64_t amount)
+{
+    stat->current += amount;
+    stat->allocated += amount;
+    if (stat->current > stat->peak)
+        stat->peak = stat->current;
+}
+
+static void
+stat_decrease(alloc_stat *stat, int64_t amount)
+{
+    MP_ASSERT(stat->current >= amount);
+    stat->current -= amount;
+    stat->freed += amount;
+}
+
+/* Adds `amount` (negative: takes) to `kind` of the pool and of all pools. */
+static void
+stat_change(device_state *dev, int kind, int small, int64_t amount)
+{
+    alloc_stat *pools = dev->torch.arrays[kind];
+    alloc_stat *pool = &pools[small ? ALLOC_POOL_SMALL : ALLOC_POOL_LARGE];
+    if (amount > 0) {
+        stat_increase(&pools[ALLOC_POOL_ALL], amount);
+        stat_increase(pool, amount);
+    } else if (amount < 0) {
+        stat_decrease(&pools[ALLOC_POOL_ALL], -amount);
+        stat_decrease(pool, -amount);
+    }
+}
+
+void
+stats_segment_shape(segment *seg, int64_t blocks, int64_t free_blocks, int64_t free_bytes)
+{
+    int split = seg->n_blocks > 1;
+    int64_t count = split ? seg->free_blocks : 0, bytes = split ? seg->free_bytes : 0;
+    seg->n_blocks += blocks;
+    seg->free_blocks += free_blocks;
+    seg->free_bytes += free_bytes;
+    MP_ASSERT(seg->n_blocks >= 1 && seg->free_blocks >= 0 && seg->free_bytes >= 0);
+    split = seg->n_blocks > 1;
+    stat_change(seg->dev, ALLOC_STAT_INACTIVE_SPLIT, seg->small,
+                (split ? seg->free_blocks : 0) - count);
+    stat_change(seg->dev, ALLOC_STAT_INACTIVE_SPLIT_BYTES, seg->small,
+                (split ? seg->free_bytes : 0) - bytes);
+}
+
+void
+stats_block_inactive(device_state *dev, block *b)
+{
+    MP_ASSERT(!b->allocated);
+    stat_change(dev, ALLOC_STAT_ACTIVE, b->seg->small, -1);
+    stat_change(dev, ALLOC_STAT_ACTIVE_BYTES, b->seg->small, -(int64_t)b->size);
+    stat_change(dev, ALLOC_STAT_REQUESTED_BYTES, b->seg->small, -(int64_t)b->requested);
+    history_record(dev, ALLOC_TRACE_FREE_COMPLETED, b->ptr, b->size, b->seg->owner->stream,
+                   b->tag, NULL);
+    history_drop(dev, b->context);
+    b->context = NULL;
+}
+
+void
+stats_count_retry(device_state *dev)
+{
+    dev->stats.oom_retries++;
+    dev->torch.num_alloc_retries++;
+    dev->torch.num_sync_all_streams++;
+}
+
 void
 stats_record_oom(allocator *a, device_state *dev, uint64_t size)
 {
     dev->stats.ooms++;
+    dev->torch.num_ooms++;
     pthread_mutex_lock(&a->oom_lock);
     a->last_oom = (alloc_oom_info){.requested = size, .device = dev->index,
                                    .reserved = dev->stats.reserved_bytes,
@@ -159,6 +231,12 @@ stats_account_malloc(device_state *dev, block *b, uint64_t size, uint64_t tag)
     MP_ASSERT(dev->stats.allocated_bytes <= dev->stats.reserved_bytes);
     MP_ASSERT(dev->stats.requested_bytes <= dev->stats.allocated_bytes);
     tag_account(dev, tag, b->size, 1);
+    int small = b->seg->small;
+    stat_change(dev, ALLOC_STAT_ALLOCATION, small, 1);
+    stat_change(dev, ALLOC_STAT_ALLOCATED_BYTES, small, (int64_t)b->size);
+    stat_change(dev, ALLOC_STAT_ACTIVE, small, 1);
+    stat_change(dev, ALLOC_STAT_ACTIVE_BYTES, small, (int64_t)b->size);
+    stat_change(dev, ALLOC_STAT_REQUESTED_BYTES, small, (int64_t)size);
 }
 
 void
@@ -170,12 +248,18 @@ stats_account_free(device_state *dev, block *b)
     mp_counter_sub(&dev->stats.allocated_bytes, b->size);
     mp_counter_sub(&dev->stats.requested_bytes, b->requested);
     tag_account(dev, b->tag, b->size, 0);
+    stat_change(dev, ALLOC_STAT_ALLOCATION, b->seg->small, -1);
+    stat_change(dev, ALLOC_STAT_ALLOCATED_BYTES, b->seg->small, -(int64_t)b->size);
     b->allocated = 0;
 }
 
 void
-stats_segment_added(device_state *dev, uint64_t size)
+stats_segment_added(device_state *dev, segment *seg)
 {
+    uint64_t size = seg->size;
+    stat_change(dev, ALLOC_STAT_SEGMENT, seg->small, 1);
+    stat_change(dev, ALLOC_STAT_RESERVED_BYTES, seg->small, (int64_t)size);
+    dev->torch.num_device_alloc++;
     dev->stats.reserved_bytes += size;
     dev->stats.device_allocs++;
     if (dev->stats.reserved_bytes > dev->stats.peak_reserved_bytes)
@@ -183,8 +267,12 @@ stats_segment_added(device_state *dev, uint64_t size)
 }
 
 void
-stats_segment_released(device_state *dev, uint64_t size)
+stats_segment_released(device_state *dev, segment *seg)
 {
+    uint64_t size = seg->size;
+    stat_change(dev, ALLOC_STAT_SEGMENT, seg->small, -1);
+    stat_change(dev, ALLOC_STAT_RESERVED_BYTES, seg->small, -(int64_t)size);
+    dev->torch.num_device_free++;
     mp_counter_sub(&dev->stats.reserved_bytes, size);
     MP_ASSERT(dev->stats.allocated_bytes <= dev->stats.reserved_bytes);
     dev->stats.device_frees++;
@@ -204,18 +292,72 @@ alloc_get_stats(allocator *a, int device)
     return stats;
 }
 
+/* Every peak of `dev` restarts from now. Lock held. */
+static void
+reset_peaks_locked(device_state *dev)
+{
+    dev->stats.peak_allocated_bytes = dev->stats.allocated_bytes;
+    dev->stats.peak_reserved_bytes = dev->stats.reserved_bytes;
+    for (uint64_t i = 0; i < dev->tag_capacity; i++)
+        dev->tags[i].peak_bytes = dev->tags[i].live_bytes;
+    for (int kind = 0; kind < ALLOC_STAT_ARRAYS; kind++) {
+        for (int pool = 0; pool < ALLOC_POOLS; pool++)
+            dev->torch.arrays[kind][pool].peak = dev->torch.arrays[kind][pool].current;
+    }
+    dev->torch.oversize_allocations.peak = dev->torch.oversize_allocations.current;
+    dev->torch.oversize_segments.peak = dev->torch.oversize_segments.current;
+}
+
 void
 alloc_reset_peaks(allocator *a)
 {
-    for (int d = 0; d < a->device_count; d++) {
-        device_state *dev = &a->devices[d];
-        pthread_mutex_lock(&dev->lock);
-        dev->stats.peak_allocated_bytes = dev->stats.allocated_bytes;
-        dev->stats.peak_reserved_bytes = dev->stats.reserved_bytes;
-        for (uint64_t i = 0; i < dev->tag_capacity; i++)
-            dev->tags[i].peak_bytes = dev->tags[i].live_bytes;
-        pthread_mutex_unlock(&dev->lock);
+    for (int d = 0; d < a->device_count; d++)
+        (void)alloc_reset_device_peaks(a, d);
+}
+
+int
+alloc_reset_device_peaks(allocator *a, int device)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL)
+        return -1;
+    pthread_mutex_lock(&dev->lock);
+    reset_peaks_locked(dev);
+    pthread_mutex_unlock(&dev->lock);
+    return 0;
+}
+
+int
+alloc_reset_accumulated(allocator *a, int device)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL)
+        return -1;
+    pthread_mutex_lock(&dev->lock);
+    alloc_device_stats *t = &dev->torch;
+    for (int kind = 0; kind < ALLOC_STAT_ARRAYS; kind++) {
+        for (int pool = 0; pool < ALLOC_POOLS; pool++)
+            t->arrays[kind][pool].allocated = t->arrays[kind][pool].freed = 0;
     }
+    t->oversize_allocations.allocated = t->oversize_allocations.freed = 0;
+    t->oversize_segments.allocated = t->oversize_segments.freed = 0;
+    t->num_alloc_retries = t->num_ooms = t->num_sync_all_streams = 0;
+    t->num_device_alloc = t->num_device_free = 0;
+    pthread_mutex_unlock(&dev->lock);
+    return 0;
+}
+
+int
+alloc_get_device_stats(allocator *a, int device, alloc_device_stats *out)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL)
+        return -1;
+    pthread_mutex_lock(&dev->lock);
+    *out = dev->torch;
+    pthread_mutex_unlock(&dev->lock);
+    out->max_split_size = -1;
+    return 0;
 }
 
 int
@@ -251,10 +393,11 @@ alloc_last_oom(allocator *a)
 
 /* ---- invariants (tests) ------------------------------------------------------- */
 
+/* `s` is on the list it belongs to: its pool's, or the device's. */
 static int
 stream_known(device_state *dev, const stream_state *s)
 {
-    for (const stream_state *t = dev->streams; t != NULL; t = t->next) {
+    for (const stream_state *t = *stream_list(dev, s->pool); t != NULL; t = t->next) {
         if (t == s)
             return 1;
     }
@@ -272,7 +415,8 @@ check_segment(device_state *dev, segment *seg, uint64_t *allocated, uint64_t *li
     for (block *b = seg->first; b != NULL; b = b->next) {
         if (b->ptr != expected || b->seg != seg || (b->next && b->next->prev != b))
             return -1;
-        if (b->allocated + (b->event_count > 0) + b->in_index != 1 || b->event_count < 0)
+        if (b->allocated + (b->event_count > 0) + b->in_index + b->deferred != 1 ||
+            b->event_count < 0)
             return -2;   /* exactly one state */
         *events += (uint64_t)b->event_count;
         if (b->allocated) {
@@ -296,15 +440,53 @@ check_segment(device_state *dev, segment *seg, uint64_t *allocated, uint64_t *li
     return total == seg->size ? 0 : -6;
 }
 
+static uint64_t
+segments_owned_by(device_state *dev, const stream_state *s)
+{
+    uint64_t segments = 0;
+    for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
+        segments += seg->owner == s;
+    return segments;
+}
+
+/* A pool's books match its segments: counts, its streams' counts, and
+ * the number of pools being allocated to. */
+static int
+check_pools(device_state *dev)
+{
+    uint64_t active = 0;
+    for (private_pool *p = dev->pools; p != NULL; p = p->next) {
+        uint64_t segments = 0;
+        for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
+            segments += seg->owner->pool == p;
+        if (segments != p->segments || (pool_released(p) && segments == 0))
+            return -13;     /* a released, empty pool is forgotten */
+        for (stream_state *s = p->streams; s != NULL; s = s->next) {
+            if (s->pool != p || s->head != NULL || s->segments == 0 ||
+                segments_owned_by(dev, s) != s->segments)
+                return -14;
+        }
+        active += p->use_pool != NULL;
+    }
+    if (active != dev->active_pools)
+        return -15;
+    /* deferred blocks wait on the list, and only while a capture is underway */
+    uint64_t deferred = 0, listed = 0;
+    for (segment *seg = dev->segments; seg != NULL; seg = seg->next) {
+        for (block *b = seg->first; b != NULL; b = b->next)
+            deferred += b->deferred;
+    }
+    for (block *b = dev->deferred; b != NULL; b = b->list_next)
+        listed += b->deferred;
+    return deferred == listed && (active != 0 || deferred == 0) ? 0 : -16;
+}
+
 /* Segment counts per stream and queued events match the blocks'. */
 static int
 check_streams(device_state *dev, uint64_t events)
 {
     for (stream_state *s = dev->streams; s != NULL; s = s->next) {
-        uint64_t segments = 0;
-        for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
-            segments += seg->owner == s;
-        if (segments != s->segments)
+        if (s->pool != NULL || segments_owned_by(dev, s) != s->segments)
             return -9;
         for (pending_event *e = s->head; e != NULL; e = e->next) {
             if (e->b->event_count <= 0 || (e->next == NULL && e != s->tail))
@@ -313,6 +495,48 @@ check_streams(device_state *dev, uint64_t events)
         }
     }
     return events == 0 ? 0 : -11;
+}
+
+/* torch's figures agree with the blocks: allocated, reserved and inactive
+ * split (free blocks of segments of more than one block), per pool. */
+static int
+check_torch_figures(device_state *dev)
+{
+    int64_t split[ALLOC_POOLS][2] = {{0}}, reserved[ALLOC_POOLS] = {0};
+    int64_t allocated[ALLOC_POOLS] = {0};
+    for (segment *seg = dev->segments; seg != NULL; seg = seg->next) {
+        int pool = seg->small ? ALLOC_POOL_SMALL : ALLOC_POOL_LARGE;
+        int64_t blocks = 0;
+        reserved[pool] += (int64_t)seg->size;
+        for (block *b = seg->first; b != NULL; b = b->next) {
+            blocks++;
+            allocated[pool] += b->allocated ? (int64_t)b->size : 0;
+        }
+        if (blocks != seg->n_blocks)
+            return -13;
+        for (block *b = seg->first; b != NULL && blocks > 1; b = b->next) {
+            split[pool][0] += b->in_index;
+            split[pool][1] += b->in_index ? (int64_t)b->size : 0;
+        }
+    }
+    const alloc_device_stats *t = &dev->torch;
+    for (int pool = ALLOC_POOL_SMALL; pool <= ALLOC_POOL_LARGE; pool++) {
+        if (t->arrays[ALLOC_STAT_RESERVED_BYTES][pool].current != reserved[pool] ||
+            t->arrays[ALLOC_STAT_ALLOCATED_BYTES][pool].current != allocated[pool] ||
+            t->arrays[ALLOC_STAT_INACTIVE_SPLIT][pool].current != split[pool][0] ||
+            t->arrays[ALLOC_STAT_INACTIVE_SPLIT_BYTES][pool].current != split[pool][1])
+            return -14;
+    }
+    for (int kind = 0; kind < ALLOC_STAT_ARRAYS; kind++) {
+        const alloc_stat *p = t->arrays[kind];
+        if (p[ALLOC_POOL_ALL].current != p[ALLOC_POOL_SMALL].current + p[ALLOC_POOL_LARGE].current)
+            return -15;
+    }
+    if (t->arrays[ALLOC_STAT_ALLOCATED_BYTES][ALLOC_POOL_ALL].current !=
+            (int64_t)dev->stats.allocated_bytes ||
+        t->arrays[ALLOC_STAT_ALLOCATION][ALLOC_POOL_ALL].current != (int64_t)dev->stats.live_blocks)
+        return -16;
+    return 0;
 }
 
 int
@@ -336,6 +560,10 @@ alloc_check(allocator *a, int device)
         result = -12;
     if (result == 0)
         result = check_streams(dev, events);
+    if (result == 0)
+        result = check_pools(dev);
+    if (result == 0)
+        result = check_torch_figures(dev);
     pthread_mutex_unlock(&dev->lock);
     return result;
 }

@@ -6,15 +6,18 @@
 
 /* ---- streams --------------------------------------------------------------- */
 
-/* The state of `stream`, made when missing; NULL without memory. */
+/* The state of `stream` in `pool` (NULL: the ordinary cache), made when
+ * missing; NULL without memory. */
 stream_state *
-stream_get(device_state *dev, void *stream)
+stream_get(device_state *dev, private_pool *pool, void *stream)
 {
-    stream_state *s = stream_find(dev, stream);
+    stream_state **list = stream_list(dev, pool);
+    stream_state *s = stream_find_in(list, stream);
     if (s == NULL && (s = calloc(1, sizeof(*s))) != NULL) {
         s->stream = stream;
-        s->next = dev->streams;
-        dev->streams = s;
+        s->pool = pool;
+        s->next = *list;
+        *list = s;
     }
     return s;
 }
@@ -30,7 +33,7 @@ stream_drop_if_unused(device_state *dev, stream_state *s)
 {
     if (!stream_unused(s))
         return;
-    for (stream_state **link = &dev->streams; *link != NULL; link = &(*link)->next) {
+    for (stream_state **link = stream_list(dev, s->pool); *link != NULL; link = &(*link)->next) {
         if (*link == s) {
             *link = s->next;
             free(s);
@@ -112,8 +115,12 @@ retire_events(allocator *a, device_state *dev, stream_state *s, int wait)
         mp_counter_sub(&dev->events_pending, 1);
         block *b = e->b;
         event_give_spare(a, dev, e);
-        if (--b->event_count == 0)
+        if (--b->event_count == 0) {
+            segment *seg = b->seg;
+            stats_block_inactive(dev, b);
             block_insert_free(b);
+            pool_settle_segment(a, dev, seg);
+        }
     }
 }
 
@@ -164,7 +171,7 @@ events_insert(allocator *a, device_state *dev, block *b)
         e->next = made;
         made = e;
         /* a spare's event is recorded again; a new node gets a new one */
-        if (stream_get(dev, b->extra_streams[i]) == NULL ||
+        if (stream_get(dev, NULL, b->extra_streams[i]) == NULL ||
             a->backend.event_record(a->backend.ctx, dev->index, b->extra_streams[i],
                                     &e->event) != ALLOC_OK)
             goto error;

@@ -16,9 +16,12 @@
  * with the same message, as returning NULL to torch would crash later. */
 #include "alloc.h"
 #include "alloc_cuda.h"
+#include "entry.h"
+#include "alloc_history.h"
 #ifdef MATEPOINT_TESTING
 #include "alloc_host.h"
 #endif
+#include "torch_bridge.h"
 #include "cuda/cudart.h"
 #include "cuda/cudart_util.h"
 
@@ -28,7 +31,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define EXPORT __attribute__((visibility("default")))
 #define HOST_DEVICES 8
 
 /* Written once under `create_once`; the allocator locks itself. */
@@ -149,6 +151,12 @@ get_allocator(void)
     return instance;
 }
 
+allocator *
+entry_allocator(void)
+{
+    return get_allocator();
+}
+
 /* Free and total bytes of `device` as the backend sees them; 0 if unknown. */
 static void
 device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes)
@@ -228,11 +236,44 @@ give_up(const char *message)
     abort();
 }
 
+/* torch's out-of-memory observers, through the adapter's trampoline:
+ * written by set_oom_observer, read by any thread that runs out of memory
+ * (copied under the lock, called after it). */
+static pthread_mutex_t observer_lock = PTHREAD_MUTEX_INITIALIZER;
+static matepoint_oom_observer oom_observer;
+static void *oom_observer_ctx;
+
+static void
+set_oom_observer(matepoint_oom_observer observer, void *ctx)
+{
+    pthread_mutex_lock(&observer_lock);
+    oom_observer = observer;
+    oom_observer_ctx = ctx;
+    pthread_mutex_unlock(&observer_lock);
+}
+
+/* Tells the observer, as torch's allocator does before it throws. */
+static void
+notify_oom(allocator *a, int device)
+{
+    pthread_mutex_lock(&observer_lock);
+    matepoint_oom_observer observer = oom_observer;
+    void *ctx = oom_observer_ctx;
+    pthread_mutex_unlock(&observer_lock);
+    if (observer == NULL)
+        return;
+    uint64_t free_bytes, total_bytes;
+    alloc_stats stats = a ? alloc_get_stats(a, device) : (alloc_stats){0};
+    device_memory(device, &free_bytes, &total_bytes);
+    observer(ctx, device, stats.allocated_bytes, total_bytes, free_bytes);
+}
+
 static void
 out_of_memory(allocator *a, size_t size, int device)
 {
     char message[512];
     oom_message(message, sizeof(message), a, size, device);
+    notify_oom(a, device);
     give_up(message);
 }
 
@@ -250,24 +291,26 @@ cuda_failure(size_t size, int device, const char *failure)
     give_up(message);
 }
 
-/* An allocation during CUDA graph capture. torch gives a pluggable
- * allocator a graph's private pool only through hooks C cannot set
- * (std::function), and no-ops otherwise: memory handed out now would go to
- * other tensors once freed while the replayed graph still writes it, and
- * the event queries, cudaMalloc and cudaFree the allocator may make
- * invalidate a capture in CUDA's global mode. Refused, through the same
- * handler as out of memory (the one exception this library can throw). */
+/* An allocation during a CUDA graph capture that no private pool takes.
+ * torch gives a graph its pool through hooks C cannot set (std::function):
+ * the C++ adapter install_allocator() builds sets them (alloc_begin_pool).
+ * Without a pool, memory handed out now would go to other tensors once
+ * freed while the replayed graph still writes it, and the event queries,
+ * cudaMalloc and cudaFree the allocator may make invalidate a capture in
+ * CUDA's global mode. Refused, through the same handler as out of memory
+ * (the one exception this library can throw). */
 static void
 refuse_capture(size_t size, int device)
 {
-    char message[640];
+    char message[768];
     snprintf(message, sizeof(message),
-             "matepoint's allocator cannot allocate during CUDA graph capture (asked for %zu "
-             "bytes on GPU %d): torch gives a pluggable allocator no private pool for a "
-             "graph's memory, so it could be handed to other tensors while the graph still "
-             "uses it. Capture CUDA graphs (torch.cuda.graph, make_graphed_callables, "
-             "torch.compile's cudagraphs) in a process without "
-             "matepoint.install_allocator().",
+             "matepoint's allocator cannot allocate during this CUDA graph capture (asked for "
+             "%zu bytes on GPU %d): no private memory pool takes the capturing stream, so the "
+             "memory could be handed to other tensors while the graph still uses it. "
+             "torch.cuda.graph, make_graphed_callables and torch.compile's cudagraphs give it "
+             "one through the C++ adapter matepoint.install_allocator() builds (it warned if "
+             "it could not); a capture begun otherwise (cudaStreamBeginCapture directly) gets "
+             "none: capture it in a process without matepoint.install_allocator().",
              size, device);
     give_up(message);
 }
@@ -277,8 +320,10 @@ matepoint_malloc(size_t size, int device, void *stream)
 {
     allocator *a = get_allocator();
     /* `stream` is of the current device (`device`, as torch calls); a
-     * failure to ask is taken as no */
-    if (runtime != NULL && cudart_stream_capturing(runtime, stream) > 0)
+     * failure to ask is taken as no. A graph's pool (begun before its
+     * capture) takes its stream's requests. */
+    if (runtime != NULL && cudart_stream_capturing(runtime, stream) > 0 &&
+        (a == NULL || !alloc_pool_takes(a, device, stream)))
         refuse_capture(size, device);
     alloc_cuda_forget_failure();
     void *ptr = a ? alloc_malloc(a, size, device, stream, current_tag) : NULL;
@@ -323,6 +368,11 @@ matepoint_record_stream(void *ptr, void *stream)
         fprintf(stderr, "matepoint allocator: record_stream on unknown pointer %p\n", ptr);
 }
 
+/* The fraction set last per device (torch's getMemoryFraction), as
+ * double bits: 0 stands for none set (1.0). Written by any thread. */
+#define FRACTION_DEVICES 64
+static _Atomic uint64_t fractions[FRACTION_DEVICES];
+
 /* torch.cuda.set_per_process_memory_fraction: caps what the allocator
  * reserves on `device` at that fraction of its total memory. */
 EXPORT void
@@ -335,6 +385,21 @@ matepoint_set_memory_fraction(double fraction, int device)
     device_memory(device, &free_bytes, &total_bytes);
     if (total_bytes != 0)
         alloc_set_limit(a, device, (uint64_t)(fraction * (double)total_bytes));
+    if (device >= 0 && device < FRACTION_DEVICES) {
+        uint64_t bits;
+        memcpy(&bits, &fraction, sizeof(bits));
+        atomic_store(&fractions[device], bits);
+    }
+}
+
+static double
+get_memory_fraction(int device)
+{
+    uint64_t bits = device >= 0 && device < FRACTION_DEVICES ? atomic_load(&fractions[device]) : 0;
+    double fraction = 1.0;
+    if (bits != 0)
+        memcpy(&fraction, &bits, sizeof(fraction));
+    return fraction;
 }
 
 /* install_allocator(): the function that raises torch.OutOfMemoryError. */
@@ -389,4 +454,84 @@ matepoint_alloc_reset_peaks(void)
     allocator *a = get_allocator();
     if (a != NULL)
         alloc_reset_peaks(a);
+}
+
+/* ---- the table of the C++ adapter (torch_bridge.h) ------------------------ */
+
+static int
+bridge_device_stats(int device, alloc_device_stats *out)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_get_device_stats(a, device, out) : -1;
+}
+
+static int
+bridge_reset_peaks(int device)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_reset_device_peaks(a, device) : -1;
+}
+
+static int
+bridge_reset_accumulated(int device)
+{
+    allocator *a = get_allocator();
+    return a ? alloc_reset_accumulated(a, device) : -1;
+}
+
+static void
+bridge_configure_history(const alloc_history_config *config)
+{
+    allocator *a = get_allocator();
+    if (a != NULL)
+        alloc_history_configure(a, config);
+}
+
+static int
+bridge_take_snapshot(int device, alloc_snapshot *out)
+{
+    allocator *a = get_allocator();
+    if (a == NULL) {
+        memset(out, 0, sizeof(*out));
+        return 0;
+    }
+    return alloc_take_snapshot(a, device, out);
+}
+
+static void
+bridge_free_snapshot(alloc_snapshot *snapshot)
+{
+    alloc_snapshot_free(get_allocator(), snapshot);
+}
+
+/* Constant: every entry is the library's for the process. */
+static const matepoint_torch_bridge bridge = {
+    .version = MATEPOINT_TORCH_BRIDGE_VERSION,
+    .size = sizeof(matepoint_torch_bridge),
+    .malloc = matepoint_malloc,
+    .free = matepoint_free,
+    .init = matepoint_init,
+    .empty_cache = matepoint_reset,
+    .record_stream = matepoint_record_stream,
+    .set_memory_fraction = matepoint_set_memory_fraction,
+    .get_memory_fraction = get_memory_fraction,
+    .device_stats = bridge_device_stats,
+    .reset_peaks = bridge_reset_peaks,
+    .reset_accumulated = bridge_reset_accumulated,
+    .device_count = matepoint_alloc_device_count,
+    .configure_history = bridge_configure_history,
+    .take_snapshot = bridge_take_snapshot,
+    .free_snapshot = bridge_free_snapshot,
+    .set_oom_observer = set_oom_observer,
+    .begin_pool = bridge_begin_pool,
+    .end_pool = bridge_end_pool,
+    .release_pool = bridge_release_pool,
+    .largest_free_block = bridge_largest_free_block,
+    .base_allocation = bridge_base_allocation,
+};
+
+EXPORT const matepoint_torch_bridge *
+matepoint_alloc_torch_bridge(void)
+{
+    return &bridge;
 }

@@ -2,6 +2,7 @@
 #include "state.h"
 
 #include <dlfcn.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 static const struct {
@@ -20,12 +21,8 @@ static const struct {
     [ALLOC_SYM_GET_STATS] = {"get_stats", "matepoint_alloc_get_stats"},
     [ALLOC_SYM_GET_TAG_STATS] = {"get_tag_stats", "matepoint_alloc_get_tag_stats"},
     [ALLOC_SYM_RESET_PEAKS] = {"reset_peaks", "matepoint_alloc_reset_peaks"},
-};
-
-/* Names of the phases below a tag's region, by phase (3 is unused). */
-static const char *const phase_names[1 << TAG_PHASE_BITS] = {
-    [TAG_OTHER] = "other", [TAG_FORWARD] = "forward", [TAG_RECOMPUTE] = "recompute",
-    [3] = "other",
+    [ALLOC_SYM_BASE_ALLOCATION] = {"base_allocation", "matepoint_base_allocation"},
+    [ALLOC_SYM_TORCH_BRIDGE] = {"torch_bridge", "matepoint_alloc_torch_bridge"},
 };
 
 PyObject *
@@ -77,8 +74,13 @@ alloc_link_attach(PyObject *module, PyObject *path_obj)
         .reset_peaks = (void (*)(void))find(handle, ALLOC_SYM_RESET_PEAKS),
         .empty_cache = (void (*)(void))find(handle, ALLOC_SYM_RESET),
     };
+    const matepoint_torch_bridge *(*bridge)(void) =
+        (const matepoint_torch_bridge *(*)(void))find(handle, ALLOC_SYM_TORCH_BRIDGE);
+    found.bridge = bridge ? bridge() : NULL;
     if (!found.set_tag || !found.device_count || !found.get_stats || !found.get_tag_stats ||
-        !found.reset_peaks || !found.empty_cache) {
+        !found.reset_peaks || !found.empty_cache || found.bridge == NULL ||
+        found.bridge->version != MATEPOINT_TORCH_BRIDGE_VERSION ||
+        found.bridge->device_stats == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "matepoint: the allocator library lacks its API");
         return NULL;
     }
@@ -108,8 +110,8 @@ by_tag(const void *a, const void *b)
 static PyObject *
 tag_row(const alloc_tag_stats *t)
 {
-    return Py_BuildValue("{sKsssKsKsK}", "region", (unsigned long long)(t->tag >> TAG_PHASE_BITS),
-                         "phase", phase_names[t->tag & ((1u << TAG_PHASE_BITS) - 1)],
+    return Py_BuildValue("{sKsssKsKsK}", "region", (unsigned long long)alloc_tag_region(t->tag),
+                         "phase", alloc_tag_phase(t->tag),
                          "live_bytes", (unsigned long long)t->live_bytes, "peak_bytes",
                          (unsigned long long)t->peak_bytes, "allocations",
                          (unsigned long long)t->allocations);
@@ -138,6 +140,51 @@ tag_list(const alloc_link *link, int device)
     return list;
 }
 
+static int
+set_figure(PyObject *dict, const char *key, int64_t value)
+{
+    PyObject *number = PyLong_FromLongLong(value);
+    int result = number ? PyDict_SetItemString(dict, key, number) : -1;
+    Py_XDECREF(number);
+    return result;
+}
+
+/* torch's figures under torch.cuda.memory_stats()'s flat keys
+ * ("allocated_bytes.all.current", "num_ooms", ...), named by alloc.h's
+ * tables. */
+static int
+add_torch_figures(PyObject *dict, const alloc_device_stats *t)
+{
+    char key[96];
+    for (int kind = 0; kind < ALLOC_STAT_ARRAYS; kind++) {
+        for (int pool = 0; pool < ALLOC_POOLS; pool++) {
+            for (int field = 0; field < ALLOC_STAT_FIELDS; field++) {
+                snprintf(key, sizeof(key), "%s.%s.%s", alloc_stat_array_name(kind),
+                         alloc_pool_name(pool), alloc_stat_field_name(field));
+                if (set_figure(dict, key, alloc_stat_field(&t->arrays[kind][pool], field)) < 0)
+                    return -1;
+            }
+        }
+    }
+    for (int field = 0; field < ALLOC_STAT_FIELDS; field++) {
+        const char *name = alloc_stat_field_name(field);
+        snprintf(key, sizeof(key), "oversize_allocations.%s", name);
+        if (set_figure(dict, key, alloc_stat_field(&t->oversize_allocations, field)) < 0)
+            return -1;
+        snprintf(key, sizeof(key), "oversize_segments.%s", name);
+        if (set_figure(dict, key, alloc_stat_field(&t->oversize_segments, field)) < 0)
+            return -1;
+    }
+    if (set_figure(dict, "num_alloc_retries", t->num_alloc_retries) < 0 ||
+        set_figure(dict, "num_ooms", t->num_ooms) < 0 ||
+        set_figure(dict, "num_sync_all_streams", t->num_sync_all_streams) < 0 ||
+        set_figure(dict, "num_device_alloc", t->num_device_alloc) < 0 ||
+        set_figure(dict, "num_device_free", t->num_device_free) < 0 ||
+        set_figure(dict, "max_split_size", t->max_split_size) < 0)
+        return -1;
+    return 0;
+}
+
 static PyObject *
 device_stats(const alloc_link *link, int device)
 {
@@ -149,13 +196,22 @@ device_stats(const alloc_link *link, int device)
     PyObject *tags = tag_list(link, device);
     if (tags == NULL)
         return NULL;
-    return Py_BuildValue(
+    alloc_device_stats figures;
+    if (link->bridge->device_stats(device, &figures) < 0) {
+        Py_DECREF(tags);
+        PyErr_Format(PyExc_RuntimeError, "matepoint: the allocator has no device %d", device);
+        return NULL;
+    }
+    PyObject *dict = Py_BuildValue(
         "{sKsKsKsKsKsKsKsKsKsKsKsKsKsN}", "allocated_bytes", s.allocated_bytes,
         "peak_allocated_bytes", s.peak_allocated_bytes, "requested_bytes", s.requested_bytes,
         "reserved_bytes", s.reserved_bytes, "peak_reserved_bytes", s.peak_reserved_bytes,
         "mallocs", s.mallocs, "frees", s.frees, "cache_hits", s.cache_hits, "device_allocs",
         s.device_allocs, "device_frees", s.device_frees, "oom_retries", s.oom_retries, "ooms",
         s.ooms, "live_blocks", s.live_blocks, "tags", tags);
+    if (dict != NULL && add_torch_figures(dict, &figures) < 0)
+        Py_CLEAR(dict);
+    return dict;
 }
 
 PyObject *

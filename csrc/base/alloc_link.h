@@ -9,17 +9,7 @@
 #include <Python.h>
 
 #include "alloc/alloc.h"
-
-/* An allocation's tag: the checkpointed region (0: outside any) above two
- * bits of phase. The one encoding: _allocator_stats() decodes it for Python. */
-enum { TAG_OTHER = 0, TAG_FORWARD = 1, TAG_RECOMPUTE = 2, TAG_PHASE_BITS = 2 };
-
-/* Tag of a checkpointed region in one phase. */
-static inline uint64_t
-alloc_region_tag(uint64_t region, int phase)
-{
-    return region << TAG_PHASE_BITS | (uint64_t)phase;
-}
+#include "alloc/torch_bridge.h"
 
 /* The allocator library's entry points, by role. alloc_link.c holds their
  * one list of names; _C.ALLOCATOR_SYMBOLS gives it to matepoint/_allocator.py
@@ -28,7 +18,7 @@ typedef enum {
     ALLOC_SYM_MALLOC, ALLOC_SYM_FREE, ALLOC_SYM_INIT, ALLOC_SYM_RESET,
     ALLOC_SYM_RECORD_STREAM, ALLOC_SYM_SET_MEMORY_FRACTION, ALLOC_SYM_SET_OOM_HANDLER,
     ALLOC_SYM_SET_TAG, ALLOC_SYM_DEVICE_COUNT, ALLOC_SYM_GET_STATS, ALLOC_SYM_GET_TAG_STATS,
-    ALLOC_SYM_RESET_PEAKS, ALLOC_SYM_COUNT
+    ALLOC_SYM_RESET_PEAKS, ALLOC_SYM_BASE_ALLOCATION, ALLOC_SYM_TORCH_BRIDGE, ALLOC_SYM_COUNT
 } alloc_symbol;
 
 typedef struct alloc_link {
@@ -38,6 +28,7 @@ typedef struct alloc_link {
     int (*get_tag_stats)(int device, alloc_tag_stats *out, int max);
     void (*reset_peaks)(void);
     void (*empty_cache)(void);
+    const matepoint_torch_bridge *bridge;   /* torch's figures (torch_bridge.h) */
 } alloc_link;
 
 /* Sets this thread's allocation tag; returns the previous one. */

@@ -2,7 +2,8 @@
 /* Fuzz harness over operation sequences of the allocator and the host pool.
  *
  * LLVMFuzzerTestOneInput reads bytes as operations (malloc, free,
- * record_stream, stream progress, empty cache; pool acquire/release/empty)
+ * record_stream, stream progress, empty cache, a CUDA graph's pool begun,
+ * ended or released; pool acquire/release/empty)
  * and aborts on any broken invariant or corrupted block. Built with clang
  * -fsanitize=fuzzer it is a libFuzzer target; built without (FUZZ_DRIVER),
  * main() feeds it random inputs for a bounded number of seconds, which is
@@ -68,6 +69,53 @@ size_from(const uint8_t *data, int past_2_63)
 }
 
 #define ALLOC_CAPACITY (256ull << 20)
+#define GRAPH_POOLS 4
+
+/* A graph pool's filter: `filter` is the one stream it takes. */
+static int
+takes_stream(void *filter, void *stream)
+{
+    return filter == stream;
+}
+
+/* What the fuzzer knows of each graph pool (ids 1..GRAPH_POOLS) per device. */
+typedef struct {
+    int active;         /* begun, not ended */
+    int uses;           /* begun, not released */
+} graph_pool;
+
+/* Begins, ends or releases graph pool `op[1] % GRAPH_POOLS` of a device;
+ * the allocator must refuse exactly what torch refuses. */
+static void
+graph_pool_op(allocator *a, graph_pool pools[2][GRAPH_POOLS], const uint8_t *op,
+              alloc_host_stream *stream)
+{
+    int device = op[2] & 1, id = op[1] % GRAPH_POOLS;
+    graph_pool *g = &pools[device][id];
+    switch ((op[1] / GRAPH_POOLS) % 3) {
+    case 0: {
+        int result = alloc_begin_pool(a, device, (uint64_t)id + 1, 0, takes_stream, stream);
+        require(!g->active || result == -1, "a pool begun twice");
+        /* a released pool with memory left is refused too: not modelled */
+        if (result == 0) {
+            g->active = 1;
+            g->uses++;
+        }
+        break;
+    }
+    case 1:
+        require(alloc_end_pool(a, device, (uint64_t)id + 1, 0) == (g->active ? 0 : -1),
+                "end of a pool not begun");
+        g->active = 0;
+        break;
+    default:
+        require(alloc_release_pool(a, device, (uint64_t)id + 1, 0) == (g->uses > 0 ? 0 : -1),
+                "release of a pool without uses");
+        if (g->uses > 0)
+            g->uses--;
+        break;
+    }
+}
 
 static void
 run_allocator(const uint8_t *data, size_t size)
@@ -77,11 +125,12 @@ run_allocator(const uint8_t *data, size_t size)
     allocator *a = alloc_create(alloc_host_backend(&ctx), 2);
     alloc_host_stream streams[3] = {{0}};
     slot slots[SLOTS] = {{0}};
+    graph_pool graphs[2][GRAPH_POOLS] = {{{0}}};
     for (size_t i = 0; i + 3 <= size; i += 3) {
         const uint8_t *op = data + i;
         slot *s = &slots[op[1] % SLOTS];
         alloc_host_stream *stream = &streams[op[2] % 3];
-        switch (op[0] % 6) {
+        switch (op[0] % 7) {
         case 0:
         case 1:
             if (s->ptr == NULL) {
@@ -112,6 +161,9 @@ run_allocator(const uint8_t *data, size_t size)
         case 4:
             alloc_host_complete(stream);
             break;
+        case 5:
+            graph_pool_op(a, graphs, op, &streams[op[2] / 2 % 3]);
+            break;
         default:
             alloc_empty_cache(a);
             break;
@@ -125,6 +177,15 @@ run_allocator(const uint8_t *data, size_t size)
     }
     for (int i = 0; i < 3; i++)
         alloc_host_complete(&streams[i]);
+    for (int d = 0; d < 2; d++) {
+        for (int id = 0; id < GRAPH_POOLS; id++) {
+            graph_pool *g = &graphs[d][id];
+            if (g->active)
+                require(alloc_end_pool(a, d, (uint64_t)id + 1, 0) == 0, "end of a pool failed");
+            for (; g->uses > 0; g->uses--)
+                require(alloc_release_pool(a, d, (uint64_t)id + 1, 0) == 0, "release failed");
+        }
+    }
     alloc_empty_cache(a);
     require(alloc_get_stats(a, 0).reserved_bytes == 0 && alloc_get_stats(a, 1).reserved_bytes == 0,
             "segments left after empty_cache");

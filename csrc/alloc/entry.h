@@ -1,0 +1,25 @@
+/* Private to the allocator library's entry files (entry.c: torch's entry
+ * points, the C API and the C++ adapter's table; entry_pools.c: CUDA graph
+ * pools, cacheInfo and IPC). Not a contract for anything else. */
+#ifndef MATEPOINT_ALLOC_ENTRY_H
+#define MATEPOINT_ALLOC_ENTRY_H
+
+#include "alloc.h"
+
+#include <stdint.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* The process's one allocator, created on first use (thread-safe); NULL
+ * when it could not be (no CUDA runtime). */
+allocator *entry_allocator(void);
+
+/* The adapter table's graph-pool, cacheInfo and IPC entries (torch_bridge.h). */
+void bridge_begin_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_filter use_pool,
+                       void *filter);
+void bridge_end_pool(int device, uint64_t pool_a, uint64_t pool_b);
+void bridge_release_pool(int device, uint64_t pool_a, uint64_t pool_b);
+uint64_t bridge_largest_free_block(int device);
+void *bridge_base_allocation(void *ptr, uint64_t *size);
+
+#endif

@@ -1,0 +1,623 @@
+// matepoint's allocator as torch's CUDA allocator, past malloc and free.
+//
+// torch's CUDAPluggableAllocator throws for memory_stats, snapshots,
+// out-of-memory observers and the rest. This unit subclasses it (malloc,
+// free, record_stream, init and empty_cache keep going to the library's C
+// entry points), overrides what it can answer from the library's table
+// (torch_bridge.h) and installs itself with changeCurrentAllocator. It only
+// converts between torch's C++ structs and the table's C types: figures
+// and records are made in C. Where an entry of the table is NULL the
+// override falls back to the base class, whose message names the
+// unsupported call. Compiled at run time against the running torch
+// (matepoint/_adapter.py), like oom_raise.cpp.
+#include <c10/util/ApproximateClock.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/csrc/profiler/combined_traceback.h>
+
+#include "torch_bridge.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+using c10::CachingDeviceAllocator::DeviceStats;
+using c10::CachingAllocator::Stat;
+using c10::CachingAllocator::StatArray;
+
+void
+copy_stat(const alloc_stat &from, Stat &to)
+{
+    to.current = from.current;
+    to.peak = from.peak;
+    to.allocated = from.allocated;
+    to.freed = from.freed;
+}
+
+void
+copy_array(const alloc_stat (&from)[ALLOC_POOLS], StatArray &to)
+{
+    // torch's StatType order: AGGREGATE, SMALL_POOL, LARGE_POOL, as ALLOC_POOL_*
+    static_assert(ALLOC_POOLS == static_cast<int>(c10::CachingAllocator::StatType::NUM_TYPES),
+                  "torch's pools are all, small and large");
+    for (int pool = 0; pool < ALLOC_POOLS; pool++)
+        copy_stat(from[pool], to[static_cast<size_t>(pool)]);
+}
+
+// ---- contexts: torch's gathered stacks as the C side's opaque pointers ----
+
+// One heap cell per gathered stack, counted by the C side's retain and
+// release (alloc_history.h); it holds torch's shared_ptr meanwhile.
+struct Context {
+    std::atomic<int> references{1};
+    std::shared_ptr<c10::GatheredContext> stack;
+};
+
+// torch's context recorder of the last recordHistory (a plain function);
+// read by any allocating thread.
+std::atomic<cca::CreateContextFn> recorder{nullptr};
+
+// "matepoint region 3 forward": how a block's tag reads in a snapshot
+std::string
+describe_tag(uint64_t tag)
+{
+    return "matepoint region " + std::to_string(alloc_tag_region(tag)) + " " +
+           alloc_tag_phase(tag);
+}
+
+// The stack torch's recorder gathers (none without one), with the block's
+// checkpoint region and phase as its forward traceback: the one per-block
+// text torch's snapshot carries into the viewer ("forward_frames"), after
+// any anomaly-mode forward traceback torch gathered.
+void *
+gather_context(uint64_t tag)
+{
+    cca::CreateContextFn gather = recorder.load();
+    std::shared_ptr<c10::GatheredContext> stack = gather ? gather() : nullptr;
+    if (stack == nullptr)
+        stack = std::make_shared<torch::CapturedTraceback>();
+    auto *traceback = dynamic_cast<torch::CapturedTraceback *>(stack.get());
+    if (traceback != nullptr && tag != ALLOC_TAG_NONE) {
+        std::vector<std::string> lines = traceback->forward_traceback().value_or(
+            std::vector<std::string>{});
+        lines.push_back(describe_tag(tag));
+        traceback->set_forward_traceback(std::move(lines));
+    }
+    auto *context = new Context();
+    context->stack = std::move(stack);
+    return context;
+}
+
+void
+retain_context(void *context)
+{
+    static_cast<Context *>(context)->references.fetch_add(1);
+}
+
+void
+release_context(void *context)
+{
+    auto *cell = static_cast<Context *>(context);
+    if (cell->references.fetch_sub(1) == 1)
+        delete cell;
+}
+
+std::shared_ptr<c10::GatheredContext>
+stack_of(void *context)
+{
+    return context ? static_cast<Context *>(context)->stack : nullptr;
+}
+
+int64_t
+approximate_time()
+{
+    return static_cast<int64_t>(c10::getApproximateTime());
+}
+
+// A snapshot of one device, freed (its context references released) at scope exit.
+struct DeviceSnapshot {
+    const matepoint_torch_bridge *bridge;
+    alloc_snapshot data{};
+    DeviceSnapshot(const matepoint_torch_bridge *b, int device) : bridge(b)
+    {
+        TORCH_CHECK(bridge->take_snapshot(device, &data) == 0,
+                    "matepoint's allocator: out of host memory for a memory snapshot");
+    }
+    ~DeviceSnapshot() { bridge->free_snapshot(&data); }
+    DeviceSnapshot(const DeviceSnapshot &) = delete;
+    DeviceSnapshot &operator=(const DeviceSnapshot &) = delete;
+};
+
+cca::SegmentInfo
+segment_info(int device, const alloc_snapshot &data, const alloc_segment_record &seg)
+{
+    cca::SegmentInfo info;
+    info.device = static_cast<c10::DeviceIndex>(device);
+    info.address = seg.address;
+    info.total_size = seg.size;
+    info.stream = seg.stream;
+    info.is_large = !seg.small;
+    for (uint64_t i = seg.first_block; i < seg.first_block + seg.block_count; i++) {
+        const alloc_block_record &b = data.blocks[i];
+        cca::BlockInfo block;
+        block.size = b.size;
+        block.requested_size = b.requested;
+        block.allocated = b.state == ALLOC_BLOCK_ALLOCATED;
+        block.active = b.state != ALLOC_BLOCK_INACTIVE;
+        block.context_when_allocated = stack_of(b.context);
+        info.requested_size += b.requested;
+        info.allocated_size += block.allocated ? b.size : 0;
+        info.active_size += block.active ? b.size : 0;
+        info.blocks.push_back(std::move(block));
+    }
+    return info;
+}
+
+cca::TraceEntry
+trace_entry(int device, const alloc_trace_record &r)
+{
+    auto action = static_cast<cca::TraceEntry::Action>(r.action);
+    bool block_event = r.action == ALLOC_TRACE_ALLOC || r.action == ALLOC_TRACE_FREE_REQUESTED ||
+                       r.action == ALLOC_TRACE_FREE_COMPLETED || r.action == ALLOC_TRACE_OOM;
+    return cca::TraceEntry(action, static_cast<c10::DeviceIndex>(device), r.address, r.size,
+                           static_cast<cudaStream_t>(r.stream), {0, 0},
+                           static_cast<c10::approx_time_t>(r.time), stack_of(r.context), "",
+                           block_event ? describe_tag(r.tag) : "");
+}
+
+class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+  public:
+    explicit Adapter(const matepoint_torch_bridge *bridge)
+        : CUDAPluggableAllocator(bridge->malloc, bridge->free), bridge_(bridge)
+    {
+        set_init_fn(bridge->init);
+        set_reset_fn(bridge->empty_cache);
+        set_record_stream_fn(bridge->record_stream);
+        set_memory_fraction_fn(bridge->set_memory_fraction);
+    }
+
+    // torch drops an allocator it swapped out: the library forgets the
+    // trampoline that points here
+    ~Adapter() override
+    {
+        if (bridge_->set_oom_observer != nullptr)
+            bridge_->set_oom_observer(nullptr, nullptr);
+    }
+
+    DeviceStats getDeviceStats(c10::DeviceIndex device) override
+    {
+        if (bridge_->device_stats == nullptr)
+            return CUDAPluggableAllocator::getDeviceStats(device);
+        alloc_device_stats from;
+        TORCH_CHECK(bridge_->device_stats(device, &from) == 0,
+                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
+        DeviceStats to;
+        copy_array(from.arrays[ALLOC_STAT_ALLOCATION], to.allocation);
+        copy_array(from.arrays[ALLOC_STAT_SEGMENT], to.segment);
+        copy_array(from.arrays[ALLOC_STAT_ACTIVE], to.active);
+        copy_array(from.arrays[ALLOC_STAT_INACTIVE_SPLIT], to.inactive_split);
+        copy_array(from.arrays[ALLOC_STAT_ALLOCATED_BYTES], to.allocated_bytes);
+        copy_array(from.arrays[ALLOC_STAT_RESERVED_BYTES], to.reserved_bytes);
+        copy_array(from.arrays[ALLOC_STAT_ACTIVE_BYTES], to.active_bytes);
+        copy_array(from.arrays[ALLOC_STAT_INACTIVE_SPLIT_BYTES], to.inactive_split_bytes);
+        copy_array(from.arrays[ALLOC_STAT_REQUESTED_BYTES], to.requested_bytes);
+        copy_stat(from.oversize_allocations, to.oversize_allocations);
+        copy_stat(from.oversize_segments, to.oversize_segments);
+        to.num_alloc_retries = from.num_alloc_retries;
+        to.num_ooms = from.num_ooms;
+        to.num_sync_all_streams = from.num_sync_all_streams;
+        to.num_device_alloc = from.num_device_alloc;
+        to.num_device_free = from.num_device_free;
+        to.max_split_size = from.max_split_size;
+        return to;
+    }
+
+    void resetPeakStats(c10::DeviceIndex device) override
+    {
+        if (bridge_->reset_peaks == nullptr)
+            return CUDAPluggableAllocator::resetPeakStats(device);
+        TORCH_CHECK(bridge_->reset_peaks(device) == 0,
+                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
+    }
+
+    void resetAccumulatedStats(c10::DeviceIndex device) override
+    {
+        if (bridge_->reset_accumulated == nullptr)
+            return CUDAPluggableAllocator::resetAccumulatedStats(device);
+        TORCH_CHECK(bridge_->reset_accumulated(device) == 0,
+                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
+    }
+
+    double getMemoryFraction(c10::DeviceIndex device) override
+    {
+        if (bridge_->get_memory_fraction == nullptr)
+            return CUDAPluggableAllocator::getMemoryFraction(device);
+        return bridge_->get_memory_fraction(device);
+    }
+
+    void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override
+    {
+        if (bridge_->set_oom_observer == nullptr)
+            return CUDAPluggableAllocator::attachOutOfMemoryObserver(std::move(observer));
+        std::lock_guard<std::mutex> guard(observers_lock_);
+        observers_.push_back(std::move(observer));
+        bridge_->set_oom_observer(&Adapter::notify_oom, this);
+    }
+
+    void recordHistory(bool enabled, cca::CreateContextFn context_recorder,
+                       size_t alloc_trace_max_entries, cca::RecordContext when,
+                       bool clear_history, const std::vector<std::string> &skip_actions) override
+    {
+        if (bridge_->configure_history == nullptr)
+            return CUDAPluggableAllocator::recordHistory(enabled, context_recorder,
+                                                         alloc_trace_max_entries, when,
+                                                         clear_history, skip_actions);
+        recorder.store(enabled ? context_recorder : nullptr);
+        alloc_history_config config{};
+        config.enabled = enabled;
+        config.max_entries = alloc_trace_max_entries;
+        config.when = static_cast<int>(when);
+        config.clear = clear_history;
+        config.gather = gather_context;
+        config.retain = retain_context;
+        config.release = release_context;
+        config.clock = approximate_time;
+        bridge_->configure_history(&config);
+    }
+
+    cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool, bool include_traces) override
+    {
+        if (bridge_->take_snapshot == nullptr || bridge_->device_count == nullptr)
+            return CUDAPluggableAllocator::snapshot(mempool, include_traces);
+        cca::SnapshotInfo result;
+        int devices = bridge_->device_count();
+        for (int device = 0; device < devices; device++) {
+            DeviceSnapshot snap(bridge_, device);
+            const alloc_snapshot &data = snap.data;
+            for (uint64_t i = 0; i < data.segment_count; i++)
+                result.segments.push_back(segment_info(device, data, data.segments[i]));
+            result.device_traces.emplace_back();
+            for (uint64_t i = 0; include_traces && i < data.trace_count; i++)
+                result.device_traces.back().push_back(trace_entry(device, data.trace[i]));
+        }
+        result.config_metadata = config_info();
+        return result;
+    }
+
+    // ---- CUDA graph pools: torch's filter is a std::function, which C
+    // calls through a trampoline; the adapter keeps it alive from begin to
+    // end (the library holds its address meanwhile).
+    void beginAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                             std::function<bool(cudaStream_t)> filter) override
+    {
+        if (bridge_->begin_pool == nullptr)
+            return CUDAPluggableAllocator::beginAllocateToPool(device, mempool_id,
+                                                               std::move(filter));
+        auto key = pool_key(device, mempool_id);
+        auto owned = std::make_unique<PoolFilter>(std::move(filter));
+        PoolFilter *raw = owned.get();
+        {
+            std::lock_guard<std::mutex> guard(filters_lock_);
+            // torch's own check: the library would keep the first filter
+            TORCH_CHECK(filters_.find(key) == filters_.end(),
+                        "beginAllocateToPool: already recording to mempool_id");
+            filters_.emplace(key, std::move(owned));
+        }
+        bridge_->begin_pool(device, mempool_id.first, mempool_id.second, &Adapter::use_pool,
+                            raw);
+    }
+
+    void endAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override
+    {
+        if (bridge_->end_pool == nullptr)
+            return CUDAPluggableAllocator::endAllocateToPool(device, mempool_id);
+        bridge_->end_pool(device, mempool_id.first, mempool_id.second);
+        std::lock_guard<std::mutex> guard(filters_lock_);   // the library dropped it
+        filters_.erase(pool_key(device, mempool_id));
+    }
+
+    void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override
+    {
+        if (bridge_->release_pool == nullptr)
+            return CUDAPluggableAllocator::releasePool(device, mempool_id);
+        bridge_->release_pool(device, mempool_id.first, mempool_id.second);
+    }
+
+    // cudnn.benchmark's workspace bound, as torch's allocator answers it:
+    // a zero `largestBlock` first becomes the device's free memory, then the
+    // largest cached free block counts if larger.
+    void cacheInfo(c10::DeviceIndex device, size_t *largestBlock) override
+    {
+        if (bridge_->largest_free_block == nullptr)
+            return CUDAPluggableAllocator::cacheInfo(device, largestBlock);
+        if (*largestBlock == 0) {
+            c10::cuda::CUDAGuard guard(device);
+            size_t free_bytes = 0, total_bytes = 0;
+            C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+            *largestBlock = free_bytes;
+        }
+        uint64_t cached = bridge_->largest_free_block(device);
+        if (cached > *largestBlock)
+            *largestBlock = static_cast<size_t>(cached);
+    }
+
+    // ---- CUDA IPC: another process can map only whole segments
+    void *getBaseAllocation(void *ptr, size_t *size) override
+    {
+        if (bridge_->base_allocation == nullptr)
+            return CUDAPluggableAllocator::getBaseAllocation(ptr, size);
+        uint64_t bytes = 0;
+        void *base = bridge_->base_allocation(ptr, &bytes);
+        TORCH_CHECK(base != nullptr, "matepoint's allocator: invalid device pointer: ", ptr);
+        if (size != nullptr)
+            *size = static_cast<size_t>(bytes);
+        return base;
+    }
+
+    // The segment's IPC handle and the block's offset in it. The handle is
+    // the bare cudaIpcMemHandle_t: every torch's receiver reads that form
+    // as a cudaMalloc'ed segment (its versioned form differs between torch
+    // releases).
+    cca::ShareableHandle shareIpcHandle(void *ptr) override
+    {
+        if (bridge_->base_allocation == nullptr)
+            return CUDAPluggableAllocator::shareIpcHandle(ptr);
+        void *base = getBaseAllocation(ptr, nullptr);
+        cudaIpcMemHandle_t handle;
+        C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base));
+        return cca::ShareableHandle{static_cast<char *>(ptr) - static_cast<char *>(base),
+                                    std::string(reinterpret_cast<const char *>(&handle),
+                                                CUDA_IPC_HANDLE_SIZE)};
+    }
+
+    // The receiving side: opens a segment shared by another process once
+    // per handle (CUDA allows one open per context), closed when the last
+    // storage over it goes.
+    std::shared_ptr<void> getIpcDevPtr(std::string handle) override
+    {
+        std::lock_guard<std::mutex> guard(ipc_lock_);
+        auto found = ipc_open_.find(handle);
+        if (found != ipc_open_.end()) {
+            if (auto open = found->second.lock())
+                return open;
+        }
+        cudaIpcMemHandle_t cuda_handle;
+        size_t skip = handle.size() == CUDA_IPC_HANDLE_SIZE ? 0 : 2;   // version, type
+        TORCH_CHECK(handle.size() == CUDA_IPC_HANDLE_SIZE + skip && (skip == 0 || handle[1] == 'c'),
+                    "matepoint's allocator can open only cudaMalloc'ed segments shared by "
+                    "another process (not expandable segments)");
+        std::memcpy(&cuda_handle, handle.data() + skip, CUDA_IPC_HANDLE_SIZE);
+        c10::DeviceIndex device = 0;
+        C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+        void *mapped = nullptr;
+        C10_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, cuda_handle, cudaIpcMemLazyEnablePeerAccess));
+        std::shared_ptr<void> open(mapped, [this, handle, device](void *address) {
+            {
+                std::lock_guard<std::mutex> erase_guard(ipc_lock_);
+                auto it = ipc_open_.find(handle);
+                if (it != ipc_open_.end() && it->second.expired())
+                    ipc_open_.erase(it);
+            }
+            c10::cuda::CUDAGuard device_guard(device);
+            C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(address));
+        });
+        ipc_open_[handle] = open;
+        return open;
+    }
+
+    // torch.compile's CUDA graph trees take a pool's state after each
+    // recording (getCheckpointState) and restore it when they switch
+    // between recorded graphs (setCheckpointPoolState). Restoring is not
+    // supported yet: the state is a marker, and a restore says so at once
+    // (torch's base class would already refuse at the first recording).
+    std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                            at::cuda::MempoolId_t id) override
+    {
+        if (bridge_->begin_pool == nullptr)
+            return CUDAPluggableAllocator::getCheckpointState(device, id);
+        return std::make_shared<cca::AllocatorState>();
+    }
+
+    cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                                std::shared_ptr<cca::AllocatorState> state) override
+    {
+        (void)device;
+        (void)state;
+        TORCH_CHECK(false,
+                    "matepoint's allocator cannot yet restore a CUDA graph pool to a checkpointed "
+                    "state (setCheckpointPoolState), which torch.compile's CUDA graph trees ask "
+                    "when they switch between recorded graphs (mode=\"reduce-overhead\" with "
+                    "several compiled graphs, such as training's forward and backward): compile "
+                    "without mode=\"reduce-overhead\", or run without "
+                    "matepoint.install_allocator()");
+    }
+
+    std::string name() override { return "matepoint"; }
+
+  private:
+    using PoolFilter = std::function<bool(cudaStream_t)>;
+    using PoolKey = std::tuple<int, c10::CaptureId_t, c10::CaptureId_t>;
+
+    static PoolKey pool_key(c10::DeviceIndex device, const c10::cuda::MempoolId_t &id)
+    {
+        return PoolKey{static_cast<int>(device), id.first, id.second};
+    }
+
+    // Called by the library with its lock held: torch's filters only ask
+    // CUDA whether the stream captures; an exception cannot cross C.
+    static int use_pool(void *filter, void *stream)
+    {
+        try {
+            return (*static_cast<PoolFilter *>(filter))(static_cast<cudaStream_t>(stream)) ? 1 : 0;
+        } catch (...) {
+            return 0;
+        }
+    }
+
+    // what torch's snapshot reports of the allocator's settings: matepoint's
+    // rounding (512 bytes) and no split limit
+    static cca::AllocatorConfigInfo config_info()
+    {
+        cca::AllocatorConfigInfo info{};
+        info.garbage_collection_threshold = 0.0;
+        info.max_split_size = SIZE_MAX;
+        info.expandable_segments = false;
+        info.last_allocator_settings = "matepoint";
+        return info;
+    }
+
+    // The library calls this after releasing its locks, before it throws
+    // torch's OutOfMemoryError; the observers run in attach order, as
+    // torch's allocator runs them.
+    static void notify_oom(void *self, int device, uint64_t allocated, uint64_t total,
+                           uint64_t free_bytes)
+    {
+        auto *adapter = static_cast<Adapter *>(self);
+        std::vector<cca::OutOfMemoryObserver> observers;
+        {
+            std::lock_guard<std::mutex> guard(adapter->observers_lock_);
+            observers = adapter->observers_;
+        }
+        for (auto &observer : observers)
+            observer(device, allocated, total, free_bytes);
+    }
+
+    const matepoint_torch_bridge *bridge_;
+    std::mutex observers_lock_;
+    std::vector<cca::OutOfMemoryObserver> observers_;
+    std::mutex filters_lock_;
+    std::map<PoolKey, std::unique_ptr<PoolFilter>> filters_;
+    std::mutex ipc_lock_;
+    std::unordered_map<std::string, std::weak_ptr<void>> ipc_open_;
+};
+
+void
+write_error(char *out, size_t n, const std::string &text)
+{
+    if (out == nullptr || n == 0)
+        return;
+    std::strncpy(out, text.c_str(), n - 1);
+    out[n - 1] = '\0';
+}
+
+// Python and TorchScript stacks, as torch's _record_memory_history
+// gathers them for context="all"
+std::shared_ptr<c10::GatheredContext>
+gather_stack()
+{
+    return torch::CapturedTraceback::gather(true, true, false);
+}
+
+}  // namespace
+
+// Attaches `observer` through torch's own C++ entry point (the one
+// torch._C._cuda_attach_out_of_memory_observer calls after initializing
+// CUDA), so a C caller (and the tests, where CUDA cannot initialize) reach
+// the current allocator's attachOutOfMemoryObserver. 0, or -1 with the
+// reason in `error` (torch's allocator refused, e.g. the plain pluggable one).
+extern "C" __attribute__((visibility("default"))) int
+matepoint_torch_adapter_attach_oom_observer(void (*observer)(int64_t device, size_t allocated,
+                                                             size_t device_total,
+                                                             size_t device_free),
+                                            char *error, size_t error_size)
+{
+    try {
+        cca::attachOutOfMemoryObserver(
+            [observer](int64_t device, size_t allocated, size_t total, size_t free_bytes) {
+                observer(device, allocated, total, free_bytes);
+            });
+    } catch (const std::exception &failure) {
+        write_error(error, error_size, failure.what());
+        return -1;
+    }
+    return 0;
+}
+
+
+// What torch.cuda.memory._record_memory_history(enabled, context="all" or
+// None, max_entries, clear_history) does once CUDA is initialized: calls
+// the current allocator's recordHistory through torch's C++ entry point.
+// torch's own Python entry initializes CUDA first, which a machine without
+// a GPU cannot; the tests record history through this. 0, or -1 with the
+// reason in `error`.
+extern "C" __attribute__((visibility("default"))) int
+matepoint_torch_adapter_record_history(int enabled, int stacks, uint64_t max_entries, int clear,
+                                       char *error, size_t error_size)
+{
+    try {
+        cca::recordHistory(enabled != 0, stacks ? gather_stack : nullptr, max_entries,
+                           stacks ? cca::RecordContext::ALL : cca::RecordContext::NEVER,
+                           clear != 0, {});
+    } catch (const std::exception &failure) {
+        write_error(error, error_size, failure.what());
+        return -1;
+    }
+    return 0;
+}
+
+// Makes an adapter over the library's table (`get_bridge`, the library's
+// matepoint_alloc_torch_bridge) torch's current CUDA allocator. 0, or -1
+// with the reason in `error` (nothing installed): a table of another
+// version, or torch refusing the swap (its allocator already initialized).
+extern "C" __attribute__((visibility("default"))) int
+matepoint_torch_adapter_install(const matepoint_torch_bridge *(*get_bridge)(void), char *error,
+                                size_t error_size)
+{
+    const matepoint_torch_bridge *bridge = get_bridge ? get_bridge() : nullptr;
+    if (bridge == nullptr || bridge->version != MATEPOINT_TORCH_BRIDGE_VERSION ||
+        bridge->size != sizeof(matepoint_torch_bridge)) {
+        write_error(error, error_size,
+                    "the allocator library's table is of another version than the adapter "
+                    "(a stale build: reinstall matepoint)");
+        return -1;
+    }
+    try {
+        torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(
+            std::make_shared<Adapter>(bridge));
+    } catch (const std::exception &failure) {
+        write_error(error, error_size, failure.what());
+        return -1;
+    }
+    return 0;
+}
+
+// Test entries: torch's own dispatch (c10::cuda::CUDACachingAllocator's
+// free functions call the current allocator), asked from Python by
+// tests/torch_pool_cases.py where torch has no binding. 0, or -1 when torch
+// threw (the text in `error`).
+extern "C" __attribute__((visibility("default"))) int
+matepoint_torch_adapter_cache_info(int device, size_t *largest, char *error, size_t error_size)
+{
+    try {
+        cca::cacheInfo(static_cast<c10::DeviceIndex>(device), largest);
+    } catch (const std::exception &failure) {
+        write_error(error, error_size, failure.what());
+        return -1;
+    }
+    return 0;
+}
+
+extern "C" __attribute__((visibility("default"))) int
+matepoint_torch_adapter_base_allocation(void *ptr, void **base, size_t *size, char *error,
+                                        size_t error_size)
+{
+    try {
+        *base = cca::getBaseAllocation(ptr, size);
+    } catch (const std::exception &failure) {
+        write_error(error, error_size, failure.what());
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,98 @@
+/* The contract between the allocator library (C, entry.c) and the C++
+ * adapter that makes it torch's CUDA allocator (torch_adapter.cpp, compiled
+ * at run time against the running torch: matepoint/_adapter.py).
+ *
+ * torch's CUDAPluggableAllocator throws for everything past malloc and
+ * free (memory_stats, snapshots, out-of-memory observers, graph pools,
+ * cacheInfo, IPC bases). The adapter subclasses it, overrides those, and
+ * answers them through this table; it only converts between torch's C++
+ * structs and these C types. Every figure and record is made in C.
+ *
+ * The library exports one function, matepoint_alloc_torch_bridge (its name
+ * in _C.ALLOCATOR_SYMBOLS, role "torch_bridge"), returning a pointer to a
+ * table that lives as long as the process. A NULL entry means "not
+ * supported here": the adapter then keeps torch's own behaviour (its
+ * message "CUDAPluggableAllocator does not yet support ...").
+ *
+ * Threads: every entry may be called from any thread, concurrently; none
+ * calls back into torch while holding the allocator's locks. Units: bytes;
+ * devices are CUDA ordinals; streams are cudaStream_t as void *.
+ * Ownership is stated per entry. */
+#ifndef MATEPOINT_ALLOC_TORCH_BRIDGE_H
+#define MATEPOINT_ALLOC_TORCH_BRIDGE_H
+
+#include "alloc.h"
+#include "alloc_history.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever an entry changes meaning or place; the adapter refuses
+ * a table of another version (a stale cached build). */
+#define MATEPOINT_TORCH_BRIDGE_VERSION 1
+
+/* Called by the allocator after it released its locks, when a request
+ * failed for lack of memory and before it raises torch's
+ * OutOfMemoryError: torch's OutOfMemoryObserver arguments (bytes
+ * allocated on the device, its total and free bytes). */
+typedef void (*matepoint_oom_observer)(void *ctx, int device, uint64_t allocated,
+                                       uint64_t device_total, uint64_t device_free);
+
+typedef struct matepoint_torch_bridge {
+    uint32_t version;           /* MATEPOINT_TORCH_BRIDGE_VERSION */
+    uint32_t size;              /* sizeof(matepoint_torch_bridge) of the library */
+
+    /* torch's pluggable entry points, as CUDAPluggableAllocator takes them */
+    void *(*malloc)(size_t size, int device, void *stream);
+    void (*free)(void *ptr, size_t size, int device, void *stream);
+    void (*init)(int device_count);
+    void (*empty_cache)(void);
+    void (*record_stream)(void *ptr, void *stream);
+    void (*set_memory_fraction)(double fraction, int device);
+    /* the fraction set last on `device` (1.0: none set) */
+    double (*get_memory_fraction)(int device);
+
+    /* torch's figures of `device` (alloc.h); -1 when out of range */
+    int (*device_stats)(int device, alloc_device_stats *out);
+    int (*reset_peaks)(int device);
+    int (*reset_accumulated)(int device);
+
+    /* how many devices the allocator serves (snapshots walk them all) */
+    int (*device_count)(void);
+
+    /* Memory history (alloc_history.h): torch's recordHistory, and a
+     * snapshot of one device that the caller frees with free_snapshot
+     * (it holds context references). take_snapshot: 0, or -1 without
+     * memory. */
+    void (*configure_history)(const alloc_history_config *config);
+    int (*take_snapshot)(int device, alloc_snapshot *out);
+    void (*free_snapshot)(alloc_snapshot *snapshot);
+
+    /* Out-of-memory observers: one observer, replaced by the next call
+     * (the adapter keeps torch's list and passes its own trampoline). */
+    void (*set_oom_observer)(matepoint_oom_observer observer, void *ctx);
+
+    /* CUDA graph private pools (pool_a, pool_b: torch's MempoolId_t).
+     * begin_pool: until end_pool, allocations on `device` whose stream
+     * use_pool(filter, stream) accepts come from the pool; release_pool: the
+     * pool's memory may go back once its blocks are freed. NULL: not yet. */
+    void (*begin_pool)(int device, uint64_t pool_a, uint64_t pool_b,
+                       int (*use_pool)(void *filter, void *stream), void *filter);
+    void (*end_pool)(int device, uint64_t pool_a, uint64_t pool_b);
+    void (*release_pool)(int device, uint64_t pool_a, uint64_t pool_b);
+    /* cacheInfo: the largest free cached block of `device`, in bytes */
+    uint64_t (*largest_free_block)(int device);
+    /* IPC: the segment holding `ptr`, its base returned, its size in *size;
+     * NULL when `ptr` is not inside a live block */
+    void *(*base_allocation)(void *ptr, uint64_t *size);
+} matepoint_torch_bridge;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

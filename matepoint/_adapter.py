@@ -1,0 +1,154 @@
+"""The C++ adapter that makes matepoint's allocator torch's CUDA allocator
+past malloc and free, so torch's own memory API answers from it.
+
+torch's CUDAPluggableAllocator throws for memory_stats, snapshots and
+out-of-memory observers. csrc/alloc/torch_adapter.cpp subclasses it and
+answers them from the allocator library's table (csrc/alloc/torch_bridge.h);
+it is compiled at run time against the running torch exactly as the OOM
+unit is (matepoint/_oom.py: same cache, key, trust checks, timeout), and
+needs torch's CUDA headers and the CUDA runtime's (found under $CUDA_HOME,
+beside the nvcc on PATH, or in the nvidia-cuda-runtime wheel beside torch).
+
+Where it cannot be built, install_allocator() installs the plain pluggable
+allocator, warns once, and torch's memory functions raise an error naming
+matepoint's allocator when called (fallback_functions()).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from matepoint import _build_layout, _C, _oom
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# inside an installed package the unit and its headers sit beside this
+# file; in a source checkout they are in csrc/alloc
+_FOLDERS = [_HERE, os.path.join(_HERE, os.pardir, os.path.dirname(_build_layout.ADAPTER_UNIT_SOURCE))]
+_LIBRARIES = ("c10_cuda", "torch_cpu", "torch_cuda")
+# torch 2.14's c10 headers use C++20 (operator<=>)
+_FLAGS = ("-std=c++20",)
+_ERROR_BYTES = 1024
+
+
+def _unit_files() -> Optional[List[str]]:
+    """[source, headers...] from the first folder holding them all."""
+    names = [os.path.basename(path) for path in
+             (_build_layout.ADAPTER_UNIT_SOURCE,) + _build_layout.ADAPTER_HEADER_SOURCES]
+    for folder in _FOLDERS:
+        paths = [os.path.normpath(os.path.join(folder, name)) for name in names]
+        if all(os.path.exists(path) for path in paths):
+            return paths
+    return None
+
+
+def _nvcc_include() -> Optional[str]:
+    """The include folder of the nvcc on PATH, as nvcc itself says (it may
+    be a wrapper script), like the Makefile's abi-check asks it."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        done = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in (done.stdout + done.stderr).splitlines():
+        if 'INCLUDES="-I' in line:
+            return line.split('INCLUDES="-I', 1)[1].split('"', 1)[0]
+    return None
+
+
+def cuda_include_dirs() -> List[str]:
+    """Folders holding the CUDA runtime's headers, most specific first:
+    $CUDA_HOME, the toolkit of the nvcc on PATH, the nvidia wheels beside
+    torch, /usr/local/cuda."""
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(os.path.join(os.environ["CUDA_HOME"], "include"))
+    nvcc = _nvcc_include()
+    if nvcc is not None:
+        candidates.append(nvcc)
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    candidates += sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "include")), reverse=True)
+    candidates += sorted(glob.glob(os.path.join(site, "nvidia", "cuda_runtime", "include")))
+    candidates.append("/usr/local/cuda/include")
+    # the runtime wheel alone lacks crt/ (it comes with nvcc's wheel)
+    return [path for path in candidates
+            if os.path.exists(os.path.join(path, "cuda_runtime_api.h"))
+            and os.path.exists(os.path.join(path, "crt", "host_defines.h"))]
+
+
+def build() -> ctypes.CDLL:
+    """Compiles (or reuses from the cache) and loads the adapter; raises
+    _oom.BuildError saying why it cannot be had here."""
+    files = _unit_files()
+    if files is None:
+        raise _oom.BuildError("torch_adapter.cpp or its headers are not in the installed package")
+    if not os.path.exists(os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc",
+                                       "cuda", "CUDAPluggableAllocator.h")):
+        raise _oom.BuildError("this torch ships no CUDAPluggableAllocator.h (a CPU-only build)")
+    includes = cuda_include_dirs()
+    if not includes:
+        raise _oom.BuildError("no CUDA runtime headers (cuda_runtime_api.h) under $CUDA_HOME, "
+                              "beside nvcc or in the nvidia-cuda-runtime wheel")
+    extras = _oom.UnitExtras(flags=_FLAGS, include_dirs=(os.path.dirname(files[0]), includes[0]),
+                             libraries=_LIBRARIES, depends=tuple(files[1:]))
+    return _oom.load_library(files[0], "torch_adapter", extras)
+
+
+def install(library: ctypes.CDLL) -> None:
+    """Makes the adapter over ``library`` (the allocator's) torch's current
+    CUDA allocator; raises _oom.BuildError or RuntimeError saying why not."""
+    adapter = build()
+    get_bridge = getattr(library, _C.ALLOCATOR_SYMBOLS["torch_bridge"])
+    install_fn = adapter.matepoint_torch_adapter_install
+    install_fn.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+    install_fn.restype = ctypes.c_int
+    error = ctypes.create_string_buffer(_ERROR_BYTES)
+    if install_fn(ctypes.cast(get_bridge, ctypes.c_void_p), error, _ERROR_BYTES) != 0:
+        raise RuntimeError(f"torch refused matepoint's allocator adapter: "
+                           f"{error.value.decode(errors='replace')}")
+
+
+# torch.cuda's memory functions that need the adapter (module-level names
+# in torch.cuda.memory, re-exported by torch.cuda where public)
+GUARDED_FUNCTIONS = (
+    "memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated",
+    "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
+    "memory_summary", "get_per_process_memory_fraction", "memory_snapshot",
+    "_record_memory_history", "_snapshot", "_dump_snapshot",
+)
+
+
+def _guarded(name: str, reason: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"torch.cuda.{name}() is not available under matepoint's allocator in this "
+            f"process: the C++ adapter that answers torch's memory API could not be built "
+            f"({reason}). Use matepoint.memory_stats() / matepoint.memory_report(), or fix the "
+            f"build (a C++ compiler and the CUDA runtime headers) and restart.")
+    refuse.__name__ = name
+    refuse.__doc__ = f"Raises: matepoint's allocator is installed without its adapter ({reason})."
+    return refuse
+
+
+def guard_torch_memory_api(reason: str) -> None:
+    """Replaces torch.cuda's memory functions (GUARDED_FUNCTIONS) by ones
+    raising a RuntimeError that names matepoint's allocator and ``reason``,
+    so the user meets the problem at their call, not deep inside torch."""
+    for name in GUARDED_FUNCTIONS:
+        if not hasattr(torch.cuda.memory, name):
+            continue
+        replacement = functools.wraps(getattr(torch.cuda.memory, name))(_guarded(name, reason))
+        setattr(torch.cuda.memory, name, replacement)
+        if hasattr(torch.cuda, name):
+            setattr(torch.cuda, name, replacement)

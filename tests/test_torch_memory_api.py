@@ -1,0 +1,106 @@
+"""torch's memory API under matepoint's allocator (issue 42).
+
+The C figures (torch's names, in matepoint.memory_stats()) are checked on
+every torch, on the allocator's host backend. torch's own functions are
+checked through the C++ adapter in tests/torch_api_cases.py, run in a
+subprocess (the adapter becomes torch's CUDA allocator for the rest of the
+process): that needs torch's CUDA libraries, so a CPU build of torch skips
+it, saying so.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from matepoint import _C
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _has_cuda_libraries() -> bool:
+    include = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "cuda",
+                           "CUDAPluggableAllocator.h")
+    return torch.version.cuda is not None and os.path.exists(include)
+
+
+needs_cuda_libraries = pytest.mark.skipif(
+    not _has_cuda_libraries(),
+    reason=f"torch {torch.__version__} is a CPU build: no CUDA libraries or headers to build "
+           f"the adapter against (torch's memory API is checked on a CUDA build of torch)")
+
+
+def _run_cases(path: str, *selection: str) -> None:
+    if not getattr(_C, "TEST_BUILD", 0):
+        pytest.skip("needs a test build (the simulated GPU)")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               os.path.join(HERE, path), *selection]
+    result = subprocess.run(command, cwd=os.path.dirname(HERE), capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+@needs_cuda_libraries
+def test_torch_memory_functions_answer_from_matepoint() -> None:
+    _run_cases("torch_api_cases.py")
+
+
+HOST_FIGURES = textwrap.dedent("""
+    import ctypes, matepoint
+    from matepoint import _C
+    from matepoint._allocator import allocator_path
+    lib = ctypes.CDLL(allocator_path())
+    lib.matepoint_malloc.restype = ctypes.c_void_p
+    lib.matepoint_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.matepoint_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    _C._attach_allocator(allocator_path())
+    MIB = 1 << 20
+    small = [lib.matepoint_malloc(1000, 1, None) for _ in range(3)]   # 1024 bytes each
+    large = lib.matepoint_malloc(3 * MIB + 5, 1, None)
+    s = matepoint.memory_stats(1)
+    assert s["allocation.all.current"] == 4 and s["allocation.small_pool.current"] == 3
+    assert s["allocated_bytes.small_pool.current"] == 3 * 1024
+    assert s["allocated_bytes.large_pool.current"] == 3 * MIB + 512
+    assert s["requested_bytes.all.current"] == 3 * 1000 + 3 * MIB + 5
+    assert s["reserved_bytes.small_pool.current"] == 2 * MIB
+    assert s["reserved_bytes.large_pool.current"] == 20 * MIB
+    assert s["segment.all.current"] == 2 and s["num_device_alloc"] == 2
+    # the free rest of each segment is an inactive split block
+    assert s["inactive_split.all.current"] == 2
+    assert s["inactive_split_bytes.all.current"] == (2 * MIB - 3 * 1024) + (17 * MIB - 512)
+    lib.matepoint_free(small[1], 0, 1, None)    # a hole between two live blocks
+    s = matepoint.memory_stats(1)
+    assert s["inactive_split.small_pool.current"] == 2 and s["allocation.all.freed"] == 1
+    assert s["active_bytes.all.current"] == s["allocated_bytes.all.current"]
+    assert s["allocated_bytes.all.current"] == s["allocated_bytes"]    # one figure, two names
+    assert s["num_device_alloc"] == s["device_allocs"] and s["num_ooms"] == s["ooms"] == 0
+    assert s["max_split_size"] == -1 and s["oversize_allocations.current"] == 0
+    for ptr in small[:1] + small[2:] + [large]:
+        lib.matepoint_free(ptr, 0, 1, None)
+    s = matepoint.memory_stats(1)
+    assert s["allocated_bytes.all.current"] == s["inactive_split.all.current"] == 0
+    assert s["allocated_bytes.all.peak"] == 3 * 1024 + 3 * MIB + 512
+    assert s["allocated_bytes.all.freed"] == s["allocated_bytes.all.allocated"]
+    assert matepoint.memory_stats(0)["allocation.all.allocated"] == 0   # device 0 untouched
+    matepoint.reset_peak_memory_stats()
+    assert matepoint.memory_stats(1)["allocated_bytes.all.peak"] == 0
+    matepoint.empty_cache()
+    s = matepoint.memory_stats(1)
+    assert s["reserved_bytes.all.current"] == 0 and s["num_device_free"] == 2
+    assert s["segment.all.freed"] == 2
+    print("figures ok")
+""")
+
+
+def test_torch_figures_in_matepoint_memory_stats_on_the_host_backend() -> None:
+    """torch's names and figures, made in C, read through matepoint.memory_stats()."""
+    env = dict(os.environ, MATEPOINT_ALLOC_BACKEND="host")
+    result = subprocess.run([sys.executable, "-c", HOST_FIGURES], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "figures ok" in result.stdout

@@ -1,0 +1,144 @@
+"""torch's CUDA graph pool hooks, cacheInfo and getBaseAllocation answered by
+matepoint's allocator through the C++ adapter (csrc/alloc/torch_adapter.cpp),
+over the allocator serving the simulated GPU's memory (tests/sim.py).
+
+Run by tests/test_torch_graph_pools.py in a subprocess (the adapter becomes
+torch's CUDA allocator for the rest of the process); needs a CUDA build of
+torch (it runs on the CPU here). torch._C._cuda_beginAllocateToPool,
+_cuda_endAllocateToPool and _cuda_releasePool are torch's own bindings: they
+call the current allocator's beginAllocateToPool / endAllocateToPool /
+releasePool, as torch.cuda.graph's capture_begin, capture_end and reset do
+(the binding's filter takes every stream; a graph's takes its capture's).
+cacheInfo and getBaseAllocation have no Python binding: the adapter's test
+entries call torch's c10::cuda::CUDACachingAllocator functions.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+from typing import Iterator, Tuple
+
+import pytest
+import torch
+
+from matepoint import _adapter, _C
+from matepoint._allocator import allocator_path
+import sim
+
+ELEMENTS = 1 << 14
+CAPTURE_INVALIDATED = 901
+
+
+@pytest.fixture(scope="module")
+def adapter() -> ctypes.CDLL:
+    sim.require_test_build()
+    library, _, _ = sim._attach()
+    _adapter.install(library)
+    _C._attach_allocator(allocator_path())
+    return _adapter.build()
+
+
+@pytest.fixture
+def memory(adapter) -> Iterator[ctypes.CDLL]:
+    with sim.device_memory():
+        yield adapter
+    gc.collect()
+    sim.empty_device_cache()
+
+
+def device_bytes() -> int:
+    return _C._sim_stats()["device_bytes_live"][0]
+
+
+def test_a_pool_begun_through_torch_serves_a_capture_and_goes_at_release(memory) -> None:
+    side, _ = sim.side_streams()
+    with sim.stream(0, side):
+        cached_at = torch.ones(ELEMENTS).data_ptr()     # freed: side's ordinary cache
+    pool: Tuple[int, int] = (0, 4242)
+    held = device_bytes()
+    torch._C._cuda_beginAllocateToPool(0, pool)
+    _C._sim_capture(0, side, True)
+    try:
+        with sim.stream(0, side):
+            scratch = torch.ones(ELEMENTS)
+            scratch_at = scratch.data_ptr()
+            del scratch
+            output = torch.full((ELEMENTS,), 3.0)
+    finally:
+        status = _C._sim_capture(0, side, False)
+        torch._C._cuda_endAllocateToPool(0, pool)
+    assert status == 0 and status != CAPTURE_INVALIDATED
+    assert scratch_at != cached_at and output.data_ptr() == scratch_at
+    pool_bytes = device_bytes() - held
+    assert pool_bytes > 0
+    with sim.stream(0, side):
+        assert torch.ones(ELEMENTS).data_ptr() == cached_at     # the cache, not the pool
+    assert float(output.sum()) == 3 * ELEMENTS
+    del output
+    sim.empty_device_cache()
+    assert device_bytes() == pool_bytes, "the pool, still in use, kept its memory"
+    torch._C._cuda_releasePool(0, pool)
+    assert device_bytes() == 0
+
+
+def test_a_second_begin_of_a_pool_being_recorded_to_raises(memory) -> None:
+    pool = (0, 4343)
+    torch._C._cuda_beginAllocateToPool(1, pool)
+    try:
+        with pytest.raises(RuntimeError, match="already recording to mempool_id"):
+            torch._C._cuda_beginAllocateToPool(1, pool)
+    finally:
+        torch._C._cuda_endAllocateToPool(1, pool)
+        torch._C._cuda_releasePool(1, pool)
+
+
+def cache_info(adapter: ctypes.CDLL, device: int, start: int) -> int:
+    function = adapter.matepoint_torch_adapter_cache_info
+    function.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t), ctypes.c_char_p,
+                         ctypes.c_size_t]
+    largest, error = ctypes.c_size_t(start), ctypes.create_string_buffer(512)
+    assert function(device, ctypes.byref(largest), error, 512) == 0, error.value
+    return largest.value
+
+
+def test_cache_info_is_the_largest_free_block(memory) -> None:
+    """torch's cacheInfo (cudnn.benchmark): the largest cached free block
+    when larger than the caller's guess. (A zero guess first becomes the
+    device's free memory, from cudaMemGetInfo: on a GPU only.)"""
+    sim.empty_device_cache()
+    assert cache_info(memory, 0, 1) == 1
+    with sim.device(0):
+        held = torch.empty(3 << 18)                     # 3 MiB of a 20 MiB segment
+    assert cache_info(memory, 0, 1) == 17 << 20
+    assert cache_info(memory, 0, 64 << 20) == 64 << 20
+    del held
+    assert cache_info(memory, 0, 1) == 20 << 20
+
+
+def test_base_allocation_through_torch(memory) -> None:
+    function = memory.matepoint_torch_adapter_base_allocation
+    function.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                         ctypes.POINTER(ctypes.c_size_t), ctypes.c_char_p, ctypes.c_size_t]
+    with sim.device(0):
+        first, second = torch.ones(ELEMENTS), torch.ones(ELEMENTS)
+    base, size = ctypes.c_void_p(), ctypes.c_size_t()
+    error = ctypes.create_string_buffer(512)
+    assert function(second[10:].data_ptr(), ctypes.byref(base), ctypes.byref(size), error, 512) == 0
+    assert base.value <= first.data_ptr() < second.data_ptr() and size.value == 2 << 20
+    assert function(1 << 40, ctypes.byref(base), ctypes.byref(size), error, 512) == -1
+    assert b"invalid device pointer" in error.value
+
+
+def test_checkpoint_state_is_taken_and_a_restore_is_refused_clearly(memory) -> None:
+    """torch.compile's CUDA graph trees take a pool's state after every
+    recording (it must not raise: a single recorded graph replays), and
+    restore it only when switching graphs, which is refused saying why."""
+    pool = (0, 4444)
+    torch._C._cuda_beginAllocateToPool(0, pool)
+    torch._C._cuda_endAllocateToPool(0, pool)
+    try:
+        state = torch._C._cuda_getCheckpointState(0, pool)
+        with pytest.raises(RuntimeError, match="matepoint's allocator cannot yet restore"):
+            torch._C._cuda_setCheckpointPoolState(0, state, [], [])
+    finally:
+        torch._C._cuda_releasePool(0, pool)
