@@ -30,6 +30,8 @@ struct spill_slot {
     spill_op op;
     int status;                 /* of the last finished request: 0 or an errno */
     int written;                /* a write succeeded: the file holds the bytes */
+    int holds;                  /* spill_slot_hold()s not yet let go */
+    int dropped;                /* freed by its owner while held: the last hold frees it */
     void *buffer;               /* the request's buffer (const for a write) */
     spill_slot *next_queued;    /* the tier's queue, oldest first */
     spill_slot *prev_live, *next_live;  /* every slot of the tier */
