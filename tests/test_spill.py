@@ -388,3 +388,28 @@ def test_the_bench_latent_case_has_a_run_with_the_host_limit_at_half(spill_dir, 
     args = cli.parse_args(["--cases", "latent"])
     assert "matepoint+spill" in latent.MODES
     assert "matepoint+spill" not in cli.configuration(args, cuda=False)["cases"]["latent"]["modes"]
+
+
+def test_a_miss_at_the_host_limit_unpins_only_the_room_it_needs(offload, spill_dir):
+    # the tier bounds the bytes in use, not the cache: a span of a class
+    # the cache lacks, at the limit, must unpin as few cached buffers as
+    # make room for it (each cudaFreeHost waits for the device, and what it
+    # unpinned is pinned again later), not the whole cache
+    torch.manual_seed(0)
+    layer, x = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()), torch.randn(BATCH, WIDTH)
+    expected = torch.autograd.grad(layer(x).sum(), list(layer.parameters()))
+    matepoint.set_options(spill_dir=spill_dir, host_limit_bytes=LIMIT)
+    small = INPUT_BYTES // 2
+    assert matepoint.reserve_pool(small, LIMIT // small) == LIMIT // small
+    before = matepoint.pool_stats()
+    assert before["bytes_reserved"] == LIMIT        # premise: the cache fills the limit
+    out = matepoint.checkpoint(layer, x)
+    after = matepoint.pool_stats()
+    assert after["misses"] == before["misses"] + 1  # premise: the span's class was not cached
+    assert after["host_allocations"] == before["host_allocations"] + 1
+    assert after["host_frees"] == before["host_frees"] + 2     # two halves make its room
+    assert after["bytes_reserved"] == LIMIT and after["fallbacks"] == 0
+    grads = torch.autograd.grad(out.sum(), list(layer.parameters()))
+    assert_bitwise_equal(grads, expected)
+    assert matepoint.pool_stats()["peak_spilled_bytes"] == 0   # nothing spilled: room was made
+    matepoint.empty_pool()

@@ -381,7 +381,7 @@ static const struct {
 } stats_keys[] = {
     ENGINE_KEY(prefetched), ENGINE_KEY(fetched_at_need), POOL_KEY(bytes_in_use),
     POOL_KEY(bytes_requested), POOL_KEY(bytes_reserved), POOL_KEY(peak_bytes_in_use),
-    POOL_KEY(host_allocations), POOL_KEY(hits), POOL_KEY(misses), POOL_KEY(fallbacks),
+    POOL_KEY(host_allocations), POOL_KEY(host_frees), POOL_KEY(hits), POOL_KEY(misses), POOL_KEY(fallbacks),
     POOL_KEY(failures), POOL_KEY(blocks_in_use), ENGINE_KEY(device_bytes_in_flight),
     ENGINE_KEY(peak_device_bytes_in_flight), ENGINE_KEY(used_in_place),
     ENGINE_KEY(spilled_bytes), ENGINE_KEY(peak_spilled_bytes), ENGINE_KEY(spill_writes),
