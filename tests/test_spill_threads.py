@@ -34,8 +34,8 @@ class Interleave:
     reaches yield point `point`, and waits for it: the other thread's work
     lands exactly where the engine released the GIL."""
 
-    def __init__(self, point: str, action: Callable[[], object]) -> None:
-        self.point, self.action = point, action
+    def __init__(self, point: str, action: Callable[[], object], every: bool = False) -> None:
+        self.point, self.action, self.every = point, action, every
         self.reached = 0
         self.errors: List[BaseException] = []
         self.hung = False
@@ -44,7 +44,7 @@ class Interleave:
         if name != self.point:
             return
         self.reached += 1
-        if self.reached > 1:
+        if self.reached > 1 and not self.every:
             return
         thread = threading.Thread(target=self._run)
         thread.start()
@@ -203,3 +203,25 @@ def test_a_tier_being_retired_is_never_used_by_another_thread(offload, spill_dir
     del box
     gc.collect()
     matepoint.set_options(spill_dir=spill_dir)      # the new tier is idle: it can go too
+
+
+@pytest.mark.parametrize("point", ["window.drain", "return.drain"])
+def test_a_drain_survives_another_thread_polling_between_its_waits(simulated, point):
+    # a runtime switch (or the engine going away) drains the windows and
+    # the buffers on their way back, waiting on each: another thread's
+    # pool_stats() polls both lists meanwhile
+    model, x = model_and_input()
+    out = model(x.requires_grad_(), matepoint.checkpoint)   # the GPU lags: copies in flight
+    del out
+    gc.collect()
+    # premise: the window holds several copies of the dead graph
+    assert matepoint.pool_stats()["device_bytes_in_flight"] >= 2 * INPUT_BYTES
+    hook = Interleave(point, matepoint.pool_stats, every=True)
+    _C._set_yield_hook(hook)
+    try:
+        _C._simulate_cuda(True)     # the same runtime again: drains first
+    finally:
+        _C._set_yield_hook(None)
+    hook.check()
+    assert hook.reached > 1                     # premise: polled between two waits
+    assert matepoint.pool_stats()["device_bytes_in_flight"] == 0
