@@ -225,3 +225,96 @@ def test_a_drain_survives_another_thread_polling_between_its_waits(simulated, po
     hook.check()
     assert hook.reached > 1                     # premise: polled between two waits
     assert matepoint.pool_stats()["device_bytes_in_flight"] == 0
+
+
+def spill_files_open(*folders: str) -> List[str]:
+    """This process's open files inside `folders` (the tier's unnamed files
+    show as '<folder>/#<inode> (deleted)'), the folders themselves aside."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue        # closed meanwhile (listdir's own descriptor)
+        found += [target for folder in folders if target.startswith(folder + os.sep)]
+    return found
+
+
+@pytest.mark.filterwarnings("ignore:matepoint. pinned host memory is at host_limit_bytes")
+def test_threads_train_with_the_tier_while_another_changes_options(offload, tmp_path):
+    # three threads train with the disk tier, prefetch and the window on,
+    # while a fourth changes options (spill_dir included: refused while
+    # spans are on disk, else the tier is retired under the trainers),
+    # reads, empties and reserves the pool
+    folders = [str(tmp_path / "a"), str(tmp_path / "b")]
+    threads_n, steps = 3, 4
+    models, inputs, expected = [], [], []
+    for index in range(threads_n):
+        torch.manual_seed(index)
+        models.append(MLP(WIDTH, DEPTH))
+        inputs.append(torch.randn(BATCH, WIDTH))
+        expected.append(train_step(models[index], inputs[index], no_checkpoint)[1])
+    matepoint.set_options(spill_dir=folders[0], host_limit_bytes=LIMIT, pipeline=True,
+                          prefetch_depth=2, offload_window=2)
+    results: list = [None] * threads_n
+    errors: list = []
+    running = threading.Event()
+    running.set()
+    seen = {"peak_spilled": 0, "dir_changes": 0, "refused": 0, "rounds": 0}
+
+    def trainer(index: int) -> None:
+        try:
+            for _ in range(steps):
+                results[index] = train_step(models[index], inputs[index],
+                                            matepoint.checkpoint)[1]
+        except BaseException as error:  # noqa: BLE001 (asserted below)
+            errors.append(error)
+
+    def meddler() -> None:
+        import random
+        rng = random.Random(0)
+        try:
+            while running.is_set():
+                seen["rounds"] += 1
+                matepoint.set_options(prefetch_depth=rng.randint(0, 3),
+                                      offload_window=rng.randint(1, 3),
+                                      pipeline=rng.random() < 0.7)
+                try:
+                    matepoint.set_options(spill_dir=folders[seen["rounds"] % 2])
+                    seen["dir_changes"] += 1
+                except RuntimeError as error:
+                    assert "cannot change" in str(error)
+                    seen["refused"] += 1
+                stats = matepoint.pool_stats()
+                seen["peak_spilled"] = max(seen["peak_spilled"], stats["peak_spilled_bytes"])
+                matepoint.empty_pool()
+                try:
+                    matepoint.reserve_pool(INPUT_BYTES, 1)
+                except MemoryError:
+                    pass        # at the limit: the trainers hold it
+        except BaseException as error:  # noqa: BLE001 (asserted below)
+            errors.append(error)
+
+    workers = [threading.Thread(target=trainer, args=(i,)) for i in range(threads_n)]
+    other = threading.Thread(target=meddler)
+    for thread in workers + [other]:
+        thread.start()
+    for thread in workers:
+        thread.join(JOIN_S)
+    running.clear()
+    other.join(JOIN_S)
+    assert not any(thread.is_alive() for thread in workers + [other]), "a thread hung"
+    assert not errors, errors
+    for got, want in zip(results, expected):
+        assert_bitwise_equal(got, want)
+    # premises: spans went to disk, the options changed under the trainers
+    assert seen["peak_spilled"] > 0 and seen["rounds"] > 1
+    assert seen["dir_changes"] + seen["refused"] == seen["rounds"]
+    gc.collect()
+    _C._spill_settle()
+    stats = matepoint.pool_stats()
+    assert stats["bytes_in_use"] == 0 and stats["spilled_bytes"] == 0, stats
+    assert stats["prefetched"] > 0
+    matepoint.set_options(spill_dir=None, host_limit_bytes=None)    # the tier stops
+    assert spill_files_open(*folders) == []
+    assert all(os.listdir(folder) == [] for folder in folders if os.path.exists(folder))
