@@ -473,6 +473,15 @@ ready_step(offload_engine *engine, StorageCopy *copy)
         if (copy->spill_phase != SPILL_READING)
             return 0;
         int status = spill_status(engine->spill, copy->spill);
+        if (status == EBADMSG) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "matepoint: an offloaded input read back from spill_dir %s (an unnamed "
+                         "file of %llu bytes) does not match what was written to it: the file "
+                         "was changed outside matepoint (through /proc/<pid>/fd, or by the "
+                         "disk); its gradients would be wrong, so backward stops here",
+                         engine->spill_dir, (unsigned long long)copy->nbytes);
+            return -1;
+        }
         if (status != 0) {
             errno = status;
             PyErr_Format(PyExc_OSError,

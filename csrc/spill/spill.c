@@ -150,10 +150,15 @@ static int
 run_request(spill_tier *tier, spill_slot *slot, int injected, int *direct, uint64_t *direct_bytes)
 {
     *direct_bytes = 0;
-    if (slot->op == SPILL_READ)
-        return spill_io_read(slot->fd, slot->buffer, slot->bytes, direct, direct_bytes);
+    if (slot->op == SPILL_READ) {
+        int status = spill_io_read(slot->fd, slot->buffer, slot->bytes, direct, direct_bytes);
+        if (status == 0 && spill_checksum(slot->buffer, slot->bytes) != slot->sum)
+            return EBADMSG;     /* the file changed since it was written */
+        return status;
+    }
     if (injected != 0)
         return injected;
+    slot->sum = spill_checksum(slot->buffer, slot->bytes);
     if (slot->fd < 0) {
         pthread_mutex_lock(&tier->lock);
         tier->making_files++;

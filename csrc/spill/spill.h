@@ -10,6 +10,12 @@
  * tier keeps it open and creates every file relative to that descriptor,
  * so replacing the directory by name afterwards changes nothing.
  *
+ * Integrity: a write keeps a checksum of the buffer (spill_sum.c); a
+ * read whose bytes do not match it fails with EBADMSG (the file was
+ * changed since: through /proc/<pid>/fd by the same user, or by the disk),
+ * so a caller never takes changed bytes for the span (the buffer then
+ * holds the file's bytes: garbage to drop).
+ *
  * I/O: plain pwrite/pread of the whole buffer, in pieces of at most
  * SPILL_CHUNK_BYTES. The part of a buffer aligned to SPILL_ALIGN (address
  * and length) goes through O_DIRECT where the filesystem takes it (no copy
@@ -108,7 +114,8 @@ int spill_submit_read(spill_tier *tier, spill_slot *slot, void *buffer);
 /* 1 when the slot's last request finished, 0 while it is queued or runs. */
 int spill_done(spill_tier *tier, spill_slot *slot);
 /* Blocks until the slot's last request finished; returns its status: 0,
- * or the errno it failed with (ENOSPC, EIO, ...). */
+ * or the errno it failed with (ENOSPC, EIO, ...; EBADMSG: a read found
+ * the file changed since its write). */
 int spill_wait(spill_tier *tier, spill_slot *slot);
 /* The status of a finished slot's last request (0 or an errno); -1 while
  * it runs. */
