@@ -81,7 +81,8 @@ def pool_stats() -> Dict[str, Any]:
     """Counters of the host pool that offloaded inputs live in.
 
     bytes_in_use, bytes_requested, bytes_reserved, peak_bytes_in_use,
-    host_allocations, hits, misses, fallbacks (pageable memory used), failures,
+    host_allocations, host_frees (pinned buffers given back: cudaFreeHost), hits,
+    misses, fallbacks (pageable memory used), failures,
     blocks_in_use, backend ("cuda-pinned", "host" or "none"); prefetched,
     fetched_at_need, used_in_place: spans copied back ahead of time, on demand,
     or used where backward found them (once each); device_bytes_in_flight,

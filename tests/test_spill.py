@@ -3,6 +3,7 @@ spill_dir, offloaded inputs past the limit go to unnamed files and come back
 ahead of their recompute, gradients exact, pinned memory within the limit."""
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import stat
@@ -388,3 +389,58 @@ def test_the_bench_latent_case_has_a_run_with_the_host_limit_at_half(spill_dir, 
     args = cli.parse_args(["--cases", "latent"])
     assert "matepoint+spill" in latent.MODES
     assert "matepoint+spill" not in cli.configuration(args, cuda=False)["cases"]["latent"]["modes"]
+
+
+def test_a_miss_at_the_host_limit_unpins_only_the_room_it_needs(offload, spill_dir):
+    # the tier bounds the bytes in use, not the cache: a span of a class
+    # the cache lacks, at the limit, must unpin as few cached buffers as
+    # make room for it (each cudaFreeHost waits for the device, and what it
+    # unpinned is pinned again later), not the whole cache
+    torch.manual_seed(0)
+    layer, x = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()), torch.randn(BATCH, WIDTH)
+    expected = torch.autograd.grad(layer(x).sum(), list(layer.parameters()))
+    matepoint.set_options(spill_dir=spill_dir, host_limit_bytes=LIMIT)
+    small = INPUT_BYTES // 2
+    assert matepoint.reserve_pool(small, LIMIT // small) == LIMIT // small
+    before = matepoint.pool_stats()
+    assert before["bytes_reserved"] == LIMIT        # premise: the cache fills the limit
+    out = matepoint.checkpoint(layer, x)
+    after = matepoint.pool_stats()
+    assert after["misses"] == before["misses"] + 1  # premise: the span's class was not cached
+    assert after["host_allocations"] == before["host_allocations"] + 1
+    assert after["host_frees"] == before["host_frees"] + 2     # two halves make its room
+    assert after["bytes_reserved"] == LIMIT and after["fallbacks"] == 0
+    grads = torch.autograd.grad(out.sum(), list(layer.parameters()))
+    assert_bitwise_equal(grads, expected)
+    assert matepoint.pool_stats()["peak_spilled_bytes"] == 0   # nothing spilled: room was made
+    matepoint.empty_pool()
+
+
+def test_a_spill_file_changed_behind_the_tier_fails_backward_clearly(simulated, spill_dir):
+    # the same user can write a spill file through /proc/<pid>/fd (or a
+    # disk can corrupt it): its read back must fail, never give gradients
+    matepoint.set_options(spill_dir=spill_dir, host_limit_bytes=LIMIT)
+    torch.manual_seed(0)
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH, requires_grad=True)
+    out = model(x, matepoint.checkpoint)
+    matepoint._C._spill_settle()
+    changed = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(spill_dir + os.sep):
+            writer = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
+            try:
+                os.pwrite(writer, b"\x7f" * 64, 0)
+            finally:
+                os.close(writer)
+            changed += 1
+    assert changed > 0                  # premise: spans were on disk, in files of the tier
+    with pytest.raises(RuntimeError, match="does not match what was written") as raised:
+        (out ** 2).mean().backward()
+    del out, raised     # the graph, and the traceback that holds its frames
+    gc.collect()
+    matepoint._C._spill_settle()
+    assert matepoint.pool_stats()["spilled_bytes"] == 0

@@ -259,9 +259,12 @@ options_configure_py(PyObject *module, PyObject *args, PyObject *kwargs)
             check_path(spec, value, (char *)&staged + spec->offset) < 0)
             return NULL;
     }
-    if (check_spill(&staged) < 0 || offload_spill_configure(st->engine, &staged) < 0)
+    offload_spill_retired retired;
+    if (check_spill(&staged) < 0 || offload_spill_configure(st->engine, &staged, &retired) < 0)
         return NULL;
     *current = staged;
+    /* the old tier stops with the GIL released: the new options first */
+    offload_spill_retire(st->engine, &retired);
     offload_engine_apply_limit(st->engine);
     Py_RETURN_NONE;
 }

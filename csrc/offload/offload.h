@@ -47,7 +47,10 @@ typedef struct {
 /* The disk tier (offload_spill.c): checks a spill directory for
  * set_options (0, or -1 with an error naming the problem), and makes the
  * engine use `options`' tier settings from now on (refused, RuntimeError,
- * while spans of another directory are on disk). */
+ * while spans of another directory are on disk): a tier to stop is taken
+ * off the engine at once, under the GIL, and stopped by the caller once
+ * the new options are stored, so another thread running meanwhile starts
+ * a tier of the new options, never uses the old one. */
 int offload_spill_check_dir(const char *path);
 
 typedef struct offload_engine offload_engine;
@@ -57,7 +60,19 @@ offload_engine *offload_engine_new(void);
 void offload_engine_free(offload_engine *engine);
 offload_options *offload_engine_options(offload_engine *engine);
 int offload_engine_apply_limit(offload_engine *engine);
-int offload_spill_configure(offload_engine *engine, const offload_options *options);
+/* A tier set_options took off the engine (GIL held), with the busy slots
+ * of its dead copies: stopped by offload_spill_retire() once the new
+ * options are in place, with the GIL released. */
+typedef struct {
+    struct spill_tier *tier;
+    struct spill_orphan *orphans;
+    int orphan_count;
+} offload_spill_retired;
+int offload_spill_configure(offload_engine *engine, const offload_options *options,
+                            offload_spill_retired *retired);
+/* Waits for a retired tier's requests and stops it; GIL held on entry,
+ * released meanwhile. No-op for an empty `retired`. */
+void offload_spill_retire(offload_engine *engine, offload_spill_retired *retired);
 
 /* torch's device type of the tensors the engine moves ("cuda"; "cpu" on the
  * simulated GPU of test builds). */

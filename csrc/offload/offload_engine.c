@@ -126,6 +126,9 @@ offload_engine_free(offload_engine *engine)
     if (engine == NULL)
         return;
     free_devices(engine, 1);
+#ifdef MATEPOINT_TESTING
+    Py_CLEAR(engine->yield_hook);   /* no test code runs in a teardown */
+#endif
     offload_spill_free(engine);
     /* buffers still held by live copies are the process's until exit */
     if (engine->pool != NULL && pool_get_stats(engine->pool).blocks_in_use == 0)
@@ -378,7 +381,7 @@ static const struct {
 } stats_keys[] = {
     ENGINE_KEY(prefetched), ENGINE_KEY(fetched_at_need), POOL_KEY(bytes_in_use),
     POOL_KEY(bytes_requested), POOL_KEY(bytes_reserved), POOL_KEY(peak_bytes_in_use),
-    POOL_KEY(host_allocations), POOL_KEY(hits), POOL_KEY(misses), POOL_KEY(fallbacks),
+    POOL_KEY(host_allocations), POOL_KEY(host_frees), POOL_KEY(hits), POOL_KEY(misses), POOL_KEY(fallbacks),
     POOL_KEY(failures), POOL_KEY(blocks_in_use), ENGINE_KEY(device_bytes_in_flight),
     ENGINE_KEY(peak_device_bytes_in_flight), ENGINE_KEY(used_in_place),
     ENGINE_KEY(spilled_bytes), ENGINE_KEY(peak_spilled_bytes), ENGINE_KEY(spill_writes),

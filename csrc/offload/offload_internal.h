@@ -17,6 +17,10 @@
  *   its own lock. The GIL is released only around calls that may block
  *   (event and stream synchronization, pinning, pageable copies); state is
  *   re-read after each such call, since other threads may have run.
+ *   A pointer into state another thread may free (a disk tier slot, a
+ *   list being drained) is not kept across such a call unless something
+ *   keeps it alive: a hold (spill.h, "Holds"), a pin (spill_pins), or
+ *   taking it off the engine first (the drains, a retired tier).
  *
  * Three kinds of "release", each with its own verb:
  *   retire   the device *source* of a copy out: the window drops its
@@ -131,7 +135,35 @@ struct offload_engine {
     uint64_t spilled_bytes, peak_spilled_bytes;     /* read from the tier */
     uint64_t spill_writes, spill_reads, spill_read_stalls, spill_failures;
     uint64_t spill_writing_bytes;           /* block bytes of spans being written */
+#ifdef MATEPOINT_TESTING
+    PyObject *yield_hook;       /* tests: called at OFFLOAD_YIELD points, or NULL */
+#endif
 };
+
+/* Test builds: named points where the engine is about to let other
+ * threads run (it releases the GIL next), after it took what keeps its
+ * state alive there. The hook a test set (_set_yield_hook, testing.c) is
+ * called with the point's name, GIL held: it may run what another thread
+ * could run at that moment (a poll, a spill, set_options), but nothing
+ * that waits for this thread. Its errors are reported as unraisable. A
+ * plain build has no hook and no call. */
+#ifdef MATEPOINT_TESTING
+static inline void
+offload_yield_point(offload_engine *engine, const char *name)
+{
+    if (engine->yield_hook == NULL)
+        return;
+    PyObject *hook = Py_NewRef(engine->yield_hook);
+    PyObject *result = PyObject_CallFunction(hook, "s", name);
+    if (result == NULL)
+        PyErr_WriteUnraisable(hook);
+    Py_XDECREF(result);
+    Py_DECREF(hook);
+}
+#define OFFLOAD_YIELD(engine, name) offload_yield_point((engine), (name))
+#else
+#define OFFLOAD_YIELD(engine, name) ((void)0)
+#endif
 
 /* The engine of the module that owns an offload object. */
 offload_engine *offload_engine_of(PyObject *module);
@@ -314,6 +346,8 @@ typedef struct {
     int discard_pending;        /* discarded meanwhile: the last of them drops it */
     spill_slot *spill;          /* the span in the disk tier, or NULL */
     int spill_phase;            /* where the span is (spill_phase, offload_spill.c) */
+    int spill_pins;             /* threads between offload_spill_ready() and their copy
+                                 * back queued: no spill starts (the disk tier's rules) */
 } StorageCopy;
 
 typedef struct {
@@ -463,7 +497,18 @@ void offload_window_drain(offload_engine *engine, offload_device *device);
  *                   which the child does not read: a copy back raises
  * A write that fails (ENOSPC, EIO) leaves the span resident: the pool
  * then falls back to pageable memory past the limit, as without a tier.
- * GIL held; the GIL is released around every wait on the disk. */
+ * GIL held; the GIL is released around every wait on the disk.
+ *
+ * Several threads: while the GIL is released, another thread may poll
+ * (finishing a request frees its slot), start spills, or retire the tier
+ * (set_options). So (1) a thread waiting on a slot holds it
+ * (spill_slot_hold) and waits on the tier it read with the GIL, and every
+ * loop re-reads engine->spill and the copy's phase after a wait; (2) a
+ * thread copying a span back pins the copy (spill_pins) from before
+ * offload_spill_ready() until its copy back is queued: no spill starts on
+ * a pinned copy, and a write found finished keeps its block; (3) a tier
+ * is taken off the engine under the GIL before it is stopped without it
+ * (offload_spill_retire), and spill_destroy() waits for every hold. */
 enum { SPILL_RESIDENT, SPILL_WRITING, SPILL_ON_DISK, SPILL_READING, SPILL_STAYS, SPILL_FORKED };
 
 /* A dead copy's slot whose request still runs: its block goes back to the
@@ -508,5 +553,9 @@ void offload_spill_leave_copy(offload_engine *engine, StorageCopy *copy);
 void offload_spill_poll(offload_engine *engine);
 /* Waits for every request and stops the tier (engine going away). */
 void offload_spill_free(offload_engine *engine);
+/* Takes the tier and its orphans off the engine, GIL held: from here no
+ * other thread reaches them (spill_destroy's rule, spill.h); the caller
+ * stops them with offload_spill_retire() (offload_spill_retire.c). */
+void offload_spill_detach(offload_engine *engine, offload_spill_retired *retired);
 
 #endif

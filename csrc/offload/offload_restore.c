@@ -123,11 +123,16 @@ fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
     if (copy->fetched != NULL)
         return 0;
     Py_INCREF(copy);
-    /* a span in the disk tier comes back to its host buffer first */
+    /* a span in the disk tier comes back to its host buffer first, and
+     * stays there (pinned) until the copy back is queued: allocating
+     * `fetched` lets another thread's forward run, which spills */
+    copy->spill_pins++;
     if (offload_spill_ready(st, copy) < 0) {
+        copy->spill_pins--;
         Py_DECREF(copy);
         return -1;
     }
+    OFFLOAD_YIELD(st->engine, "restore.span_ready");
     PyObject *fetched = st->engine->runtime->empty_bytes(st, copy->device->index,
                                                          copy->device_obj, copy->nbytes);
     void *dst, *compute = NULL, *done = NULL;
@@ -144,6 +149,8 @@ fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
         publish_fetched(st, copy, fetched, done, compute, on_copy_stream);
     else if (done != NULL && drop_beaten(st, copy, done, compute) < 0)
         failed = 1;
+    MP_ASSERT(copy->spill_pins > 0);
+    copy->spill_pins--;
     Py_XDECREF(fetched);
     Py_DECREF(copy);
     return failed ? -1 : 0;

@@ -12,21 +12,6 @@
 #include "offload_internal.h"
 #include "streams.h"
 
-#include <string.h>
-
-/* Gives the oldest entry's buffer to the pool and its event to the spares. */
-static void
-return_first(offload_engine *engine, offload_device *device)
-{
-    MP_ASSERT(device->returning_count > 0);
-    returning_block *first = &device->returning[0];
-    pool_recycle(engine->pool, &first->block);
-    offload_device_give_event(engine, device, first->event);
-    device->returning_count--;
-    memmove(device->returning, device->returning + 1,
-            (size_t)device->returning_count * sizeof(*device->returning));
-}
-
 void
 offload_return_after(offload_engine *engine, offload_device *device, pool_block *block,
                      void *event)
@@ -136,9 +121,21 @@ offload_return_wait_stream(offload_engine *engine)
 void
 offload_return_drain(offload_engine *engine, offload_device *device)
 {
+    /* each wait lets other threads run, which poll the list (recycling
+     * entries not waited on here) or add to it: it is taken off the device
+     * first; what was added meanwhile is drained next turn */
     while (device->returning_count > 0) {
-        streams_wait_event_quietly(engine->rt, device->returning[0].event);
-        return_first(engine, device);
+        returning_block *entries = device->returning;
+        int count = device->returning_count;
+        device->returning = NULL;
+        device->returning_count = device->returning_capacity = 0;
+        for (int i = 0; i < count; i++) {
+            OFFLOAD_YIELD(engine, "return.drain");
+            streams_wait_event_quietly(engine->rt, entries[i].event);
+            pool_recycle(engine->pool, &entries[i].block);
+            offload_device_give_event(engine, device, entries[i].event);
+        }
+        PyMem_Free(entries);
     }
     PyMem_Free(device->returning);
     device->returning = NULL;

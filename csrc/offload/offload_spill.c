@@ -56,8 +56,11 @@ tier_busy(offload_engine *engine)
 }
 
 int
-offload_spill_configure(offload_engine *engine, const offload_options *options)
+offload_spill_configure(offload_engine *engine, const offload_options *options,
+                        offload_spill_retired *retired)
 {
+    memset(retired, 0, sizeof *retired);
+    offload_spill_leave_forked(engine);
     if (engine->spill == NULL ||
         (tier_wanted(options) && strcmp(options->spill_dir, engine->spill_dir) == 0))
         return 0;
@@ -69,7 +72,7 @@ offload_spill_configure(offload_engine *engine, const offload_options *options)
                      (unsigned long long)engine->spilled_bytes);
         return -1;
     }
-    offload_spill_free(engine);
+    offload_spill_detach(engine, retired);
     return 0;
 }
 
@@ -165,7 +168,7 @@ poll_copy(offload_engine *engine, StorageCopy *copy, void *ctx)
         !spill_done(engine->spill, copy->spill))
         return 0;
     if (copy->spill_phase == SPILL_WRITING)
-        finish_write(engine, copy, 0);
+        finish_write(engine, copy, copy->spill_pins > 0);  /* pinned: it is wanted back */
     else
         finish_read(engine, copy);
     return 0;
@@ -240,7 +243,7 @@ start_one(offload_engine *engine, StorageCopy *copy, void *ctx)
         return 1;
     if (copy->spill_phase != SPILL_RESIDENT || copy->block.ptr == NULL ||
         copy->block.fallback || copy->fetched != NULL || copy->restoring > 0 ||
-        copy->h2d_done != NULL || copy->nbytes == 0)
+        copy->spill_pins > 0 || copy->h2d_done != NULL || copy->nbytes == 0)
         return 0;
     if (!d2h_completed(engine, copy)) {
         goal->pending_d2h = 1;
@@ -274,12 +277,16 @@ wait_for_room(offload_engine *engine, int pending_d2h)
     StorageCopy *copy = NULL;
     offload_spill_walk(engine, oldest_writing, &copy);
     if (copy != NULL) {
-        Py_INCREF(copy);
+        /* another thread may free the slot (a copy of its own dying, a
+         * failed write polled) or retire the tier while this one waits */
+        spill_tier *tier = engine->spill;
         spill_slot *slot = copy->spill;
+        spill_slot_hold(tier, slot);
+        OFFLOAD_YIELD(engine, "spill.wait_for_room");
         Py_BEGIN_ALLOW_THREADS
-        (void)spill_wait(engine->spill, slot);
+        (void)spill_wait(tier, slot);
+        spill_slot_unhold(tier, slot);
         Py_END_ALLOW_THREADS
-        Py_DECREF(copy);
         return 0;
     }
     if (!pending_d2h)
@@ -296,13 +303,16 @@ int
 offload_spill_room(mp_state *st, uint64_t nbytes)
 {
     offload_engine *engine = st->engine;
-    if (!tier_wanted(&engine->options) || engine->pool == NULL)
-        return 0;
-    if (ensure_tier(engine) < 0)
-        return -1;
-    uint64_t limit = engine->options.host_limit_bytes, need = pool_class_size(nbytes);
+    uint64_t need = pool_class_size(nbytes);
     int synced = 0;     /* waited for the copies out once: a second time buys nothing */
     for (;;) {
+        /* every turn: while this thread waited, another may have changed
+         * the options or retired the tier (set_options) */
+        if (!tier_wanted(&engine->options) || engine->pool == NULL)
+            return 0;
+        if (ensure_tier(engine) < 0)
+            return -1;
+        uint64_t limit = engine->options.host_limit_bytes;
         offload_spill_poll(engine);
         offload_return_poll_all(engine);
         uint64_t in_use = pool_get_stats(engine->pool).bytes_in_use;
@@ -411,12 +421,18 @@ offload_spill_readahead(mp_state *st, OffloadGroup *group)
 static void
 wait_request(offload_engine *engine, StorageCopy *copy)
 {
+    spill_tier *tier = engine->spill;
     spill_slot *slot = copy->spill;
-    if (spill_done(engine->spill, slot))
+    if (spill_done(tier, slot))
         return;
     engine->spill_read_stalls++;
+    /* another thread's poll may finish the request and free the slot
+     * while this one waits (spill.h, "Holds") */
+    spill_slot_hold(tier, slot);
+    OFFLOAD_YIELD(engine, "spill.wait_request");
     Py_BEGIN_ALLOW_THREADS
-    (void)spill_wait(engine->spill, slot);
+    (void)spill_wait(tier, slot);
+    spill_slot_unhold(tier, slot);
     Py_END_ALLOW_THREADS
 }
 
@@ -457,6 +473,15 @@ ready_step(offload_engine *engine, StorageCopy *copy)
         if (copy->spill_phase != SPILL_READING)
             return 0;
         int status = spill_status(engine->spill, copy->spill);
+        if (status == EBADMSG) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "matepoint: an offloaded input read back from spill_dir %s (an unnamed "
+                         "file of %llu bytes) does not match what was written to it: the file "
+                         "was changed outside matepoint (through /proc/<pid>/fd, or by the "
+                         "disk); its gradients would be wrong, so backward stops here",
+                         engine->spill_dir, (unsigned long long)copy->nbytes);
+            return -1;
+        }
         if (status != 0) {
             errno = status;
             PyErr_Format(PyExc_OSError,
@@ -532,26 +557,4 @@ offload_spill_forget(offload_engine *engine, StorageCopy *copy)
     }
     spill_slot_free(engine->spill, copy->spill);
     copy->spill = NULL;
-}
-
-void
-offload_spill_free(offload_engine *engine)
-{
-    offload_spill_leave_forked(engine);
-    if (engine->spill == NULL)
-        return;
-    spill_tier *tier = engine->spill;
-    Py_BEGIN_ALLOW_THREADS
-    for (int i = 0; i < engine->orphan_count; i++)
-        (void)spill_wait(tier, engine->orphans[i].slot);
-    Py_END_ALLOW_THREADS
-    poll_orphans(engine);
-    MP_ASSERT(engine->orphan_count == 0);
-    Py_BEGIN_ALLOW_THREADS
-    spill_destroy(tier);
-    Py_END_ALLOW_THREADS
-    engine->spill = NULL;
-    PyMem_Free(engine->orphans);
-    engine->orphans = NULL;
-    engine->orphan_capacity = 0;
 }

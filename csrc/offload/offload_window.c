@@ -264,17 +264,23 @@ offload_window_poll_all(mp_state *st)
 void
 offload_window_drain(offload_engine *engine, offload_device *device)
 {
-    if (device->in_flight == NULL)
-        return;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(device->in_flight); i++) {
-        StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(device->in_flight, i);
-        /* nothing is left to undo: the source goes either way */
-        if (copy->d2h_done != NULL)
-            streams_wait_event_quietly(engine->rt, copy->d2h_done);
-        MP_ASSERT(copy->source != NULL);
-        MP_ASSERT(engine->device_bytes_in_flight >= copy->nbytes);
-        engine->device_bytes_in_flight -= copy->nbytes;
-        Py_CLEAR(copy->source);
+    /* each wait lets other threads run, which sweep the window or add to
+     * it: the list is taken off the device first, so this walk is the
+     * only one over it; what was added meanwhile is drained next turn */
+    while (device->in_flight != NULL) {
+        PyObject *list = device->in_flight;     /* the window's reference, now ours */
+        device->in_flight = NULL;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+            StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(list, i);
+            OFFLOAD_YIELD(engine, "window.drain");
+            /* nothing is left to undo: the source goes either way */
+            if (copy->d2h_done != NULL)
+                streams_wait_event_quietly(engine->rt, copy->d2h_done);
+            MP_ASSERT(copy->source != NULL);
+            MP_ASSERT(engine->device_bytes_in_flight >= copy->nbytes);
+            engine->device_bytes_in_flight -= copy->nbytes;
+            Py_CLEAR(copy->source);
+        }
+        Py_DECREF(list);
     }
-    Py_CLEAR(device->in_flight);
 }

@@ -110,16 +110,73 @@ detach_cache_locked(pool *p)
     return detached;
 }
 
+/* A non-empty cache class for freeing `needed` bytes: the smallest
+ * whose buffers hold them all, else the largest there is (one of its
+ * buffers frees part of them); -1 when the cache is empty. Lock held. */
+static int
+class_to_free_locked(const pool *p, uint64_t needed)
+{
+    unsigned fit = pool_class_index(needed < POOL_MAX_CLASS ? needed : POOL_MAX_CLASS);
+    for (unsigned i = fit; i < POOL_CLASS_COUNT; i++) {
+        if (p->free_lists[i] != NULL)
+            return (int)i;
+    }
+    for (unsigned i = fit; i-- > 0;) {
+        if (p->free_lists[i] != NULL)
+            return (int)i;
+    }
+    return -1;
+}
+
+/* Takes cached buffers out, as few and as small as hold `needed` bytes
+ * (class_to_free_locked, one buffer at a time), and their bytes out of
+ * the reserved count: the rest of the cache stays, so a miss at the limit
+ * frees what it needs rather than every buffer (each cudaFreeHost waits
+ * for the device, and what is freed must be pinned again). The caller
+ * frees them with free_detached(). Lock held. */
+static cached_buffer *
+detach_some_locked(pool *p, uint64_t needed)
+{
+    cached_buffer *detached = NULL;
+    while (needed > 0) {
+        int index = class_to_free_locked(p, needed);
+        if (index < 0)
+            break;
+        cached_buffer *node = p->free_lists[index];
+        p->free_lists[index] = node->next;
+        MP_ASSERT(node->size == pool_index_size((unsigned)index));
+        mp_counter_sub(&p->stats.bytes_reserved, node->size);
+        node->next = detached;
+        detached = node;
+        needed = node->size >= needed ? 0 : needed - node->size;
+    }
+    return detached;
+}
+
+/* Counts `count` buffers given back to the backend. */
+static void
+count_frees(pool *p, uint64_t count)
+{
+    if (count == 0)
+        return;
+    pthread_mutex_lock(&p->lock);
+    p->stats.host_frees += count;
+    pthread_mutex_unlock(&p->lock);
+}
+
 /* Gives detached buffers back to the backend. Lock not held. */
 static void
 free_detached(pool *p, cached_buffer *node)
 {
+    uint64_t freed = 0;
     while (node != NULL) {
         cached_buffer *next = node->next;
         p->backend.free(p->backend.ctx, node->ptr, node->size);
         free(node);
         node = next;
+        freed++;
     }
+    count_frees(p, freed);
 }
 
 void
@@ -189,9 +246,24 @@ backend_alloc(pool *p, uint64_t size)
     return ptr;
 }
 
-/* A new backend buffer; when the limit or the backend refuses, the cache
- * is dropped once to make room and the request tried again. Every backend
- * call runs with the lock released. */
+/* Cached bytes to free before a buffer of `size` may be tried again: what
+ * passes the limit, or, when the backend refused (out of pinned memory),
+ * `size` itself; 0 when freeing cannot help (larger than the limit).
+ * Lock held. */
+static uint64_t
+room_needed_locked(const pool *p, uint64_t size)
+{
+    if (p->limit_bytes != 0 && size > p->limit_bytes)
+        return 0;
+    if (!within_limit(p, size))
+        return p->stats.bytes_reserved + size - p->limit_bytes;
+    return size;
+}
+
+/* A new backend buffer; when the limit or the backend refuses, cached
+ * buffers are freed once, as few as make room (detach_some_locked), and
+ * the request tried again. Every backend call runs with the lock
+ * released. */
 static void *
 allocate_new(pool *p, uint64_t size)
 {
@@ -202,7 +274,7 @@ allocate_new(pool *p, uint64_t size)
     if (ptr != NULL)
         return ptr;
     pthread_mutex_lock(&p->lock);
-    cached_buffer *detached = detach_cache_locked(p);
+    cached_buffer *detached = detach_some_locked(p, room_needed_locked(p, size));
     claimed = claim_locked(p, size);
     pthread_mutex_unlock(&p->lock);
     free_detached(p, detached);
@@ -293,10 +365,12 @@ cache_or_free(pool *p, pool_block *block)
         mp_counter_sub(&p->stats.bytes_reserved, block->size);
     }
     pthread_mutex_unlock(&p->lock);
-    if (block->fallback)
+    if (block->fallback) {
         mp_host_free(block->ptr);
-    else if (node == NULL)   /* no memory for a cache entry: give the buffer back */
+    } else if (node == NULL) {  /* no memory for a cache entry: give the buffer back */
         p->backend.free(p->backend.ctx, block->ptr, block->size);
+        count_frees(p, 1);
+    }
     *block = (pool_block){0};
 }
 
@@ -362,8 +436,9 @@ pool_set_limit(pool *p, uint64_t limit_bytes)
     cached_buffer *detached = NULL;
     pthread_mutex_lock(&p->lock);
     p->limit_bytes = limit_bytes;
+    /* only what passes the new limit goes: the rest stays cached */
     if (limit_bytes != 0 && p->stats.bytes_reserved > limit_bytes)
-        detached = detach_cache_locked(p);
+        detached = detach_some_locked(p, p->stats.bytes_reserved - limit_bytes);
     pthread_mutex_unlock(&p->lock);
     free_detached(p, detached);
 }

@@ -7,8 +7,10 @@
  *
  * Memory comes from a backend: pinned memory through the CUDA runtime, or
  * plain aligned host memory (pool_host.c). When the backend fails or the
- * byte limit would be passed, the pool first drops its cache and retries,
- * then falls back to pageable memory that is freed on release, not cached.
+ * byte limit would be passed, the pool first frees cached buffers, as few
+ * and as small as make room (the bytes past the limit; the request's own
+ * size when the backend failed), and retries, then falls back to pageable
+ * memory that is freed on release, not cached.
  *
  * Ownership: the pool owns every buffer it made; a caller owns an acquired
  * block until it calls pool_release(). Thread-safety: every function may be
@@ -55,6 +57,7 @@ typedef struct {
     uint64_t bytes_reserved;        /* backend memory held: in use plus cached */
     uint64_t peak_bytes_in_use;
     uint64_t host_allocations;      /* backend allocations made */
+    uint64_t host_frees;            /* buffers given back to the backend (cudaFreeHost) */
     uint64_t hits;                  /* acquisitions served from the cache */
     uint64_t misses;                /* acquisitions that needed a new buffer */
     uint64_t fallbacks;             /* acquisitions served by pageable memory */
@@ -97,6 +100,9 @@ void pool_recycle(pool *p, pool_block *block);
 uint64_t pool_reserve(pool *p, uint64_t bytes, uint64_t count);
 /* Frees every cached, unused buffer (after releasing the mutex). */
 void pool_empty(pool *p);
+/* A new limit; when less than is reserved, cached buffers are freed as on
+ * a miss, as few as bring the reserved bytes within it (buffers in use
+ * stay: the limit then only refuses new ones). */
 void pool_set_limit(pool *p, uint64_t limit_bytes);
 pool_stats pool_get_stats(pool *p);
 void pool_reset_peak(pool *p);

@@ -21,6 +21,11 @@ struct spill_tier {
      * (and so cannot close). `published` is broadcast as each one ends. */
     int making_files;
     pthread_cond_t published;
+    /* Slot holds of callers between two locks of their own (spill.h,
+     * "Holds"): spill_destroy() waits for none, so no waiter is left
+     * with a destroyed mutex. `released` is broadcast as the last goes. */
+    int holds;
+    pthread_cond_t released;
     int dirfd;
     int workers;
     pid_t pid;                  /* the process whose threads these are */
@@ -31,6 +36,7 @@ struct spill_tier {
     spill_slot *live;           /* every slot, newest first */
     spill_stats stats;
     int inject_error, inject_count;
+    int paused;                 /* tests: workers leave the queue alone */
     spill_tier *next_registered;    /* the registry's list (registry_lock) */
 };
 
@@ -144,10 +150,15 @@ static int
 run_request(spill_tier *tier, spill_slot *slot, int injected, int *direct, uint64_t *direct_bytes)
 {
     *direct_bytes = 0;
-    if (slot->op == SPILL_READ)
-        return spill_io_read(slot->fd, slot->buffer, slot->bytes, direct, direct_bytes);
+    if (slot->op == SPILL_READ) {
+        int status = spill_io_read(slot->fd, slot->buffer, slot->bytes, direct, direct_bytes);
+        if (status == 0 && spill_checksum(slot->buffer, slot->bytes) != slot->sum)
+            return EBADMSG;     /* the file changed since it was written */
+        return status;
+    }
     if (injected != 0)
         return injected;
+    slot->sum = spill_checksum(slot->buffer, slot->bytes);
     if (slot->fd < 0) {
         pthread_mutex_lock(&tier->lock);
         tier->making_files++;
@@ -195,7 +206,7 @@ worker_main(void *arg)
     spill_tier *tier = arg;
     pthread_mutex_lock(&tier->lock);
     for (;;) {
-        spill_slot *slot = dequeue(tier);
+        spill_slot *slot = tier->paused && !tier->stopping ? NULL : dequeue(tier);
         if (slot == NULL) {
             if (tier->stopping)
                 break;
@@ -255,6 +266,7 @@ spill_create(const char *path, int workers, char *why, size_t why_len)
     pthread_cond_init(&tier->work, NULL);
     pthread_cond_init(&tier->finished, NULL);
     pthread_cond_init(&tier->published, NULL);
+    pthread_cond_init(&tier->released, NULL);
     tier->dirfd = dirfd;
     tier->pid = getpid();
     tier->direct = 1;
@@ -281,6 +293,7 @@ error:
     if (tier == NULL)
         snprintf(why, why_len, "out of memory for the spill tier");
     else {
+        pthread_cond_destroy(&tier->released);
         pthread_cond_destroy(&tier->published);
         pthread_cond_destroy(&tier->finished);
         pthread_cond_destroy(&tier->work);
@@ -303,17 +316,26 @@ live_unlink(spill_tier *tier, spill_slot *slot)
         slot->next_live->prev_live = slot->prev_live;
 }
 
-/* Takes a slot off the live list and frees it; lock held, slot idle. */
+/* Takes a slot off the live list, closes its file and frees it, or
+ * leaves its memory to the last of its holds; lock held, slot idle. */
 static void
 slot_drop(spill_tier *tier, spill_slot *slot)
 {
-    MP_ASSERT(slot->phase == SLOT_IDLE);
+    MP_ASSERT(slot->tier == tier && slot->phase == SLOT_IDLE && !slot->dropped);
     live_unlink(tier, slot);
     if (slot->written)
         mp_counter_sub(&tier->stats.bytes_on_disk, slot->bytes);
     mp_counter_sub(&tier->stats.slots, 1);
     if (slot->fd >= 0)
         close(slot->fd);
+    slot->fd = -1;
+    if (slot->holds > 0) {
+        slot->dropped = 1;
+        return;
+    }
+#ifdef MATEPOINT_TESTING
+    memset(slot, 0xdb, sizeof *slot);   /* a pointer kept past here fails its asserts */
+#endif
     free(slot);
 }
 
@@ -355,10 +377,14 @@ spill_destroy(spill_tier *tier)
     /* the workers drain the queue before they see `stopping` */
     stop_workers(tier, tier->workers);
     pthread_mutex_lock(&tier->lock);
+    /* every request ran: each hold goes as soon as its waiter wakes */
+    while (tier->holds > 0)
+        pthread_cond_wait(&tier->released, &tier->lock);
     while (tier->live != NULL)
         slot_drop(tier, tier->live);
     pthread_mutex_unlock(&tier->lock);
     close(tier->dirfd);
+    pthread_cond_destroy(&tier->released);
     pthread_cond_destroy(&tier->published);
     pthread_cond_destroy(&tier->finished);
     pthread_cond_destroy(&tier->work);
@@ -448,6 +474,7 @@ spill_wait(spill_tier *tier, spill_slot *slot)
     if (spill_slot_forked(slot))
         return forked_status(slot);
     pthread_mutex_lock(&tier->lock);
+    MP_ASSERT(slot->tier == tier);
     if (slot->phase != SLOT_IDLE)
         tier->stats.waits++;
     while (slot->phase != SLOT_IDLE)
@@ -455,6 +482,50 @@ spill_wait(spill_tier *tier, spill_slot *slot)
     int status = slot->status;
     pthread_mutex_unlock(&tier->lock);
     return status;
+}
+
+void
+spill_slot_hold(spill_tier *tier, spill_slot *slot)
+{
+    if (spill_slot_forked(slot))
+        return;     /* a child's waits never block: nothing to outlive */
+    pthread_mutex_lock(&tier->lock);
+    MP_ASSERT(slot->tier == tier && !slot->dropped);
+    slot->holds++;
+    tier->holds++;
+    pthread_mutex_unlock(&tier->lock);
+}
+
+void
+spill_slot_unhold(spill_tier *tier, spill_slot *slot)
+{
+    if (spill_slot_forked(slot))
+        return;
+    pthread_mutex_lock(&tier->lock);
+    MP_ASSERT(slot->holds > 0 && tier->holds > 0);
+    slot->holds--;
+    if (slot->dropped && slot->holds == 0)
+        free(slot);
+    if (--tier->holds == 0)
+        pthread_cond_broadcast(&tier->released);
+    pthread_mutex_unlock(&tier->lock);
+}
+
+void
+spill_wait_idle(spill_tier *tier)
+{
+    if (in_forked_child(tier))
+        return;
+    pthread_mutex_lock(&tier->lock);
+    for (;;) {
+        int busy = tier->queue_head != NULL;
+        for (spill_slot *slot = tier->live; slot != NULL && !busy; slot = slot->next_live)
+            busy = slot->phase != SLOT_IDLE;
+        if (!busy)
+            break;
+        pthread_cond_wait(&tier->finished, &tier->lock);
+    }
+    pthread_mutex_unlock(&tier->lock);
 }
 
 uint64_t
@@ -511,6 +582,15 @@ spill_inject_write_errors(spill_tier *tier, int error, int count)
     pthread_mutex_lock(&tier->lock);
     tier->inject_error = error;
     tier->inject_count = count > 0 ? count : 0;
+    pthread_mutex_unlock(&tier->lock);
+}
+
+void
+spill_pause(spill_tier *tier, int paused)
+{
+    pthread_mutex_lock(&tier->lock);
+    tier->paused = paused != 0;
+    pthread_cond_broadcast(&tier->work);
     pthread_mutex_unlock(&tier->lock);
 }
 

@@ -10,6 +10,12 @@
  * tier keeps it open and creates every file relative to that descriptor,
  * so replacing the directory by name afterwards changes nothing.
  *
+ * Integrity: a write keeps a checksum of the buffer (spill_sum.c); a
+ * read whose bytes do not match it fails with EBADMSG (the file was
+ * changed since: through /proc/<pid>/fd by the same user, or by the disk),
+ * so a caller never takes changed bytes for the span (the buffer then
+ * holds the file's bytes: garbage to drop).
+ *
  * I/O: plain pwrite/pread of the whole buffer, in pieces of at most
  * SPILL_CHUNK_BYTES. The part of a buffer aligned to SPILL_ALIGN (address
  * and length) goes through O_DIRECT where the filesystem takes it (no copy
@@ -40,7 +46,19 @@
  * Ownership: the caller owns a slot from spill_submit_write() until
  * spill_slot_free(); the buffer passed to a request stays the caller's and
  * must stay alive and unchanged (a write) or untouched (a read) until
- * spill_done() or spill_wait() saw the request finish. Units: bytes. */
+ * spill_done() or spill_wait() saw the request finish. Units: bytes.
+ *
+ * Holds: a slot pointer is only good while its owner has not freed it. A
+ * caller that reads a slot pointer under a lock of its own (the GIL) and
+ * then waits on it with that lock released, while another thread that
+ * owns the slot may free it meanwhile, takes a hold first (with its lock
+ * held, so the slot is live): spill_slot_hold(), release the lock,
+ * spill_wait(), spill_slot_unhold(). While held, the slot's memory (not
+ * its file) outlives spill_slot_free(), which frees it from the tier's
+ * lists at once; the last spill_slot_unhold() frees the memory. A hold
+ * never blocks; spill_destroy() waits until every hold was let go, so a
+ * holder must let go without waiting for anything but its own request
+ * (a waiter's request always ends: the workers drain the queue). */
 #ifndef MATEPOINT_SPILL_SPILL_H
 #define MATEPOINT_SPILL_SPILL_H
 
@@ -76,9 +94,11 @@ int spill_dir_open(const char *path, char *why, size_t why_len);
  * NULL with `why` filled when the directory is refused or a thread or
  * memory could not be had. */
 spill_tier *spill_create(const char *path, int workers, char *why, size_t why_len);
-/* Waits for every queued request, stops the threads, closes every slot's
- * file and frees the tier; slots still owned by a caller are freed too
- * (their pointers dangle afterwards). */
+/* Waits for every queued request, stops the threads, waits until every
+ * slot hold was let go, closes every slot's file and frees the tier; slots
+ * still owned by a caller are freed too (their pointers dangle
+ * afterwards). The caller must have made the tier unreachable first: no
+ * call may start on it once spill_destroy() began. */
 void spill_destroy(spill_tier *tier);
 
 /* Queues writing `bytes` of `buffer` to a new file; the slot, or NULL
@@ -94,12 +114,20 @@ int spill_submit_read(spill_tier *tier, spill_slot *slot, void *buffer);
 /* 1 when the slot's last request finished, 0 while it is queued or runs. */
 int spill_done(spill_tier *tier, spill_slot *slot);
 /* Blocks until the slot's last request finished; returns its status: 0,
- * or the errno it failed with (ENOSPC, EIO, ...). */
+ * or the errno it failed with (ENOSPC, EIO, ...; EBADMSG: a read found
+ * the file changed since its write). */
 int spill_wait(spill_tier *tier, spill_slot *slot);
 /* The status of a finished slot's last request (0 or an errno); -1 while
  * it runs. */
 int spill_status(spill_tier *tier, spill_slot *slot);
 uint64_t spill_slot_bytes(const spill_slot *slot);
+/* A hold on a live slot, for a wait across a lock of the caller's (see
+ * "Holds" above); let go with spill_slot_unhold(), any thread, no lock of
+ * the caller's needed. Neither blocks. */
+void spill_slot_hold(spill_tier *tier, spill_slot *slot);
+void spill_slot_unhold(spill_tier *tier, spill_slot *slot);
+/* Blocks until no request is queued or running (tests, teardown). */
+void spill_wait_idle(spill_tier *tier);
 /* Waits for the slot's request, closes its file and frees it. */
 void spill_slot_free(spill_tier *tier, spill_slot *slot);
 
@@ -113,6 +141,9 @@ int spill_slot_forked(const spill_slot *slot);
 /* Tests: the next `count` writes fail with errno `error` (ENOSPC, EIO)
  * before they touch the disk; count 0 clears it. */
 void spill_inject_write_errors(spill_tier *tier, int error, int count);
+/* Tests: 1 keeps the workers off the queue (requests wait, queued) until
+ * 0; a stopping tier runs them all the same. */
+void spill_pause(spill_tier *tier, int paused);
 /* Tests and benchmarks: 0 turns O_DIRECT off for requests run from now on. */
 void spill_set_direct(spill_tier *tier, int direct);
 

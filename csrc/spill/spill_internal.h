@@ -19,9 +19,9 @@ typedef enum {
     SPILL_READ,
 } spill_op;
 
-/* Every field is guarded by the tier's mutex, but `fd`, which only the
- * worker running the slot's request uses (phase RUNNING), or the owner
- * once the slot is IDLE. */
+/* Every field is guarded by the tier's mutex, but `fd` and `sum`, which
+ * only the worker running the slot's request uses (phase RUNNING), or the
+ * owner once the slot is IDLE. */
 struct spill_slot {
     spill_tier *tier;           /* the tier that made it: set once, read-only */
     int fd;                     /* -1 until a write made the file (or a fork closed it) */
@@ -30,10 +30,17 @@ struct spill_slot {
     spill_op op;
     int status;                 /* of the last finished request: 0 or an errno */
     int written;                /* a write succeeded: the file holds the bytes */
+    uint64_t sum;               /* spill_checksum() of the bytes written */
+    int holds;                  /* spill_slot_hold()s not yet let go */
+    int dropped;                /* freed by its owner while held: the last hold frees it */
     void *buffer;               /* the request's buffer (const for a write) */
     spill_slot *next_queued;    /* the tier's queue, oldest first */
     spill_slot *prev_live, *next_live;  /* every slot of the tier */
 };
+
+/* The checksum of a buffer written, checked when it is read back
+ * (spill_sum.c). No lock: pure. */
+uint64_t spill_checksum(const void *buffer, uint64_t bytes);
 
 /* A new unnamed file in `dirfd`, mode 0600: its descriptor, or -errno. */
 int spill_file_make(int dirfd);

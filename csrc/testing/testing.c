@@ -507,5 +507,7 @@ testing_add_functions(PyObject *module)
     if (testing_torch_add_functions(module) < 0 ||
         PyModule_AddFunctions(module, testing_methods) < 0)
         return -1;
+    if (testing_add_spill_functions(module) < 0)
+        return -1;
     return testing_add_lag_functions(module);
 }

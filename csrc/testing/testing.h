@@ -47,6 +47,9 @@ int testing_device_arg(PyObject *arg, int *device);
 
 /* The controls of testing_lag.c, added to `module`; 0 or -1. */
 int testing_add_lag_functions(PyObject *module);
+/* The disk tier's controls (testing_spill.c: the yield hook, _spill_room,
+ * _spill_settle), added to `module`; 0 or -1. */
+int testing_add_spill_functions(PyObject *module);
 
 /* The offload runtime over the simulated GPU (sim_runtime.c). */
 extern const offload_runtime offload_runtime_sim;

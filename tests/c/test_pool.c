@@ -323,6 +323,47 @@ watched_free(void *ctx, void *ptr, uint64_t bytes)
     watched.inner.free(watched.inner.ctx, ptr, bytes);
 }
 
+/* A miss at the limit frees as few and as small cached buffers as make
+ * room, not the whole cache (each cudaFreeHost waits for the device, and
+ * what it freed is pinned again at its next miss). */
+static void
+test_a_miss_at_the_limit_frees_only_what_it_needs(void)
+{
+    const uint64_t k = 1024;
+    pool_host_ctx ctx = {0};
+    pool *p = pool_create(pool_host_backend(&ctx), 1024 * k);
+    CHECK(pool_reserve(p, 64 * k, 4) == 4 && pool_reserve(p, 128 * k, 2) == 2 &&
+          pool_reserve(p, 256 * k, 1) == 1);
+    pool_stats before = pool_get_stats(p);
+    CHECK(before.bytes_reserved == 768 * k && before.host_frees == 0);
+    /* 384 KiB need 128 KiB freed: one 128 KiB buffer, the smallest that does */
+    pool_block a, b;
+    CHECK(pool_acquire(p, 384 * k, &a) == 0 && !a.fallback);
+    pool_stats after = pool_get_stats(p);
+    CHECK(after.host_frees == 1 && after.host_allocations == before.host_allocations + 1);
+    CHECK(after.bytes_reserved == 1024 * k);
+    /* 768 KiB need 768 KiB freed and no cached buffer is that large: the
+     * largest first (384, 256), then the smallest that holds the rest (128) */
+    pool_release(p, &a);
+    CHECK(pool_acquire(p, 768 * k, &b) == 0 && !b.fallback);
+    after = pool_get_stats(p);
+    CHECK(after.bytes_reserved == 1024 * k);
+    CHECK(after.host_frees == 4);
+    pool_release(p, &b);
+    /* what was not needed stays cached: hits, no new pinning */
+    pool_block small[4];
+    for (int i = 0; i < 4; i++)
+        CHECK(pool_acquire_cached(p, 64 * k, &small[i]) == 0);
+    for (int i = 0; i < 4; i++)
+        pool_release(p, &small[i]);
+    /* a lower limit frees only what passes it */
+    uint64_t frees = pool_get_stats(p).host_frees;
+    pool_set_limit(p, pool_get_stats(p).bytes_reserved - 64 * k);
+    CHECK(pool_get_stats(p).host_frees == frees + 1);
+    pool_destroy(p);
+    CHECK(ctx.live_bytes == 0);
+}
+
 static void
 test_backend_never_runs_under_the_pool_lock(void)
 {
@@ -436,6 +477,7 @@ main(void)
     test_threads_share_the_pool_safely();
     test_huge_sizes_have_no_class();
     test_acquire_cached_never_allocates();
+    test_a_miss_at_the_limit_frees_only_what_it_needs();
     test_backend_never_runs_under_the_pool_lock();
     test_failed_pinning_leaves_no_cuda_error();
     test_broken_invariants_stop_a_debug_build();
