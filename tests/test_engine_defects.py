@@ -213,15 +213,24 @@ def test_a_prefetched_buffer_is_reused_only_past_its_copy_and_reader(simulated) 
     a's allocator, is written by the copy-in stream and read on stream `b`.
     Dropped unread (an output the recompute never took), a's next
     allocation must not get its memory while the copy back still writes
-    it: the buffer is marked used by the copy-in stream (and by `b`)."""
+    it: the buffer is marked used by the copy-in stream (and by `b`).
+    Premise: the span is really prefetched (its source retired first, else
+    backward uses it in place). The reader's own record is proven by data
+    in tests/test_waits_needed.py ("read on another stream")."""
     a, b = sim.side_streams()
     source = torch.randn(64, 64)
     group, saved = _C._sac_offload([source])
     del source
+    sim.finish()                                # the copy out ran ...
+    matepoint.pool_stats()                      # ... and the window retired the source
+    before = matepoint.pool_stats()
     with sim.stream(0, a):
         _C._sac_prefetch(group)                 # queued, not run: the GPU lags
     with sim.stream(0, b):
         (restored,) = _C._sac_restore(group, saved)
+    after = matepoint.pool_stats()
+    assert after["prefetched"] - before["prefetched"] == 1, "nothing was prefetched"
+    assert after["used_in_place"] == before["used_in_place"], "the span was used in place"
     del restored, group, saved                  # never read
     with sim.stream(0, a):
         kept = torch.full((64, 64), 1.0)        # a's allocator hands out memory

@@ -94,7 +94,6 @@ typedef struct {
     uint64_t land_passes;       /* launches that landed what they need (cudart_sim_land.c) */
     uint64_t progress_per_call;
     sim_failure failures[SIM_ENTRY_COUNT];
-    sim_failure dropped_waits;  /* cudart_sim_drop_waits; status unused */
     cudart_sim_wait *wait_log;  /* cudart_sim_log_waits: every wait while on */
     size_t wait_log_count, wait_log_capacity;
     int wait_log_on;
@@ -191,8 +190,6 @@ int sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry);
 int sim_enter(cudart_sim_entry entry);
 /* Appends a wait to the log while logging is on (a full log drops it). */
 void sim_log_wait_locked(const sim_stream *waiter, const sim_event *event);
-/* Whether this cudaStreamWaitEvent is one cudart_sim_drop_waits drops. */
-int sim_take_dropped_wait(void);
 /* A call CUDA forbids while a capture is underway in global mode: with
  * one underway, every capture is invalidated and the call fails
  * (cudaErrorStreamCaptureUnsupported); else CUDART_SUCCESS. */

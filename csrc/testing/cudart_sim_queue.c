@@ -429,20 +429,6 @@ sim_log_wait_locked(const sim_stream *waiter, const sim_event *event)
 }
 
 int
-sim_take_dropped_wait(void)
-{
-    sim_failure *drop = &sim_gpu.dropped_waits;
-    if (drop->skip > 0) {
-        drop->skip--;
-        return 0;
-    }
-    if (drop->count == 0)
-        return 0;
-    drop->count--;
-    return 1;
-}
-
-int
 sim_leave(int status)
 {
     pthread_mutex_unlock(&sim_gpu.lock);
