@@ -9,8 +9,7 @@ data: gradients that differ bit for bit from a run without offload, or a
 tensor read through a prefetched buffer. The case must have issued the site
 (its count, in the run that is exact: the premise), so a proof cannot go
 vacuous when the engine changes. A site in the table with no proof fails
-the test (the day it is added), unless listed in NOT_SHOWN with why the
-simulator cannot show it; a site found redundant is removed from the
+the test (the day it is added); a site found redundant is removed from the
 engine, the reason kept in REMOVED.
 
 Two adversaries, since a missing wait shows under one or the other: a GPU
@@ -31,6 +30,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import fake_torch_cuda
 import matepoint
 import sim
 from matepoint import _C
@@ -205,7 +205,7 @@ def training_case(scenario: Scenario) -> Callable[[], Callable[[], bool]]:
     return prepare
 
 
-def _offloaded_and_retired(source: torch.Tensor):
+def offloaded_and_retired(source: torch.Tensor):
     """source offloaded through the engine's selective-checkpoint entry
     points, its copy out run and its source retired from the window (so a
     prefetch copies it back rather than using it in place)."""
@@ -229,7 +229,7 @@ def read_on_another_stream() -> Callable[[], bool]:
         torch.manual_seed(0)
         source = torch.randn(64, 64)
         expected = source * 2
-        group, saved = _offloaded_and_retired(source)
+        group, saved = offloaded_and_retired(source)
         del source
         before = matepoint.pool_stats()
         try:
@@ -281,10 +281,103 @@ def prefetched_and_never_read() -> Callable[[], bool]:
     return once
 
 
+def prefetch_beaten() -> Callable[[], bool]:
+    """Two prefetches of one span at once, as two threads may (torch's
+    Python code inside a fetch hands the GIL over): the second starts and
+    finishes inside the first's question for the current stream (the
+    torch.cuda stand-in of fake_torch_cuda.py runs it there). The first's
+    buffer, which its copy back may still write, goes back to the compute
+    stream's allocator unread: only the compute stream's wait for that copy
+    (drop_beaten) orders the next tensors made there after it."""
+    def once() -> bool:
+        with fake_torch_cuda.installed() as standin:
+            _C._simulate_torch_adapter(True)
+            try:
+                return beaten_once(standin)
+            finally:
+                _C._simulate_torch_adapter(False)
+    return once
+
+
+def beaten_once(standin: fake_torch_cuda.TorchCudaStandin) -> bool:
+    torch.manual_seed(0)
+    group, saved = offloaded_and_retired(torch.randn(64, 64))
+    armed = [True]
+
+    def inside(name: str) -> None:
+        if name == "_cuda_getCurrentRawStream" and armed[0]:
+            armed[0] = False
+            _C._sac_prefetch(group)             # the other thread, first back
+    standin.inside = inside
+    try:
+        _C._sac_prefetch(group)
+    finally:
+        standin.inside = None
+    assert not armed[0], "the second prefetch never ran"
+    kept = [torch.full((64, 64), 3.0) for _ in range(4)]
+    doubled = [t * 2 for t in kept]
+    sim.finish()
+    right = all(bool((t == 3.0).all()) for t in kept) and all(bool((t == 6.0).all()) for t in doubled)
+    _C._sac_discard(group)
+    del group, saved, kept, doubled
+    gc.collect()
+    sim.finish()                                # nothing of the copy outlives the runtime switch
+    return right
+
+
+def copied_back_twice() -> Callable[[], bool]:
+    """A span copied back twice, on two streams: prefetched (the copy-in
+    stream, behind a kernel of stream `a` that lags) and read on `b`, then
+    copied back again at need on the legacy stream. Its host buffer goes
+    back to the pool once the second copy's event completed; only the
+    second copy's wait for the first (start_h2d) keeps that after the
+    first copy read it. Without it the legacy stream catches up, the host
+    buffer takes another span's copy out, and the first copy, still
+    queued, brings those bytes to what `b` read (offloaded again here: a
+    copy, which reads what is there when it runs)."""
+    def once() -> bool:
+        a, b = sim.side_streams()
+        matepoint.empty_pool()                  # one host buffer: the one reused
+        torch.manual_seed(0)
+        source = torch.randn(64, 64)
+        expected, other = source.clone(), torch.full((64, 64), 5.0)
+        group, saved = offloaded_and_retired(source)
+        del source
+        try:
+            _C._sim_set_stream(0, a)
+            lagging = torch.ones(64, 64)        # the prefetch waits for this kernel
+            _C._sac_prefetch(group)
+            _C._sim_set_stream(0, b)
+            (first,) = _C._sac_restore(group, saved)
+            _C._sim_set_stream(0, None)
+            (second,) = _C._sac_restore(group, saved)
+            del second, group, saved            # the host buffer goes back after copy 2
+            gc.collect()
+            _C._sim_launch(0, None)             # the legacy stream catches up
+            hits = matepoint.pool_stats()["hits"]
+            group2, saved2 = _C._sac_offload([other])
+            assert matepoint.pool_stats()["hits"] == hits + 1, "the host buffer was not reused"
+            _C._sim_set_stream(0, b)
+            group3, saved3 = _C._sac_offload([first])
+        finally:
+            _C._sim_set_stream(0, None)
+        del first, lagging
+        sim.finish()
+        matepoint.pool_stats()                  # the window retires the sources
+        (again,) = _C._sac_restore(group3, saved3)
+        right = torch.equal(again, expected)
+        del again, group2, saved2, group3, saved3
+        gc.collect()
+        return right
+    return once
+
+
 CASES: Dict[str, Callable[[], Callable[[], bool]]] = {
     **{name: training_case(scenario) for name, scenario in SCENARIOS.items()},
     "read on another stream": read_on_another_stream,
     "prefetched and never read": prefetched_and_never_read,
+    "prefetch beaten": prefetch_beaten,
+    "copied back twice": copied_back_twice,
 }
 
 # site -> (case, adversary) where dropping the site's calls changes the data
@@ -302,23 +395,11 @@ PROOFS: Dict[str, Tuple[str, str]] = {
     "source_on_copy_out": ("side streams", FAR_BEHIND),
     "fetched_on_copy_in": ("prefetched and never read", FAR_BEHIND),
     "fetched_on_reader": ("read on another stream", KEEPS_UP),
-}
-
-# Sites needed on a GPU that the simulated one cannot show yet, and why.
-# Each is a debt: close the blind spot, then move the site to PROOFS.
-NOT_SHOWN: Dict[str, str] = {
-    # The previous copy back reads the same host buffer, which goes back to
-    # the pool once the new copy's event completed. Its victims are the
-    # previous copy's readers, queued on the GPU after it; but a simulated
-    # kernel computes at its launch, which runs the copy it reads first, so
-    # the previous copy has always run before its buffer can go back.
-    "copy_in_after_copy_in": "a simulated reader runs the copy it reads at its launch",
-    # A prefetch another thread beat: its buffer goes back to the compute
-    # stream's allocator while the copy-in stream may still write it. No
-    # test drives two threads into one span's prefetch at once
-    # deterministically (at need, the copy is on the compute stream and
-    # the wait orders nothing).
-    "beaten_after_copy_in": "no deterministic race of two prefetches of one span",
+    "beaten_after_copy_in": ("prefetch beaten", FAR_BEHIND),
+    # shows only since a wait waits for the record it captured: the engine
+    # re-records one ordering event on several streams, and the simulated
+    # GPU took a later record that ran for an earlier one still queued
+    "copy_in_after_copy_in": ("copied back twice", FAR_BEHIND),
 }
 
 # Sites taken out of the engine as redundant, with the reason (none yet).
@@ -348,14 +429,13 @@ def run_check(prepare: Callable[[], Callable[[], bool]], adversary: str, drop: O
 
 
 def test_every_site_is_proven_or_named() -> None:
-    """The sites come from the engine's table: each one has a proof (or is
-    named as not shown yet, with why); none removed is still there."""
+    """The sites come from the engine's table: each one has a proof; none
+    removed as redundant is still there."""
     sim.require_test_build()
     assert SITES, "the test build exports no call site"
-    assert set(PROOFS) | set(NOT_SHOWN) == set(SITES), (
-        f"sites without a proof: {sorted(set(SITES) - set(PROOFS) - set(NOT_SHOWN))}; "
-        f"proofs of no site: {sorted(set(PROOFS) | set(NOT_SHOWN) - set(SITES))}")
-    assert not set(PROOFS) & set(NOT_SHOWN)
+    assert set(PROOFS) == set(SITES), (
+        f"sites without a proof: {sorted(set(SITES) - set(PROOFS))}; "
+        f"proofs of no site: {sorted(set(PROOFS) - set(SITES))}")
     assert not set(REMOVED) & set(SITES), "a site listed as removed is still in the engine"
     assert all(case in CASES and adversary in ADVERSARIES for case, adversary in PROOFS.values())
 

@@ -27,7 +27,7 @@
 
 typedef struct {
     uint64_t recorded;          /* generation of the last record queued */
-    uint64_t completed;         /* generation of the last record that ran */
+    uint64_t completed;         /* the highest generation whose record ran (sim_generation_done) */
     int device;                 /* current when the event was created */
     int refs;                   /* the caller's handle plus queued operations */
     void *recorded_on;          /* handle of the stream of the last record (NULL: legacy) */
@@ -188,6 +188,12 @@ int sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry);
 /* Takes the lock, counts the call, runs the configured progress; returns
  * an injected failure's status, else success. */
 int sim_enter(cudart_sim_entry entry);
+/* Has the record of `generation` of `event` run? A wait waits for the
+ * record it captured, as in CUDA: records of one event on several streams
+ * may run out of order, and a later one that ran says nothing of an
+ * earlier one still queued (the engine re-records one ordering event on
+ * whichever stream produced). */
+int sim_generation_done(const sim_event *event, uint64_t generation);
 /* Appends a wait to the log while logging is on (a full log drops it). */
 void sim_log_wait_locked(const sim_stream *waiter, const sim_event *event);
 /* A call CUDA forbids while a capture is underway in global mode: with

@@ -215,6 +215,38 @@ test_host_memory_is_counted(void)
     CHECK(cudart_sim_get_stats().host_bytes_live == before);
 }
 
+/* A wait waits for the record it captured, as in CUDA: the same event
+ * recorded again on another stream, and that record run first, does not
+ * release it (an event re-recorded on several streams completes its
+ * records out of order). */
+static void
+test_a_wait_keeps_the_record_it_captured(void)
+{
+    void *slow, *fast, *waiter, *event, *pinned = NULL;
+    char a[4] = "abc", c[4] = "";
+    CHECK(rt->host_alloc(&pinned, 4, CUDART_HOST_ALLOC_PORTABLE) == CUDART_SUCCESS);
+    char *b = pinned;
+    b[0] = '\0';
+    rt->stream_create(&slow, 0);
+    rt->stream_create(&fast, 0);
+    rt->stream_create(&waiter, 0);
+    rt->event_create(&event, 0);
+    rt->memcpy_async(b, a, 4, 0, slow);
+    rt->event_record(event, slow);
+    CHECK(rt->stream_wait_event(waiter, event, 0) == CUDART_SUCCESS);
+    rt->event_record(event, fast);                  /* a later record, nothing before it */
+    rt->memcpy_async(c, b, 4, 0, waiter);
+    CHECK(rt->stream_synchronize(fast) == CUDART_SUCCESS);     /* the later record ran */
+    CHECK(b[0] == '\0');                            /* the captured one has not */
+    CHECK(rt->stream_synchronize(waiter) == CUDART_SUCCESS);
+    CHECK(strcmp(c, "abc") == 0);                   /* read after the copy it waited for */
+    rt->event_destroy(event);
+    rt->stream_destroy(slow);
+    rt->stream_destroy(fast);
+    rt->stream_destroy(waiter);
+    rt->free_host(pinned);
+}
+
 /* Without a wait nothing orders the streams: the consumer's copy runs
  * before the producer's, as it would on a GPU whose engine forgot the wait
  * (what the test build's runtime does for a dropped call site:
@@ -565,6 +597,7 @@ main(void)
     test_progress_per_call_lets_the_gpu_catch_up();
     test_host_memory_is_counted();
     test_a_missing_wait_orders_nothing();
+    test_a_wait_keeps_the_record_it_captured();
     test_failed_releases_release();
     test_a_kernel_lags_in_data();
     test_a_kernel_whose_input_changed_writes_poison();
