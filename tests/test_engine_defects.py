@@ -22,7 +22,8 @@ import matepoint
 from matepoint import _C
 import sim
 
-from conftest import MLP, assert_bitwise_equal, no_checkpoint, train_step
+import fake_torch_cuda
+from conftest import MLP, assert_bitwise_equal, no_checkpoint, run_in_thread, train_step
 
 WIDTH, BATCH, DEPTH = 64, 32, 8
 INPUT_BYTES = WIDTH * BATCH * 4
@@ -69,10 +70,17 @@ def test_no_host_wait_in_forward_or_backward(simulated, mode: str) -> None:
     model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
     _, expected = train_step(model, x, no_checkpoint)
     for _ in range(2):      # the second step reuses the pool's buffers
-        before = host_waits()
+        before, stats = host_waits(), matepoint.pool_stats()
         _, grads = train_step(model, x, wrap)
         assert waits_since(before) == {}
         assert_bitwise_equal(grads, expected)
+        # premise: spans went out and came back (prefetched, when the mode does)
+        after = matepoint.pool_stats()
+        assert after["misses"] + after["hits"] > stats["misses"] + stats["hits"]
+        fetched = after["fetched_at_need"] - stats["fetched_at_need"]
+        prefetched = after["prefetched"] - stats["prefetched"]
+        assert fetched + prefetched > 0, "nothing was copied back"
+        assert (prefetched > 0) == matepoint.options.pipeline, (mode, prefetched)
     sim.finish()
     assert matepoint.pool_stats()["blocks_in_use"] == 0
 
@@ -213,15 +221,24 @@ def test_a_prefetched_buffer_is_reused_only_past_its_copy_and_reader(simulated) 
     a's allocator, is written by the copy-in stream and read on stream `b`.
     Dropped unread (an output the recompute never took), a's next
     allocation must not get its memory while the copy back still writes
-    it: the buffer is marked used by the copy-in stream (and by `b`)."""
+    it: the buffer is marked used by the copy-in stream (and by `b`).
+    Premise: the span is really prefetched (its source retired first, else
+    backward uses it in place). The reader's own record is proven by data
+    in tests/test_waits_needed.py ("read on another stream")."""
     a, b = sim.side_streams()
     source = torch.randn(64, 64)
     group, saved = _C._sac_offload([source])
     del source
+    sim.finish()                                # the copy out ran ...
+    matepoint.pool_stats()                      # ... and the window retired the source
+    before = matepoint.pool_stats()
     with sim.stream(0, a):
         _C._sac_prefetch(group)                 # queued, not run: the GPU lags
     with sim.stream(0, b):
         (restored,) = _C._sac_restore(group, saved)
+    after = matepoint.pool_stats()
+    assert after["prefetched"] - before["prefetched"] == 1, "nothing was prefetched"
+    assert after["used_in_place"] == before["used_in_place"], "the span was used in place"
     del restored, group, saved                  # never read
     with sim.stream(0, a):
         kept = torch.full((64, 64), 1.0)        # a's allocator hands out memory
@@ -230,13 +247,15 @@ def test_a_prefetched_buffer_is_reused_only_past_its_copy_and_reader(simulated) 
 
 
 def test_regions_on_streams_prefetch_exactly(simulated) -> None:
-    """Defect 3: regions alternate between two streams in forward and
+    """Defect 3: regions cycle through three streams in forward and
     backward (as torch's engine runs each node on its forward stream), so
-    every prefetch allocates on one stream what another reads; with a
-    prefetch depth of 2, gradients match a run without checkpointing bit
-    for bit (stronger once the simulated kernels lag in data)."""
+    every prefetch allocates on one stream what another reads (with two
+    streams, a prefetch depth of 2 fetched each span on the stream that
+    reads it: the premise below failed); with a prefetch depth of 2,
+    gradients match a run without checkpointing bit for bit (stronger once
+    the simulated kernels lag in data)."""
     matepoint.set_options(pipeline=True, prefetch_depth=2)
-    streams = sim.side_streams()
+    streams = sim.side_streams() + [None]
     model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
     _, expected = train_step(model, x, no_checkpoint)
     calls = [0]
@@ -253,16 +272,22 @@ def test_regions_on_streams_prefetch_exactly(simulated) -> None:
             return grad, None
 
     def wrap(fn: Callable, h: torch.Tensor) -> torch.Tensor:
-        handle = streams[calls[0] % 2]
+        handle = streams[calls[0] % len(streams)]
         calls[0] += 1
         with sim.stream(0, handle):
             return OnStream.apply(matepoint.checkpoint(fn, h), handle)
 
+    before = matepoint.pool_stats()["prefetched"]
+    _C._sim_drop_site(None)                     # counts each site's calls from here
     try:
         _, grads = train_step(model, x, wrap)
     finally:
         _C._sim_set_stream(0, None)
     assert_bitwise_equal(grads, expected)
+    # premise: spans really prefetched, and read on another stream than
+    # the one that allocated them
+    assert matepoint.pool_stats()["prefetched"] > before
+    assert _C._sim_site_counts()["fetched_on_reader"] > 0
 
 
 def byte_buffers(nbytes: int) -> int:
@@ -313,6 +338,49 @@ def test_two_threads_fetching_one_span_keep_one_copy(simulated) -> None:
     assert byte_buffers(expected.nbytes) == 0, "a copied-back buffer leaked"
     (restored,) = _C._sac_restore(group, saved)
     assert torch.equal(restored, expected)
+
+
+def test_a_copy_back_beaten_by_another_thread_is_dropped(simulated) -> None:
+    """Defect 7, the race made certain (the test above races only when the
+    threads happen to meet, and often they do not): while this thread's
+    copy back is inside torch's Python code (the torch.cuda stand-in's
+    current-stream query), another thread copies the same span back and
+    finishes first. Premise: exactly one fetch was beaten. Ours is dropped,
+    both threads get the span exact, and no buffer outlives the discard."""
+    matepoint.set_options(pool_limit_bytes=1)   # pageable memory, as in the race above
+    source = torch.randn(1024, 1024)
+    expected = source.clone()
+    with fake_torch_cuda.installed() as standin:
+        _C._simulate_torch_adapter(True)
+        try:
+            with pytest.warns(RuntimeWarning, match="pageable"):
+                group, saved = _C._sac_offload([source])
+            del source
+            others: List[torch.Tensor] = []
+
+            def inside(name: str) -> None:
+                if name == "_cuda_getCurrentRawStream" and not standin.calls["beaten"]:
+                    standin.calls["beaten"] += 1
+                    run_in_thread(lambda: others.append(saved[0].unpack()))
+            _C._sim_drop_site(None)                 # counts each site's calls from here
+            standin.inside = inside
+            try:
+                mine = saved[0].unpack()
+            finally:
+                standin.inside = None
+            assert _C._sim_site_counts()["beaten_after_copy_in"] == 1, "no fetch was beaten"
+            assert torch.equal(mine, expected) and torch.equal(others[0], expected)
+            del mine, others
+            _C._sac_discard(group)
+            gc.collect()
+            assert byte_buffers(expected.nbytes) == 0, "a copied-back buffer leaked"
+            (restored,) = _C._sac_restore(group, saved)
+            assert torch.equal(restored, expected)
+            del restored, group, saved
+            gc.collect()
+            sim.finish()
+        finally:
+            _C._simulate_torch_adapter(False)
 
 
 def test_a_failed_wait_at_the_switch_leaves_no_cuda_error(simulated) -> None:

@@ -95,9 +95,13 @@ def test_inputs_from_another_stream_are_reused_only_after_their_copy(simulated):
 
     model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
     _, expected = train_step(model, x, no_checkpoint)
+    _C._sim_drop_site(None)                     # counts each site's calls from here
     _, grads = train_step(model, x, on_alternate_streams)
     assert calls[0] == DEPTH
     assert_bitwise_equal(grads, expected)
+    # premise: inputs were let go with their copies pending, marked used
+    # by the copy-out stream (their producer no longer current)
+    assert _C._sim_site_counts()["source_on_copy_out"] > 0
     sim.assert_no_cuda_error()
 
 
@@ -145,8 +149,10 @@ def test_out_of_memory_while_prefetching_then_retry(simulated):
     # the second-to-last's restore prefetches the one before it, whose
     # restore then prefetches the next, which finds no memory
     _C._sim_fail_fetches(1, 1)
+    before = matepoint.pool_stats()["prefetched"]
     with pytest.raises(torch.OutOfMemoryError, match="simulated GPU: out of memory"):
         loss.backward(retain_graph=True)
+    assert matepoint.pool_stats()["prefetched"] > before, "nothing was prefetched before"
     fresh = [torch.full((BATCH, WIDTH), 7.0) for _ in range(64)]
     sim.finish()
     assert all(bool((tensor == 7.0).all()) for tensor in fresh), "a copy back overwrote it"

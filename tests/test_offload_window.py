@@ -111,9 +111,12 @@ def test_backward_on_another_thread(simulated):
     torch.manual_seed(0)
     leaf = x.detach().clone().requires_grad_(True)
     out = model(leaf, matepoint.checkpoint)
+    before = matepoint.pool_stats()
     run_in_thread(lambda: (out.float() ** 2).mean().backward())
     grads = [leaf.grad] + [p.grad for p in model.parameters()]
     assert_bitwise_equal(grads, expected[:len(grads)])
+    # premise: that thread copied spans back (prefetched, the pipeline being on)
+    assert matepoint.pool_stats()["prefetched"] > before["prefetched"]
 
 
 def test_runtime_switch_refused_while_inputs_are_offloaded(simulated):
@@ -173,11 +176,15 @@ def test_threads_share_one_device_window(simulated):
             errors.append(error)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(models))]
+    _C._sim_drop_site(None)                     # counts each site's calls from here
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert not errors, errors
+    # premise: the window let sources go in stream order, the GPU behind
+    counts = _C._sim_site_counts()
+    assert counts["producer_after_copy_out"] + counts["source_on_copy_out"] > 0, counts
     for index, grads in enumerate(expected):
         assert_bitwise_equal(results[index], grads)
 

@@ -64,13 +64,12 @@ device_free(offload_engine *engine, offload_device *device, int keep_streams)
 }
 
 int
-offload_device_order(offload_engine *engine, offload_device *device, void *waiter,
-                     void *producer)
+offload_device_order(offload_engine *engine, offload_device *device, offload_site site,
+                     void *waiter, void *producer)
 {
     const cudart *rt = engine->rt;
     return streams_check(rt, rt->event_record(device->ordering, producer), "cudaEventRecord") ||
-                   streams_check(rt, rt->stream_wait_event(waiter, device->ordering, 0),
-                                 "cudaStreamWaitEvent")
+                   streams_wait_event(engine->runtime, rt, site, waiter, device->ordering)
                ? -1 : 0;
 }
 

@@ -175,10 +175,10 @@ int offload_engine_ensure_pool(offload_engine *engine);
  * NULL with an error set when no runtime or device is there. */
 offload_device *offload_engine_device(mp_state *st, int index);
 
-/* Orders `waiter` after the work queued on `producer` so far; the
- * device is current. */
-int offload_device_order(offload_engine *engine, offload_device *device, void *waiter,
-                         void *producer);
+/* Orders `waiter` after the work queued on `producer` so far, the wait
+ * of `site`; the device is current. */
+int offload_device_order(offload_engine *engine, offload_device *device, offload_site site,
+                         void *waiter, void *producer);
 /* Records a completion event of the device on `stream` (the device is
  * current): a spare one, or a new one. *event stays NULL on error. */
 int offload_device_record(offload_engine *engine, offload_device *device, void *stream,

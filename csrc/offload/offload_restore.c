@@ -47,13 +47,14 @@ start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream, void *
      * must cover it too, for the buffer is returned once that completes;
      * on its own stream it does already */
     int after_h2d = copy->h2d_done == NULL || copy->h2d_stream == stream;
-    int failed = (on_copy_stream && offload_device_order(engine, device, stream, *compute) < 0) ||
-                 (!after_d2h &&
-                  streams_check(rt, rt->stream_wait_event(stream, copy->d2h_done, 0),
-                                "cudaStreamWaitEvent")) ||
-                 (!after_h2d &&
-                  streams_check(rt, rt->stream_wait_event(stream, copy->h2d_done, 0),
-                                "cudaStreamWaitEvent")) ||
+    const offload_runtime *runtime = engine->runtime;
+    int failed = (on_copy_stream &&
+                  offload_device_order(engine, device, OFFLOAD_SITE_COPY_IN_AFTER_COMPUTE, stream,
+                                       *compute) < 0) ||
+                 (!after_d2h && streams_wait_event(runtime, rt, OFFLOAD_SITE_COPY_IN_AFTER_COPY_OUT,
+                                                   stream, copy->d2h_done) < 0) ||
+                 (!after_h2d && streams_wait_event(runtime, rt, OFFLOAD_SITE_COPY_IN_AFTER_COPY_IN,
+                                                   stream, copy->h2d_done) < 0) ||
                  streams_memcpy(rt, dst, copy->block.ptr, (size_t)copy->nbytes,
                                 CUDART_MEMCPY_HOST_TO_DEVICE, stream, copy->block.fallback) < 0;
     if (!failed && offload_device_record(engine, device, stream, done) < 0) {
@@ -105,8 +106,8 @@ drop_beaten(mp_state *st, StorageCopy *copy, void *done, void *compute)
     int index = copy->device->index, previous;
     int failed = offload_engine_enter_device(st, index, &previous) < 0;
     if (!failed) {
-        failed = streams_check(rt, rt->stream_wait_event(compute, done, 0),
-                               "cudaStreamWaitEvent");
+        failed = streams_wait_event(st->engine->runtime, rt, OFFLOAD_SITE_BEATEN_AFTER_COPY_IN,
+                                    compute, done);
         offload_engine_leave_device(st, index, previous);
     }
     offload_device_give_event(st->engine, copy->device, done);
@@ -143,7 +144,8 @@ fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
      * goes back to that pool only once the copy-in stream passed the copy,
      * whoever drops it, read or not (a copy dying prefetched) */
     if (!failed && done != NULL && copy->fetched == NULL && on_copy_stream)
-        failed = st->engine->runtime->record_stream(st, fetched, copy->device->index,
+        failed = st->engine->runtime->record_stream(st, OFFLOAD_SITE_FETCHED_ON_COPY_IN, fetched,
+                                                    copy->device->index,
                                                     copy->device->copy_in) < 0;
     if (!failed && done != NULL && copy->fetched == NULL)
         publish_fetched(st, copy, fetched, done, compute, on_copy_stream);
@@ -169,8 +171,8 @@ await_h2d(mp_state *st, StorageCopy *copy)
     if (offload_engine_current_stream(st, index, &compute) < 0 ||
         offload_engine_enter_device(st, index, &previous) < 0)
         return -1;
-    int failed = streams_check(rt, rt->stream_wait_event(compute, copy->h2d_done, 0),
-                               "cudaStreamWaitEvent");
+    int failed = streams_wait_event(st->engine->runtime, rt, OFFLOAD_SITE_READER_AFTER_COPY_IN,
+                                    compute, copy->h2d_done);
     offload_engine_leave_device(st, index, previous);
     copy->h2d_awaited = !failed;
     if (failed)
@@ -179,7 +181,8 @@ await_h2d(mp_state *st, StorageCopy *copy)
      * (a prefetch made while the region after it ran): that allocator
      * reuses it only once this stream passed what it queues now */
     if (copy->fetched != NULL && compute != copy->fetched_on)
-        return st->engine->runtime->record_stream(st, copy->fetched, index, compute);
+        return st->engine->runtime->record_stream(st, OFFLOAD_SITE_FETCHED_ON_READER,
+                                                  copy->fetched, index, compute);
     return 0;
 }
 

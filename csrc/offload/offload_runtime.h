@@ -12,6 +12,7 @@
 
 #include "base/state.h"
 #include "cuda/cudart.h"
+#include "offload_sites.h"
 
 typedef struct offload_runtime {
     const char *name;
@@ -31,8 +32,14 @@ typedef struct offload_runtime {
     int (*current_stream)(mp_state *st, int device, void **stream);
     /* The memory of `storage` (on `device`) is used by the work queued on
      * `stream` so far: whichever stream allocated it reuses it only after
-     * that work (torch's record_stream; nothing when `stream` allocated it). */
-    int (*record_stream)(mp_state *st, PyObject *storage, int device, void *stream);
+     * that work (torch's record_stream; nothing when `stream` allocated it).
+     * `site` names the engine's call (offload_sites.h). */
+    int (*record_stream)(mp_state *st, offload_site site, PyObject *storage, int device,
+                         void *stream);
+    /* `stream` waits for `event` (cudaStreamWaitEvent through `rt`, the
+     * table load() gave), the wait the engine makes at `site`: a CUDA
+     * status, nothing raised. */
+    int (*stream_wait_event)(const cudart *rt, offload_site site, void *stream, void *event);
     /* 1 when `device` has its primary context already, 0 when using it
      * would create one. */
     int (*has_context)(mp_state *st, int device);
@@ -52,7 +59,10 @@ extern const offload_runtime offload_runtime_torch;
  * may hand the GIL to another thread inside any of them, as torch may. */
 int offload_torch_may_hold_tensors(mp_state *st);
 int offload_torch_current_stream(mp_state *st, int device, void **stream);
-int offload_torch_record_stream(mp_state *st, PyObject *storage, int device, void *stream);
+int offload_torch_record_stream(mp_state *st, offload_site site, PyObject *storage, int device,
+                                void *stream);
+int offload_torch_stream_wait_event(const cudart *rt, offload_site site, void *stream,
+                                    void *event);
 int offload_torch_has_context(mp_state *st, int device);
 
 #endif

@@ -81,10 +81,12 @@ stream_object(mp_state *st, int device, void *stream)
 }
 
 /* record_stream of a tensor viewing all of `storage`: torch records
- * tensors, not storages. */
+ * tensors, not storages. The site matters to test builds only. */
 int
-offload_torch_record_stream(mp_state *st, PyObject *storage, int device, void *stream)
+offload_torch_record_stream(mp_state *st, offload_site site, PyObject *storage, int device,
+                            void *stream)
 {
+    (void)site;
     if (require(st->tensor_record_stream, "torch.Tensor.record_stream") < 0)
         return -1;
     PyObject *stream_obj = stream_object(st, device, stream);
@@ -104,6 +106,13 @@ offload_torch_record_stream(mp_state *st, PyObject *storage, int device, void *s
     Py_XDECREF(view);
     Py_XDECREF(done);
     return done == NULL ? -1 : 0;
+}
+
+int
+offload_torch_stream_wait_event(const cudart *rt, offload_site site, void *stream, void *event)
+{
+    (void)site;
+    return rt->stream_wait_event(stream, event, 0);
 }
 
 int
@@ -139,6 +148,7 @@ const offload_runtime offload_runtime_torch = {
     .tensor_device = torch_tensor_device,
     .current_stream = offload_torch_current_stream,
     .record_stream = offload_torch_record_stream,
+    .stream_wait_event = offload_torch_stream_wait_event,
     .has_context = offload_torch_has_context,
     .empty_bytes = torch_empty_bytes,
 };

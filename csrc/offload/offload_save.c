@@ -104,7 +104,8 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
         offload_engine_leave_device(st, device->index, previous);
         return acquired == -2 ? -1 : 0;
     }
-    int failed = offload_device_order(engine, device, device->copy_out, producer) < 0 ||
+    int failed = offload_device_order(engine, device, OFFLOAD_SITE_COPY_OUT_AFTER_PRODUCER,
+                                      device->copy_out, producer) < 0 ||
                  streams_memcpy(rt, copy->block.ptr, (const void *)src, (size_t)copy->nbytes,
                                 CUDART_MEMCPY_DEVICE_TO_HOST, device->copy_out,
                                 copy->block.fallback) < 0;

@@ -56,17 +56,19 @@ order_producer_after_copy(mp_state *st, StorageCopy *copy)
     if (offload_engine_current_stream(st, index, &current) < 0)
         return -1;
     if (current != copy->producer)
-        return st->engine->runtime->record_stream(st, copy->source, index,
-                                                  copy->device->copy_out);
+        return st->engine->runtime->record_stream(st, OFFLOAD_SITE_SOURCE_ON_COPY_OUT,
+                                                  copy->source, index, copy->device->copy_out);
     if (offload_engine_enter_device(st, index, &previous) < 0)
         return -1;
-    int failed = streams_check(rt, rt->stream_wait_event(current, copy->d2h_done, 0),
-                               "cudaStreamWaitEvent (release after the copy out)");
+    int failed = streams_wait_event(st->engine->runtime, rt,
+                                    OFFLOAD_SITE_PRODUCER_AFTER_COPY_OUT, current,
+                                    copy->d2h_done);
     offload_engine_leave_device(st, index, previous);
     if (failed)
         return -1;
     copy->producer_waited = 1;
-    return st->engine->runtime->record_stream(st, copy->source, index, current);
+    return st->engine->runtime->record_stream(st, OFFLOAD_SITE_SOURCE_ON_PRODUCER,
+                                              copy->source, index, current);
 }
 
 /* Retires a source: at once when its copy completed, else in stream order.

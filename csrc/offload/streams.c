@@ -12,6 +12,18 @@ streams_check(const cudart *rt, int status, const char *what)
 }
 
 int
+streams_wait_event(const offload_runtime *runtime, const cudart *rt, offload_site site,
+                   void *stream, void *event)
+{
+    int status = runtime->stream_wait_event(rt, site, stream, event);
+    if (status == CUDART_SUCCESS)
+        return 0;
+    char what[96];
+    snprintf(what, sizeof(what), "cudaStreamWaitEvent (at %s)", offload_site_name(site));
+    return streams_check(rt, status, what);
+}
+
+int
 streams_event_done(const cudart *rt, void *event)
 {
     int status;

@@ -15,6 +15,7 @@
 
 #include "cuda/cudart.h"
 #include "cuda/cudart_util.h"
+#include "offload_runtime.h"
 
 /* 0 when status is success, else raises naming `what` and returns -1. */
 int streams_check(const cudart *rt, int status, const char *what);
@@ -24,6 +25,12 @@ int streams_check(const cudart *rt, int status, const char *what);
  * the GIL is released around it. */
 int streams_memcpy(const cudart *rt, void *dst, const void *src, size_t bytes, int kind,
                    void *stream, int pageable);
+
+/* `stream` waits for `event` through `runtime` (which may count or, in
+ * a test, drop the waits of `site`): 0, or -1 with an error naming
+ * cudaStreamWaitEvent and the site. */
+int streams_wait_event(const offload_runtime *runtime, const cudart *rt, offload_site site,
+                       void *stream, void *event);
 
 /* Has `event` completed? 1, 0, or -1 with an error. cudaErrorNotReady is
  * an answer, not a failure: the last error it leaves is cleared. */

@@ -220,13 +220,6 @@ cudart_sim_wait_log(cudart_sim_wait *out, size_t max)
     return count;
 }
 
-void
-cudart_sim_drop_waits(uint64_t skip, uint64_t count)
-{
-    pthread_mutex_lock(&sim_gpu.lock);
-    sim_gpu.dropped_waits = (sim_failure){.skip = skip, .count = count};
-    pthread_mutex_unlock(&sim_gpu.lock);
-}
 
 void
 cudart_sim_set_sync_observer(cudart_sim_observer observer)

@@ -196,14 +196,9 @@ int cudart_sim_peek_last_error(void);
  * earlier asynchronous error from them. */
 void cudart_sim_fail(cudart_sim_entry entry, uint64_t skip, uint64_t count, int status);
 
-/* The next `skip` calls of cudaStreamWaitEvent run normally, the `count`
- * after them return success and queue nothing: a test drops one wait at a
- * time to prove that each one the engine issues is needed. */
-void cudart_sim_drop_waits(uint64_t skip, uint64_t count);
-
 /* One cudaStreamWaitEvent: the waiting stream and the stream the event was
  * last recorded on, each as its device and handle (NULL: the legacy
- * stream); dropped ones too. */
+ * stream). */
 typedef struct {
     int waiter_device;
     void *waiter;

@@ -156,9 +156,7 @@ sim_stream_wait_event(void *stream, void *event_handle, unsigned flags)
         status = CUDART_ERROR_INVALID_HANDLE;
     if (status == CUDART_SUCCESS)
         sim_log_wait_locked(s, event);
-    /* a dropped wait counts among the calls whether or not it had work to wait for */
-    if (status != CUDART_SUCCESS || sim_take_dropped_wait() ||
-        event->completed >= event->recorded)
+    if (status != CUDART_SUCCESS || event->completed >= event->recorded)
         return sim_leave(status);
     event->refs++;
     status = sim_push_locked(s, (sim_op){.kind = OP_WAIT, .event = event,

@@ -27,7 +27,7 @@
 
 typedef struct {
     uint64_t recorded;          /* generation of the last record queued */
-    uint64_t completed;         /* generation of the last record that ran */
+    uint64_t completed;         /* the highest generation whose record ran (sim_generation_done) */
     int device;                 /* current when the event was created */
     int refs;                   /* the caller's handle plus queued operations */
     void *recorded_on;          /* handle of the stream of the last record (NULL: legacy) */
@@ -94,7 +94,6 @@ typedef struct {
     uint64_t land_passes;       /* launches that landed what they need (cudart_sim_land.c) */
     uint64_t progress_per_call;
     sim_failure failures[SIM_ENTRY_COUNT];
-    sim_failure dropped_waits;  /* cudart_sim_drop_waits; status unused */
     cudart_sim_wait *wait_log;  /* cudart_sim_log_waits: every wait while on */
     size_t wait_log_count, wait_log_capacity;
     int wait_log_on;
@@ -189,10 +188,14 @@ int sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry);
 /* Takes the lock, counts the call, runs the configured progress; returns
  * an injected failure's status, else success. */
 int sim_enter(cudart_sim_entry entry);
+/* Has the record of `generation` of `event` run? A wait waits for the
+ * record it captured, as in CUDA: records of one event on several streams
+ * may run out of order, and a later one that ran says nothing of an
+ * earlier one still queued (the engine re-records one ordering event on
+ * whichever stream produced). */
+int sim_generation_done(const sim_event *event, uint64_t generation);
 /* Appends a wait to the log while logging is on (a full log drops it). */
 void sim_log_wait_locked(const sim_stream *waiter, const sim_event *event);
-/* Whether this cudaStreamWaitEvent is one cudart_sim_drop_waits drops. */
-int sim_take_dropped_wait(void);
 /* A call CUDA forbids while a capture is underway in global mode: with
  * one underway, every capture is invalidated and the call fails
  * (cudaErrorStreamCaptureUnsupported); else CUDART_SUCCESS. */

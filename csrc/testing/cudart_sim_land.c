@@ -90,7 +90,7 @@ static int
 push_wait(land_work *work, const sim_op *wait)
 {
     uint64_t order;
-    if (wait->event->completed >= wait->generation)
+    if (sim_generation_done(wait->event, wait->generation))
         return 0;
     sim_stream *source = sim_find_record_locked(wait->event, wait->generation, &order);
     return source == NULL ? 0 : push(work, source, order);

@@ -24,10 +24,20 @@ sim_event_release(sim_event *event)
         free(event);
 }
 
+int
+sim_generation_done(const sim_event *event, uint64_t generation)
+{
+    if (event->completed == generation || generation == 0)
+        return 1;
+    uint64_t order;
+    return event->completed > generation &&
+           sim_find_record_locked(event, generation, &order) == NULL;
+}
+
 static int
 op_runnable(const sim_op *op)
 {
-    return op->kind != OP_WAIT || op->event->completed >= op->generation;
+    return op->kind != OP_WAIT || sim_generation_done(op->event, op->generation);
 }
 
 static void
@@ -199,7 +209,7 @@ sim_find_record_locked(const sim_event *event, uint64_t generation, uint64_t *or
 static int
 complete_locked(sim_event *event, uint64_t generation, int depth)
 {
-    if (event->completed >= generation)
+    if (sim_generation_done(event, generation))
         return CUDART_SUCCESS;
     uint64_t order;
     sim_stream *stream = sim_find_record_locked(event, generation, &order);
@@ -426,20 +436,6 @@ sim_log_wait_locked(const sim_stream *waiter, const sim_event *event)
         .source_device = event->recorded == 0 ? -1 : event->device,
         .source = (void *)source,
     };
-}
-
-int
-sim_take_dropped_wait(void)
-{
-    sim_failure *drop = &sim_gpu.dropped_waits;
-    if (drop->skip > 0) {
-        drop->skip--;
-        return 0;
-    }
-    if (drop->count == 0)
-        return 0;
-    drop->count--;
-    return 1;
 }
 
 int

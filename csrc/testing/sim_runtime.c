@@ -22,13 +22,14 @@ typedef void (*handout_fn)(int device, void *stream, void *ptr, uint64_t bytes);
  * sim_runtime_attach_allocator with the GIL held and never changed. */
 static void (*allocator_record_stream)(void *ptr, void *stream);
 
-/* record_stream calls dropped (sim_runtime_drop_records) and, while
- * logging (sim_runtime_log_records), the device and stream of each;
- * guarded by the GIL. */
+/* The engine's waits and records by call site (offload_sites.h): how many
+ * each site issued since sim_runtime_drop_site, and the site whose calls
+ * succeed and do nothing (-1: none). The engine calls the runtime with
+ * the GIL held: the GIL guards this. */
 static struct {
-    uint64_t skip, count;
-    PyObject *log;              /* list of dict, or NULL */
-} record_calls;
+    uint64_t issued[OFFLOAD_SITE_COUNT];
+    int dropped;
+} sites = {.dropped = -1};
 
 /* Copies back that find no device memory (sim_runtime_fail_fetches);
  * guarded by the GIL. */
@@ -87,27 +88,42 @@ sim_current_stream(mp_state *st, int device, void **stream)
     return 0;
 }
 
+/* Counts a call of `site`: 1 when the test drops that site's calls. */
 static int
-sim_record_stream(mp_state *st, PyObject *storage, int device, void *stream)
+site_dropped(offload_site site)
+{
+    MP_ASSERT(site >= 0 && site < OFFLOAD_SITE_COUNT);
+    sites.issued[site]++;
+    return (int)site == sites.dropped;
+}
+
+static int
+sim_stream_wait_event(const cudart *rt, offload_site site, void *stream, void *event)
+{
+    if (site_dropped(site))
+        return CUDART_SUCCESS;  /* dropped: the test proves this site is needed */
+    return rt->stream_wait_event(stream, event, 0);
+}
+
+/* torch's adapter's record_stream, counted and dropped by site. */
+static int
+sim_torch_record_stream(mp_state *st, offload_site site, PyObject *storage, int device,
+                        void *stream)
+{
+    if (site_dropped(site))
+        return 0;
+    return offload_torch_record_stream(st, site, storage, device, stream);
+}
+
+static int
+sim_record_stream(mp_state *st, offload_site site, PyObject *storage, int device,
+                  void *stream)
 {
     (void)st;
     (void)device;
     void *ptr;
-    if (record_calls.log != NULL) {
-        PyObject *handle = stream == NULL ? Py_NewRef(Py_None) : PyLong_FromVoidPtr(stream);
-        PyObject *row = handle ? Py_BuildValue("{sisN}", "device", device, "stream", handle)
-                               : NULL;
-        int failed = row == NULL || PyList_Append(record_calls.log, row) < 0;
-        Py_XDECREF(row);
-        if (failed)
-            return -1;
-    }
-    if (record_calls.skip > 0) {
-        record_calls.skip--;
-    } else if (record_calls.count > 0) {
-        record_calls.count--;
-        return 0;   /* dropped: the test proves this record is needed */
-    }
+    if (site_dropped(site))
+        return 0;
     if (allocator_record_stream == NULL)
         return 0;
     if (storage_ptr(storage, &ptr) < 0)
@@ -174,6 +190,7 @@ const offload_runtime offload_runtime_sim = {
     .tensor_device = sim_tensor_device,
     .current_stream = sim_current_stream,
     .record_stream = sim_record_stream,
+    .stream_wait_event = sim_stream_wait_event,
     .has_context = sim_has_context,
     .empty_bytes = sim_empty_bytes,
 };
@@ -189,7 +206,8 @@ const offload_runtime offload_runtime_torch_sim = {
     .may_hold_tensors = offload_torch_may_hold_tensors,
     .tensor_device = sim_tensor_device,
     .current_stream = offload_torch_current_stream,
-    .record_stream = offload_torch_record_stream,
+    .record_stream = sim_torch_record_stream,
+    .stream_wait_event = sim_stream_wait_event,
     .has_context = offload_torch_has_context,
     .empty_bytes = sim_empty_bytes,
 };
@@ -202,24 +220,18 @@ sim_runtime_fail_fetches(uint64_t skip, uint64_t count)
 }
 
 void
-sim_runtime_drop_records(uint64_t skip, uint64_t count)
+sim_runtime_drop_site(int site)
 {
-    record_calls.skip = skip;
-    record_calls.count = count;
+    MP_ASSERT(site >= -1 && site < OFFLOAD_SITE_COUNT);
+    memset(sites.issued, 0, sizeof(sites.issued));
+    sites.dropped = site;
 }
 
-int
-sim_runtime_log_records(int on)
+uint64_t
+sim_runtime_site_issued(offload_site site)
 {
-    Py_CLEAR(record_calls.log);
-    return on && (record_calls.log = PyList_New(0)) == NULL ? -1 : 0;
-}
-
-PyObject *
-sim_runtime_record_log(void)
-{
-    PyObject *log = record_calls.log;
-    return log == NULL ? PyList_New(0) : PyList_GetSlice(log, 0, PyList_GET_SIZE(log));
+    MP_ASSERT(site >= 0 && site < OFFLOAD_SITE_COUNT);
+    return sites.issued[site];
 }
 
 void

@@ -15,11 +15,12 @@
  *   _sim_peek_last_error() -> int   the thread's CUDA last error, left in place
  *   _sim_fail(name, skip, count, status)   inject failures of a runtime call
  *   _sim_fail_fetches(skip, count)  copies back that find no device memory (OOM)
- *   _sim_drop(name, skip, count)    calls that succeed and do nothing ("cudaStreamWaitEvent",
- *                                   or the engine's "record_stream"): each wait proven needed
+ *   OFFLOAD_SITES: {name: call}    the engine's wait and record call sites (offload_sites.h)
+ *   _sim_drop_site(name)            that site's calls succeed and do nothing (None: no site);
+ *                                   counts restart: each site proven needed by data
+ *   _sim_site_counts() -> {name: n} calls the engine made at each site since
  *   _sim_log_waits(on) / _sim_wait_log() -> list of dict   every cudaStreamWaitEvent: the
- *                                   streams it joins (the waiter, the event's last record's);
- *                                   _sim_record_log(): each record_stream's device and stream
+ *                                   streams it joins (the waiter, the event's last record's)
  *   _offload_streams() -> {device: {"copy_out": h, "copy_in": h}}
  *   _sim_forget_contexts()          no device has a context (as in a new process)
  *   _sim_attach_allocator(path) -> where   matepoint's allocator library over the
@@ -71,13 +72,12 @@ int sim_runtime_attach_allocator(PyObject *path);
  * raise torch.OutOfMemoryError. */
 void sim_runtime_fail_fetches(uint64_t skip, uint64_t count);
 
-/* The next `skip` record_stream calls of the engine run, the `count` after
- * them do nothing. */
-void sim_runtime_drop_records(uint64_t skip, uint64_t count);
-/* Starts (clearing it) or stops a log of the engine's record_stream calls;
- * the log, a new list of {"device", "stream"} dicts. */
-int sim_runtime_log_records(int on);
-PyObject *sim_runtime_record_log(void);
+/* From now on the engine's waits and records at `site` (offload_sites.h;
+ * -1: none) succeed and do nothing; every site's count starts again from
+ * zero. GIL held. */
+void sim_runtime_drop_site(int site);
+/* The calls the engine made at `site` since (dropped ones included). */
+uint64_t sim_runtime_site_issued(offload_site site);
 
 /* Where the harness allocates: the thread's current device and stream. */
 void sim_runtime_where(int *device, void **stream);
