@@ -136,3 +136,22 @@ def test_refused_when_cuda_was_used_already(torch_side, monkeypatch):
         matepoint.install_allocator()
     assert torch_side.created == [] and torch_side.current is None
     assert not _allocator.is_installed()
+
+
+def test_without_the_adapter_torch_memory_functions_name_matepoint(monkeypatch):
+    """The plain pluggable allocator's fallback: torch's memory functions
+    raise at the user's call, naming matepoint's allocator and the reason,
+    instead of torch's "does not yet support" from deep inside."""
+    for name in _adapter.GUARDED_FUNCTIONS:   # restored after the test
+        for module in (torch.cuda, torch.cuda.memory):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, getattr(module, name))
+    _adapter.guard_torch_memory_api("no C++ compiler here")
+    for call in (lambda: torch.cuda.max_memory_allocated(), lambda: torch.cuda.memory_stats(0),
+                 lambda: torch.cuda.memory.memory_summary(device="cuda:0"),
+                 lambda: torch.cuda.memory._snapshot(),
+                 lambda: torch.cuda.reset_peak_memory_stats(None)):
+        with pytest.raises(RuntimeError, match=r"torch\.cuda\.\w+\(\) is not available under "
+                                               r"matepoint's allocator.*no C\+\+ compiler here"):
+            call()
+    assert torch.cuda.memory_stats.__name__ == "memory_stats"
