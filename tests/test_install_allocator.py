@@ -68,6 +68,7 @@ def torch_side(monkeypatch, request):
     side = TorchSide(getattr(request, "param", SETTERS))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")   # a CUDA build of torch
     monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", side.pluggable)
     monkeypatch.setattr(torch.cuda.memory, "change_current_allocator",
                         lambda allocator: setattr(side, "current", allocator))
