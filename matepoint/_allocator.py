@@ -83,9 +83,10 @@ def install_allocator() -> bool:
     library = ctypes.CDLL(path)
     try:
         _adapter.install(library)
-        raises = _oom.attach_oom_handler(library)
     except (OSError, AttributeError, _oom.BuildError, RuntimeError) as error:
         raises = _install_plain(path, library, str(error))
+    else:
+        raises = _oom.attach_oom_handler(library)
     _C._attach_allocator(path)
     _installed = True
     return raises
@@ -103,6 +104,11 @@ def _install_plain(path: str, library: ctypes.CDLL, reason: str) -> bool:
         register(ctypes.cast(getattr(library, _SYMBOLS[_HOOKS[setter]]), ctypes.c_void_p).value)
     torch.cuda.memory.change_current_allocator(pluggable)
     _adapter.guard_torch_memory_api(reason)
+    # one warning: where the OOM unit failed to build too, its warning named
+    # the build's problem already (and each guarded call repeats it); a CPU
+    # build of torch has no CUDA memory to report at all
+    if not raises or torch.version.cuda is None:
+        return raises
     _oom._warn("matepoint: torch's memory API (torch.cuda.memory_stats, max_memory_allocated, "
                "memory snapshots, out-of-memory observers) will raise under matepoint's "
                "allocator, because the C++ adapter that answers it could not be built here: "

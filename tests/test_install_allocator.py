@@ -70,6 +70,7 @@ def torch_side(monkeypatch, request):
     side = TorchSide(getattr(request, "param", SETTERS))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")   # a CUDA build of torch
     monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", side.pluggable)
     monkeypatch.setattr(torch.cuda.memory, "change_current_allocator",
                         lambda allocator: setattr(side, "current", allocator))
@@ -138,3 +139,22 @@ def test_refused_when_cuda_was_used_already(torch_side, monkeypatch):
         matepoint.install_allocator()
     assert torch_side.created == [] and torch_side.current is None
     assert not _allocator.is_installed()
+
+
+def test_without_the_adapter_torch_memory_functions_name_matepoint(monkeypatch):
+    """The plain pluggable allocator's fallback: torch's memory functions
+    raise at the user's call, naming matepoint's allocator and the reason,
+    instead of torch's "does not yet support" from deep inside."""
+    for name in _adapter.GUARDED_FUNCTIONS:   # restored after the test
+        for module in (torch.cuda, torch.cuda.memory):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, getattr(module, name))
+    _adapter.guard_torch_memory_api("no C++ compiler here")
+    for call in (lambda: torch.cuda.max_memory_allocated(), lambda: torch.cuda.memory_stats(0),
+                 lambda: torch.cuda.memory.memory_summary(device="cuda:0"),
+                 lambda: torch.cuda.memory._snapshot(),
+                 lambda: torch.cuda.reset_peak_memory_stats(None)):
+        with pytest.raises(RuntimeError, match=r"torch\.cuda\.\w+\(\) is not available under "
+                                               r"matepoint's allocator.*no C\+\+ compiler here"):
+            call()
+    assert torch.cuda.memory_stats.__name__ == "memory_stats"

@@ -353,3 +353,21 @@ print(type(first).__name__, [f for f in walk] == rest)
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["_AfterDynamoImport", "True"]
+
+
+def test_the_adapter_ships_with_every_header_it_includes() -> None:
+    """An installed package compiles torch_adapter.cpp from its own folder:
+    each local header it includes, transitively, must be shipped beside it
+    (and hashed into the cached build's key)."""
+    from matepoint import _build_layout as layout
+    shipped = set(layout.ADAPTER_HEADER_SOURCES)
+    seen, todo = set(), [layout.ADAPTER_UNIT_SOURCE]
+    while todo:
+        path = todo.pop()
+        for name in re.findall(r'#include "([^"]+)"', read(path)):
+            header = os.path.join(os.path.dirname(path), name)
+            if header not in seen:
+                seen.add(header)
+                todo.append(header)
+    assert seen == shipped, (seen, shipped)
+    assert set(layout.RUNTIME_UNIT_SOURCES) >= shipped | {layout.ADAPTER_UNIT_SOURCE}

@@ -104,3 +104,23 @@ def test_torch_figures_in_matepoint_memory_stats_on_the_host_backend() -> None:
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "figures ok" in result.stdout
+
+
+@needs_cuda_libraries
+def test_the_readme_memory_plot_is_made_from_torch_snapshot(tmp_path) -> None:
+    """benchmarks/memory_plot.py: one area per region and phase."""
+    import xml.etree.ElementTree as ElementTree
+    if not getattr(_C, "TEST_BUILD", 0):
+        pytest.skip("needs a test build (the simulated GPU)")
+    out, page = tmp_path / "plot.svg", tmp_path / "viz.html"
+    script = os.path.join(os.path.dirname(HERE), "benchmarks", "memory_plot.py")
+    result = subprocess.run([sys.executable, script, "--out", str(out), "--html", str(page),
+                             "--blocks", "3", "--width", "128", "--batch", "64"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    areas = [node.findtext("{http://www.w3.org/2000/svg}title")
+             for node in ElementTree.parse(out).getroot()
+             if node.tag.endswith("polygon")]
+    assert sorted(areas) == sorted(["region 0 other"] + [f"region {r} {phase}" for r in (1, 2, 3)
+                                                         for phase in ("forward", "recompute")])
+    assert "MemoryViz.js" in page.read_text()

@@ -221,19 +221,11 @@ def test_out_of_memory_observers_fire(cuda_up) -> None:
     del held
 
 
-def record_history(enabled: bool, stacks: bool = True, max_entries: int = 100000) -> None:
-    """torch.cuda.memory._record_memory_history(context="all" or None,
-    max_entries=...) without its CUDA initialization (impossible without a
-    GPU): the same C++ entry point, the current allocator's recordHistory
-    through c10's recordHistory, with torch's stack gatherer."""
-    adapter = _adapter.build()
-    record = adapter.matepoint_torch_adapter_record_history
-    record.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int,
-                       ctypes.c_char_p, ctypes.c_size_t]
-    error = ctypes.create_string_buffer(512)
-    # clear_history when starting, as each test starts from nothing; kept at the stop
-    assert record(int(enabled), int(stacks), max_entries, int(enabled), error, 512) == 0, \
-        error.value
+def record_history(enabled: bool, stacks: bool = True) -> None:
+    """torch.cuda.memory._record_memory_history without its CUDA
+    initialization (impossible without a GPU): _adapter.record_history, the
+    same C++ call. Cleared at each start: each test starts from nothing."""
+    _adapter.record_history(enabled, stacks, 100000, clear=enabled)
 
 
 def rendered_snapshot(html: str) -> Dict[str, Any]:

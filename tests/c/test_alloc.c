@@ -2,6 +2,7 @@
 /* Unit tests of the caching allocator (csrc/alloc) on its host backend. */
 #include "alloc/alloc.h"
 #include "alloc/alloc_cuda.h"
+#include "alloc/alloc_history.h"
 #include "alloc/alloc_host.h"
 #include "alloc/alloc_internal.h"   /* to break an invariant on purpose */
 #include "check.h"
@@ -9,6 +10,7 @@
 #include "lock_probe.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -724,6 +726,197 @@ test_broken_invariants_stop_a_debug_build(void)
     CHECK(aborts_on_invariant(free_list_link_broken));
 }
 
+
+/* torch's figures (alloc_device_stats): per pool, active through a free
+ * that waits for another stream, inactive split, peak and accumulated
+ * resets per device. */
+static void
+test_torch_figures(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0}, s2 = {0};
+    allocator *a = make(&ctx, 0, 2);
+    alloc_device_stats t;
+    void *small = alloc_malloc(a, 1000, 1, &s1, 0);
+    void *large = alloc_malloc(a, 3 * MiB, 1, &s1, 0);
+    CHECK(alloc_get_device_stats(a, 1, &t) == 0);
+    CHECK(t.arrays[ALLOC_STAT_ALLOCATION][ALLOC_POOL_SMALL].current == 1);
+    CHECK(t.arrays[ALLOC_STAT_ALLOCATION][ALLOC_POOL_LARGE].current == 1);
+    CHECK(t.arrays[ALLOC_STAT_ALLOCATED_BYTES][ALLOC_POOL_ALL].current == 1024 + 3 * MiB);
+    CHECK(t.arrays[ALLOC_STAT_REQUESTED_BYTES][ALLOC_POOL_SMALL].current == 1000);
+    CHECK(t.arrays[ALLOC_STAT_SEGMENT][ALLOC_POOL_ALL].current == 2 && t.num_device_alloc == 2);
+    CHECK(t.arrays[ALLOC_STAT_INACTIVE_SPLIT][ALLOC_POOL_ALL].current == 2);
+    CHECK(t.arrays[ALLOC_STAT_INACTIVE_SPLIT_BYTES][ALLOC_POOL_LARGE].current == 17 * MiB);
+    CHECK(t.max_split_size == -1);
+    /* a free that another stream still reads: not allocated, still active */
+    CHECK(alloc_record_stream(a, large, &s2) == 0);
+    alloc_host_submit(&s2);
+    alloc_free(a, large, 1);
+    CHECK(alloc_get_device_stats(a, 1, &t) == 0);
+    CHECK(t.arrays[ALLOC_STAT_ALLOCATED_BYTES][ALLOC_POOL_LARGE].current == 0);
+    CHECK(t.arrays[ALLOC_STAT_ACTIVE_BYTES][ALLOC_POOL_LARGE].current == 3 * MiB);
+    CHECK(t.arrays[ALLOC_STAT_REQUESTED_BYTES][ALLOC_POOL_LARGE].current == 3 * MiB);
+    CHECK(alloc_check(a, 1) == 0);
+    alloc_host_complete(&s2);
+    alloc_free(a, small, 1);                  /* the next malloc retires the event */
+    void *again = alloc_malloc(a, 1000, 1, &s1, 0);
+    CHECK(alloc_get_device_stats(a, 1, &t) == 0);
+    CHECK(t.arrays[ALLOC_STAT_ACTIVE_BYTES][ALLOC_POOL_LARGE].current == 0);
+    CHECK(t.arrays[ALLOC_STAT_ACTIVE_BYTES][ALLOC_POOL_LARGE].freed == 3 * MiB);
+    CHECK(t.arrays[ALLOC_STAT_INACTIVE_SPLIT][ALLOC_POOL_LARGE].current == 0);   /* merged */
+    CHECK(t.arrays[ALLOC_STAT_ALLOCATED_BYTES][ALLOC_POOL_ALL].peak == 1024 + 3 * MiB);
+    /* resets: peaks of device 1 only; accumulated counts restart */
+    void *other = alloc_malloc(a, 5 * MiB, 0, &s1, 0);
+    alloc_free(a, other, 0);
+    CHECK(alloc_reset_device_peaks(a, 1) == 0 && alloc_reset_device_peaks(a, 2) == -1);
+    CHECK(alloc_get_device_stats(a, 1, &t) == 0);
+    CHECK(t.arrays[ALLOC_STAT_ALLOCATED_BYTES][ALLOC_POOL_ALL].peak == 1024);
+    CHECK(alloc_get_stats(a, 1).peak_allocated_bytes == 1024);
+    CHECK(alloc_get_device_stats(a, 0, &t) == 0);
+    CHECK(t.arrays[ALLOC_STAT_ALLOCATED_BYTES][ALLOC_POOL_ALL].peak == 5 * MiB);
+    CHECK(alloc_reset_accumulated(a, 1) == 0 && alloc_reset_accumulated(a, -1) == -1);
+    CHECK(alloc_get_device_stats(a, 1, &t) == 0);
+    CHECK(t.arrays[ALLOC_STAT_ALLOCATION][ALLOC_POOL_ALL].allocated == 0);
+    CHECK(t.arrays[ALLOC_STAT_ALLOCATION][ALLOC_POOL_ALL].freed == 0);
+    CHECK(t.arrays[ALLOC_STAT_ALLOCATION][ALLOC_POOL_ALL].current == 1 && t.num_device_alloc == 0);
+    CHECK(alloc_get_device_stats(a, 9, &t) == -1);
+    alloc_free(a, again, 1);
+    alloc_empty_cache(a);
+    CHECK(alloc_get_device_stats(a, 1, &t) == 0);
+    CHECK(t.arrays[ALLOC_STAT_RESERVED_BYTES][ALLOC_POOL_ALL].current == 0 && t.num_device_free == 2);
+    CHECK(alloc_check(a, 0) == 0 && alloc_check(a, 1) == 0);
+    finish(a, &ctx);
+}
+
+/* Contexts are counted: each gather makes one, retain adds, release takes;
+ * the test's cells count what is alive. */
+static _Atomic int64_t contexts_alive;
+static _Atomic int64_t contexts_gathered;
+static uint64_t last_gather_tag;
+
+typedef struct {
+    _Atomic int references;
+    uint64_t tag;
+} test_context;
+
+static void *
+test_gather(uint64_t tag)
+{
+    test_context *c = malloc(sizeof(*c));
+    if (c == NULL)
+        return NULL;
+    atomic_store(&c->references, 1);
+    c->tag = tag;
+    last_gather_tag = tag;
+    atomic_fetch_add(&contexts_alive, 1);
+    atomic_fetch_add(&contexts_gathered, 1);
+    return c;
+}
+
+static void
+test_retain(void *context)
+{
+    atomic_fetch_add(&((test_context *)context)->references, 1);
+}
+
+static void
+test_release(void *context)
+{
+    test_context *c = context;
+    if (atomic_fetch_sub(&c->references, 1) == 1) {
+        free(c);
+        atomic_fetch_sub(&contexts_alive, 1);
+    }
+}
+
+static int64_t
+test_clock(void)
+{
+    static _Atomic int64_t now;
+    return atomic_fetch_add(&now, 1) + 1;
+}
+
+static void
+history(allocator *a, int enabled, uint64_t max, int when, int clear)
+{
+    alloc_history_config config = {.enabled = enabled, .max_entries = max, .when = when,
+                                   .clear = clear, .gather = test_gather, .retain = test_retain,
+                                   .release = test_release, .clock = test_clock};
+    alloc_history_configure(a, &config);
+}
+
+static void
+test_history_records_and_snapshot(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    allocator *a = make(&ctx, 0, 1);
+    history(a, 1, 100, ALLOC_CONTEXT_ALLOC, 1);
+    void *x = alloc_malloc(a, 1000, 0, &s1, alloc_region_tag(3, TAG_FORWARD));
+    CHECK(last_gather_tag == alloc_region_tag(3, TAG_FORWARD));
+    void *y = alloc_malloc(a, 3 * MiB, 0, &s1, alloc_region_tag(3, TAG_RECOMPUTE));
+    alloc_free(a, x, 0);
+    alloc_snapshot snap;
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0);
+    int actions[] = {ALLOC_TRACE_SEGMENT_ALLOC, ALLOC_TRACE_ALLOC, ALLOC_TRACE_SEGMENT_ALLOC,
+                     ALLOC_TRACE_ALLOC, ALLOC_TRACE_FREE_REQUESTED, ALLOC_TRACE_FREE_COMPLETED};
+    CHECK(snap.trace_count == 6);
+    for (uint64_t i = 0; i < snap.trace_count && i < 6; i++) {
+        CHECK(snap.trace[i].action == actions[i]);
+        CHECK(i == 0 || snap.trace[i].time > snap.trace[i - 1].time);
+    }
+    CHECK(snap.trace[1].address == (uintptr_t)x && snap.trace[1].size == 1024);
+    CHECK(snap.trace[1].tag == alloc_region_tag(3, TAG_FORWARD) && snap.trace[1].context);
+    CHECK(snap.trace[4].tag == alloc_region_tag(3, TAG_FORWARD) && !snap.trace[4].context);
+    CHECK(snap.trace[3].stream == &s1 && snap.trace[3].size == 3 * MiB);
+    /* segments oldest first, blocks in address order with state and tag */
+    CHECK(snap.segment_count == 2 && snap.segments[0].small && !snap.segments[1].small);
+    CHECK(snap.segments[1].block_count == 2 && snap.block_count == 3);
+    alloc_block_record *big = &snap.blocks[snap.segments[1].first_block];
+    CHECK(big->state == ALLOC_BLOCK_ALLOCATED && big->address == (uintptr_t)y);
+    CHECK(big->tag == alloc_region_tag(3, TAG_RECOMPUTE) && big->context != NULL);
+    CHECK(big->requested == 3 * MiB);
+    CHECK(snap.blocks[0].state == ALLOC_BLOCK_INACTIVE && snap.blocks[0].context == NULL);
+    alloc_snapshot_free(a, &snap);
+    /* the ring keeps the newest max_entries */
+    history(a, 1, 3, ALLOC_CONTEXT_ALLOC, 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0);
+    CHECK(snap.trace_count == 3 && snap.trace[2].action == ALLOC_TRACE_FREE_COMPLETED);
+    alloc_snapshot_free(a, &snap);
+    for (int i = 0; i < 10; i++)
+        alloc_free(a, alloc_malloc(a, 512, 0, &s1, 0), 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0);
+    CHECK(snap.trace_count == 3 && snap.trace[2].action == ALLOC_TRACE_FREE_COMPLETED);
+    alloc_snapshot_free(a, &snap);
+    /* off: nothing recorded, nothing gathered; what was kept stays */
+    history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    int64_t gathered = atomic_load(&contexts_gathered);
+    alloc_free(a, alloc_malloc(a, 512, 0, &s1, 0), 0);
+    CHECK(atomic_load(&contexts_gathered) == gathered);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 3);
+    alloc_snapshot_free(a, &snap);
+    /* clear: the records and their contexts go */
+    history(a, 1, 10, ALLOC_CONTEXT_ALL, 1);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 0);
+    alloc_snapshot_free(a, &snap);
+    alloc_free(a, y, 0);                      /* ALL: the free gathers its own stack */
+    CHECK(last_gather_tag == ALLOC_TAG_NONE);
+    alloc_empty_cache(a);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 4);
+    CHECK(snap.trace[0].action == ALLOC_TRACE_FREE_REQUESTED && snap.trace[0].context != NULL);
+    CHECK(snap.trace[2].action == ALLOC_TRACE_SEGMENT_FREE);
+    CHECK(snap.trace[3].action == ALLOC_TRACE_SEGMENT_FREE && snap.segment_count == 0);
+    alloc_snapshot_free(a, &snap);
+    CHECK(alloc_check(a, 0) == 0);
+    /* out of memory is a record too */
+    CHECK(alloc_malloc(a, UINT64_MAX - 100, 0, &s1, 0) == NULL);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0);
+    CHECK(snap.trace[snap.trace_count - 1].action == ALLOC_TRACE_OOM);
+    alloc_snapshot_free(a, &snap);
+    finish(a, &ctx);
+    CHECK(atomic_load(&contexts_alive) == 0);  /* every reference given back */
+}
+
 int
 main(void)
 {
@@ -741,6 +934,8 @@ main(void)
     test_on_handout_hook_runs_after_the_lock();
     test_cuda_backend_clears_recovered_errors();
     test_tags_are_exact();
+    test_torch_figures();
+    test_history_records_and_snapshot();
     test_randomized_operations_keep_invariants();
     test_threads_stress();
     test_broken_invariants_stop_a_debug_build();
