@@ -21,9 +21,8 @@ struct spill_tier {
      * (and so cannot close). `published` is broadcast as each one ends. */
     int making_files;
     pthread_cond_t published;
-    /* Slot holds of callers between two locks of their own (spill.h,
-     * "Holds"): spill_destroy() waits for none, so no waiter is left
-     * with a destroyed mutex. `released` is broadcast as the last goes. */
+    /* Slot holds (spill.h, "Holds"): spill_destroy() waits until none is
+     * left, broadcast on `released`, so no waiter finds a destroyed mutex. */
     int holds;
     pthread_cond_t released;
     int dirfd;
@@ -329,10 +328,9 @@ slot_drop(spill_tier *tier, spill_slot *slot)
     if (slot->fd >= 0)
         close(slot->fd);
     slot->fd = -1;
-    if (slot->holds > 0) {
-        slot->dropped = 1;
-        return;
-    }
+    slot->dropped = 1;
+    if (slot->holds > 0)
+        return;     /* the last spill_slot_unhold() frees it */
 #ifdef MATEPOINT_TESTING
     memset(slot, 0xdb, sizeof *slot);   /* a pointer kept past here fails its asserts */
 #endif
@@ -517,13 +515,12 @@ spill_wait_idle(spill_tier *tier)
     if (in_forked_child(tier))
         return;
     pthread_mutex_lock(&tier->lock);
-    for (;;) {
-        int busy = tier->queue_head != NULL;
+    for (int busy = 1; busy;) {
+        busy = tier->queue_head != NULL;
         for (spill_slot *slot = tier->live; slot != NULL && !busy; slot = slot->next_live)
             busy = slot->phase != SLOT_IDLE;
-        if (!busy)
-            break;
-        pthread_cond_wait(&tier->finished, &tier->lock);
+        if (busy)
+            pthread_cond_wait(&tier->finished, &tier->lock);
     }
     pthread_mutex_unlock(&tier->lock);
 }
