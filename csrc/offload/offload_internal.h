@@ -326,7 +326,8 @@ typedef struct {
     PyObject *wrapper_spec;
     /* in-place checks: torch skips its version check for hooked saved
      * tensors, so the record watches the input while it is alive */
-    PyObject *weak_source;      /* weakref to the input */
+    PyObject *weak_source;      /* weakref to the input, or to its view base
+                                 * (which shares its version counter) */
     PyObject *version;          /* the input's version when it was saved */
     Py_ssize_t input_index;     /* position among the region's input tensors */
     int modified_in_forward;
@@ -375,8 +376,8 @@ TensorRecord *record_new(mp_state *st, input_info *info, PyObject *copies, PyObj
                          PyObject *tensor, Py_ssize_t input_index);
 /* A group over `copies` (a list), linked into its device's list. */
 PyObject *group_new(mp_state *st, PyObject *module, PyObject *copies);
-/* 1 when the record's input is alive with another version than saved,
- * 0 when not (or dead), -1 on error. */
+/* 1 when the record's input, or its view base, is alive with another
+ * version than saved, 0 when not (or dead), -1 on error. */
 int offload_source_changed(mp_state *st, TensorRecord *record);
 /* A pack hook that returns records[0], records[1], ... in turn. */
 PyObject *packer_new(mp_state *st, PyObject *records);

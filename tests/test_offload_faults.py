@@ -1,0 +1,59 @@
+"""Faults of the offload engine found by a third reading of the CUDA path
+(issue 43): in-place changes seen through the input's base, and the
+engine's own calls beside a CUDA graph capture. On the simulated GPU
+(tests/sim.py)."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import matepoint
+
+
+WIDTH = 64
+SPAN = WIDTH * 2 * WIDTH * 4       # a view's span: its base's rows
+
+
+def counters() -> dict:
+    stats = matepoint.pool_stats()
+    return {key: stats[key] for key in ("prefetched", "fetched_at_need", "used_in_place",
+                                        "spill_writes")}
+
+
+def region(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (t * weight).tanh()
+
+
+@pytest.mark.parametrize("where", ["in_place", "copied", "spilled"])
+def test_a_change_through_the_base_of_a_dead_view_is_caught(request, tmp_path, where):
+    """checkpoint(f, base[:, :k]); the view dies; base.add_(): torch's
+    checkpoint raises (its recompute keeps the view and the view shares the
+    base's version counter); so must matepoint, wherever the input went."""
+    request.getfixturevalue("simulated" if where == "in_place" else "offload")
+    if where == "spilled":
+        matepoint.set_options(spill_dir=str(tmp_path / "spill"), host_limit_bytes=2 * SPAN)
+    try:
+        matepoint.set_options(offload_window=4 if where == "in_place" else 1)
+        bases = [torch.randn(WIDTH, 2 * WIDTH) for _ in range(3)]
+        weight = torch.randn(WIDTH, requires_grad=True)
+        before = counters()
+        outs = []
+        for base in bases:
+            view = base[:, :WIDTH]
+            outs.append(matepoint.checkpoint(region, view, weight))
+            del view
+        loss = sum(out.sum() for out in outs)
+        del outs
+        gc.collect()
+        bases[0].add_(1)
+        with pytest.raises(RuntimeError, match="input tensor #0 .* modified in place"):
+            loss.backward()
+        made = {key: value - before[key] for key, value in counters().items()}
+        del loss
+        gc.collect()
+    finally:
+        matepoint.set_options(spill_dir=None, host_limit_bytes=None)
+    premise = {"in_place": "used_in_place", "copied": "fetched_at_need", "spilled": "spill_writes"}
+    assert made[premise[where]] >= 1, made
