@@ -115,7 +115,8 @@ struct offload_engine {
     uint64_t device_bytes_in_flight;        /* sources held by the windows */
     uint64_t peak_device_bytes_in_flight;
     offload_device *cuda[MAX_CUDA_DEVICES];
-    int warned_fallback;
+    int warned_fallback;        /* offloading went to pageable memory (warned once) */
+    int warned_read_fallback;   /* reading a spilled span back did (warned once) */
     uint64_t prefetched;        /* spans copied back ahead of their recompute */
     uint64_t fetched_at_need;   /* spans copied back when the recompute asked */
     uint64_t used_in_place;     /* spans backward found still on the device and used
@@ -481,6 +482,13 @@ uint64_t offload_spill_pool_limit(const offload_engine *engine);
 /* The option whose value offload_spill_pool_limit() is: "host_limit_bytes"
  * or "pool_limit_bytes" (the pool's when both are equal); NULL for none. */
 const char *offload_spill_limit_name(const offload_engine *engine);
+/* The option whose limit leaves no room to pin a span of `nbytes` now
+ * (offload_spill_limit_name), or NULL when a failure to pin was the host's. */
+const char *offload_limit_reached(offload_engine *engine, uint64_t nbytes);
+/* Warns once per process (per direction) that a span of `nbytes` went
+ * through pageable memory: offloaded into it, or (`reading`) read back from
+ * the disk tier through it. GIL held. */
+void offload_warn_fallback(offload_engine *engine, uint64_t nbytes, int reading);
 /* Before a new span of `nbytes` takes a pool buffer (save): finishes
  * writes, starts spilling the oldest resident spans, and waits for them
  * while the span would not fit under the limit. */
