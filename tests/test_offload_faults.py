@@ -57,3 +57,17 @@ def test_a_change_through_the_base_of_a_dead_view_is_caught(request, tmp_path, w
         matepoint.set_options(spill_dir=None, host_limit_bytes=None)
     premise = {"in_place": "used_in_place", "copied": "fetched_at_need", "spilled": "spill_writes"}
     assert made[premise[where]] >= 1, made
+
+
+def test_record_stream_on_memory_from_elsewhere_says_nothing(offload, capfd):
+    """torch's caching allocator skips record_stream on memory it did not
+    allocate (DLPack, IPC) without a word; so does matepoint's."""
+    import ctypes
+    import sim
+    library = ctypes.CDLL(sim.allocator_path())
+    library.matepoint_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    library.matepoint_record_stream.restype = None
+    foreign = ctypes.create_string_buffer(64)
+    capfd.readouterr()
+    library.matepoint_record_stream(ctypes.addressof(foreign), None)
+    assert capfd.readouterr().err == ""
