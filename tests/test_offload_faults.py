@@ -71,3 +71,36 @@ def test_record_stream_on_memory_from_elsewhere_says_nothing(offload, capfd):
     capfd.readouterr()
     library.matepoint_record_stream(ctypes.addressof(foreign), None)
     assert capfd.readouterr().err == ""
+
+
+CAPTURE_INVALIDATED = 901
+
+
+@pytest.mark.parametrize("fixture", ["simulated", "offload"])
+def test_offloading_beside_a_capture_does_not_invalidate_it(request, fixture):
+    """A capture in CUDA's global mode (torch.cuda.graph's default) begun on
+    a side stream while the legacy stream trains with offload: the engine's
+    pinning, event queries and synchronizations run in relaxed mode (as the
+    allocator's do), so the capture survives."""
+    request.getfixturevalue(fixture)
+    import sim
+    from matepoint import _C
+    from conftest import MLP, assert_bitwise_equal, no_checkpoint, train_step
+    matepoint.empty_pool()
+    model, x = MLP(WIDTH, 6), torch.randn(WIDTH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    side, _ = sim.side_streams()
+    calls = dict(_C._sim_stats()["calls"])
+    _C._sim_capture(0, side, True)
+    try:
+        _, grads = train_step(model, x, matepoint.checkpoint)
+        matepoint.empty_pool()
+    finally:
+        status = _C._sim_capture(0, side, False)
+    made = {name: count - calls.get(name, 0) for name, count in _C._sim_stats()["calls"].items()}
+    assert made["cudaHostAlloc"] >= 1 and made["cudaFreeHost"] >= 1, made   # the premise
+    assert made["cudaEventQuery"] + made.get("cudaEventSynchronize", 0) + \
+        made.get("cudaStreamSynchronize", 0) >= 1, made
+    assert status != CAPTURE_INVALIDATED, "the engine made a call CUDA forbids in a capture"
+    assert status == 0
+    assert_bitwise_equal(grads, expected)

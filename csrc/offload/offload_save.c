@@ -122,10 +122,7 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
         copy_advance(copy, COPY_QUEUED);
     if (!failed && offload_device_record(engine, device, device->copy_out, &copy->d2h_done) < 0) {
         failed = 1;
-        Py_BEGIN_ALLOW_THREADS
-        if (rt->stream_synchronize(device->copy_out) != CUDART_SUCCESS)
-            (void)rt->get_last_error();
-        Py_END_ALLOW_THREADS
+        streams_wait_stream_quietly(rt, device->copy_out);
         copy_advance(copy, COPY_COMPLETED);
     }
     offload_engine_leave_device(st, device->index, previous);

@@ -40,7 +40,7 @@
  * - Graph capture in CUDA's default (global) mode, as torch.cuda.graph
  *   begins it (cudart_sim_begin_capture): while any stream captures, the
  *   calls CUDA forbids then from every thread (cudaMalloc, cudaFree,
- *   cudaEventQuery, cudaEventSynchronize, cudaStreamSynchronize,
+ *   cudaHostAlloc, cudaFreeHost (which still frees), cudaEventQuery, cudaEventSynchronize, cudaStreamSynchronize,
  *   cudaDeviceSynchronize) fail with cudaErrorStreamCaptureUnsupported and
  *   invalidate every capture underway, unless the calling thread's mode
  *   (cudaThreadExchangeStreamCaptureMode) is relaxed; a thread-local mode
