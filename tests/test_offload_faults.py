@@ -104,3 +104,34 @@ def test_offloading_beside_a_capture_does_not_invalidate_it(request, fixture):
     assert status != CAPTURE_INVALIDATED, "the engine made a call CUDA forbids in a capture"
     assert status == 0
     assert_bitwise_equal(grads, expected)
+
+
+def test_a_source_used_in_place_outlives_its_copy_out_under_expandable_segments(simulated):
+    """Backward uses the window's last sources in place and drops them when
+    the graph goes, while their copies out may still be queued (the GPU
+    lags). torch's allocator with expandable_segments:True then unmaps the
+    freed pages on empty_cache() after synchronizing only their own stream:
+    the queued D2H would read unmapped memory (an illegal address on a GPU).
+    The engine marks such a source used by the copy-out stream, so its
+    memory goes back only after the D2H."""
+    import sim
+    from matepoint import _C
+    from conftest import MLP, train_step
+    matepoint.set_options(offload_window=2, prefetch_depth=1)
+    width = 512                                     # 1 MiB inputs: segments of their own
+    model, x = MLP(width, 4), torch.randn(width, width)
+    before = matepoint.pool_stats()["used_in_place"]
+    queued = _C._sim_stats()["calls"]["cudaMemcpyAsync"]
+    _C._sim_expandable(True)
+    try:
+        train_step(model, x, matepoint.checkpoint)
+        gc.collect()
+        pending = _C._sim_stats()["ops_queued"]
+        faults = _C._sim_stats()["unmap_faults"]
+        sim.empty_device_cache()                    # the allocator unmaps what is free
+        made = _C._sim_stats()["unmap_faults"] - faults
+    finally:
+        _C._sim_expandable(False)
+    assert matepoint.pool_stats()["used_in_place"] - before == 2      # the premise
+    assert _C._sim_stats()["calls"]["cudaMemcpyAsync"] > queued and pending > 0
+    assert made == 0, "a copy out read memory unmapped under it"

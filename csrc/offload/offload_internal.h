@@ -417,12 +417,16 @@ PyObject *packer_new(mp_state *st, PyObject *records);
  * to the copy's `fetched` for as long as the copy lives (a second backward
  * over a retained graph finds it there), no copy back is made, and the
  * host buffer goes back to the pool in stream order after the D2H (it
- * still writes it). The D2H may still read the source after that: only
- * reading, and into a buffer no one uses before it completed, so the
- * source's memory needs no ordering after it (whoever reuses it may
- * overwrite what the D2H reads: the host buffer it lands in is garbage
- * nobody reads). The recompute reads the source as torch reads any saved
- * input: on the stream backward runs the region on, after its producer.
+ * still writes it). The D2H may still read the source after backward
+ * dropped it, and what it reads lands in a buffer nobody reads; but the
+ * memory must still be there: torch's allocator with expandable segments
+ * unmaps pages (an OOM retry, empty_cache()) after synchronizing only the
+ * segment's own stream, and a D2H reading unmapped memory is an illegal
+ * address that loses the CUDA context. So a source whose D2H was not seen
+ * complete is first marked used by the copy-out stream (record_stream):
+ * its memory goes back only once that stream passed the D2H. The
+ * recompute reads the source as torch reads any saved input: on the
+ * stream backward runs the region on, after its producer.
  * Sources of later regions (another graph's forward) are retired as
  * above.
  *

@@ -94,6 +94,7 @@ sim_malloc(void **ptr, size_t bytes)
     if (status == CUDART_SUCCESS)
         status = aligned_alloc_range(ptr, bytes, sim_current_device);
     if (status == CUDART_SUCCESS) {
+        sim_gpu.ranges->owner = sim_current_streams[sim_current_device];  /* just added */
         sim_use_device(sim_current_device);
         sim_gpu.stats.device_bytes_live[sim_current_device] += bytes;
     }
