@@ -94,6 +94,7 @@ def test_offloading_beside_a_capture_does_not_invalidate_it(request, fixture):
     _C._sim_capture(0, side, True)
     try:
         _, grads = train_step(model, x, matepoint.checkpoint)
+        sim.finish()                # the copies ran: their buffers can be unpinned
         matepoint.empty_pool()
     finally:
         status = _C._sim_capture(0, side, False)
