@@ -24,7 +24,8 @@ COMMON_HEADERS := $(wildcard csrc/common/*.h)
 ALLOC_SOURCES := $(filter-out csrc/alloc/entry%,$(sort $(wildcard csrc/alloc/*.c))) \
                  csrc/cuda/cudart_util.c $(COMMON_SOURCES)
 ALLOC_HEADERS := $(wildcard csrc/alloc/*.h) csrc/cuda/cudart_util.h $(COMMON_HEADERS)
-POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c $(COMMON_SOURCES)
+POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c \
+                csrc/cuda/cudart_util.c $(COMMON_SOURCES)
 PLANNER_SOURCES := $(sort $(wildcard csrc/planner/*.c))
 SPILL_SOURCES := $(sort $(wildcard csrc/spill/*.c)) $(COMMON_SOURCES)
 SIM_SOURCES := $(sort $(wildcard csrc/testing/cudart_sim*.c)) $(COMMON_SOURCES)

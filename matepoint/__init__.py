@@ -103,7 +103,8 @@ def reserve_pool(buffer_bytes: int, count: int = 1) -> int:
     ``matepoint.reserve_pool(x.nbytes, count=len(model.blocks))``, and the
     first step finds its buffers ready. The GIL is released meanwhile, so a
     background thread can do it. Returns how many buffers were added; raises
-    MemoryError when ``pool_limit_bytes`` or the host refused some (the ones
+    MemoryError naming the limit that had no room (``pool_limit_bytes`` or
+    ``host_limit_bytes``), or saying the host refused to pin more (the ones
     pinned stay in the pool). ``buffer_bytes`` is an int from 1 to 2**63 - 1,
     ``count`` from 1 to 2**31 - 1, and their product at most 2**63 - 1.
     """
@@ -119,11 +120,7 @@ def reserve_pool(buffer_bytes: int, count: int = 1) -> int:
     if buffer_bytes * count > (1 << 63) - 1:
         raise ValueError(f"matepoint.reserve_pool: buffer_bytes * count must be at most "
                          f"2**63 - 1 bytes, got {buffer_bytes} * {count}")
-    added = _reserve_pool(buffer_bytes, count)
-    if added < count:
-        raise MemoryError(
-            f"matepoint.reserve_pool: pinned {added} of {count} buffers of {buffer_bytes} bytes; "
-            f"pool_limit_bytes={_settings.current.pool_limit_bytes} or the host refused the rest")
+    added: int = _reserve_pool(buffer_bytes, count)
     return added
 
 

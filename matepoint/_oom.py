@@ -94,10 +94,16 @@ def handler_state() -> HandlerState:
 
 
 def cache_dir() -> str:
-    """The folder built libraries are cached in (MATEPOINT_CACHE_DIR)."""
-    default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-                           "matepoint")
-    return os.environ.get("MATEPOINT_CACHE_DIR", default)
+    """The folder built libraries are cached in (MATEPOINT_CACHE_DIR, else
+    $XDG_CACHE_HOME/matepoint, else ~/.cache/matepoint). An empty variable
+    counts as unset, and so does a relative XDG_CACHE_HOME (the XDG rule):
+    neither may put the build in the working directory."""
+    chosen = os.environ.get("MATEPOINT_CACHE_DIR", "")
+    if chosen:
+        return chosen
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "matepoint")
 
 
 def build_timeout() -> float:
@@ -167,24 +173,62 @@ def _private_problem(path: str, info: os.stat_result, what: str) -> Optional[str
     return None
 
 
-def _folder_problem(folder: str) -> Optional[str]:
-    """Why a library in ``folder`` (a resolved path) could have been put
-    there by someone else; None when only this user (or root) could."""
-    problem = _private_problem(folder, os.stat(folder), "the cache folder")
-    if problem is not None:
-        return problem
-    # a parent that others may write (without the sticky bit /tmp has)
-    # lets them move the folder away and put their own in its place
-    parent = os.path.dirname(folder)
+def _parents_problem(parent: str, what: str) -> Optional[str]:
+    """Why someone else could replace a folder whose parent is ``parent``
+    (a resolved path); None when ``parent`` and every folder above it belong
+    to this user or root and no one else may write them (or only with the
+    sticky bit /tmp has, which keeps others from renaming our entries)."""
     while True:
         info = os.stat(parent)
         writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
         if info.st_uid not in (0, os.geteuid()) or (writable and not info.st_mode & stat.S_ISVTX):
             return (f"its parent {parent} (uid {info.st_uid}, mode "
-                    f"{stat.S_IMODE(info.st_mode):o}) lets others replace the cache folder")
+                    f"{stat.S_IMODE(info.st_mode):o}) lets others replace {what}")
         if parent == os.path.dirname(parent):
             return None
         parent = os.path.dirname(parent)
+
+
+def _folder_problem(folder: str) -> Optional[str]:
+    """Why a library in ``folder`` (a resolved path) could have been put
+    there by someone else; None when only this user (or root) could."""
+    info = os.stat(folder)
+    if not stat.S_ISDIR(info.st_mode):
+        return "it cannot be used (not a directory)"
+    problem = _private_problem(folder, info, "the cache folder")
+    if problem is not None:
+        return problem
+    return _parents_problem(os.path.dirname(folder), "the cache folder")
+
+
+def _cache_folder() -> Tuple[str, Optional[str]]:
+    """(the cache folder resolved and created, why it may not be used or None)."""
+    folder = os.path.realpath(cache_dir())
+    try:
+        _make_private_folders(folder)
+        return folder, _folder_problem(folder)
+    except OSError as error:   # a file in the way, an unwritable home, ...
+        return folder, f"it cannot be used ({error.strerror or error})"
+
+
+def _private_folder() -> str:
+    """A new folder only this user can write, made in the first temporary
+    folder (TMPDIR, /tmp, /var/tmp, /dev/shm) whose whole chain of parents
+    no one else can rearrange: mkdtemp's own 0700 is not enough when its
+    parent is writable by others without the sticky bit (they could rename
+    the new folder away and put theirs, with their library, in its place).
+    BuildError when there is none."""
+    refused = []
+    for base in dict.fromkeys((tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm")):
+        try:
+            base = os.path.realpath(base)
+            problem = _parents_problem(base, "a folder made in it")
+            if problem is None:
+                return tempfile.mkdtemp(prefix="matepoint-", dir=base)
+        except OSError as error:
+            problem = f"{base} cannot be used ({error.strerror or error})"
+        refused.append(problem)
+    raise BuildError("no private folder to build in: " + "; ".join(refused))
 
 
 def _make_private_folders(folder: str) -> None:
@@ -290,16 +334,14 @@ def _build(source: str, name: str,
     """(library path, private folder to remove after loading or None)."""
     compiler = _compiler()
     key = cache_key(source, compiler, extras)
-    folder = os.path.realpath(cache_dir())
-    _make_private_folders(folder)
+    folder, problem = _cache_folder()
     target = os.path.join(folder, f"{name}-{key}.so")
-    problem = _folder_problem(folder)
     if problem is None and os.path.lexists(target):
         problem = _file_problem(target)
         if problem is None:
             return target, None
     if problem is not None:
-        private = tempfile.mkdtemp(prefix="matepoint-")
+        private = _private_folder()
         _warn(f"matepoint: not loading or caching {name} in {folder}: {problem}; building it "
               f"in the private folder {private} instead (set MATEPOINT_CACHE_DIR to a folder "
               f"only you can write to keep the build)")

@@ -45,6 +45,21 @@ class Options:
     def __post_init__(self) -> None:
         for name in _FIELDS:
             _C._check_option(name, getattr(self, name))
+        if self.spill_dir is not None:
+            object.__setattr__(self, "spill_dir", _absolute_dir(self.spill_dir))
+
+
+def _absolute_dir(path: Union[str, bytes, "os.PathLike[str]"]) -> str:
+    """``path`` (checked by _C._check_option) as the directory the engine
+    will open: absolute, so a later chdir does not move the disk tier, and
+    without trailing "/" or "/." components, which would make the open
+    follow a final symbolic link that "spill_dir" itself is refused as."""
+    text = os.fsdecode(os.fspath(path))
+    if not os.path.isabs(text):
+        text = os.path.join(os.getcwd(), text)
+    while len(text) > 1 and (text.endswith("/") or text.endswith("/.")):
+        text = text[:-1] if text.endswith("/") else text[:-2]
+    return text or "/"
 
 
 # Defaults, ranges and the check of a value are defined once, in the C core
@@ -71,7 +86,12 @@ def _parse_env(name: str, text: str) -> Any:
             return lowered in _TRUE
         raise ValueError(f"{variable}={text!r}: expected one of 1/0, true/false, yes/no, on/off")
     if name == "spill_dir":
-        return text if text.strip() else None
+        if not text.strip():
+            return None
+        try:
+            return _absolute_dir(_C._check_option(name, text))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{variable}={text!r}: {error}") from None
     if name in ("pool_limit_bytes", "host_limit_bytes") and lowered in {"", "none"}:
         return None
     try:
@@ -110,5 +130,18 @@ class _Settings:
         return self.current
 
 
+def _apply_environment(environ: Mapping[str, str]) -> None:
+    """The options of MATEPOINT_<NAME> variables in force; an error names the
+    variables, since at import every value came from one of them."""
+    options = options_from_env(environ)
+    try:
+        settings.apply(options)
+    except (TypeError, ValueError) as error:
+        named = ", ".join(f"{key}={environ[key]!r}" for key in sorted(environ)
+                          if key[len("MATEPOINT_"):].lower() in _FIELDS
+                          and key.startswith("MATEPOINT_"))
+        raise type(error)(f"{named}: {error}") from None
+
+
 settings = _Settings()
-settings.apply(options_from_env(os.environ))
+_apply_environment(os.environ)

@@ -102,6 +102,13 @@ def route_checkpoint(function: Any = None, *args: Any, **kwargs: Any) -> Any:
 def route_checkpoint_sequential(functions: Any, segments: Any, input: Any,
                                 use_reentrant: Optional[bool] = None, **kwargs: Any) -> Any:
     """What ``torch.utils.checkpoint.checkpoint_sequential`` runs while patched."""
+    if isinstance(use_reentrant, torch.Tensor):
+        # torch tests it with a bare `if` deep inside (or not at all, with one
+        # segment): a tensor here is a stray fourth positional argument
+        raise TypeError("torch.utils.checkpoint.checkpoint_sequential (patched by matepoint) "
+                        "takes (functions, segments, input, use_reentrant=None, **kwargs): "
+                        "use_reentrant must be a bool, got a Tensor (a second input passed "
+                        "positionally? the input is one tensor or tuple)")
     if use_reentrant:
         _warn_reentrant_once()
     return _checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)

@@ -300,3 +300,67 @@ def test_install_warns_at_the_callers_line_without_a_compiler(tmp_path: Path) ->
         number for number, text in enumerate(lines, 1) if text.endswith("# LINE")))
     assert "stop the process" in message and "no C++ compiler" in message, message
     assert str(tmp_path / "no-cxx") in message
+
+
+def test_fallback_folder_is_not_made_where_others_can_swap_it(tmp_path: Path) -> None:
+    """The cache folder is refused, and TMPDIR is world-writable without the
+    sticky bit: another user could rename a folder made there away and put
+    theirs in its place, so the private folder is made elsewhere (/tmp, whose
+    chain is root's and sticky) and TMPDIR is left alone."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    make_world_writable(parent / "cache", parent)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    temp.chmod(0o777)
+    env = environment(tmp_path, MATEPOINT_CACHE_DIR=str(parent / "cache"))
+    script = "import tempfile\nprint(tempfile.gettempdir())\n" + ATTACH_SCRIPT
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[0] == str(temp)   # the premise: TMPDIR is in force
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome["attached"] and len(outcome["warnings"]) == 1, outcome
+    assert "private folder" in outcome["warnings"][0]
+    assert str(temp) not in outcome["warnings"][0], outcome
+    assert list(temp.iterdir()) == []
+
+
+def test_a_cache_dir_that_is_a_file_falls_back_with_a_warning(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    outcome = run_python(ATTACH_SCRIPT, environment(tmp_path, MATEPOINT_CACHE_DIR=str(blocker)))
+    assert outcome["attached"] and len(outcome["warnings"]) == 1, outcome
+    assert str(blocker) in outcome["warnings"][0] and "cannot be used" in outcome["warnings"][0]
+
+
+@pytest.mark.parametrize("variable", ["MATEPOINT_CACHE_DIR", "XDG_CACHE_HOME"])
+def test_an_empty_cache_variable_never_builds_into_the_working_directory(tmp_path: Path,
+                                                                        variable: str) -> None:
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(mode=0o700)
+    work.mkdir(mode=0o700)
+    env = environment(tmp_path, HOME=str(home), XDG_CACHE_HOME="",
+                      PYTHONPATH=str(Path(_oom.__file__).parents[1]))   # run from `work`
+    env["MATEPOINT_CACHE_DIR"] = ""
+    if variable == "XDG_CACHE_HOME":
+        del env["MATEPOINT_CACHE_DIR"]
+    result = subprocess.run([sys.executable, "-c", ATTACH_SCRIPT], env=env, cwd=work,
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome == {"attached": True, "reason": "", "warnings": []}, outcome
+    assert list(work.iterdir()) == []
+    assert len(list((home / ".cache" / "matepoint").glob("oom_raise-*.so"))) == 1
+
+
+def test_an_unusable_home_falls_back_to_a_private_folder(tmp_path: Path) -> None:
+    home = tmp_path / "home-is-a-file"     # as unwritable as a home can be for root
+    home.write_text("")
+    env = environment(tmp_path, HOME=str(home))
+    del env["MATEPOINT_CACHE_DIR"]
+    env.pop("XDG_CACHE_HOME", None)
+    outcome = run_python(ATTACH_SCRIPT, env)
+    assert outcome["attached"] and len(outcome["warnings"]) == 1, outcome
+    assert "private folder" in outcome["warnings"][0]
+    assert list((tmp_path / "tmp").iterdir()) == []

@@ -167,7 +167,7 @@ alloc_record_stream(allocator *a, void *ptr, void *stream)
         if (b != NULL)
             return result;
     }
-    return -1;
+    return 1;
 }
 
 void

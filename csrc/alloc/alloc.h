@@ -182,7 +182,9 @@ void alloc_destroy(allocator *a);
 void *alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag);
 /* -1 when `ptr` is not a live allocation of `device`. */
 int alloc_free(allocator *a, void *ptr, int device);
-/* Marks a live block as used on `stream` too; -1 when unknown. */
+/* Marks a live block as used on `stream` too: 0; 1 when `ptr` is not a
+ * live block of this allocator (memory from elsewhere: DLPack, IPC);
+ * -1 when no memory was left to remember the stream. */
 int alloc_record_stream(allocator *a, void *ptr, void *stream);
 /* Waits for pending frees and releases every segment with no live block. */
 void alloc_empty_cache(allocator *a);

@@ -31,32 +31,10 @@ report(const cudart *rt, int status, const char *what)
     fprintf(stderr, "matepoint allocator: %s\n", failure);
 }
 
-/* The calls a CUDA graph capture forbids in its global mode, from every
- * thread (cudaMalloc, cudaFree, event queries and synchronizations), run
- * in relaxed mode, as torch's allocator runs cudaMalloc: the allocator
- * serves no capturing stream (entry.c refuses them), so a capture of
- * another stream must not see them. Returns the mode to give back to
- * calm_down(), or -1 (the runtime lacks the call, or it failed). */
-static int
-relax(const cudart *rt)
-{
-    int mode = CUDART_STREAM_CAPTURE_MODE_RELAXED;
-    if (rt->thread_exchange_stream_capture_mode == NULL)
-        return -1;
-    if (rt->thread_exchange_stream_capture_mode(&mode) != CUDART_SUCCESS) {
-        (void)rt->get_last_error();
-        return -1;
-    }
-    return mode;
-}
-
-static void
-calm_down(const cudart *rt, int mode)
-{
-    if (mode >= 0 && rt->thread_exchange_stream_capture_mode(&mode) != CUDART_SUCCESS)
-        (void)rt->get_last_error();
-}
-
+/* The calls a CUDA graph capture forbids in its global mode run in relaxed
+ * mode (cudart_relax_capture): the allocator serves no capturing stream
+ * (entry.c refuses them), so a capture of another stream must not see
+ * them. */
 /* Runs with `device` current; returns the previous device, or -1. */
 static int
 enter_device(const cudart *rt, int device)
@@ -78,9 +56,9 @@ cuda_device_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
     int previous = enter_device(rt, device);
     if (previous < 0)
         return ALLOC_ERROR;
-    int mode = relax(rt);
+    int mode = cudart_relax_capture(rt);
     int status = rt->malloc(ptr, (size_t)bytes);
-    calm_down(rt, mode);
+    cudart_restore_capture(rt, mode);
     cudart_leave_device(rt, device, previous);
     if (status == CUDART_SUCCESS)
         return ALLOC_OK;
@@ -100,9 +78,9 @@ cuda_device_free(void *ctx, int device, void *ptr, uint64_t bytes)
     int previous = enter_device(rt, device);
     if (previous < 0)
         return;
-    int mode = relax(rt);
+    int mode = cudart_relax_capture(rt);
     int status = rt->free(ptr);
-    calm_down(rt, mode);
+    cudart_restore_capture(rt, mode);
     cudart_leave_device(rt, device, previous);
     if (status != CUDART_SUCCESS)
         report(rt, status, "cudaFree");
@@ -129,9 +107,9 @@ static int
 cuda_event_query(void *ctx, void *event)
 {
     const cudart *rt = ctx;
-    int status, mode = relax(rt);
+    int status, mode = cudart_relax_capture(rt);
     int done = cudart_event_done(rt, event, &status);
-    calm_down(rt, mode);
+    cudart_restore_capture(rt, mode);
     if (done >= 0)
         return done;
     report(rt, status, "cudaEventQuery");
@@ -142,9 +120,9 @@ static void
 cuda_event_wait(void *ctx, void *event)
 {
     const cudart *rt = ctx;
-    int mode = relax(rt);
+    int mode = cudart_relax_capture(rt);
     int status = rt->event_synchronize(event);
-    calm_down(rt, mode);
+    cudart_restore_capture(rt, mode);
     if (status != CUDART_SUCCESS)
         report(rt, status, "cudaEventSynchronize");
 }
@@ -165,9 +143,9 @@ cuda_device_synchronize(void *ctx, int device)
     int previous = enter_device(rt, device);
     if (previous < 0)
         return;
-    int mode = relax(rt);
+    int mode = cudart_relax_capture(rt);
     int status = rt->device_synchronize();
-    calm_down(rt, mode);
+    cudart_restore_capture(rt, mode);
     cudart_leave_device(rt, device, previous);
     if (status != CUDART_SUCCESS)
         report(rt, status, "cudaDeviceSynchronize");

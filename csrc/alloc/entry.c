@@ -364,8 +364,12 @@ EXPORT void
 matepoint_record_stream(void *ptr, void *stream)
 {
     allocator *a = get_allocator();
+    /* memory this allocator did not hand out (a tensor from DLPack or
+     * another process) is skipped without a word, as torch's caching
+     * allocator skips it: whoever allocated it orders its reuse */
     if (a != NULL && alloc_record_stream(a, ptr, stream) < 0)
-        fprintf(stderr, "matepoint allocator: record_stream on unknown pointer %p\n", ptr);
+        fprintf(stderr, "matepoint allocator: out of host memory recording a stream on %p\n",
+                ptr);
 }
 
 /* The fraction set last per device (torch's getMemoryFraction), as

@@ -180,6 +180,30 @@ truth(PyObject *value, int fallback)
     return value == NULL || value == Py_None ? fallback : PyObject_IsTrue(value);
 }
 
+/* matepoint's own switches: True, False (or 1, 0) or None for `fallback`.
+ * Not truthiness: matepoint_offload="False" must not mean True. */
+static int
+flag(const char *name, PyObject *value, int fallback)
+{
+    if (value == NULL || value == Py_None)
+        return fallback;
+    if (PyBool_Check(value))
+        return value == Py_True;
+    if (PyLong_CheckExact(value)) {
+        long number = PyLong_AsLong(value);
+        if (number == 0 || number == 1)
+            return (int)number;
+        if (number == -1 && PyErr_Occurred())
+            PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "matepoint.checkpoint: %s must be True, False or None, "
+                     "got %R", name, value);
+        return -1;
+    }
+    PyErr_Format(PyExc_TypeError, "matepoint.checkpoint: %s must be True, False or None, got %R",
+                 name, value);
+    return -1;
+}
+
 /* torch.utils.checkpoint's process-wide switches win over the arguments. */
 static int
 global_override(mp_state *st, const char *name, int value)
@@ -441,10 +465,8 @@ checkpointed_forward(mp_state *st, PyObject *module, PyObject *function, PyObjec
     int preserve_rng = truth(opts->preserve_rng_state, 1);
     int check_metadata = parse_determinism(st, opts->determinism_check);
     int early_stop = truth(opts->early_stop, 1);
-    int prefetch_ahead = truth(opts->matepoint_prefetch, 1);
-    int offload_override = opts->matepoint_offload == NULL || opts->matepoint_offload == Py_None
-                               ? -1
-                               : PyObject_IsTrue(opts->matepoint_offload);
+    int prefetch_ahead = flag("matepoint_prefetch", opts->matepoint_prefetch, 1);
+    int offload_override = flag("matepoint_offload", opts->matepoint_offload, -1);
     if (preserve_rng < 0 || check_metadata < 0 || early_stop < 0 || prefetch_ahead < 0 ||
         (offload_override == -1 && PyErr_Occurred()))
         return NULL;

@@ -66,9 +66,31 @@ cudart_record_event(const cudart *rt, void *stream, void **event, const char **f
 }
 
 int
+cudart_relax_capture(const cudart *rt)
+{
+    int mode = CUDART_STREAM_CAPTURE_MODE_RELAXED;
+    if (rt->thread_exchange_stream_capture_mode == NULL)
+        return -1;
+    if (rt->thread_exchange_stream_capture_mode(&mode) != CUDART_SUCCESS) {
+        (void)rt->get_last_error();
+        return -1;
+    }
+    return mode;
+}
+
+void
+cudart_restore_capture(const cudart *rt, int mode)
+{
+    if (mode >= 0 && rt->thread_exchange_stream_capture_mode(&mode) != CUDART_SUCCESS)
+        (void)rt->get_last_error();
+}
+
+int
 cudart_event_done(const cudart *rt, void *event, int *status)
 {
+    int mode = cudart_relax_capture(rt);
     *status = rt->event_query(event);
+    cudart_restore_capture(rt, mode);
     if (*status == CUDART_SUCCESS)
         return 1;
     if (*status == CUDART_ERROR_NOT_READY) {

@@ -44,10 +44,24 @@ void cudart_describe_failure(const cudart *rt, int status, const char *what, cha
  * stream's device current first. */
 int cudart_record_event(const cudart *rt, void *stream, void **event, const char **failed);
 
-/* Has `event` completed? 1 yes, 0 not yet (cudaErrorNotReady, which is an
+/* Has `event` completed (asked in relaxed capture mode)? 1 yes, 0 not yet (cudaErrorNotReady, which is an
  * answer, not a failure: cleared from the last error), -1 on a failure,
  * its status in *status. */
 int cudart_event_done(const cudart *rt, void *event, int *status);
+
+/* While a stream captures a CUDA graph in CUDA's default (global) mode,
+ * the calls CUDA deems unsafe then (cudaMalloc, cudaFree, cudaHostAlloc,
+ * cudaFreeHost, event queries, stream, event and device synchronizations)
+ * fail from every thread whose own mode is global and invalidate that
+ * capture (cudaErrorStreamCaptureUnsupported, 900). matepoint's own such
+ * calls serve no capturing stream (callers skip those), so they run in
+ * relaxed mode, as torch's allocator runs cudaMalloc:
+ *     int mode = cudart_relax_capture(rt);  ...  cudart_restore_capture(rt, mode);
+ * Returns the thread's previous mode to restore, or -1 (the runtime lacks
+ * cudaThreadExchangeStreamCaptureMode, or it failed: cleared from the last
+ * error). Per thread; nests. */
+int cudart_relax_capture(const cudart *rt);
+void cudart_restore_capture(const cudart *rt, int mode);
 
 /* Is `stream` being captured into a CUDA graph? 1 yes (the legacy stream
  * counts while a blocking stream of its device captures: CUDA refuses to

@@ -1,4 +1,5 @@
 #include "options.h"
+#include "base/compat.h"
 #include "offload/offload.h"
 
 #include <limits.h>
@@ -122,8 +123,20 @@ check_path(const option_spec *spec, PyObject *value, char *into)
                      spec->accepted, value);
         return -1;
     }
-    if (!PyUnicode_FSConverter(value, &encoded))
+    if (!PyUnicode_FSConverter(value, &encoded)) {
+        /* a NUL in the path, or an __fspath__ that failed: say which option */
+        PyObject *cause = mp_take_exception();
+        PyObject *kind = PyErr_GivenExceptionMatches(cause, PyExc_ValueError)
+                             ? PyExc_ValueError
+                             : PyExc_TypeError;
+        PyErr_Format(kind, "matepoint option %s must be %s, got %R: %S", spec->name,
+                     spec->accepted, value, cause);
+        PyObject *raised = mp_take_exception();
+        PyException_SetCause(raised, Py_NewRef(cause));
+        PyException_SetContext(raised, cause);
+        mp_restore_exception(raised);
         return -1;
+    }
     Py_ssize_t length = PyBytes_GET_SIZE(encoded);
     int status = 0;
     if (length == 0 || length >= OFFLOAD_PATH_MAX) {

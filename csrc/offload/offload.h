@@ -92,7 +92,8 @@ PyObject *offload_pool_stats(mp_state *st);
 PyObject *offload_pool_stats_keys(void);
 int offload_empty_pool(mp_state *st);
 /* Pins up to `count` buffers for spans of `buffer_bytes` ahead of use,
- * without the GIL; *added says how many. */
+ * without the GIL; *added says how many. -1 with a MemoryError naming the
+ * limit reached (or the host) when fewer than `count` were pinned. */
 int offload_reserve_pool(mp_state *st, uint64_t buffer_bytes, uint64_t count, uint64_t *added);
 /* Tests: the next `count` spans find no host memory at all. */
 void offload_fail_next_acquires(mp_state *st, int count);

@@ -357,6 +357,7 @@ offload_engine_use_runtime(offload_engine *engine, const offload_runtime *runtim
     engine->rt = NULL;
     engine->devices_with_context = 0;
     engine->warned_fallback = 0;
+    engine->warned_read_fallback = 0;
     engine->peak_device_bytes_in_flight = engine->device_bytes_in_flight;
     return 0;
 }
@@ -458,7 +459,22 @@ offload_reserve_pool(mp_state *st, uint64_t buffer_bytes, uint64_t count, uint64
     Py_END_ALLOW_THREADS
     if (device >= 0)
         offload_engine_leave_device(st, device, previous);
-    return 0;
+    if (*added == count)
+        return 0;
+    const char *option = offload_limit_reached(engine, buffer_bytes);
+    if (option != NULL)
+        PyErr_Format(PyExc_MemoryError,
+                     "matepoint.reserve_pool: pinned %llu of %llu buffers of %llu bytes; %s "
+                     "(%llu bytes) has no room for the rest", (unsigned long long)*added,
+                     (unsigned long long)count, (unsigned long long)buffer_bytes, option,
+                     (unsigned long long)offload_spill_pool_limit(engine));
+    else
+        PyErr_Format(PyExc_MemoryError,
+                     "matepoint.reserve_pool: pinned %llu of %llu buffers of %llu bytes; the "
+                     "host refused to pin the rest (no limit was reached)",
+                     (unsigned long long)*added, (unsigned long long)count,
+                     (unsigned long long)buffer_bytes);
+    return -1;
 }
 
 int

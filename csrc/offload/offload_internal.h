@@ -119,7 +119,8 @@ struct offload_engine {
     uint64_t device_bytes_in_flight;        /* sources held by the windows */
     uint64_t peak_device_bytes_in_flight;
     offload_device *cuda[MAX_CUDA_DEVICES];
-    int warned_fallback;
+    int warned_fallback;        /* offloading went to pageable memory (warned once) */
+    int warned_read_fallback;   /* reading a spilled span back did (warned once) */
     uint64_t prefetched;        /* spans copied back ahead of their recompute */
     uint64_t fetched_at_need;   /* spans copied back when the recompute asked */
     uint64_t used_in_place;     /* spans backward found still on the device and used
@@ -360,7 +361,8 @@ typedef struct {
     PyObject *wrapper_spec;
     /* in-place checks: torch skips its version check for hooked saved
      * tensors, so the record watches the input while it is alive */
-    PyObject *weak_source;      /* weakref to the input */
+    PyObject *weak_source;      /* weakref to the input, or to its view base
+                                 * (which shares its version counter) */
     PyObject *version;          /* the input's version when it was saved */
     Py_ssize_t input_index;     /* position among the region's input tensors */
     int modified_in_forward;
@@ -409,8 +411,8 @@ TensorRecord *record_new(mp_state *st, input_info *info, PyObject *copies, PyObj
                          PyObject *tensor, Py_ssize_t input_index);
 /* A group over `copies` (a list), linked into its device's list. */
 PyObject *group_new(mp_state *st, PyObject *module, PyObject *copies);
-/* 1 when the record's input is alive with another version than saved,
- * 0 when not (or dead), -1 on error. */
+/* 1 when the record's input, or its view base, is alive with another
+ * version than saved, 0 when not (or dead), -1 on error. */
 int offload_source_changed(mp_state *st, TensorRecord *record);
 /* A pack hook that returns records[0], records[1], ... in turn. */
 PyObject *packer_new(mp_state *st, PyObject *records);
@@ -449,12 +451,16 @@ PyObject *packer_new(mp_state *st, PyObject *records);
  * to the copy's `fetched` for as long as the copy lives (a second backward
  * over a retained graph finds it there), no copy back is made, and the
  * host buffer goes back to the pool in stream order after the D2H (it
- * still writes it). The D2H may still read the source after that: only
- * reading, and into a buffer no one uses before it completed, so the
- * source's memory needs no ordering after it (whoever reuses it may
- * overwrite what the D2H reads: the host buffer it lands in is garbage
- * nobody reads). The recompute reads the source as torch reads any saved
- * input: on the stream backward runs the region on, after its producer.
+ * still writes it). The D2H may still read the source after backward
+ * dropped it, and what it reads lands in a buffer nobody reads; but the
+ * memory must still be there: torch's allocator with expandable segments
+ * unmaps pages (an OOM retry, empty_cache()) after synchronizing only the
+ * segment's own stream, and a D2H reading unmapped memory is an illegal
+ * address that loses the CUDA context. So a source whose D2H was not seen
+ * complete is first marked used by the copy-out stream (record_stream):
+ * its memory goes back only once that stream passed the D2H. The
+ * recompute reads the source as torch reads any saved input: on the
+ * stream backward runs the region on, after its producer.
  * Sources of later regions (another graph's forward) are retired as
  * above.
  *
@@ -525,6 +531,13 @@ uint64_t offload_spill_pool_limit(const offload_engine *engine);
 /* The option whose value offload_spill_pool_limit() is: "host_limit_bytes"
  * or "pool_limit_bytes" (the pool's when both are equal); NULL for none. */
 const char *offload_spill_limit_name(const offload_engine *engine);
+/* The option whose limit leaves no room to pin a span of `nbytes` now
+ * (offload_spill_limit_name), or NULL when a failure to pin was the host's. */
+const char *offload_limit_reached(offload_engine *engine, uint64_t nbytes);
+/* Warns once per process (per direction) that a span of `nbytes` went
+ * through pageable memory: offloaded into it, or (`reading`) read back from
+ * the disk tier through it. GIL held. */
+void offload_warn_fallback(offload_engine *engine, uint64_t nbytes, int reading);
 /* Before a new span of `nbytes` takes a pool buffer (save): finishes
  * writes, starts spilling the oldest resident spans, and waits for them
  * while the span would not fit under the limit. */

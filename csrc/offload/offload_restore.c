@@ -59,10 +59,7 @@ start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream, void *
                                 CUDART_MEMCPY_HOST_TO_DEVICE, stream, copy->block.fallback) < 0;
     if (!failed && offload_device_record(engine, device, stream, done) < 0) {
         failed = 1;
-        Py_BEGIN_ALLOW_THREADS
-        if (rt->stream_synchronize(stream) != CUDART_SUCCESS)
-            (void)rt->get_last_error();
-        Py_END_ALLOW_THREADS
+        streams_wait_stream_quietly(rt, stream);
     }
     offload_engine_leave_device(st, device->index, previous);
     return failed ? -1 : 0;
@@ -204,10 +201,7 @@ discard_restored(mp_state *st, StorageCopy *copy)
     PyObject *pending = mp_take_exception();
     if (await_h2d(st, copy) < 0) {
         PyErr_Clear();
-        Py_BEGIN_ALLOW_THREADS
-        if (st->engine->rt->event_synchronize(copy->h2d_done) != CUDART_SUCCESS)
-            (void)st->engine->rt->get_last_error();
-        Py_END_ALLOW_THREADS
+        streams_wait_event_quietly(st->engine->rt, copy->h2d_done);
     }
     Py_CLEAR(copy->fetched);
     if (pending != NULL)

@@ -12,16 +12,25 @@
  * limit left no room for it (pool_limit_bytes, or host_limit_bytes with a
  * disk tier that could not make room: the pool's limit is the smaller)
  * or pinning itself failed. The warning names which, and what to change. */
-static void
-warn_fallback_once(offload_engine *engine, uint64_t nbytes)
+const char *
+offload_limit_reached(offload_engine *engine, uint64_t nbytes)
 {
-    if (engine->warned_fallback)
-        return;
-    engine->warned_fallback = 1;
     const char *option = offload_spill_limit_name(engine);
     uint64_t limit = offload_spill_pool_limit(engine);
     uint64_t reserved = pool_get_stats(engine->pool).bytes_reserved;
-    int at_limit = option != NULL && reserved + pool_class_size(nbytes) > limit;
+    return option != NULL && reserved + pool_class_size(nbytes) > limit ? option : NULL;
+}
+
+void
+offload_warn_fallback(offload_engine *engine, uint64_t nbytes, int reading)
+{
+    int *warned = reading ? &engine->warned_read_fallback : &engine->warned_fallback;
+    if (*warned)
+        return;
+    *warned = 1;
+    const char *option = offload_limit_reached(engine, nbytes);
+    uint64_t limit = offload_spill_pool_limit(engine);
+    int at_limit = option != NULL;
     char cause[96];
     if (at_limit)
         snprintf(cause, sizeof cause, "pinned host memory is at %s (%llu bytes)", option,
@@ -37,10 +46,11 @@ warn_fallback_once(offload_engine *engine, uint64_t nbytes)
                                "make room (an input larger than the limit, or writes that "
                                "failed: pool_stats()['spill_failures']); ";
     if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
-                         "matepoint: %s; offloading into pageable memory: each such copy waits "
+                         "matepoint: %s; %s pageable memory: each such copy waits "
                          "for the GPU to reach it (a host synchronization) and copies more "
-                         "slowly; %spool_stats()['fallbacks'] counts them",
-                         cause, advice) < 0)
+                         "slowly; %spool_stats()['fallbacks'] counts them", cause,
+                         reading ? "reading spilled inputs back through" : "offloading into",
+                         advice) < 0)
         PyErr_WriteUnraisable(NULL);
 }
 
@@ -113,17 +123,14 @@ start_d2h(mp_state *st, StorageCopy *copy, uintptr_t src, PyObject *storage)
         copy_advance(copy, COPY_QUEUED);
     if (!failed && offload_device_record(engine, device, device->copy_out, &copy->d2h_done) < 0) {
         failed = 1;
-        Py_BEGIN_ALLOW_THREADS
-        if (rt->stream_synchronize(device->copy_out) != CUDART_SUCCESS)
-            (void)rt->get_last_error();
-        Py_END_ALLOW_THREADS
+        streams_wait_stream_quietly(rt, device->copy_out);
         copy_advance(copy, COPY_COMPLETED);
     }
     offload_engine_leave_device(st, device->index, previous);
     /* a failed copy has its error set, which a warning must not meet: the
      * warning waits for a copy into pageable memory that works */
     if (!failed && copy->block.fallback)
-        warn_fallback_once(engine, copy->nbytes);
+        offload_warn_fallback(engine, copy->nbytes, 0);
     if (failed || offload_window_add(engine, device, copy, storage, producer) < 0)
         return -1;
     return 1;

@@ -455,6 +455,8 @@ ready_step(offload_engine *engine, StorageCopy *copy)
             PyErr_NoMemory();
             return -1;
         }
+        if (block.fallback)
+            offload_warn_fallback(engine, copy->nbytes, 1);
         if (copy->spill_phase != SPILL_ON_DISK)
             pool_release(engine->pool, &block);
         else

@@ -261,6 +261,24 @@ storage_copy_new(mp_state *st, PyObject *module, offload_device *device, PyObjec
     return copy;
 }
 
+/* A weak reference to the tensor whose version tells an in-place change of
+ * `tensor`: its view base when it is a view. A view shares its base's
+ * version counter, and every view keeps its base alive (torch preserves the
+ * base's Python object while its TensorImpl lives): the view may die while
+ * its base is changed in place, and the base's version still shows it; once
+ * the base is gone too, nothing can change the span. A tensor sharing the
+ * counter without being a view (`detach()`) is watched only while alive. */
+static PyObject *
+watched_tensor(PyObject *tensor)
+{
+    PyObject *base = PyObject_GetAttrString(tensor, "_base");
+    if (base == NULL)
+        return NULL;
+    PyObject *weak = PyWeakref_NewRef(base == Py_None ? tensor : base, NULL);
+    Py_DECREF(base);
+    return weak;
+}
+
 TensorRecord *
 record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group, PyObject *tensor,
            Py_ssize_t input_index)
@@ -280,7 +298,7 @@ record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group, Py
     record->wrapper_spec = Py_XNewRef(info->wrapper_spec);
     record->offset = info->itemsize ? (int64_t)info->byte_offset / info->itemsize : 0;
     record->input_index = input_index;
-    record->weak_source = PyWeakref_NewRef(tensor, NULL);
+    record->weak_source = watched_tensor(tensor);
     record->version = record->weak_source ? PyObject_GetAttr(tensor, st->str_version) : NULL;
     PyObject *requires_grad = record->version ? PyObject_GetAttrString(tensor, "requires_grad") : NULL;
     record->requires_grad = requires_grad == Py_True;
@@ -323,7 +341,8 @@ packer_new(mp_state *st, PyObject *records)
     return (PyObject *)packer;
 }
 
-/* 1 when the record's input is alive with another version than saved. */
+/* 1 when the record's input (or its view base) is alive with another
+ * version than saved. */
 int
 offload_source_changed(mp_state *st, TensorRecord *record)
 {

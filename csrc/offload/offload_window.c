@@ -124,6 +124,18 @@ keep_in_place(offload_engine *engine, StorageCopy *copy)
     copy_advance(copy, COPY_RETURNED);
 }
 
+/* May backward use the copy's source in place (keep_in_place)? Not a copy
+ * fetched while held (unpacked outside a restore), which keeps its copy
+ * back, nor one the disk tier took (its block is the tier's until its
+ * request finished: offload_spill_forget). */
+static int
+keepable(const StorageCopy *copy, uint64_t keep_through_region)
+{
+    return copy->region <= keep_through_region && copy->source != NULL &&
+           copy->fetched == NULL && copy->h2d_done == NULL &&
+           copy->spill_phase == SPILL_RESIDENT && copy->spill == NULL;
+}
+
 static Py_ssize_t
 count_held(PyObject *list)
 {
@@ -193,14 +205,20 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region, int kee
          * fails every time: 2 calls a span saved) */
         if (forced)
             ask = 0;
-        /* a copy fetched while held (unpacked outside a restore) keeps its
-         * copy back; so does one the disk tier took (its block is the tier's
-         * until its request finished: offload_spill_forget) */
-        if (keep && copy->region <= keep_through_region && copy->source != NULL &&
-            copy->fetched == NULL && copy->h2d_done == NULL &&
-            copy->spill_phase == SPILL_RESIDENT && copy->spill == NULL) {
-            keep_in_place(st->engine, copy);
-            continue;
+        if (keep && result == 0 && keepable(copy, keep_through_region)) {
+            /* backward now owns the source and drops it when it is done,
+             * maybe before the copy out read it: the copy-out stream must
+             * hold its memory (record_stream runs Python: ask again) */
+            if (copy->d2h_done != NULL &&
+                st->engine->runtime->record_stream(st, copy->source, device->index,
+                                                   device->copy_out) < 0) {
+                result = -1;        /* kept held: retired later */
+                continue;
+            }
+            if (keepable(copy, keep_through_region)) {
+                keep_in_place(st->engine, copy);
+                continue;
+            }
         }
         int released = result < 0 ? 0 : retire_source(st, copy, forced, ask);
         if (released == 0)          /* kept: its copy has not completed */

@@ -36,10 +36,11 @@ streams_event_done(const cudart *rt, void *event)
 void
 streams_wait_event_quietly(const cudart *rt, void *event)
 {
-    int status;
+    int status, mode = cudart_relax_capture(rt);
     Py_BEGIN_ALLOW_THREADS
     status = rt->event_synchronize(event);
     Py_END_ALLOW_THREADS
+    cudart_restore_capture(rt, mode);
     if (status != CUDART_SUCCESS)
         (void)rt->get_last_error();
 }
@@ -47,10 +48,11 @@ streams_wait_event_quietly(const cudart *rt, void *event)
 void
 streams_wait_stream_quietly(const cudart *rt, void *stream)
 {
-    int status;
+    int status, mode = cudart_relax_capture(rt);
     Py_BEGIN_ALLOW_THREADS
     status = rt->stream_synchronize(stream);
     Py_END_ALLOW_THREADS
+    cudart_restore_capture(rt, mode);
     if (status != CUDART_SUCCESS)
         (void)rt->get_last_error();
 }

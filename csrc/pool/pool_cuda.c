@@ -2,6 +2,7 @@
  * Portable pinning, so one pool serves copies to and from every device. */
 #include "pool.h"
 #include "cuda/cudart.h"
+#include "cuda/cudart_util.h"
 
 static void *
 pinned_alloc(void *ctx, uint64_t bytes)
@@ -10,7 +11,11 @@ pinned_alloc(void *ctx, uint64_t bytes)
     void *ptr = NULL;
     if (bytes > SIZE_MAX)
         return NULL;
-    if (rt->host_alloc(&ptr, (size_t)bytes, CUDART_HOST_ALLOC_PORTABLE) != CUDART_SUCCESS) {
+    /* pinning is forbidden beside a capture in global mode (cudart_util.h) */
+    int mode = cudart_relax_capture(rt);
+    int status = rt->host_alloc(&ptr, (size_t)bytes, CUDART_HOST_ALLOC_PORTABLE);
+    cudart_restore_capture(rt, mode);
+    if (status != CUDART_SUCCESS) {
         /* the pool falls back to pageable memory: torch's next launch check
          * must not see this failure as its own */
         (void)rt->get_last_error();
@@ -25,7 +30,10 @@ pinned_free(void *ctx, void *ptr, uint64_t bytes)
     const cudart *rt = ctx;
     (void)bytes;
     /* a failure here leaves nothing to undo; the pool forgets the buffer */
-    if (rt->free_host(ptr) != CUDART_SUCCESS)
+    int mode = cudart_relax_capture(rt);
+    int status = rt->free_host(ptr);
+    cudart_restore_capture(rt, mode);
+    if (status != CUDART_SUCCESS)
         (void)rt->get_last_error();
 }
 

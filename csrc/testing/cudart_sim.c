@@ -52,6 +52,14 @@ cudart_sim_advance(uint64_t ops)
 }
 
 void
+cudart_sim_set_expandable(int on)
+{
+    pthread_mutex_lock(&sim_gpu.lock);
+    sim_gpu.expandable = on;
+    pthread_mutex_unlock(&sim_gpu.lock);
+}
+
+void
 cudart_sim_set_progress(uint64_t progress_per_call)
 {
     pthread_mutex_lock(&sim_gpu.lock);

@@ -40,7 +40,7 @@
  * - Graph capture in CUDA's default (global) mode, as torch.cuda.graph
  *   begins it (cudart_sim_begin_capture): while any stream captures, the
  *   calls CUDA forbids then from every thread (cudaMalloc, cudaFree,
- *   cudaEventQuery, cudaEventSynchronize, cudaStreamSynchronize,
+ *   cudaHostAlloc, cudaFreeHost (which still frees), cudaEventQuery, cudaEventSynchronize, cudaStreamSynchronize,
  *   cudaDeviceSynchronize) fail with cudaErrorStreamCaptureUnsupported and
  *   invalidate every capture underway, unless the calling thread's mode
  *   (cudaThreadExchangeStreamCaptureMode) is relaxed; a thread-local mode
@@ -83,6 +83,9 @@ typedef struct {
     uint64_t kernels_queued;    /* kernels whose results are still kept aside */
     uint64_t kernels_run;       /* kernels whose results landed (or poison did) */
     uint64_t kernels_poisoned;  /* of which found what they read changed: wrote poison */
+    uint64_t unmap_faults;      /* device memory unmapped (expandable mode) while queued
+                                 * work of another stream still read or wrote it: on a
+                                 * GPU an illegal address, the context lost */
     uint64_t streams_live;      /* created and not yet gone */
     uint64_t events_live;       /* created and not yet destroyed */
     uint64_t host_bytes_live;   /* pinned host memory handed out */
@@ -105,6 +108,16 @@ uint64_t cudart_sim_advance(uint64_t ops);
  * queued waits need them (0: none, the GPU is as far behind as the test
  * likes). */
 void cudart_sim_set_progress(uint64_t progress_per_call);
+
+/* On: cudaFree of device memory behaves as torch's allocator with
+ * expandable_segments:True unmapping pages (on an OOM retry or
+ * empty_cache()): it synchronizes only the stream current when the memory
+ * was allocated (the segment's own stream), and work still queued on
+ * another stream that reads or writes the memory counts in unmap_faults.
+ * (The simulation then runs that work before the memory goes, to stay
+ * memory safe itself.) Off (the default): the host waits for every stream,
+ * as cudaFree does. */
+void cudart_sim_set_expandable(int on);
 
 /* A span of memory a kernel reads or writes: `bytes` from `ptr`. */
 typedef struct {

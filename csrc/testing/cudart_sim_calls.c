@@ -63,6 +63,8 @@ sim_host_alloc(void **ptr, size_t bytes, unsigned flags)
     (void)flags;
     int status = sim_enter(SIM_HOST_ALLOC);
     if (status == CUDART_SUCCESS)
+        status = sim_capture_forbids_locked();
+    if (status == CUDART_SUCCESS)
         status = aligned_alloc_range(ptr, bytes, -1);
     if (status == CUDART_SUCCESS) {
         sim_use_device(sim_current_device);  /* pinning happens in the current context */
@@ -77,6 +79,8 @@ static int
 sim_free_host(void *ptr)
 {
     int injected = sim_enter(SIM_FREE_HOST);
+    if (injected == CUDART_SUCCESS)
+        injected = sim_capture_forbids_locked();
     int status = ptr != NULL ? sim_free_range_locked(ptr, 1, SIM_FREE_HOST) : CUDART_SUCCESS;
     return sim_leave(status != CUDART_SUCCESS ? status : injected);
 }
@@ -90,6 +94,7 @@ sim_malloc(void **ptr, size_t bytes)
     if (status == CUDART_SUCCESS)
         status = aligned_alloc_range(ptr, bytes, sim_current_device);
     if (status == CUDART_SUCCESS) {
+        sim_gpu.ranges->owner = sim_current_streams[sim_current_device];  /* just added */
         sim_use_device(sim_current_device);
         sim_gpu.stats.device_bytes_live[sim_current_device] += bytes;
     }

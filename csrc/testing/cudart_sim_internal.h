@@ -75,6 +75,7 @@ typedef struct sim_range {
     char *base;
     size_t bytes;
     int device;
+    void *owner;                /* device memory: the stream current at cudaMalloc */
     struct sim_range *next;
 } sim_range;
 
@@ -99,6 +100,7 @@ typedef struct {
     int wait_log_on;
     cudart_sim_observer sync_observer;
     uint64_t captures;          /* streams capturing (valid or not): global mode */
+    int expandable;             /* cudart_sim_set_expandable */
     cudart_sim_stats stats;
 } sim_world;
 

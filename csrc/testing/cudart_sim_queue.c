@@ -369,6 +369,22 @@ sim_note_sync_locked(cudart_sim_entry entry)
         sim_gpu.sync_observer(entry);
 }
 
+/* torch's expandable segments unmap after synchronizing the segment's own
+ * stream only: work another stream still has queued on the range faults. */
+static void
+unmap_after_own_stream_locked(const sim_range *range)
+{
+    sim_stream *owner = sim_resolve_on(range->device, range->owner);
+    if (owner != NULL)
+        (void)sim_drain_locked(owner);
+    for (sim_stream *s = first_stream(); s != NULL; s = next_stream(s)) {
+        if (s->count > 0 && sim_stream_touches(s, range->base, range->bytes)) {
+            sim_gpu.stats.unmap_faults++;
+            return;
+        }
+    }
+}
+
 /* Frees what sim_host_alloc (pinned) or sim_malloc (device memory) handed
  * out at `ptr`; anything else is refused and left alone. The host waits
  * for the GPU, as cudaFreeHost and cudaFree do. */
@@ -382,6 +398,8 @@ sim_free_range_locked(void *ptr, int pinned, cudart_sim_entry entry)
     if (range == NULL || (range->device == -1) != pinned)
         return CUDART_ERROR_INVALID_VALUE;
     sim_note_sync_locked(entry);
+    if (!pinned && sim_gpu.expandable)
+        unmap_after_own_stream_locked(range);
     sim_advance_locked(UINT64_MAX, 1);
     if (pinned)
         mp_counter_sub(&sim_gpu.stats.host_bytes_live, range->bytes);

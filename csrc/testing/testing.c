@@ -62,6 +62,17 @@ sim_advance(PyObject *module, PyObject *ops)
 }
 
 static PyObject *
+sim_expandable(PyObject *module, PyObject *on)
+{
+    (void)module;
+    int flag = PyObject_IsTrue(on);
+    if (flag < 0)
+        return NULL;
+    cudart_sim_set_expandable(flag);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 sim_set_progress(PyObject *module, PyObject *ops)
 {
     (void)module;
@@ -110,7 +121,8 @@ sim_stats(PyObject *module, PyObject *unused)
     for (int e = 0; e < SIM_ENTRY_COUNT; e++)
         under_gil[e] = atomic_load(&synchronized_under_gil[e]);
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsNsNsNsN}", "ops_queued", (unsigned long long)s.ops_queued,
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsNsNsNsN}", "ops_queued", (unsigned long long)s.ops_queued,
+        "unmap_faults", (unsigned long long)s.unmap_faults,
         "kernels_queued", (unsigned long long)s.kernels_queued, "kernels_run",
         (unsigned long long)s.kernels_run, "kernels_poisoned",
         (unsigned long long)s.kernels_poisoned, "ops_run",
@@ -464,6 +476,10 @@ static PyMethodDef testing_methods[] = {
     {"_sim_advance", sim_advance, METH_O,
      "_sim_advance($module, ops, /)\n--\n\n"
      "Let the simulated GPU run up to ops queued operations; returns how many ran."},
+    {"_sim_expandable", sim_expandable, METH_O,
+     "_sim_expandable($module, on, /)\n--\n\n"
+     "cudaFree as torch's expandable segments unmap: after syncing only the memory's own\n"
+     "stream; work of other streams still on it counts in _sim_stats()['unmap_faults']."},
     {"_sim_set_progress", sim_set_progress, METH_O,
      "_sim_set_progress($module, ops, /)\n--\n\n"
      "Operations the simulated GPU runs at every runtime call."},

@@ -582,6 +582,38 @@ test_a_launch_lands_only_what_its_memory_needs(void)
     rt->free_host(pinned);
 }
 
+/* Expandable mode: cudaFree syncs the memory's own stream only; work of
+ * another stream still on it is a fault. Off: every stream is waited for. */
+static void
+test_expandable_free_syncs_only_the_own_stream(void)
+{
+    void *side, *seg, *pinned, *other;
+    char host[8] = "bytes";
+    CHECK(rt->stream_create(&side, 0) == CUDART_SUCCESS);
+    CHECK(rt->host_alloc(&pinned, 8, CUDART_HOST_ALLOC_PORTABLE) == CUDART_SUCCESS);
+    for (int expandable = 0; expandable <= 1; expandable++) {
+        uint64_t faults = cudart_sim_get_stats().unmap_faults;
+        CHECK(rt->malloc(&seg, 64) == CUDART_SUCCESS);                /* the legacy stream's */
+        CHECK(rt->malloc(&other, 64) == CUDART_SUCCESS);
+        rt->memcpy_async(seg, host, 8, CUDART_MEMCPY_HOST_TO_DEVICE, NULL);   /* own stream */
+        rt->memcpy_async(pinned, seg, 8, CUDART_MEMCPY_DEVICE_TO_HOST, side); /* a reader */
+        rt->memcpy_async(other, pinned, 8, CUDART_MEMCPY_HOST_TO_DEVICE, side);
+        cudart_sim_set_expandable(expandable);
+        CHECK(rt->free(seg) == CUDART_SUCCESS);
+        cudart_sim_set_expandable(0);
+        CHECK(cudart_sim_get_stats().unmap_faults - faults == (uint64_t)expandable);
+        CHECK(cudart_sim_get_stats().ops_queued == 0);     /* the sim stays memory safe */
+        CHECK(memcmp(pinned, "bytes", 6) == 0);
+        /* memory no queued work touches unmaps without a fault */
+        cudart_sim_set_expandable(1);
+        CHECK(rt->free(other) == CUDART_SUCCESS);
+        cudart_sim_set_expandable(0);
+        CHECK(cudart_sim_get_stats().unmap_faults - faults == (uint64_t)expandable);
+    }
+    rt->free_host(pinned);
+    rt->stream_destroy(side);
+}
+
 int
 main(void)
 {
@@ -606,6 +638,7 @@ main(void)
     test_a_handout_runs_only_the_work_touching_the_memory();
     test_a_deferred_handout_poisons_in_stream_order();
     test_a_launch_lands_only_what_its_memory_needs();
+    test_expandable_free_syncs_only_the_own_stream();
     CHECK(cudart_sim_get_stats().events_live == 0 && cudart_sim_get_stats().streams_live == 0);
     return check_report("test_cudart_sim");
 }
