@@ -36,6 +36,9 @@
  *   so its allocator reuses it past that wait
  * - source_on_copy_out: a forced retire with another stream current: the
  *   source is marked used by the copy-out stream, which reads it
+ * - kept_on_copy_out: a source backward takes over in place while its copy
+ *   out may still read it is marked used by the copy-out stream, so its
+ *   memory outlives that copy whoever frees it (offload_window.c: sweep)
  * - fetched_on_copy_in: a prefetched buffer is marked used by the copy-in
  *   stream, which writes it (fetch_copy)
  * - fetched_on_reader: a prefetched buffer read on another stream than the
@@ -50,6 +53,7 @@
     X(PRODUCER_AFTER_COPY_OUT, "producer_after_copy_out", OFFLOAD_SITE_WAIT)              \
     X(SOURCE_ON_PRODUCER, "source_on_producer", OFFLOAD_SITE_RECORD)                      \
     X(SOURCE_ON_COPY_OUT, "source_on_copy_out", OFFLOAD_SITE_RECORD)                      \
+    X(KEPT_ON_COPY_OUT, "kept_on_copy_out", OFFLOAD_SITE_RECORD)                          \
     X(FETCHED_ON_COPY_IN, "fetched_on_copy_in", OFFLOAD_SITE_RECORD)                      \
     X(FETCHED_ON_READER, "fetched_on_reader", OFFLOAD_SITE_RECORD)
 

@@ -210,7 +210,8 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region, int kee
              * maybe before the copy out read it: the copy-out stream must
              * hold its memory (record_stream runs Python: ask again) */
             if (copy->d2h_done != NULL &&
-                st->engine->runtime->record_stream(st, copy->source, device->index,
+                st->engine->runtime->record_stream(st, OFFLOAD_SITE_KEPT_ON_COPY_OUT,
+                                                   copy->source, device->index,
                                                    device->copy_out) < 0) {
                 result = -1;        /* kept held: retired later */
                 continue;
