@@ -36,7 +36,7 @@ OOM_UNIT = os.path.basename(OOM_UNIT_SOURCE)
 # beside it in the package
 ADAPTER_UNIT_SOURCE = "csrc/alloc/torch_adapter.cpp"
 ADAPTER_HEADER_SOURCES = ("csrc/alloc/torch_bridge.h", "csrc/alloc/alloc.h",
-                          "csrc/alloc/alloc_history.h")
+                          "csrc/alloc/alloc_history.h", "csrc/alloc/torch_snapshot.h")
 RUNTIME_UNIT_SOURCES = (OOM_UNIT_SOURCE, ADAPTER_UNIT_SOURCE) + ADAPTER_HEADER_SOURCES
 
 C_FLAGS = ["-std=c11", "-Wall", "-Wextra"]
