@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import matepoint
 from matepoint._meter import PeakMeter
-from matepoint._autoplan import _PLANNER, plan_step
+from matepoint._planning.autoplan import _PLANNER, plan_step
 
 log = logging.getLogger("matepoint.planner_enable")
 MIB = float(1 << 20)

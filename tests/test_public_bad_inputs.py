@@ -14,7 +14,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
 from matepoint._allocator import is_installed
-from matepoint._planner import BlockProfile, Plan, solve
+from matepoint._planning.planner import BlockProfile, Plan, solve
 
 
 class Layer(nn.Module):
@@ -282,7 +282,8 @@ def test_a_refused_argument_leaves_the_model_as_it_was(function) -> None:
 def test_refused_enable_keeps_the_previous_one() -> None:
     model = matepoint.enable(Model(), preserve_rng_state=False)
     before = forwards(model)
-    with pytest.raises(ValueError, match="matepoint.enable: budget_bytes"):
+    with pytest.raises(ValueError, match="matepoint.enable: budget_bytes"), \
+            pytest.warns(FutureWarning, match="matepoint.apply"):
         matepoint.enable(model, budget_bytes=0)
     assert forwards(model) == before
     matepoint.disable(model)
