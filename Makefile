@@ -34,7 +34,7 @@ CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_alloc_p
 
 .PHONY: test test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
 
-test: ctest fuzz valgrind install sanitize test-214 readme-test
+test: ctest fuzz valgrind install sanitize test-214 readme-test docs
 	$(PY) -m pytest -q tests
 
 # The README's install and bench commands, in order, in a fresh clone of
@@ -224,7 +224,7 @@ $(PY):
 # `pip install torch` would pull a multi-GB CUDA build. numpy comes first and
 # torch is looked for without importing it: torch imported without numpy
 # warns "Failed to initialize NumPy".
-# The libraries of the README's recipes (tests/test_recipes.py) are pinned to
+# The libraries of the documentation's recipes (tests/test_recipes.py) are pinned to
 # the installed torch so that none of them upgrades it. timm needs
 # torchvision, whose PyPI build does not import on the CPU build of torch:
 # 2.14.1 only.
@@ -255,3 +255,24 @@ gpu-check:
 
 clean:
 	rm -rf build *.egg-info matepoint/*.so
+
+# The documentation site (docs/, Sphinx) into build/docs, warnings as
+# errors; its tools, pinned in docs/requirements.txt, go into the test venv.
+# tests/test_docs.py (in the pytest run that follows in make test) runs
+# every example and checks that the built site loads nothing from elsewhere.
+.PHONY: docs docs-screenshot
+docs: install
+	$(PY) -m pip install -q -r docs/requirements.txt
+	rm -rf build/docs
+	$(PY) -m sphinx -W --keep-going -q -b html docs build/docs
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_docs.py -k "site or readme or fragments"
+
+# The start page and the API page in headless Chromium (apt-get install
+# chromium), written to docs/_screenshots/ (committed; not in make test).
+CHROMIUM ?= chromium
+docs-screenshot: docs
+	@mkdir -p docs/_screenshots
+	$(CHROMIUM) --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,900 \
+	  --screenshot=docs/_screenshots/start.png file://$(CURDIR)/build/docs/index.html
+	$(CHROMIUM) --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,900 \
+	  --screenshot=docs/_screenshots/reference.png file://$(CURDIR)/build/docs/reference/api.html

@@ -1,4 +1,5 @@
-"""matepoint.enable(model, budget_bytes=B) on a tiny Llama (from config, CPU):
+"""matepoint.apply(model, budget_bytes=B) (enable(budget_bytes=) before it was
+deprecated: the same path) on a tiny Llama (from config, CPU):
 per budget, the plan, its predicted activation peak, the measured one (the C
 heap's bytes in use, sampled after every aten operation) and whether the
 gradients equal those of the model without checkpointing, bit for bit.
@@ -25,7 +26,7 @@ import torch.nn as nn
 
 import matepoint
 from matepoint._meter import PeakMeter
-from matepoint._autoplan import _PLANNER, plan_step
+from matepoint._planning.autoplan import _PLANNER, plan_step
 
 log = logging.getLogger("matepoint.planner_enable")
 MIB = float(1 << 20)
@@ -65,7 +66,7 @@ def run(layers: int, batch: int, seq: int) -> List[Dict[str, Any]]:
     reference = llama(layers)
     expected = [step(reference, ids) for _ in range(2)][-1]
     # the budgets: from the all-kept peak down to the smallest plan, from one profile
-    probe = matepoint.enable(llama(layers), budget_bytes=1 << 40)
+    probe = matepoint.apply(llama(layers), budget_bytes=1 << 40)
     for _ in range(2):
         step(probe, ids)
     profiles = matepoint.planned(probe).profiles
@@ -83,7 +84,7 @@ def run(layers: int, batch: int, seq: int) -> List[Dict[str, Any]]:
     budgets = [smallest + (kept - smallest) * k // 4 for k in range(4, -1, -1)]
     rows = []
     for budget in budgets:
-        model = matepoint.enable(llama(layers), budget_bytes=budget, unit_bytes=unit)
+        model = matepoint.apply(llama(layers), budget_bytes=budget, unit_bytes=unit)
         got = [step(model, ids) for _ in range(2)][-1]   # measure, then planned
         plan = matepoint.planned(model)
         measured = measured_peak(model, ids)

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import matepoint
-from matepoint._planner import default_unit, predict, solve
+from matepoint._planning.planner import default_unit, predict, solve
 from matepoint._timing import time_call
 
 log = logging.getLogger("matepoint.planner_selective")

@@ -27,7 +27,7 @@ from typing import Callable, List, Tuple
 from matepoint import _C
 from matepoint._timing import time_call
 from matepoint._planning.block_profile import _records
-from matepoint._planner import CHOICES, BlockProfile, solve
+from matepoint._planning.planner import CHOICES, BlockProfile, solve
 
 log = logging.getLogger("matepoint.planner_speed")
 MIB = 1 << 20

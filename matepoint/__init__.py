@@ -41,17 +41,17 @@ from matepoint import _sac_offload  # noqa: E402,F401  (registers its adapter wi
 from matepoint._C import _reserve_pool, checkpoint, is_recomputing
 from matepoint._C import empty_pool as _empty_pool
 from matepoint._C import pool_stats as _pool_stats
-from matepoint._autoplan import apply, planned
+from matepoint._planning.autoplan import planned
 from matepoint._allocator import (empty_cache, install_allocator, memory_report, memory_stats,
                                   reset_peak_memory_stats)
 from matepoint._composable import checkpoint_module, uncheckpoint_module
-from matepoint._enable import disable, enable
+from matepoint._enable import apply, disable, enable
 from matepoint._options import Options, settings as _settings
 from matepoint._options import show_int as _show_int
 from matepoint._patch import (TorchCheckpointPatch, patch_torch_checkpoint,
                               torch_checkpoint_patched, unpatch_torch_checkpoint)
 from matepoint._patch import patch_from_environment as _patch_from_environment
-from matepoint._planner import Plan, PlanError, PlannedBlock, auto_checkpoint, plan
+from matepoint._planning.planner import Plan, PlanError, PlannedBlock, auto_checkpoint, plan
 from matepoint._sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "enable", "disable", "is_recomputing",

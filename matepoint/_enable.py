@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from matepoint._C import CHECKPOINT_KEYWORDS as _CHECKPOINT_KEYWORDS, checkpoint  # noqa: F401
-from matepoint._autoplan import StepPlanner, attach
+from matepoint._planning.autoplan import StepPlanner, apply_blocks, attach
 from matepoint._composable import check_checkpoint_keywords
 from matepoint._errors import check_module
 from matepoint._planning.ranks import check_group
@@ -78,7 +78,8 @@ def _is_matepoint(function: Any) -> bool:
 
 
 class _LayerFunction:
-    """A layer's checkpoint function under ``enable(model, budget_bytes=...)``:
+    """A layer's checkpoint function under a budget (``apply`` on a model of the
+    transformers convention):
     the layer runs as the model's plan says."""
 
     def __init__(self, planner: Any, index: int, layer: nn.Module) -> None:
@@ -219,19 +220,30 @@ def enable(model: nn.Module, budget_bytes: Optional[int] = None, *,
     PEFT, keeps matepoint (with the keyword arguments it passes, and its
     ``every_n_layers``). Returns ``model``.
 
-    With ``budget_bytes`` (the whole step's activations), ``unit_bytes``,
-    ``repeats``, ``group`` (every rank of it must train; see :func:`plan`) the
-    first training step measures each layer and what the model holds outside
-    them (head, loss), and from the next each runs as planned (:func:`planned`).
+    ``budget_bytes``, ``unit_bytes``, ``repeats``, ``group``: deprecated
+    (FutureWarning), still planning; ``apply(model, budget_bytes=...)``
+    plans the same layers the same way (see :func:`apply`, :func:`plan`).
     """
-    check_checkpoint_keywords("matepoint.enable", checkpoint_kwargs)
-    check_group("matepoint.enable", group)
-    layers = _checkpointed_layers(model, "enable")
+    if budget_bytes is not None:
+        warnings.warn("matepoint.enable(model, budget_bytes=...) is deprecated: use "
+                      "matepoint.apply(model, budget_bytes=...), which plans the same layers "
+                      "for any model", FutureWarning, stacklevel=2)
+    return _enable(model, budget_bytes, unit_bytes, None, repeats, group, checkpoint_kwargs,
+                   "matepoint.enable")
+
+
+def _enable(model: nn.Module, budget_bytes: Optional[int], unit_bytes: Optional[int],
+            pipeline: Optional[bool], repeats: int, group: Optional[Any],
+            checkpoint_kwargs: Dict[str, Any], where: str) -> nn.Module:
+    """:func:`enable`, planned when ``budget_bytes`` is given; errors name ``where``."""
+    check_checkpoint_keywords(where, checkpoint_kwargs)
+    check_group(where, group)
+    layers = _checkpointed_layers(model, where.rpartition(".")[2])
     function = functools.partial(checkpoint, **checkpoint_kwargs)
     planner = None
     if budget_bytes is not None:
-        planner = StepPlanner(type(model).__name__, budget_bytes, unit_bytes, None, repeats,
-                              checkpoint_kwargs, where="matepoint.enable", group=group)
+        planner = StepPlanner(type(model).__name__, budget_bytes, unit_bytes, pipeline, repeats,
+                              checkpoint_kwargs, where=where, group=group)
     elif unit_bytes is not None or repeats != 1:
         # without a budget nothing is planned: these would be ignored silently
         raise ValueError("matepoint.enable: unit_bytes and repeats need budget_bytes, "
@@ -251,6 +263,36 @@ def enable(model: nn.Module, budget_bytes: Optional[int] = None, *,
     for layer in layers:
         layer.gradient_checkpointing = True
     return model
+
+
+def _follows_the_convention(model: Any) -> bool:
+    """Whether ``model``'s layers follow transformers' checkpointing convention."""
+    return (isinstance(model, nn.Module)
+            and getattr(model, "supports_gradient_checkpointing", True) is not False
+            and any(hasattr(m, "gradient_checkpointing") for m in model.modules()))
+
+
+def apply(model: nn.Module, budget_bytes: int,
+          check_fn: Optional[Callable[[nn.Module], bool]] = None, *,
+          unit_bytes: Optional[int] = None, pipeline: Optional[bool] = None, repeats: int = 1,
+          group: Optional[Any] = None, **checkpoint_kwargs: Any) -> nn.Module:
+    """Plan ``model``'s blocks within ``budget_bytes`` from its first training step.
+
+    The door for a memory budget, any module tree. The first training step
+    measures every block and what the model holds outside them; from the
+    next, each runs as planned (:func:`planned`), the whole step within the
+    budget. Blocks: the modules ``check_fn`` accepts (not those inside one),
+    by default the children of the longest ``nn.ModuleList``/``nn.Sequential``;
+    names, ``state_dict`` keys and keyword arguments stay. Layers following
+    transformers' convention are planned through it, as :func:`enable` does.
+    ``unit_bytes``, ``pipeline``, ``repeats``, ``group``: see :func:`plan`;
+    ``**checkpoint_kwargs``: see :func:`checkpoint`. Returns ``model``.
+    """
+    if check_fn is None and _follows_the_convention(model):
+        return _enable(model, budget_bytes, unit_bytes, pipeline, repeats, group,
+                       checkpoint_kwargs, "matepoint.apply")
+    return apply_blocks(model, budget_bytes, check_fn, unit_bytes=unit_bytes,
+                        pipeline=pipeline, repeats=repeats, group=group, **checkpoint_kwargs)
 
 
 def disable(model: nn.Module) -> nn.Module:

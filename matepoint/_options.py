@@ -143,5 +143,35 @@ def _apply_environment(environ: Mapping[str, str]) -> None:
         raise type(error)(f"{named}: {error}") from None
 
 
+# The MATEPOINT_* variables that are not options (each option's variable is
+# MATEPOINT_<NAME>, from _C.OPTIONS): the one list the documentation's
+# options page is generated from (docs/_ext/matepoint_options.py), checked
+# against the variables the package, setup.py and the C core read
+# (tests/test_docs.py).
+ENVIRONMENT = {
+    "MATEPOINT_PATCH_TORCH_CHECKPOINT":
+        "1 at import: patch torch's checkpoint for the whole process (a patched parent sets it "
+        "for its spawned children); 0: do not, and spawning helpers warn that children run "
+        "torch's checkpoint.",
+    "MATEPOINT_CACHE_DIR":
+        "where install_allocator() caches the C++ units it compiles against the torch in use "
+        "(the out-of-memory unit and the adapter to torch's memory API; default "
+        "~/.cache/matepoint; private, 0700).",
+    "MATEPOINT_BUILD_TIMEOUT":
+        "seconds the C++ compiler of such a unit may run before it is killed (default 120).",
+    "MATEPOINT_BUILD_RETRY":
+        "1: build such a unit again although an earlier build failed (its .failed file is kept "
+        "in the cache).",
+    "MATEPOINT_TESTING":
+        "build time, 1: a test build (the simulated GPU and _C's test controls); a plain "
+        "pip install ships neither.",
+    "MATEPOINT_WERROR": "build time, 1: compile the C core with -Werror.",
+    "MATEPOINT_DEBUG": "build time, 1: an unoptimized build with MP_ASSERT checks on.",
+    "MATEPOINT_ALLOC_BACKEND":
+        "test builds only, host: the allocator's host backend (the simulated GPU's memory).",
+    "MATEPOINT_ALLOC_HOST_CAPACITY":
+        "test builds only: the bytes the host backend's device holds (its out-of-memory point).",
+}
+
 settings = _Settings()
 _apply_environment(os.environ)

@@ -336,7 +336,7 @@ def patch_torch_checkpoint() -> TorchCheckpointPatch:
     non-reentrant result (warned once). Nested calls are counted; the original
     functions come back when the last patch is undone, by
     :func:`unpatch_torch_checkpoint` or leaving ``with patch_torch_checkpoint():``
-    (compiled regions and spawned workers: see the README).
+    (compiled regions and spawned workers: see docs/guides/compile.md and docs/guides/distributed.md).
     """
     global _start_processes, _environment_set
     with _lock:

@@ -1,5 +1,6 @@
-"""matepoint.enable(model, budget_bytes=...) and matepoint.apply: plans made
-from the model's own first training step, names unchanged, gradients exact."""
+"""matepoint.apply and the deprecated matepoint.enable(model, budget_bytes=...):
+plans made from the model's own first training step, names unchanged,
+gradients exact."""
 import copy
 import logging
 
@@ -9,7 +10,7 @@ import torch.nn as nn
 
 import matepoint
 from conftest import assert_bitwise_equal
-from matepoint._planner import predict
+from matepoint._planning.planner import predict
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,7 +44,7 @@ def flat(steps):
 def halfway_budget(model: nn.Module) -> int:
     """Halfway between the step peaks of all kept and of the smallest plan,
     from ``model``'s measured step (the outside of its blocks counted)."""
-    from matepoint._autoplan import _PLANNER, plan_step
+    from matepoint._planning.autoplan import _PLANNER, plan_step
 
     profiles = matepoint.planned(model).profiles
     outside = model.__dict__[_PLANNER][0].outside
@@ -53,13 +54,20 @@ def halfway_budget(model: nn.Module) -> int:
     return (kept.predicted_peak_bytes + error.value.smallest_budget_bytes) // 2
 
 
+def enable_planned(model: nn.Module, **kwargs) -> nn.Module:
+    """The deprecated ``enable(model, budget_bytes=...)``: still plans, and
+    warns naming its replacement."""
+    with pytest.warns(FutureWarning, match=r"matepoint\.apply\(model, budget_bytes=\.\.\.\)"):
+        return matepoint.enable(model, **kwargs)
+
+
 IDS = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
 def test_enable_with_a_budget_measures_then_runs_the_plan() -> None:
     expected = llama_steps(llama(), IDS, 3)
     # roomy: everything kept; 1 byte over the all-recomputed peak... found from the profiles
-    model = matepoint.enable(llama(), budget_bytes=1 << 30)
+    model = enable_planned(llama(), budget_bytes=1 << 30)
     keys = list(model.state_dict())
     got = llama_steps(model, IDS, 1)
     assert matepoint.planned(model) is None          # the first step measured
@@ -70,14 +78,27 @@ def test_enable_with_a_budget_measures_then_runs_the_plan() -> None:
     assert list(model.state_dict()) == keys
     assert_bitwise_equal(flat(expected), flat(got))
     # a budget that fits only some kept layers: the plan mixes, gradients stay exact
-    tight = matepoint.enable(llama(), budget_bytes=halfway_budget(model), unit_bytes=1024)
+    tight = enable_planned(llama(), budget_bytes=halfway_budget(model), unit_bytes=1024)
     assert_bitwise_equal(flat(expected), flat(llama_steps(tight, IDS, 3)))
     choices = matepoint.planned(tight).choices
     assert choices != ["keep"] * 3 and "keep" in choices, choices
 
 
+def test_apply_plans_a_transformers_model_as_enable_did() -> None:
+    """The kept door: apply's default blocks are the decoder layers, the
+    plan and the gradients those of the deprecated enable(budget_bytes=)."""
+    expected = llama_steps(llama(), IDS, 3)
+    applied = matepoint.apply(llama(), budget_bytes=1 << 30)
+    enabled = enable_planned(llama(), budget_bytes=1 << 30)
+    got = llama_steps(applied, IDS, 3)
+    assert_bitwise_equal(flat(expected), flat(got))
+    assert_bitwise_equal(flat(expected), flat(llama_steps(enabled, IDS, 3)))
+    assert len(matepoint.planned(applied).profiles) == 3
+    assert matepoint.planned(applied).choices == matepoint.planned(enabled).choices
+
+
 def test_enable_recomputes_only_the_planned_layers() -> None:
-    model = matepoint.enable(llama(), budget_bytes=1 << 30)
+    model = enable_planned(llama(), budget_bytes=1 << 30)
     llama_steps(model, IDS, 2)
     recomputed = []
     for layer in model.model.layers:
@@ -92,7 +113,7 @@ def test_a_new_input_shape_is_measured_and_planned_again(caplog) -> None:
     short = IDS[:, :12]
     reference = llama()
     expected = llama_steps(reference, IDS, 2) + llama_steps(reference, short, 2, first=2)
-    model = matepoint.enable(llama(), budget_bytes=1 << 30)
+    model = enable_planned(llama(), budget_bytes=1 << 30)
     got = llama_steps(model, IDS, 2)
     first = matepoint.planned(model)
     with caplog.at_level(logging.INFO, logger="matepoint.planner"):
@@ -172,7 +193,7 @@ def test_apply_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="budget_bytes must be an int from 1"):
         matepoint.apply(Encoder(), budget_bytes=0)
     with pytest.raises(TypeError, match="budget_bytes must be an int"):
-        matepoint.enable(llama(), budget_bytes="1GB")
+        enable_planned(llama(), budget_bytes="1GB")
     with pytest.raises(TypeError, match="check_fn must be a callable"):
         matepoint.apply(Encoder(), budget_bytes=1, check_fn=3)
     with pytest.raises(ValueError, match="no block found"):
@@ -221,7 +242,7 @@ def big_head_step(model: nn.Module):
 
 
 def test_the_budget_holds_the_whole_step_with_its_head() -> None:
-    from matepoint._autoplan import _PLANNER, plan_step
+    from matepoint._planning.autoplan import _PLANNER, plan_step
     from matepoint._meter import TensorMeter
 
     expected = [big_head_step(BigHead()) for _ in range(3)]
@@ -272,7 +293,7 @@ def header_peak_mib(plan) -> float:
 def test_header_rows_and_predicted_peak_agree_for_a_step_plan() -> None:
     # issue 35 item 6: rows and header left out what the model holds outside
     # its blocks and the head's peak (max(rows) 4.87 MB, predicted 5.29 MB)
-    from matepoint._autoplan import _PLANNER
+    from matepoint._planning.autoplan import _PLANNER
 
     probe = matepoint.apply(BigHead(), budget_bytes=1 << 40)
     for _ in range(2):
@@ -299,7 +320,7 @@ def test_header_rows_and_predicted_peak_agree_for_a_step_plan() -> None:
 
 
 def test_header_rows_and_predicted_peak_agree_for_enable() -> None:
-    model = matepoint.enable(llama(), budget_bytes=1 << 30)
+    model = enable_planned(llama(), budget_bytes=1 << 30)
     llama_steps(model, IDS, 2)
     plan = matepoint.planned(model)
     assert plan.outside_bytes > 0 and plan.head_bytes > 0
@@ -311,16 +332,16 @@ def test_the_smallest_budget_named_is_met_when_asked_again() -> None:
     # issue 35 item 5: the smallest budget PlanError named moved between fresh
     # models (the C heap's bytes in use were measured), and passing it back
     # raised PlanError again in 2 of 6 runs
-    from matepoint._autoplan import _PLANNER
+    from matepoint._planning.autoplan import _PLANNER
 
-    probe = matepoint.enable(llama(), budget_bytes=1, unit_bytes=1024)
+    probe = enable_planned(llama(), budget_bytes=1, unit_bytes=1024)
     llama_steps(probe, IDS, 1)
     with pytest.raises(matepoint.PlanError) as error:
         llama_steps(probe, IDS, 1)
     smallest = error.value.smallest_budget_bytes
     measured = set()
     for _ in range(20):
-        model = matepoint.enable(llama(), budget_bytes=smallest, unit_bytes=1024)
+        model = enable_planned(llama(), budget_bytes=smallest, unit_bytes=1024)
         llama_steps(model, IDS, 2)                  # measured, then planned: no PlanError
         plan = matepoint.planned(model)
         assert plan.predicted_peak_bytes <= smallest

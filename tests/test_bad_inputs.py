@@ -3,6 +3,7 @@ that names the argument, and nothing changed. Calls whose unchecked value
 would reach C (and could wrap or crash there) run in a subprocess."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import torch.nn as nn
 
 import matepoint
 from matepoint._options import options_from_env
-from matepoint._planner import BlockProfile, Plan, solve
+from matepoint._planning.planner import BlockProfile, Plan, solve
 
 INT_OPTIONS = ["prefetch_depth", "offload_window", "min_offload_bytes", "pool_limit_bytes"]
 BOOL_OPTIONS = [name for name, value in vars(matepoint.options).items() if isinstance(value, bool)]
@@ -204,7 +205,9 @@ def test_plan_arguments_are_checked_before_profiling(function, name: str, value:
                                                      error: type) -> None:
     model, x = chain(), torch.randn(4, 8)
     kwargs = {"budget_bytes": 1 << 20, name: value}
-    with pytest.raises(error, match=f"matepoint.plan: {name} must be"):
+    deprecated = pytest.warns(FutureWarning, match="matepoint.auto_checkpoint is deprecated") \
+        if function is matepoint.auto_checkpoint else contextlib.nullcontext()
+    with pytest.raises(error, match=f"matepoint.plan: {name} must be"), deprecated:
         function(model, x, **kwargs)
     assert all(p.grad is None for p in model.parameters()), "profiling ran"
 

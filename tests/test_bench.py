@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from matepoint._meter import host_meter_available
-from matepoint._planner import CHOICES
+from matepoint._planning.planner import CHOICES
 from matepoint.bench import cli, report
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),

@@ -13,7 +13,7 @@ from typing import Any, Dict
 
 import pytest
 
-from matepoint._planner import BlockProfile, Plan, PolicyFigures, solve
+from matepoint._planning.planner import BlockProfile, Plan, PolicyFigures, solve
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 MIB = 1 << 20

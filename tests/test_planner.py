@@ -11,7 +11,7 @@ import torch.nn as nn
 import matepoint
 from matepoint import _C, _meter
 from matepoint._meter import PeakMeter, host_meter_available
-from matepoint._planner import BlockProfile, Plan, planned_choice, predict, solve
+from matepoint._planning.planner import BlockProfile, Plan, planned_choice, predict, solve
 from conftest import OpCounter, assert_bitwise_equal
 
 MIB = 1 << 20
@@ -107,7 +107,11 @@ def test_plan_apply_and_auto_checkpoint_give_the_same_gradients(offload) -> None
     expected = step(model, x)
     plan = matepoint.plan(model, x, budget_bytes=200 << 10, repeats=1)
     assert_bitwise_equal(expected, step(plan.apply(model), x))
-    wrapped = matepoint.auto_checkpoint(nn.ModuleList(model), x, budget_bytes=200 << 10, repeats=1)
+    with pytest.warns(FutureWarning, match=r"matepoint\.auto_checkpoint is deprecated: use "
+                                           r"matepoint\.plan\(blocks, \*sample_inputs, "
+                                           r"budget_bytes=\.\.\.\)\.apply\(blocks\)"):
+        wrapped = matepoint.auto_checkpoint(nn.ModuleList(model), x, budget_bytes=200 << 10,
+                                            repeats=1)
     assert isinstance(wrapped, nn.ModuleList) and len(wrapped) == 6
     assert_bitwise_equal(expected, step(nn.Sequential(*wrapped), x))
 

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import matepoint
-from matepoint._planner import BlockProfile, PolicyFigures, predict, reduce_profiles
+from matepoint._planning.planner import BlockProfile, PolicyFigures, predict, reduce_profiles
 
 WORLD = 2
 DEPTH = 6
@@ -136,7 +136,8 @@ def test_group_must_be_a_process_group() -> None:
     with pytest.raises(TypeError, match="matepoint.plan: group must be a torch.distributed "
                                         "process group or None"):
         matepoint.plan(chain(), torch.randn(4, 64), budget_bytes=1 << 30, group="all")
-    with pytest.raises(TypeError, match="matepoint.enable: group must be"):
+    with pytest.raises(TypeError, match="matepoint.enable: group must be"), \
+            pytest.warns(FutureWarning, match="matepoint.apply"):
         matepoint.enable(nn.Linear(2, 2), budget_bytes=1 << 30, group=0)
     with pytest.raises(TypeError, match="matepoint.apply: group must be"):
         matepoint.apply(nn.Sequential(nn.Linear(2, 2)), 1 << 30, group=0)

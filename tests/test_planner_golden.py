@@ -24,7 +24,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from matepoint._planner import BlockProfile, PlanError, PolicyFigures, solve
+from matepoint._planning.planner import BlockProfile, PlanError, PolicyFigures, solve
 from matepoint._planning.plan_record import (_PLAN_1_POLICY_FIELDS, _upgraded_profile,
                                              profile_from_dict)
 

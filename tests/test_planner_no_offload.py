@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import matepoint
-from matepoint._planner import solve
+from matepoint._planning.planner import solve
 
 MIB = 1 << 20
 

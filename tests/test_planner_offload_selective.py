@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import matepoint
 from matepoint import _C
-from matepoint._planner import BlockProfile, Plan, PolicyFigures, planned_choice, predict, solve
+from matepoint._planning.planner import BlockProfile, Plan, PolicyFigures, planned_choice, predict, solve
 import sim
 from conftest import OpCounter, assert_bitwise_equal
 

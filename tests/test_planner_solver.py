@@ -229,7 +229,7 @@ def test_empty_chain() -> None:
 
 
 def test_table_rows_add_up_to_the_header_copy_time_included() -> None:
-    from matepoint._planner import BlockProfile, solve
+    from matepoint._planning.planner import BlockProfile, solve
     mib = 1 << 20
     # copy-bound: each copy (4 ms) is far longer than the compute hiding it
     profiles = [BlockProfile(1e-3, 2e-3, 4e-3, 8 * mib, 32 * mib, 8 * mib, 32 * mib, 16 * mib)

@@ -4,6 +4,7 @@ wording (``matepoint.<function>: <argument> must be <what>, got <what>``),
 and nothing left patched, hooked, installed or changed after it."""
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -14,7 +15,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
 from matepoint._allocator import is_installed
-from matepoint._planner import BlockProfile, Plan, solve
+from matepoint._planning.planner import BlockProfile, Plan, solve
 
 
 class Layer(nn.Module):
@@ -40,6 +41,12 @@ class Model(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+def deprecated_enable(**kwargs: Any) -> Any:
+    """``enable(model, budget_bytes=...)``, deprecated: it warns naming apply."""
+    with pytest.warns(FutureWarning, match="use matepoint.apply"):
+        return matepoint.enable(Model(), **kwargs)
 
 
 def a_function(x: Any) -> Any:
@@ -125,7 +132,7 @@ def wrong_types() -> List[Tuple[str, Callable[[], Any], type, str]]:
          said("apply", "check_fn", ".*", "3")),
         ("apply pipeline text", lambda: matepoint.apply(Model(), 1 << 20, pipeline="yes"),
          TypeError, said("apply", "pipeline", "a bool or None", "'yes'")),
-        ("enable budget float", lambda: matepoint.enable(Model(), budget_bytes=1e6), TypeError,
+        ("enable budget float", lambda: deprecated_enable(budget_bytes=1e6), TypeError,
          said("enable", "budget_bytes", r"an int from 1 to 2\*\*63 - 1", "1000000.0")),
         ("plan(None)", lambda: matepoint.plan(None, torch.randn(2, 4), budget_bytes=1 << 20),
          TypeError, said("plan", "blocks", ".*", "NoneType")),
@@ -178,7 +185,7 @@ def wrong_values() -> List[Tuple[str, Callable[[], Any], type, str]]:
          said("apply", "budget_bytes", r"an int from 1 to 2\*\*63 - 1", "0")),
         ("apply repeats 0", lambda: matepoint.apply(Model(), 1 << 20, repeats=0), ValueError,
          said("apply", "repeats", ".*", "0")),
-        ("enable budget -1", lambda: matepoint.enable(Model(), budget_bytes=-1), ValueError,
+        ("enable budget -1", lambda: deprecated_enable(budget_bytes=-1), ValueError,
          said("enable", "budget_bytes", ".*", "-1")),
         ("enable unit_bytes without budget", lambda: matepoint.enable(Model(), unit_bytes=1024),
          ValueError, "matepoint.enable: unit_bytes and repeats need budget_bytes"),
@@ -271,7 +278,9 @@ def test_a_refused_argument_leaves_the_model_as_it_was(function) -> None:
     before = forwards(model)
     bad = {"budget_bytes": -1} if function in (matepoint.enable, matepoint.apply) else \
         {"use_reentrent": False}
-    with pytest.raises((TypeError, ValueError, RuntimeError)):
+    deprecated = pytest.warns(FutureWarning, match="use matepoint.apply") \
+        if function is matepoint.enable else contextlib.nullcontext()
+    with pytest.raises((TypeError, ValueError, RuntimeError)), deprecated:
         if function is matepoint.uncheckpoint_module:
             function(model)
         else:
@@ -282,7 +291,8 @@ def test_a_refused_argument_leaves_the_model_as_it_was(function) -> None:
 def test_refused_enable_keeps_the_previous_one() -> None:
     model = matepoint.enable(Model(), preserve_rng_state=False)
     before = forwards(model)
-    with pytest.raises(ValueError, match="matepoint.enable: budget_bytes"):
+    with pytest.raises(ValueError, match="matepoint.enable: budget_bytes"), \
+            pytest.warns(FutureWarning, match="matepoint.apply"):
         matepoint.enable(model, budget_bytes=0)
     assert forwards(model) == before
     matepoint.disable(model)
@@ -337,10 +347,19 @@ def test_double_calls() -> None:
     matepoint.empty_pool()
     assert matepoint.pool_stats()["blocks_in_use"] == 0
 
-    matepoint.apply(matepoint.apply(model, 1 << 20), 1 << 20)
+    # blocks picked by check_fn: their forward replaced on the instance
+    picked = lambda m: isinstance(m, Layer)  # noqa: E731
+    matepoint.apply(matepoint.apply(model, 1 << 20, picked), 1 << 20, picked)
     layer = model.layers[0]
     assert layer.__dict__["forward"].previous is None, "a second apply nested the first"
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+
+    # layers of the transformers convention, planned through it: one
+    # planner, one guard hook
+    model = Model()
+    matepoint.apply(matepoint.apply(model, 1 << 20), 1 << 20)
+    assert "forward" not in model.layers[0].__dict__
+    assert len(model._forward_pre_hooks) == 2 and len(model._forward_hooks) == 1
 
 
 def test_planned_before_and_after() -> None:

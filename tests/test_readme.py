@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
                         "`make test`")
 
 # What the README's commands may print that looks like a warning, each
-# explained there (quoted from it here).
+# explained in the documentation (docs/benchmarks.md; quoted from it here).
 EXPLAINED = (
     "matplotlib is not installed: no plot written",
     "marked '?': their rounds disagree by more than the ratio can resolve",

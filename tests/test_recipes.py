@@ -1,4 +1,4 @@
-"""The README's recipes, each run as written against the library's own
+"""The documentation's recipes (docs/guides/), each run as written against the library's own
 checkpointing: tiny models from configs, float32 on the CPU, losses and
 gradients compared bit for bit, matepoint's recomputes counted. A recipe
 whose library is not installed is skipped."""

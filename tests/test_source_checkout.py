@@ -1,4 +1,4 @@
-"""The README's `pip install .` then `python -m matepoint.bench`, run from the
+"""The Install section's `pip install .` then `python -m matepoint.bench`, run from the
 checkout: Python imports the checkout's matepoint/, which has no built
 extension. The import must either use the installed copy's extension or
 fail at once saying what to do."""

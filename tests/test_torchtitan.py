@@ -1,4 +1,4 @@
-"""The README's torchtitan recipe: torchtitan's own `apply_ac` (torch's
+"""The torchtitan recipe (docs/guides/torchtitan.md): torchtitan's own `apply_ac` (torch's
 `checkpoint_wrapper` on each transformer block) run under
 `patch_torch_checkpoint()`, against the same model checkpointed by torch, on
 a tiny Llama 3 from torchtitan's model arguments: float32 on the CPU, losses

@@ -90,8 +90,11 @@ is_inplace_error(PyObject *exc)
     return found;
 }
 
+/* Input i of a region, saved as torch's SavedTensor, unpacked; torch's
+ * in-place RuntimeError becomes matepoint's, naming input i. (Not the
+ * forward's unpack hook of unpack.c, which recomputes a region.) */
 static PyObject *
-unpack_saved_tensor(mp_state *st, PyObject *saved, Py_ssize_t i)
+unpack_saved_input(mp_state *st, PyObject *saved, Py_ssize_t i)
 {
     PyObject *tensor = PyObject_CallMethodNoArgs(saved, st->str_unpack);
     if (tensor == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
@@ -127,7 +130,7 @@ restore_one_input(Frame *frame, Py_ssize_t i)
     mp_state *st = frame->st;
     PyObject *saved = PyList_GET_ITEM(frame->saved, i);
     if (frame->versions == NULL)
-        return unpack_saved_tensor(st, saved, i);
+        return unpack_saved_input(st, saved, i);
     if (Py_IS_TYPE(saved, st->tensor_record_type))
         return PyObject_CallOneArg(st->offload_unpack, saved);
     return check_version(frame, saved, i) < 0 ? NULL : Py_NewRef(saved);

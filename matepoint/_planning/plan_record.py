@@ -51,7 +51,7 @@ class Plan:
             can run (inputs not on a GPU, or the ``offload`` option off).
         note: why offload was left out, or ``""``.
         outside_bytes, head_bytes: for a plan made from a training step
-            (``enable(model, budget_bytes=...)``, :func:`matepoint.apply`),
+            (:func:`matepoint.apply`),
             what the model holds outside its blocks through the step and its
             head's peak after the last block; 0 for :func:`plan`. Rows, the
             table and ``predicted_peak_bytes`` all count them.

@@ -3,7 +3,7 @@ the same (timings differ per process, and different plans unbalance
 DDP/FSDP or hang tensor parallelism), so each measured figure is reduced to
 its max over the group before solving.
 
-That makes :func:`matepoint.plan` and ``enable(model, budget_bytes=...)``
+That makes :func:`matepoint.plan` and :func:`matepoint.apply`
 collectives: every rank of the group must call them. On a gloo group a
 rank that does not is named in a RuntimeError once the group's timeout
 passes (``monitored_barrier``); NCCL has no such barrier, and a missing

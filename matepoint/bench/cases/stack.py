@@ -43,7 +43,7 @@ def build_blocks(depth: int, size: Dict[str, Any], device: torch.device) -> List
 def planned(blocks: List[nn.Module], x: torch.Tensor, budget_gib: Optional[float]):
     """matepoint-auto: the blocks wrapped as planned, and the plan."""
     import matepoint
-    from matepoint import _planner
+    from matepoint._planning import planner as _planner
     from matepoint._meter import copy_bandwidth
     note = _planner.no_offload_reason((x,))
     bandwidth = copy_bandwidth(x.device).d2h if note is None else math.inf
@@ -68,7 +68,7 @@ def build(spec: Dict[str, Any], mode: str, device: torch.device) -> Workload:
     parameters = [p for block in blocks for p in block.parameters()]
     extra: Dict[str, Any] = {}
     if mode == "matepoint-auto":
-        from matepoint._planner import CHOICES
+        from matepoint._planning.planner import CHOICES
         run_blocks, plan = planned(blocks, x, spec.get("budget_gib"))
         extra = {"plan": {c: plan.choices.count(c) for c in CHOICES},
                  "budget_bytes": plan.budget_bytes,

@@ -7,16 +7,18 @@ its input), so that activation memory fits a budget at the least step time.
 solves the choice exactly in C (csrc/planner) and returns a :class:`Plan`
 that prints as a table, wraps the blocks and saves to JSON.
 
-The planner is in one file per concept (README, "Python files"):
-_arguments (argument checks), _choices (the choices and what each runs),
-_block_profile (what a block costs, and its record for C), _profiling,
-_solve and _plan_record (:class:`Plan`); this file is the entry point and
-names what the others export.
+The planner is one package, ``matepoint._planning``, one file per concept
+(docs/architecture.md, "The Python package"): arguments (argument checks),
+choices (the choices and what each runs), block_profile (what a block
+costs, and its record for C), profiling, solve, plan_record
+(:class:`Plan`), ranks, step_meter and autoplan (planning from training
+steps); this file is the entry point and names what the others export.
 """
 from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any, Optional, Tuple
 
 from matepoint import _C
@@ -112,11 +114,11 @@ def no_offload_reason(sample_inputs: Tuple) -> Optional[str]:
 
 def auto_checkpoint(blocks: Blocks, *sample_inputs: Any, budget_bytes: int,
                     **plan_options: Any) -> Blocks:
-    """Plans ``blocks`` within ``budget_bytes`` and returns them wrapped.
-
-    Shorthand for ``matepoint.plan(blocks, *sample_inputs,
-    budget_bytes=...).apply(blocks)``; ``**plan_options`` are the other
-    keyword arguments of :func:`plan` (``unit_bytes``, ``pipeline``,
-    ``bandwidth_bytes_per_s``, ``repeats``).
+    """Deprecated (FutureWarning): ``plan(blocks, *sample_inputs, budget_bytes=B)
+    .apply(blocks)`` does the same and keeps the :class:`Plan`.
+    ``**plan_options``: the other keywords of :func:`plan`.
     """
+    warnings.warn("matepoint.auto_checkpoint is deprecated: use matepoint.plan(blocks, "
+                  "*sample_inputs, budget_bytes=...).apply(blocks), which does the same and "
+                  "returns the Plan", FutureWarning, stacklevel=2)
     return plan(blocks, *sample_inputs, budget_bytes=budget_bytes, **plan_options).apply(blocks)

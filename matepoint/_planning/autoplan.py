@@ -32,7 +32,7 @@ from matepoint._composable import (CheckpointedForward, _call, check_checkpoint_
 from matepoint._errors import check_module, type_error
 from matepoint._meter import copy_bandwidth
 from matepoint._options import settings
-from matepoint._planner import no_offload_reason
+from matepoint._planning.planner import no_offload_reason
 from matepoint._planning.arguments import _check_plan_arguments, _tensors_in
 from matepoint._planning.block_profile import BlockProfile, head_profile
 from matepoint._planning.choices import _choice_options
@@ -337,21 +337,14 @@ def _selected_blocks(model: nn.Module, check_fn: Optional[Callable[[nn.Module], 
     return chosen
 
 
-def apply(model: nn.Module, budget_bytes: int,
-          check_fn: Optional[Callable[[nn.Module], bool]] = None, *,
-          unit_bytes: Optional[int] = None, pipeline: Optional[bool] = None, repeats: int = 1,
-          group: Optional[Any] = None, **checkpoint_kwargs: Any) -> nn.Module:
-    """Plan ``model``'s blocks within ``budget_bytes`` from its first training step.
-
-    For any module tree. Blocks: the modules ``check_fn`` accepts (not those
-    inside one), by default the children of the longest ``nn.ModuleList`` or
-    ``nn.Sequential``; their ``forward`` is replaced on the instance, so names
-    and ``state_dict`` keys stay and keyword arguments pass through. The first
-    training step measures every block and what the model holds outside
-    them; from the next, each runs as planned (:func:`planned`), the whole
-    step within the budget. ``budget_bytes``, ``unit_bytes``, ``pipeline``,
-    ``repeats``, ``group``: see :func:`plan`; ``**checkpoint_kwargs``: see :func:`checkpoint`.
-    """
+def apply_blocks(model: nn.Module, budget_bytes: int,
+                 check_fn: Optional[Callable[[nn.Module], bool]] = None, *,
+                 unit_bytes: Optional[int] = None, pipeline: Optional[bool] = None,
+                 repeats: int = 1, group: Optional[Any] = None,
+                 **checkpoint_kwargs: Any) -> nn.Module:
+    """:func:`matepoint.apply` on the blocks ``check_fn`` picks (by default the
+    children of the longest ``nn.ModuleList``/``nn.Sequential``): each
+    block's ``forward`` is replaced on the instance by a :class:`PlannedForward`."""
     check_module("matepoint.apply", "model", model)
     check_checkpoint_keywords("matepoint.apply", checkpoint_kwargs)
     check_group("matepoint.apply", group)
