@@ -6,7 +6,10 @@ _C.OFFLOAD_SITES); the test build's runtime counts each site's calls and
 drops a chosen site's (they succeed and do nothing). For every site, PROOFS
 names a case and an adversary where dropping that site's calls changes the
 data: gradients that differ bit for bit from a run without offload, or a
-tensor read through a prefetched buffer. The case must have issued the site
+tensor read through a prefetched buffer; or where no one reads the bytes
+at stake, a fault a GPU would raise (memory unmapped under queued work,
+_sim_stats()["unmap_faults"]: an illegal address, the context lost), which
+counts as wrong in every case. The case must have issued the site
 (its count, in the run that is exact: the premise), so a proof cannot go
 vacuous when the engine changes. A site in the table with no proof fails
 the test (the day it is added); a site found redundant is removed from the
@@ -91,43 +94,6 @@ def inputs_from_a_branch(checkpointed: bool = True) -> Callable:
             return layer[1](scaled_by_scratch(layer[0](y)))
         return matepoint.checkpoint(region, made) if checkpointed else region(made)
     return wrap
-
-
-@dataclass
-class Scenario:
-    name: str
-    options: dict
-    wrap: Callable[[], Callable]
-    backwards: int = 1          # backward passes over one graph (retain_graph)
-    reference: Callable[[], Callable] = lambda: no_checkpoint
-
-
-SCENARIOS = [
-    Scenario("prefetch", dict(offload_window=2, prefetch_depth=1), lambda: plain),
-    # more regions copied back: the last offload_window are used in place
-    Scenario("prefetch, window 1", dict(offload_window=1, prefetch_depth=1), lambda: plain),
-    Scenario("no pipeline, window 1", dict(offload_window=1, pipeline=False), lambda: plain),
-    Scenario("side streams", dict(offload_window=1), on_alternate_streams),
-    Scenario("two backwards", dict(offload_window=2), lambda: plain, backwards=2),
-    Scenario("inputs from a branch", dict(offload_window=1), inputs_from_a_branch,
-             reference=lambda: inputs_from_a_branch(checkpointed=False)),
-]
-
-
-def step(model: nn.Module, x: torch.Tensor, wrap: Callable, backwards: int
-         ) -> List[torch.Tensor]:
-    """train_step with `backwards` backward passes over one graph: the
-    gradients of the last one."""
-    if backwards == 1:
-        return train_step(model, x, wrap)[1]
-    torch.manual_seed(0)
-    leaf = x.detach().clone().requires_grad_(True)
-    loss = (model(leaf, wrap).float() ** 2).mean()
-    for index in range(backwards):
-        model.zero_grad(set_to_none=True)
-        leaf.grad = None
-        loss.backward(retain_graph=index + 1 < backwards)
-    return [leaf.grad] + [p.grad for p in model.parameters()]
 
 
 @dataclass
@@ -254,6 +220,44 @@ def read_on_another_stream() -> Callable[[], bool]:
     return once
 
 
+def prefetched_over_a_lagging_reader() -> Callable[[], bool]:
+    """Stream `a` reads a tensor in a kernel that lags, then frees it: its
+    block goes back to a's allocator in a's order, so a's next allocation
+    may take it at once. A prefetch while `a` is current takes that block
+    for its destination, and the copy-in stream writes it: only its wait
+    for `a` (start_h2d) keeps the copy after the lagging kernel, which
+    otherwise finds its input changed and writes poison. Premise: one span
+    really prefetched, into the very block the kernel reads."""
+    def once() -> bool:
+        a, _ = sim.side_streams()
+        torch.manual_seed(0)
+        source = torch.randn(64, 64)
+        expected = source.clone()
+        group, saved = offloaded_and_retired(source)
+        del source
+        before = matepoint.pool_stats()
+        try:
+            _C._sim_set_stream(0, a)
+            read = torch.full((64, 64), 3.0)
+            doubled = read * 2                  # a's kernel, lagging
+            block = read.data_ptr()
+            del read                            # back to a's allocator
+            _C._sac_prefetch(group)
+            (restored,) = _C._sac_restore(group, saved)
+        finally:
+            _C._sim_set_stream(0, None)
+        after = matepoint.pool_stats()
+        sim.finish()
+        assert after["prefetched"] - before["prefetched"] == 1, "nothing was prefetched"
+        assert after["used_in_place"] == before["used_in_place"], "the span was used in place"
+        assert restored.data_ptr() == block, "the prefetch took another block"
+        right = torch.equal(restored, expected) and bool((doubled == 6.0).all())
+        del restored, group, saved
+        gc.collect()
+        return right
+    return once
+
+
 def prefetched_and_never_read() -> Callable[[], bool]:
     """Backward stops at an intermediate output: the regions before it were
     prefetched and are never recomputed. Their buffers go back to the
@@ -372,18 +376,54 @@ def copied_back_twice() -> Callable[[], bool]:
     return once
 
 
+def in_place_under_expandable_segments() -> Callable[[], bool]:
+    """Backward uses the window's last two sources in place and drops them
+    with the graph while their copies out are still queued (the GPU far
+    behind); torch's allocator with expandable segments then unmaps the
+    freed pages (empty_cache()) after syncing only their own stream. What
+    the late D2H reads lands in a host buffer nobody reads, so the wrong
+    outcome here is not data but the D2H reading unmapped memory: an unmap
+    fault (run_check). Only the record of a kept source on the copy-out
+    stream (sweep) holds its memory past the D2H. Premise: two sources
+    used in place, copies still queued when the cache is emptied."""
+    matepoint.set_options(offload_window=2, prefetch_depth=1)
+    torch.manual_seed(0)
+    width = 512                                 # 1 MiB inputs: segments of their own
+    model, x = MLP(width, 4), torch.randn(width, width)
+    expected = [g.detach().clone() for g in train_step(model, x, no_checkpoint)[1]]
+
+    def once() -> bool:
+        matepoint.empty_pool()
+        before = matepoint.pool_stats()["used_in_place"]
+        _C._sim_expandable(True)
+        try:
+            grads = [g.detach().clone() for g in train_step(model, x, matepoint.checkpoint)[1]]
+            gc.collect()
+            pending = _C._sim_stats()["ops_queued"]
+            sim.empty_device_cache()            # the allocator unmaps what is free
+        finally:
+            _C._sim_expandable(False)
+        sim.finish()
+        assert matepoint.pool_stats()["used_in_place"] - before == 2, "nothing used in place"
+        assert pending > 0, "the copies out ran before the sources went"
+        return same(grads, expected)
+    return once
+
+
 CASES: Dict[str, Callable[[], Callable[[], bool]]] = {
     **{name: training_case(scenario) for name, scenario in SCENARIOS.items()},
     "read on another stream": read_on_another_stream,
+    "prefetched over a lagging reader": prefetched_over_a_lagging_reader,
     "prefetched and never read": prefetched_and_never_read,
     "prefetch beaten": prefetch_beaten,
     "copied back twice": copied_back_twice,
+    "in place under expandable segments": in_place_under_expandable_segments,
 }
 
 # site -> (case, adversary) where dropping the site's calls changes the data
 PROOFS: Dict[str, Tuple[str, str]] = {
     "copy_out_after_producer": ("prefetch", KEEPS_UP),
-    "copy_in_after_compute": ("two backwards", KEEPS_UP),
+    "copy_in_after_compute": ("prefetched over a lagging reader", KEEPS_UP),
     "copy_in_after_copy_out": ("side streams", FAR_BEHIND),
     "reader_after_copy_in": ("prefetch", FAR_BEHIND),
     "producer_after_copy_out": ("no pipeline, window 1", FAR_BEHIND),
@@ -400,6 +440,9 @@ PROOFS: Dict[str, Tuple[str, str]] = {
     # re-records one ordering event on several streams, and the simulated
     # GPU took a later record that ran for an earlier one still queued
     "copy_in_after_copy_in": ("copied back twice", FAR_BEHIND),
+    # the one site shown by a fault rather than data (the D2H's bytes
+    # are never read): memory unmapped under a queued copy
+    "kept_on_copy_out": ("in place under expandable segments", FAR_BEHIND),
 }
 
 # Sites taken out of the engine as redundant, with the reason (none yet).
@@ -417,6 +460,7 @@ def run_check(prepare: Callable[[], Callable[[], bool]], adversary: str, drop: O
               ) -> Tuple[bool, Dict[str, int]]:
     """run_case for a case not in CASES."""
     check = prepare()
+    faults = _C._sim_stats()["unmap_faults"]
     _C._sim_set_progress(ADVERSARIES[adversary])
     _C._sim_drop_site(drop)
     try:
@@ -425,7 +469,8 @@ def run_check(prepare: Callable[[], Callable[[], bool]], adversary: str, drop: O
     finally:
         _C._sim_drop_site(None)
         _C._sim_set_progress(0)
-    return right, counts
+    # a fault is wrong as wrong data is: on a GPU, an illegal address
+    return right and _C._sim_stats()["unmap_faults"] == faults, counts
 
 
 def test_every_site_is_proven_or_named() -> None:
