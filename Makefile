@@ -28,8 +28,24 @@ POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c $(C
 PLANNER_SOURCES := $(sort $(wildcard csrc/planner/*.c))
 SPILL_SOURCES := $(sort $(wildcard csrc/spill/*.c)) $(COMMON_SOURCES)
 SIM_SOURCES := $(sort $(wildcard csrc/testing/cudart_sim*.c)) $(COMMON_SOURCES)
-CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_planner \
-           build/ctest/test_cudart_sim build/ctest/test_helpers build/ctest/test_spill
+# Each C unit test's sources and libraries, written once: ctest (under
+# ASan/UBSan), valgrind (uninstrumented) and coverage build from these.
+test_pool_SOURCES        := tests/c/test_pool.c $(POOL_SOURCES)
+test_alloc_SOURCES       := tests/c/test_alloc.c $(ALLOC_SOURCES)
+test_planner_SOURCES     := tests/c/test_planner.c $(PLANNER_SOURCES)
+test_planner_LIBS        := -lm
+test_cudart_sim_SOURCES  := tests/c/test_cudart_sim.c $(SIM_SOURCES)
+test_helpers_SOURCES     := tests/c/test_helpers.c $(SIM_SOURCES) csrc/cuda/cudart_util.c
+test_spill_SOURCES       := tests/c/test_spill.c $(SPILL_SOURCES)
+test_cudart_load_SOURCES := tests/c/test_cudart_load.c csrc/cuda/cudart.c
+test_cudart_load_LIBS    := -ldl -lpthread
+UNIT_LIBS = $(or $($(1)_LIBS),-lpthread)
+# the tests that run on their own (test_cudart_load needs its fake libraries)
+UNIT_TESTS := test_pool test_alloc test_planner test_cudart_sim test_helpers test_spill
+# any header may change what a test compiles: all of them are prerequisites
+UNIT_HEADERS := $(wildcard csrc/*/*.h tests/c/*.h)
+CTESTS  := $(addprefix build/ctest/,$(UNIT_TESTS))
+VALGRIND_TESTS := $(addprefix build/valgrind/,$(UNIT_TESTS))
 
 .PHONY: test test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
 
@@ -78,13 +94,24 @@ ctest: $(CTESTS) build/ctest/test_cudart_load abi-check
 	build/ctest/test_cudart_load build/ctest/fake
 
 FAKE := build/ctest/fake
-build/ctest/test_cudart_load: tests/c/test_cudart_load.c tests/c/fake_cudart.c tests/c/fake_torch_cuda.c csrc/cuda/cudart.c csrc/cuda/cudart.h
+build/ctest/test_cudart_load: $(test_cudart_load_SOURCES) tests/c/fake_cudart.c tests/c/fake_torch_cuda.c csrc/cuda/cudart.h
 	@mkdir -p $(FAKE)
 	$(CC) -shared -fPIC -DFAKE_VERSION=12 -Wl,-soname,libcudart.so.12 -o $(FAKE)/libcudart.so.12 tests/c/fake_cudart.c
 	$(CC) -shared -fPIC -DFAKE_VERSION=13 -Wl,-soname,libcudart.so.13 -o $(FAKE)/libcudart.so.13 tests/c/fake_cudart.c
 	$(CC) -shared -fPIC -Wl,-soname,libc10_cuda.so -o $(FAKE)/libc10_cuda.so tests/c/fake_torch_cuda.c \
 	  $(abspath $(FAKE))/libcudart.so.12 -Wl,-rpath,$(abspath $(FAKE))
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_load.c csrc/cuda/cudart.c -ldl -lpthread
+	$(CC) $(CTEST_CFLAGS) -o $@ $(test_cudart_load_SOURCES) $(call UNIT_LIBS,test_cudart_load)
+
+# One rule per flavour for every unit test, from its sources above ($* is
+# the test's name).
+.SECONDEXPANSION:
+$(CTESTS): build/ctest/%: $$($$*_SOURCES) $(UNIT_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(CTEST_CFLAGS) -o $@ $($*_SOURCES) $(call UNIT_LIBS,$*)
+
+$(VALGRIND_TESTS): build/valgrind/%: $$($$*_SOURCES) $(UNIT_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(UNIT_CFLAGS) -o $@ $($*_SOURCES) $(call UNIT_LIBS,$*)
 
 # csrc/cuda/cudart.h declares CUDA's entry points by hand (no CUDA headers
 # at build time): checked against the toolkit's own declarations where the
@@ -100,26 +127,6 @@ else
 	$(CXX) -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Icsrc -I$(dir $(CUDA_INCLUDE)) tests/c/cudart_abi.cpp
 	@echo "abi-check: csrc/cuda/cudart.h matches $(CUDA_INCLUDE)"
 endif
-
-build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h tests/c/lock_probe.h $(POOL_SOURCES) csrc/pool/pool.h $(COMMON_HEADERS)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c $(POOL_SOURCES) -lpthread
-
-build/ctest/test_spill: tests/c/test_spill.c tests/c/check.h $(SPILL_SOURCES) $(wildcard csrc/spill/*.h) $(COMMON_HEADERS)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_spill.c $(SPILL_SOURCES) -lpthread
-
-build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h $(SIM_SOURCES) csrc/testing/cudart_sim.h csrc/testing/cudart_sim_internal.h
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
-
-build/ctest/test_helpers: tests/c/test_helpers.c tests/c/check.h $(SIM_SOURCES) csrc/cuda/cudart_util.c csrc/cuda/cudart_util.h $(COMMON_HEADERS)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_helpers.c $(SIM_SOURCES) csrc/cuda/cudart_util.c -lpthread
-
-build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h $(PLANNER_SOURCES) $(wildcard csrc/planner/*.h)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_planner.c $(PLANNER_SOURCES) -lm
 
 # The disk tier's throughput against raw O_DIRECT I/O of the same sizes in
 # the same directory (benchmarks/spill_probe.c; numbers in RESULTS.md).
@@ -147,24 +154,9 @@ build/ctest/fuzz_ops: $(FUZZ_SOURCES) $(ALLOC_HEADERS) csrc/pool/pool.h
 
 # The same C unit tests, uninstrumented, under valgrind's memcheck.
 VALGRIND := valgrind -q --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite
-valgrind:
-	@mkdir -p build/valgrind
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_pool \
-	  tests/c/test_pool.c $(POOL_SOURCES) -lpthread
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_alloc \
-	  tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_planner \
-	  tests/c/test_planner.c $(PLANNER_SOURCES) -lm
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_cudart_sim \
-	  tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_helpers \
-	  tests/c/test_helpers.c $(SIM_SOURCES) csrc/cuda/cudart_util.c -lpthread
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_spill \
-	  tests/c/test_spill.c $(SPILL_SOURCES) -lpthread
+valgrind: $(VALGRIND_TESTS)
 	@if command -v valgrind >/dev/null; then \
-	  $(VALGRIND) build/valgrind/test_pool && $(VALGRIND) build/valgrind/test_alloc && \
-	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim && \
-	  $(VALGRIND) build/valgrind/test_helpers && $(VALGRIND) build/valgrind/test_spill; \
+	  for t in $(VALGRIND_TESTS); do $(VALGRIND) $$t || exit 1; done; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
 
 # Line coverage of csrc/offload and csrc/cuda (gcc --coverage, read by gcov
@@ -176,6 +168,7 @@ COV := build/cov
 COV_TESTS ?= tests/test_runtime_torch.py tests/test_gpu_timeline.py tests/test_offload_window.py \
              tests/test_offload.py tests/test_sim_layouts.py tests/test_sac_offload.py
 COV_UNIT_CFLAGS := $(UNIT_CFLAGS) -O0 --coverage
+COV_UNIT_TESTS := test_cudart_sim test_helpers test_cudart_load
 # _C's sources and flags as setup.py builds them in a test build
 # (matepoint/_build_layout.py), and where Python's headers are
 COV_LAYOUT = import runpy, sysconfig; layout = runpy.run_path("matepoint/_build_layout.py")
@@ -194,20 +187,13 @@ coverage: build/ctest/test_cudart_load
 	  $(CC) $(COV_EXT_CFLAGS) -c $$src -o $(COV)/obj/$${src%.c}.o; done
 	$(CC) -shared --coverage -o $(COV)/lib/matepoint/_C$(COV_EXT_SUFFIX) \
 	  $(patsubst %.c,$(COV)/obj/%.o,$(COV_EXT_SOURCES)) -ldl -lpthread
-	$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/test_cudart_sim tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
-	$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/test_helpers tests/c/test_helpers.c $(SIM_SOURCES) \
-	  csrc/cuda/cudart_util.c -lpthread
-	$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/test_cudart_load tests/c/test_cudart_load.c csrc/cuda/cudart.c \
-	  -ldl -lpthread
+	$(foreach t,$(COV_UNIT_TESTS),$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/$(t) $($(t)_SOURCES) \
+	  $(call UNIT_LIBS,$(t)) &&) true
 	$(COV)/ctest/test_cudart_sim && $(COV)/ctest/test_helpers && $(COV)/ctest/test_cudart_load $(FAKE)
 	cd $(COV)/lib && $(abspath $(PY)) -c "import matepoint._C as c; assert '$(COV)/lib' in c.__file__, c.__file__" && \
 	  $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(addprefix $(CURDIR)/,$(COV_TESTS))
 	$(PY) tests/coverage_report.py --prefix csrc/offload --prefix csrc/cuda \
 	  --require-functions csrc/offload/offload_runtime_torch.c $(COV)/obj $(COV)/ctest
-
-build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h tests/c/lock_probe.h $(ALLOC_SOURCES) $(ALLOC_HEADERS)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
