@@ -39,18 +39,20 @@ allocator = Extension(
     libraries=["dl", "pthread"],
 )
 
-class build_py_with_oom_unit(build_py):
-    """Ships the C++ unit that raises torch.OutOfMemoryError inside the
-    package: it is compiled at run time against the torch in use
-    (matepoint/_oom.py), since pip's isolated build has no torch."""
+class build_py_with_runtime_units(build_py):
+    """Ships the C++ units compiled at run time (the one that raises
+    torch.OutOfMemoryError, matepoint/_oom.py) inside the package: they are
+    compiled against the torch in use, since pip's isolated build has no
+    torch. The list is matepoint/_build_layout.py's RUNTIME_UNIT_SOURCES."""
 
     def run(self) -> None:
         super().run()
         if getattr(self, "editable_mode", False):
-            return  # an editable install finds it in csrc/ (matepoint/_oom.py)
+            return  # an editable install finds them in csrc/ (matepoint/_oom.py)
         target = os.path.join(self.build_lib, "matepoint")
         self.mkpath(target)
-        self.copy_file(layout.OOM_UNIT_SOURCE, os.path.join(target, layout.OOM_UNIT))
+        for source, name in layout.runtime_unit_files():
+            self.copy_file(source, os.path.join(target, name))
 
 
-setup(ext_modules=[extension, allocator], cmdclass={"build_py": build_py_with_oom_unit})
+setup(ext_modules=[extension, allocator], cmdclass={"build_py": build_py_with_runtime_units})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from glob import glob
-from typing import List, Mapping
+from typing import List, Mapping, Tuple
 
 # csrc/ folders compiled into matepoint._C; csrc/cuda's runtime loader and
 # helpers and csrc/common go into both libraries; test builds
@@ -30,6 +30,21 @@ ALLOCATOR_TEST_SOURCES = ("csrc/alloc/alloc_host.c",)
 # name inside an installed package (compiled at run time, see _oom.py)
 OOM_UNIT_SOURCE = "csrc/alloc/oom_raise.cpp"
 OOM_UNIT = os.path.basename(OOM_UNIT_SOURCE)
+# Every C++ unit compiled at run time against the torch in use, and any
+# header one includes: shipped inside the installed package under their base
+# names (setup.py's build_py), so such a header is included by its bare name
+# ("x.h", found beside the unit in the checkout and the package alike). A new
+# unit is one more entry here.
+RUNTIME_UNIT_SOURCES = (
+    OOM_UNIT_SOURCE,
+)
+
+
+def runtime_unit_files() -> List[Tuple[str, str]]:
+    """(path in the checkout, name inside the installed package) of each
+    run-time-compiled unit and header."""
+    return [(path, os.path.basename(path)) for path in RUNTIME_UNIT_SOURCES]
+
 
 C_FLAGS = ["-std=c11", "-Wall", "-Wextra"]
 CXX_FLAGS = ["-std=c++17", "-O2", "-shared", "-fPIC"]
