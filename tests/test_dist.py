@@ -15,9 +15,20 @@ import tarfile
 
 import pytest
 
+import matepoint
 from matepoint import _build_layout
+from matepoint.__main__ import TESTED_TORCH
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CLASSES = {"Plan", "PlanError", "PlannedBlock", "Options", "TorchCheckpointPatch"}
+
+
+def pyproject() -> dict:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        return tomllib.load(handle)
 
 
 def read(path: str) -> str:
@@ -52,3 +63,55 @@ def test_every_unit_compiled_at_run_time_ships_inside_the_package(tmp_path) -> N
     for source, name in _build_layout.runtime_unit_files() + [("csrc/alloc/alloc.h", "alloc.h")]:
         with open(tmp_path / "lib" / "matepoint" / name, encoding="utf-8") as shipped:
             assert shipped.read() == read(source)
+
+
+# ---- the version ---------------------------------------------------------------
+
+def test_the_version_is_written_once() -> None:
+    config = pyproject()
+    assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
+    assert (config["tool"]["setuptools"]["dynamic"]["version"]
+            == {"attr": "matepoint.__version__"})
+    assert re.fullmatch(r"\d+\.\d+\.\d+", matepoint.__version__)
+    written = [path for path in glob.glob(os.path.join(ROOT, "matepoint", "**", "*.py"),
+                                          recursive=True)
+               if re.search(r"^__version__\s*=", read(path), flags=re.M)]
+    assert [os.path.relpath(path, ROOT) for path in written] == ["matepoint/__init__.py"]
+
+
+def test_python_m_matepoint_version() -> None:
+    shown = subprocess.run([sys.executable, "-m", "matepoint", "--version"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"matepoint {matepoint.__version__} (torch ")
+    assert all(version in shown.stdout for version in TESTED_TORCH)
+
+
+def test_the_bench_report_names_the_version(tmp_path) -> None:
+    import json
+
+    from matepoint.bench import report
+
+    path = report.write_json(str(tmp_path), {})
+    with open(path, encoding="utf-8") as handle:
+        assert json.load(handle)["matepoint"] == matepoint.__version__
+
+
+def test_the_tested_torch_releases_are_the_ones_make_test_installs() -> None:
+    makefile = read("Makefile")
+    pins = [re.search(rf"^{name}\s*\?=\s*torch==(\S+)$", makefile, flags=re.M).group(1)
+            for name in ("TORCH", "TORCH214")]
+    assert tuple(pins) == TESTED_TORCH
+    floor = re.fullmatch(r"torch>=(\S+)", pyproject()["project"]["dependencies"][0]).group(1)
+    assert all(tuple(map(int, v.split(".")[:2])) >= tuple(map(int, floor.split(".")))
+               for v in TESTED_TORCH)
+
+
+# ---- dir(matepoint) ------------------------------------------------------------
+
+def test_dir_shows_the_public_names_only() -> None:
+    names = set(dir(matepoint))
+    assert not names & {"sys", "types", "torch", "Dict", "Any", "List", "annotations"}
+    assert names == set(matepoint.__all__) | CLASSES | {"__version__"}
+    for name in names:
+        getattr(matepoint, name)
