@@ -68,7 +68,7 @@ test-214:
 	@mkdir -p build
 	$(VENV214)/bin/python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
 	  > build/torch-214.txt
-	$(VENV214)/bin/python -m pip install -q -c build/torch-214.txt pytest numpy setuptools wheel \
+	$(VENV214)/bin/python -m pip install -q -c build/torch-214.txt pytest numpy "setuptools>=77" \
 	  $(RECIPE_LIBRARIES) timm torchtitan==0.2.0
 	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	$(VENV214)/bin/python -m pytest -q tests
@@ -213,7 +213,7 @@ install: $(PY)
 	  $(PY) -m pip install -q "$(TORCH)"
 	@mkdir -p build
 	$(PY) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > build/torch.txt
-	$(PY) -m pip install -q -c build/torch.txt pytest setuptools wheel $(RECIPE_LIBRARIES)
+	$(PY) -m pip install -q -c build/torch.txt pytest "setuptools>=77" $(RECIPE_LIBRARIES)
 	$(PY) -m pip install -q --no-build-isolation -e .
 
 demo: install

@@ -2,8 +2,20 @@
 import importlib.util
 import os
 
-from setuptools import Extension, setup
-from setuptools.command.build_py import build_py
+import setuptools
+
+# pyproject.toml's license is an SPDX string, which setuptools reads from 77
+# on; an older one (as `--no-build-isolation` may use) fails with a message
+# that names neither, so say it here first.
+SETUPTOOLS_FLOOR = 77
+if int(setuptools.__version__.split(".")[0]) < SETUPTOOLS_FLOOR:
+    raise SystemExit(f"matepoint needs setuptools>={SETUPTOOLS_FLOOR} to build (its license is "
+                     f"an SPDX string), found setuptools {setuptools.__version__}: run "
+                     f"`pip install 'setuptools>={SETUPTOOLS_FLOOR}'`, or build without "
+                     f"--no-build-isolation")
+
+from setuptools import Extension, setup  # noqa: E402
+from setuptools.command.build_py import build_py  # noqa: E402
 
 # the source lists and flags, shared with the Makefile and matepoint/_oom.py
 # (loaded by path: the package itself cannot be imported before it is built)

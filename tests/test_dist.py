@@ -42,6 +42,27 @@ def plain_environment() -> dict:
 
 # ---- the sdist and wheel contents ----------------------------------------------
 
+def test_the_sdist_holds_every_file_the_build_needs(tmp_path) -> None:
+    built = subprocess.run(
+        [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path),
+         "sdist", "--dist-dir", str(tmp_path)],
+        cwd=ROOT, env=plain_environment(), capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (archive,) = glob.glob(str(tmp_path / "matepoint-*.tar.gz"))
+    with tarfile.open(archive) as sdist:
+        names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    needed = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "matepoint/py.typed",
+              "matepoint/_C.pyi"}
+    for pattern in ("csrc/**/*.c", "csrc/**/*.h", "csrc/**/*.cpp", "matepoint/**/*.py"):
+        needed |= {os.path.relpath(path, ROOT)
+                   for path in glob.glob(os.path.join(ROOT, pattern), recursive=True)}
+    assert not needed - names, f"the sdist lacks {sorted(needed - names)}"
+    assert any(name.startswith("csrc/") and name.endswith(".h") for name in names)
+    left_in = [name for name in names
+               if name.endswith((".so", ".o", ".pyc")) or name.startswith(("build/", "tests/"))]
+    assert not left_in, f"the sdist carries {left_in}"
+
+
 def test_every_unit_compiled_at_run_time_ships_inside_the_package(tmp_path) -> None:
     # a copy of the checkout whose list names one more file: it ships too
     checkout = tmp_path / "checkout"
@@ -105,6 +126,38 @@ def test_the_tested_torch_releases_are_the_ones_make_test_installs() -> None:
     floor = re.fullmatch(r"torch>=(\S+)", pyproject()["project"]["dependencies"][0]).group(1)
     assert all(tuple(map(int, v.split(".")[:2])) >= tuple(map(int, floor.split(".")))
                for v in TESTED_TORCH)
+
+
+# ---- the metadata --------------------------------------------------------------
+
+def test_the_metadata_is_complete() -> None:
+    config = pyproject()
+    project = config["project"]
+    assert set(project["optional-dependencies"]) >= {"bench", "hf", "test"}
+    assert "matplotlib" in project["optional-dependencies"]["bench"]
+    assert "transformers" in project["optional-dependencies"]["hf"]
+    classifiers = set(project["classifiers"])
+    low = int(re.fullmatch(r">=3\.(\d+)", project["requires-python"]).group(1))
+    for minor in range(low, 14):
+        assert f"Programming Language :: Python :: 3.{minor}" in classifiers
+    assert "Operating System :: POSIX :: Linux" in classifiers
+    assert {"Homepage", "Source", "Issues"} <= set(project["urls"])
+    # wheel: setuptools builds wheels itself; the floor is the SPDX license's
+    requires = config["build-system"]["requires"]
+    assert not any(re.match(r"wheel\b", requirement) for requirement in requires)
+    floor = re.search(r"^SETUPTOOLS_FLOOR = (\d+)$", read("setup.py"), flags=re.M).group(1)
+    assert requires == [f"setuptools>={floor}"]
+
+
+def test_an_old_setuptools_is_told_what_to_do(tmp_path) -> None:
+    stub = tmp_path / "setuptools"
+    stub.mkdir()
+    (stub / "__init__.py").write_text('__version__ = "65.5.0"\n')
+    result = subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT,
+                            env={**plain_environment(), "PYTHONPATH": str(tmp_path)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "needs setuptools>=77" in result.stderr and "found setuptools 65.5.0" in result.stderr
 
 
 # ---- dir(matepoint) ------------------------------------------------------------
