@@ -47,10 +47,24 @@ UNIT_HEADERS := $(wildcard csrc/*/*.h tests/c/*.h)
 CTESTS  := $(addprefix build/ctest/,$(UNIT_TESTS))
 VALGRIND_TESTS := $(addprefix build/valgrind/,$(UNIT_TESTS))
 
-.PHONY: test test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
+.PHONY: test quick test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
 
 test: ctest fuzz valgrind install sanitize test-214 readme-test dist-test
 	$(PY) -m pytest -q tests
+
+# The Python edit loop: the in-place test build (only what changed is
+# recompiled) and a fast subset of the Python tests that still crosses every
+# layer: gradients and semantics against torch, bad inputs, offload on the
+# simulated GPU, the patch, layout and one-source rules (`make test` runs
+# everything; the planner, refcount and leak tests are left to it).
+QUICK_TESTS ?= tests/test_gradients.py tests/test_semantics.py tests/test_torch_parity.py \
+  tests/test_public_bad_inputs.py tests/test_errors.py tests/test_offload.py \
+  tests/test_patch.py tests/test_one_source.py tests/test_py_layout.py tests/test_layout.py \
+  tests/test_help.py
+quick:
+	@$(PY) -c "import torch" || { echo "make quick: run 'make install' once first"; exit 1; }
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -m pytest -q -x -p no:cacheprovider $(QUICK_TESTS)
 
 # The README's install and bench commands, in order, in a fresh clone of
 # HEAD (tests/test_readme.py; nothing downloaded, about 3 minutes).
