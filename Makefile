@@ -87,7 +87,7 @@ DIST_PLAT  := manylinux_2_28_x86_64
 DIST_ZIG   := $(abspath $(DIST_TOOLS))/bin/python -m ziglang cc -target x86_64-linux-gnu.2.28 -mcpu=baseline
 DIST_ENV   := env -u MATEPOINT_TESTING -u MATEPOINT_WERROR -u MATEPOINT_DEBUG MATEPOINT_RELEASE=1 \
   CC="$(DIST_ZIG)" LDSHARED="$(DIST_ZIG) -shared" ZIG_GLOBAL_CACHE_DIR=$(abspath build/zig-cache)
-DIST_VERSION = $(shell $(PYTHON) -c 'import runpy; print(runpy.run_path("matepoint/_version.py")["__version__"])')
+DIST_VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' matepoint/__init__.py)
 .PHONY: dist dist-tools dist-test
 $(DIST_TOOLS)/bin/python:
 	$(PYTHON) -m venv $(DIST_TOOLS)
