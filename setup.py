@@ -2,8 +2,20 @@
 import importlib.util
 import os
 
-from setuptools import Extension, setup
-from setuptools.command.build_py import build_py
+import setuptools
+
+# pyproject.toml's license is an SPDX string, which setuptools reads from 77
+# on; an older one (as `--no-build-isolation` may use) fails with a message
+# that names neither, so say it here first.
+SETUPTOOLS_FLOOR = 77
+if int(setuptools.__version__.split(".")[0]) < SETUPTOOLS_FLOOR:
+    raise SystemExit(f"matepoint needs setuptools>={SETUPTOOLS_FLOOR} to build (its license is "
+                     f"an SPDX string), found setuptools {setuptools.__version__}: run "
+                     f"`pip install 'setuptools>={SETUPTOOLS_FLOOR}'`, or build without "
+                     f"--no-build-isolation")
+
+from setuptools import Extension, setup  # noqa: E402
+from setuptools.command.build_py import build_py  # noqa: E402
 
 # the source lists and flags, shared with the Makefile and matepoint/_oom.py
 # (loaded by path: the package itself cannot be imported before it is built)
@@ -20,6 +32,7 @@ extension = Extension(
     sources=layout.extension_sources(".", TESTING),
     include_dirs=["csrc"],
     extra_compile_args=layout.c_flags(os.environ),
+    extra_link_args=layout.link_flags(os.environ),
     libraries=["dl", "pthread"],
 )
 
@@ -35,24 +48,24 @@ allocator = Extension(
     # (csrc/alloc/alloc_internal.h), and only LTO inlines those calls as it
     # did when they were one file's static functions (alloc_bench --host).
     extra_compile_args=layout.c_flags(os.environ) + ["-fexceptions", "-flto"],
-    extra_link_args=["-flto"],
+    extra_link_args=["-flto"] + layout.link_flags(os.environ),
     libraries=["dl", "pthread"],
 )
 
-class build_py_with_oom_unit(build_py):
-    """Ships the C++ units (the one that raises torch.OutOfMemoryError, the
-    torch adapter and its headers) inside the package: they are compiled at
-    run time against the torch in use (matepoint/_oom.py, _adapter.py),
-    since pip's isolated build has no torch."""
+class build_py_with_runtime_units(build_py):
+    """Ships the C++ units compiled at run time (the one that raises
+    torch.OutOfMemoryError, matepoint/_oom.py) inside the package: they are
+    compiled against the torch in use, since pip's isolated build has no
+    torch. The list is matepoint/_build_layout.py's RUNTIME_UNIT_SOURCES."""
 
     def run(self) -> None:
         super().run()
         if getattr(self, "editable_mode", False):
-            return  # an editable install finds it in csrc/ (matepoint/_oom.py)
+            return  # an editable install finds them in csrc/ (matepoint/_oom.py)
         target = os.path.join(self.build_lib, "matepoint")
         self.mkpath(target)
-        for source in layout.RUNTIME_UNIT_SOURCES:
-            self.copy_file(source, os.path.join(target, os.path.basename(source)))
+        for source, name in layout.runtime_unit_files():
+            self.copy_file(source, os.path.join(target, name))
 
 
-setup(ext_modules=[extension, allocator], cmdclass={"build_py": build_py_with_oom_unit})
+setup(ext_modules=[extension, allocator], cmdclass={"build_py": build_py_with_runtime_units})

@@ -5,11 +5,10 @@
 moves each checkpoint's inputs to pinned host memory after the forward pass
 and brings them back, prefetched, for the recompute in backward (on a GPU).
 
-Classes, each on its own page (``help(matepoint.Plan)``): ``Plan`` (what
-:func:`plan` returns), ``PlanError`` (no plan fits), ``PlannedBlock`` (a
-plain callable ``Plan.apply`` checkpoints), ``Options`` (``matepoint.options``,
-changed with :func:`set_options`) and ``TorchCheckpointPatch`` (undoes
-:func:`patch_torch_checkpoint` as a context manager).
+Classes, each on its own page (``help(matepoint.Plan)``): ``Plan`` (what :func:`plan` returns),
+``PlanError`` (no plan fits), ``PlannedBlock`` (a plain callable ``Plan.apply`` checkpoints),
+``Options`` (``matepoint.options``, changed with :func:`set_options`) and ``TorchCheckpointPatch``
+(undoes :func:`patch_torch_checkpoint` as a context manager).
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from __future__ import annotations
 # which a patched parent hands its spawned children.
 import sys
 import types
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch  # noqa: F401  (the C core looks torch up at import)
 
@@ -63,7 +62,17 @@ __all__ = ["checkpoint", "checkpoint_sequential", "enable", "disable", "is_recom
 # The classes stay importable but out of __all__: help(matepoint) would print
 # their inherited dataclass, exception and nn.Module pages (1,500 lines with
 # PlannedBlock); the docstring above lists them.
+_CLASSES = ["Plan", "PlanError", "PlannedBlock", "Options", "TorchCheckpointPatch"]
+# the one place the version is written: pyproject.toml reads it from here
+# (without importing the package), `python -m matepoint --version` and the
+# bench's report show it
 __version__ = "0.1.0"
+
+
+def __dir__() -> List[str]:
+    """dir(matepoint): the public names, not the modules and typing names the
+    package itself uses (sys, torch, Dict, ...)."""
+    return sorted(__all__ + _CLASSES + ["__version__"])
 
 
 def set_options(**changes: Any) -> Options:

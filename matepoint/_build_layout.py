@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from glob import glob
-from typing import List, Mapping
+from typing import List, Mapping, Tuple
 
 # csrc/ folders compiled into matepoint._C; csrc/cuda's runtime loader and
 # helpers and csrc/common go into both libraries; test builds
@@ -26,18 +26,34 @@ ALLOCATOR_FOLDERS = ("alloc", "common", "cuda")
 # a test seam: only test builds select it (MATEPOINT_ALLOC_BACKEND=host); the
 # C unit tests and benchmarks/alloc_replay.c compile it themselves
 ALLOCATOR_TEST_SOURCES = ("csrc/alloc/alloc_host.c",)
+# symbols only a test build's libraries carry (the simulated GPU, the test
+# controls, the allocator's host backend): tests/test_build.py and the
+# release check (tests/check_wheel.py) look for them in built libraries
+TEST_BUILD_SYMBOLS = (b"cudart_sim", b"testing_add_functions", b"matepoint_alloc_use_runtime",
+                      b"alloc_host_init")
 # the C++ unit that raises torch.OutOfMemoryError: in the checkout, and its
 # name inside an installed package (compiled at run time, see _oom.py)
 OOM_UNIT_SOURCE = "csrc/alloc/oom_raise.cpp"
 OOM_UNIT = os.path.basename(OOM_UNIT_SOURCE)
 # the C++ adapter that makes the allocator torch's CUDA allocator beyond
 # malloc and free (memory_stats, snapshots, ...), compiled at run time like
-# the OOM unit (matepoint/_adapter.py), and the headers it includes: shipped
-# beside it in the package
+# the OOM unit (matepoint/_adapter.py), and the headers it includes
 ADAPTER_UNIT_SOURCE = "csrc/alloc/torch_adapter.cpp"
 ADAPTER_HEADER_SOURCES = ("csrc/alloc/torch_bridge.h", "csrc/alloc/alloc.h",
                           "csrc/alloc/alloc_history.h", "csrc/alloc/torch_snapshot.h")
+# Every C++ unit compiled at run time against the torch in use, and any
+# header one includes: shipped inside the installed package under their base
+# names (setup.py's build_py), so such a header is included by its bare name
+# ("x.h", found beside the unit in the checkout and the package alike). A new
+# unit is one more entry here.
 RUNTIME_UNIT_SOURCES = (OOM_UNIT_SOURCE, ADAPTER_UNIT_SOURCE) + ADAPTER_HEADER_SOURCES
+
+
+def runtime_unit_files() -> List[Tuple[str, str]]:
+    """(path in the checkout, name inside the installed package) of each
+    run-time-compiled unit and header."""
+    return [(path, os.path.basename(path)) for path in RUNTIME_UNIT_SOURCES]
+
 
 C_FLAGS = ["-std=c11", "-Wall", "-Wextra"]
 CXX_FLAGS = ["-std=c++17", "-O2", "-shared", "-fPIC"]
@@ -62,10 +78,28 @@ def allocator_sources(root: str, testing: bool) -> List[str]:
     return found
 
 
+# a release build (MATEPOINT_RELEASE=1, as `make dist` and cibuildwheel make
+# the wheels): optimized whatever the interpreter recorded, no debug
+# information, no symbol table but the dynamic one (-s), so no build path
+RELEASE_C_FLAGS = ["-O3", "-DNDEBUG", "-g0"]
+RELEASE_LINK_FLAGS = ["-s"]
+
+
+def _release(environ: Mapping[str, str]) -> bool:
+    if environ.get("MATEPOINT_RELEASE") != "1":
+        return False
+    for switch in ("MATEPOINT_TESTING", "MATEPOINT_DEBUG"):
+        if environ.get(switch) == "1":
+            raise ValueError(f"MATEPOINT_RELEASE=1 with {switch}=1: a release build ships no "
+                             f"test or debug code; unset {switch}")
+    return True
+
+
 def c_flags(environ: Mapping[str, str]) -> List[str]:
     """Flags of a C build: MATEPOINT_TESTING=1 adds the test doubles,
     MATEPOINT_WERROR=1 -Werror, MATEPOINT_DEBUG=1 an unoptimized debug
-    build with its asserts."""
+    build with its asserts, MATEPOINT_RELEASE=1 a stripped release build
+    (refused together with either of the first and the third)."""
     flags = C_FLAGS + ["-fvisibility=hidden"]
     if environ.get("MATEPOINT_TESTING") == "1":
         flags.append("-DMATEPOINT_TESTING=1")
@@ -73,7 +107,14 @@ def c_flags(environ: Mapping[str, str]) -> List[str]:
         flags.append("-Werror")
     if environ.get("MATEPOINT_DEBUG") == "1":
         flags += ["-O0", "-g", "-DMATEPOINT_DEBUG=1"]
+    if _release(environ):
+        flags += RELEASE_C_FLAGS
     return flags
+
+
+def link_flags(environ: Mapping[str, str]) -> List[str]:
+    """Linker flags of a C build: a release build is stripped."""
+    return list(RELEASE_LINK_FLAGS) if _release(environ) else []
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from matepoint import __version__
 from matepoint.bench import link, report, runner
 from matepoint.bench.cases import CASES
 
@@ -167,6 +168,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cuda = torch.cuda.is_available()
+    log.info("matepoint %s, torch %s", __version__, torch.__version__)
     payload: Dict[str, Any] = {"arguments": vars(args)}
     if cuda:
         payload["device"] = torch.cuda.get_device_name()

@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from matepoint import __version__
+
 log = logging.getLogger("matepoint.bench")
 MIB = float(1 << 20)
 Key = Tuple[str, int, str]
@@ -177,7 +179,7 @@ LEGEND = (
 def write_json(folder: str, payload: Dict[str, Any]) -> str:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "bench.json")
-    payload.update(torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    payload.update(matepoint=__version__, torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=2)
     log.info("results written to %s", os.path.abspath(path))

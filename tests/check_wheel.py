@@ -1,0 +1,101 @@
+"""Checks a release wheel before it ships (``make dist`` runs it):
+
+    python tests/check_wheel.py build/dist/matepoint-*.whl
+
+- its shared libraries carry no debug information (no .debug_* section) and
+  no symbol table beyond the dynamic one, no RPATH/RUNPATH, no path of the
+  machine that built them (the build folder, the home, /tmp), and none of the
+  test build's code (matepoint/_build_layout.py's TEST_BUILD_SYMBOLS);
+- it holds the C++ units compiled at run time (RUNTIME_UNIT_SOURCES) and the
+  license.
+
+Needs only the standard library and binutils' readelf (no torch).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from typing import List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "_build_layout", os.path.join(ROOT, "matepoint", "_build_layout.py"))
+layout = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(layout)
+
+# byte strings that would betray where or by whom the wheel was built
+BUILD_PATHS = (ROOT.encode(), b"/tmp/", b"/root/", b"/home/", b"build/dist-src",
+               b"/work/", os.path.expanduser("~").encode())
+
+
+def _readelf(args: List[str], path: str) -> str:
+    return subprocess.run(["readelf", "-W", *args, path], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def library_problems(path: str) -> List[str]:
+    """What is wrong with one shared library of the wheel (empty: nothing)."""
+    name = os.path.basename(path)
+    problems = []
+    sections = re.findall(r"\]\s+(\.\S+)", _readelf(["-S"], path))
+    unstripped = [section for section in sections
+                  if section.startswith((".debug", ".zdebug")) or section == ".symtab"]
+    if unstripped:
+        problems.append(f"{name}: not stripped ({', '.join(unstripped)})")
+    dynamic = _readelf(["-d"], path)
+    if "RPATH" in dynamic or "RUNPATH" in dynamic:
+        problems.append(f"{name}: has an RPATH/RUNPATH")
+    with open(path, "rb") as handle:
+        content = handle.read()
+    for marker in BUILD_PATHS:
+        if marker and marker in content:
+            problems.append(f"{name}: holds the build path {marker.decode()!r}")
+    for symbol in layout.TEST_BUILD_SYMBOLS:
+        if symbol in content:
+            problems.append(f"{name}: holds test-build code ({symbol.decode()})")
+    return problems
+
+
+def wheel_problems(wheel: str) -> List[str]:
+    """Everything wrong with ``wheel`` (empty: it may ship)."""
+    problems = []
+    with zipfile.ZipFile(wheel) as archive, tempfile.TemporaryDirectory() as folder:
+        names = archive.namelist()
+        archive.extractall(folder)
+        libraries = [name for name in names if name.endswith(".so")]
+        if not any(os.path.basename(name).startswith("_C.") for name in libraries):
+            problems.append("no matepoint._C in the wheel")
+        if not any(os.path.basename(name).startswith("_alloc.") for name in libraries):
+            problems.append("no allocator library in the wheel")
+        for name in libraries:
+            problems += library_problems(os.path.join(folder, name))
+    for _, shipped in layout.runtime_unit_files():
+        if f"matepoint/{shipped}" not in names:
+            problems.append(f"matepoint/{shipped} (compiled at run time) is missing")
+    if not any(re.search(r"\.dist-info/licenses/LICENSE$", name) for name in names):
+        problems.append("the license is missing from .dist-info")
+    return problems
+
+
+def main(wheels: List[str]) -> int:
+    if not wheels:
+        print(__doc__)
+        return 2
+    failed = False
+    for wheel in wheels:
+        problems = wheel_problems(wheel)
+        for problem in problems:
+            print(f"{os.path.basename(wheel)}: {problem}")
+        failed = failed or bool(problems)
+        if not problems:
+            print(f"{os.path.basename(wheel)}: stripped, no build paths, no test-build code")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
