@@ -8,7 +8,9 @@
 #   probe       benchmarks/allocator_probe.py: torch's API under
 #               install_allocator() (allocator_probe.json)
 #   bench       the deep-latent case (bf16, 200 MiB latent) at LATENT_DEPTH
-#               blocks: torch's checkpoint against matepoint, peak and step
+#               blocks: torch's checkpoint, torch's checkpoint inside
+#               save_on_cpu (what transformers' offload=True runs), matepoint
+#               and matepoint with its allocator: peak and step in one run
 # Exit status: 0 when every step passed.
 set -u
 OUT=${OUT:-build/gpu-check}
@@ -53,7 +55,7 @@ step build 120 "$PY" -m pip install -q --no-build-isolation --no-deps -e . || {
 step cuda-tests 90 "$PY" -m pytest -q -rA -p no:cacheprovider -m cuda tests
 step probe 150 "$PY" benchmarks/allocator_probe.py --out "$OUT"
 step bench 120 "$PY" -m matepoint.bench --gpu-check --cases latent \
-    --latent-depth "$LATENT_DEPTH" --modes torch,matepoint,matepoint+alloc --out "$OUT/bench"
+    --latent-depth "$LATENT_DEPTH" --modes torch,torch+save_on_cpu,matepoint,matepoint+alloc --out "$OUT/bench"
 tail -n 40 "$OUT/bench.log" 2>/dev/null
 if [ -n "$failed" ]; then
     echo "gpu-check: failed:$failed" | tee -a "$OUT/steps.txt"
