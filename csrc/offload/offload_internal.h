@@ -342,7 +342,8 @@ typedef struct {
     void *fetched_on;           /* the stream whose allocator gave it (a key only) */
     void *h2d_done;             /* the last copy back, until the copy goes */
     void *h2d_stream;           /* the stream it was queued on (a key only) */
-    int h2d_awaited;            /* the compute stream waits on h2d_done already */
+    int h2d_awaited;            /* some stream waits on h2d_done already: */
+    void *h2d_awaited_on;       /* the last that did (a key only) */
     int restoring;              /* threads taking a view of `fetched` now */
     int discard_pending;        /* discarded meanwhile: the last of them drops it */
     spill_slot *spill;          /* the span in the disk tier, or NULL */
