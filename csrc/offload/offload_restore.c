@@ -280,7 +280,7 @@ begin_restore(mp_state *st, OffloadGroup *group, int prefetch_ahead)
     /* backward has begun on this device: nothing it copied out stays in
      * flight, and what it reaches from here on while still there is used
      * in place (fetching skips it) */
-    if (offload_window_backward(st, group->device, last_region(group)) < 0 ||
+    if (offload_window_backward(st, group->device, group->thread, last_region(group)) < 0 ||
         offload_spill_readahead(st, group) < 0)
         return -1;
     if (fetch_group(st, group, 0) < 0)
@@ -314,7 +314,7 @@ offload_prefetch_group(mp_state *st, PyObject *group_obj)
     OffloadGroup *group = (OffloadGroup *)group_obj;
     if (!st->engine->options.pipeline || group->device == NULL || group->handed_back)
         return 0;
-    if (offload_window_backward(st, group->device, last_region(group)) < 0)
+    if (offload_window_backward(st, group->device, group->thread, last_region(group)) < 0)
         return -1;
     return fetch_group(st, group, 1);
 }
