@@ -333,6 +333,7 @@ typedef struct {
     void *producer;             /* stream current when the copy was queued: a key
                                  * only, never used after (it may be destroyed) */
     uint64_t region;            /* the device's region count then (window section) */
+    unsigned long thread;       /* creator: only its own backward uses it in place */
     void *d2h_done;             /* cudaEvent_t until seen complete, else NULL */
     int producer_waited;        /* the producer stream waits on d2h_done already */
     PyObject *fetched;          /* uint8 tensor holding the span again, or NULL;
@@ -342,7 +343,8 @@ typedef struct {
     void *fetched_on;           /* the stream whose allocator gave it (a key only) */
     void *h2d_done;             /* the last copy back, until the copy goes */
     void *h2d_stream;           /* the stream it was queued on (a key only) */
-    int h2d_awaited;            /* the compute stream waits on h2d_done already */
+    int h2d_awaited;            /* some stream waits on h2d_done already: */
+    void *h2d_awaited_on;       /* the last that did (a key only) */
     int restoring;              /* threads taking a view of `fetched` now */
     int discard_pending;        /* discarded meanwhile: the last of them drops it */
     spill_slot *spill;          /* the span in the disk tier, or NULL */
@@ -475,10 +477,13 @@ int offload_window_add(offload_engine *engine, offload_device *device, StorageCo
  * the window no longer allows. */
 int offload_window_end_region(mp_state *st, offload_device *device);
 
-/* Backward begins (or goes on) on the device at region `last_region`:
- * the sources still held of regions up to it are used in place, those of
- * later regions retired in stream order. */
-int offload_window_backward(mp_state *st, offload_device *device, uint64_t last_region);
+/* Backward of the graph `thread` created begins (or goes on) on the device
+ * at region `last_region`: the sources still held of that thread's regions
+ * up to it are used in place, the others retired in stream order (autograd
+ * graphs are per thread: one thread's backward says nothing of when
+ * another's reaches its inputs). */
+int offload_window_backward(mp_state *st, offload_device *device, unsigned long thread,
+                            uint64_t last_region);
 
 /* Retires the sources of copies that have completed, on every device. */
 int offload_window_poll_all(mp_state *st);

@@ -86,6 +86,7 @@ publish_fetched(mp_state *st, StorageCopy *copy, PyObject *fetched, void *done, 
     copy->fetched_on = compute;
     /* on the compute stream itself, what reads the span is queued after it */
     copy->h2d_awaited = !on_copy_stream;
+    copy->h2d_awaited_on = compute;
     if (on_copy_stream)
         engine->prefetched++;
     else
@@ -155,25 +156,32 @@ fetch_copy(mp_state *st, StorageCopy *copy, int on_copy_stream)
     return failed ? -1 : 0;
 }
 
-/* The compute stream of the copy's device waits for its last copy back,
- * once: what reads the restored span is queued after that. */
+/* The compute stream of the copy's device waits for its last copy back:
+ * what reads the restored span is queued after that. Every stream reading
+ * it waits (a span restored once may be read on several); only the stream
+ * that waited last is known to be ordered already. */
 static int
 await_h2d(mp_state *st, StorageCopy *copy)
 {
-    if (copy->h2d_done == NULL || copy->h2d_awaited)
+    if (copy->h2d_done == NULL)
         return 0;
     const cudart *rt = st->engine->rt;
     void *compute;
     int index = copy->device->index, previous;
-    if (offload_engine_current_stream(st, index, &compute) < 0 ||
-        offload_engine_enter_device(st, index, &previous) < 0)
+    if (offload_engine_current_stream(st, index, &compute) < 0)
+        return -1;
+    /* a key, compared with the flag: the legacy stream's handle is NULL */
+    if (copy->h2d_awaited && compute == copy->h2d_awaited_on)
+        return 0;
+    if (offload_engine_enter_device(st, index, &previous) < 0)
         return -1;
     int failed = streams_wait_event(st->engine->runtime, rt, OFFLOAD_SITE_READER_AFTER_COPY_IN,
                                     compute, copy->h2d_done);
     offload_engine_leave_device(st, index, previous);
-    copy->h2d_awaited = !failed;
     if (failed)
         return -1;
+    copy->h2d_awaited = 1;
+    copy->h2d_awaited_on = compute;
     /* read on another stream than the one whose allocator it came from
      * (a prefetch made while the region after it ran): that allocator
      * reuses it only once this stream passed what it queues now */
@@ -272,7 +280,7 @@ begin_restore(mp_state *st, OffloadGroup *group, int prefetch_ahead)
     /* backward has begun on this device: nothing it copied out stays in
      * flight, and what it reaches from here on while still there is used
      * in place (fetching skips it) */
-    if (offload_window_backward(st, group->device, last_region(group)) < 0 ||
+    if (offload_window_backward(st, group->device, group->thread, last_region(group)) < 0 ||
         offload_spill_readahead(st, group) < 0)
         return -1;
     if (fetch_group(st, group, 0) < 0)
@@ -306,7 +314,7 @@ offload_prefetch_group(mp_state *st, PyObject *group_obj)
     OffloadGroup *group = (OffloadGroup *)group_obj;
     if (!st->engine->options.pipeline || group->device == NULL || group->handed_back)
         return 0;
-    if (offload_window_backward(st, group->device, last_region(group)) < 0)
+    if (offload_window_backward(st, group->device, group->thread, last_region(group)) < 0)
         return -1;
     return fetch_group(st, group, 1);
 }

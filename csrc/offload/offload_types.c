@@ -258,6 +258,7 @@ storage_copy_new(mp_state *st, PyObject *module, offload_device *device, PyObjec
     copy->device = device;
     copy->device_obj = Py_NewRef(device_obj);
     copy->nbytes = nbytes;
+    copy->thread = PyThread_get_thread_ident();     /* as its group's (group_new) */
     return copy;
 }
 

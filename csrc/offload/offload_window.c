@@ -124,14 +124,18 @@ keep_in_place(offload_engine *engine, StorageCopy *copy)
     copy_advance(copy, COPY_RETURNED);
 }
 
-/* May backward use the copy's source in place (keep_in_place)? Not a copy
- * fetched while held (unpacked outside a restore), which keeps its copy
- * back, nor one the disk tier took (its block is the tier's until its
- * request finished: offload_spill_forget). */
+/* May the backward of `thread`'s graph use the copy's source in place
+ * (keep_in_place)? Only a copy that thread made: regions count per device,
+ * across threads, and another thread's backward may come much later (its
+ * source would stay on the device until then). Not a copy fetched while
+ * held (unpacked outside a restore), which keeps its copy back, nor one
+ * the disk tier took (its block is the tier's until its request finished:
+ * offload_spill_forget). */
 static int
-keepable(const StorageCopy *copy, uint64_t keep_through_region)
+keepable(const StorageCopy *copy, unsigned long thread, uint64_t keep_through_region)
 {
-    return copy->region <= keep_through_region && copy->source != NULL &&
+    return copy->thread == thread && copy->region <= keep_through_region &&
+           copy->source != NULL &&
            copy->fetched == NULL && copy->h2d_done == NULL &&
            copy->spill_phase == SPILL_RESIDENT && copy->spill == NULL;
 }
@@ -172,8 +176,8 @@ merge_held(PyObject *walked, PyObject *added)
 
 /* Retires the sources of the window's copies that completed, and of those
  * of regions before `force_below_region` in stream order; with `keep`,
- * those of regions up to `keep_through_region` are used in place instead
- * (keep_in_place: backward reaches them next).
+ * those `keep_thread` made of regions up to `keep_through_region` are used
+ * in place instead (keep_in_place: its backward reaches them next).
  *
  * Retiring in stream order calls record_stream, which on a GPU runs
  * torch's Python code: another sweep of this window may run inside it
@@ -186,7 +190,7 @@ merge_held(PyObject *walked, PyObject *added)
  * other's, losing a copy from the window.) */
 static int
 sweep(mp_state *st, offload_device *device, uint64_t force_below_region, int keep,
-      uint64_t keep_through_region)
+      unsigned long keep_thread, uint64_t keep_through_region)
 {
     if (device->in_flight == NULL || PyList_GET_SIZE(device->in_flight) == 0)
         return 0;  /* every recompute sweeps: the common case costs nothing */
@@ -205,7 +209,7 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region, int kee
          * fails every time: 2 calls a span saved) */
         if (forced)
             ask = 0;
-        if (keep && result == 0 && keepable(copy, keep_through_region)) {
+        if (keep && result == 0 && keepable(copy, keep_thread, keep_through_region)) {
             /* backward now owns the source and drops it when it is done,
              * maybe before the copy out read it: the copy-out stream must
              * hold its memory (record_stream runs Python: ask again) */
@@ -216,7 +220,7 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region, int kee
                 result = -1;        /* kept held: retired later */
                 continue;
             }
-            if (keepable(copy, keep_through_region)) {
+            if (keepable(copy, keep_thread, keep_through_region)) {
                 keep_in_place(st->engine, copy);
                 continue;
             }
@@ -258,7 +262,7 @@ offload_window_end_region(mp_state *st, offload_device *device)
     uint64_t ended = device->regions++;
     uint64_t window = (uint64_t)engine->options.window;
     /* regions ended - window + 1 .. ended stay in flight */
-    if (sweep(st, device, ended + 1 >= window ? ended + 1 - window : 0, 0, 0) < 0)
+    if (sweep(st, device, ended + 1 >= window ? ended + 1 - window : 0, 0, 0, 0) < 0)
         return -1;
     /* the peak as the GPU sees it: what is held while a region's function runs */
     if (engine->device_bytes_in_flight > engine->peak_device_bytes_in_flight)
@@ -267,16 +271,17 @@ offload_window_end_region(mp_state *st, offload_device *device)
 }
 
 int
-offload_window_backward(mp_state *st, offload_device *device, uint64_t last_region)
+offload_window_backward(mp_state *st, offload_device *device, unsigned long thread,
+                        uint64_t last_region)
 {
-    return sweep(st, device, UINT64_MAX, 1, last_region);
+    return sweep(st, device, UINT64_MAX, 1, thread, last_region);
 }
 
 int
 offload_window_poll_all(mp_state *st)
 {
     for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
-        if (st->engine->cuda[i] != NULL && sweep(st, st->engine->cuda[i], 0, 0, 0) < 0)
+        if (st->engine->cuda[i] != NULL && sweep(st, st->engine->cuda[i], 0, 0, 0, 0) < 0)
             return -1;
     }
     return 0;
