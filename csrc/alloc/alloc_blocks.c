@@ -78,7 +78,7 @@ index_insert(block *b)
     MP_ASSERT(!b->allocated && b->event_count == 0 && b->n_extra == 0);
     list_push(block_bucket(b), b);
     b->in_index = 1;
-    stats_segment_shape(b->seg, 0, 1, (int64_t)b->size);
+    stats_segment_free(b->seg, 1, (int64_t)b->size);
 }
 
 static void
@@ -86,7 +86,7 @@ index_remove(block *b)
 {
     list_remove(block_bucket(b), b);
     b->in_index = 0;
-    stats_segment_shape(b->seg, 0, -1, -(int64_t)b->size);
+    stats_segment_free(b->seg, 0, (int64_t)b->size);
 }
 
 /* ---- blocks and segments ------------------------------------------------- */
@@ -103,7 +103,7 @@ absorb_next(block *b, block *victim)
     b->next = victim->next;
     if (victim->next != NULL)
         victim->next->prev = b;
-    stats_segment_shape(b->seg, -1, 0, 0);
+    stats_segment_blocks(b->seg, 0);
     free(victim);
 }
 
@@ -262,7 +262,7 @@ block_take(block *b, uint64_t size)
             b->next->prev = rest;
         b->next = rest;
         b->size = size;
-        stats_segment_shape(b->seg, 1, 0, 0);
+        stats_segment_blocks(b->seg, 1);
         MP_ASSERT(b->ptr + b->size == rest->ptr && rest->ptr + rest->size <= b->seg->base + b->seg->size);
         block_insert_free(rest);
     }

@@ -81,7 +81,8 @@ struct segment {
     int small;
     device_state *dev;
     /* blocks, and how many of them are free and their bytes: the segment's
-     * share of torch's inactive_split figures (stats_segment_shape) */
+     * share of torch's inactive_split figures (stats_segment_free,
+     * stats_segment_blocks) */
     int64_t n_blocks, free_blocks, free_bytes;
     stream_state *owner;
     block *first;
@@ -322,11 +323,102 @@ void stats_record_oom(allocator *a, device_state *dev, uint64_t size);
 /* A freed block stops being active: at its free, or once the events of the
  * other streams that used it completed. */
 void stats_block_inactive(device_state *dev, block *b);
-/* The segment of `seg` gains `blocks` blocks and `free_blocks` free ones of
- * `free_bytes` bytes (negative: loses): torch's inactive_split follows. */
-void stats_segment_shape(segment *seg, int64_t blocks, int64_t free_blocks, int64_t free_bytes);
 /* A retry after releasing the cache (torch's num_alloc_retries and
  * num_sync_all_streams: the release waits for every stream's events). */
 void stats_count_retry(device_state *dev);
+
+/* torch's figures change on every malloc, free, split and merge: the
+ * updates below are inline (headers, not LTO, decide that) and touch one
+ * pool's stat and the aggregate's, by index, without a loop. A peak moves
+ * only where `current` rises. */
+static inline void
+stat_increase(alloc_stat *stat, int64_t amount)
+{
+    stat->current += amount;
+    stat->allocated += amount;
+    if (stat->current > stat->peak)
+        stat->peak = stat->current;
+}
+
+static inline void
+stat_decrease(alloc_stat *stat, int64_t amount)
+{
+    MP_ASSERT(stat->current >= amount);
+    stat->current -= amount;
+    stat->freed += amount;
+}
+
+/* Index of a segment's pool in alloc_device_stats.arrays. */
+static inline int
+stat_pool(const segment *seg)
+{
+    return seg->small ? ALLOC_POOL_SMALL : ALLOC_POOL_LARGE;
+}
+
+/* Adds `amount` >= 0 to `kind` of `pool` and of all pools. */
+static inline void
+stat_add(device_state *dev, int kind, int pool, int64_t amount)
+{
+    MP_ASSERT(amount >= 0);
+    stat_increase(&dev->torch.arrays[kind][ALLOC_POOL_ALL], amount);
+    stat_increase(&dev->torch.arrays[kind][pool], amount);
+}
+
+/* Takes `amount` >= 0 from `kind` of `pool` and of all pools. */
+static inline void
+stat_sub(device_state *dev, int kind, int pool, int64_t amount)
+{
+    MP_ASSERT(amount >= 0);
+    stat_decrease(&dev->torch.arrays[kind][ALLOC_POOL_ALL], amount);
+    stat_decrease(&dev->torch.arrays[kind][pool], amount);
+}
+
+/* A free block of `bytes` joins (`joins`) or leaves the free blocks of
+ * `seg`: torch's inactive_split counts it while `seg` has more than one
+ * block. */
+static inline void
+stats_segment_free(segment *seg, int joins, int64_t bytes)
+{
+    device_state *dev = seg->dev;
+    int pool = stat_pool(seg);
+    if (joins) {
+        seg->free_blocks++;
+        seg->free_bytes += bytes;
+        if (seg->n_blocks > 1) {
+            stat_add(dev, ALLOC_STAT_INACTIVE_SPLIT, pool, 1);
+            stat_add(dev, ALLOC_STAT_INACTIVE_SPLIT_BYTES, pool, bytes);
+        }
+    } else {
+        seg->free_blocks--;
+        seg->free_bytes -= bytes;
+        MP_ASSERT(seg->free_blocks >= 0 && seg->free_bytes >= 0);
+        if (seg->n_blocks > 1) {
+            stat_sub(dev, ALLOC_STAT_INACTIVE_SPLIT, pool, 1);
+            stat_sub(dev, ALLOC_STAT_INACTIVE_SPLIT_BYTES, pool, bytes);
+        }
+    }
+}
+
+/* `seg` gains (split) or loses (merge) one block. Only the step between
+ * one and two blocks changes whether its free blocks are inactive split,
+ * so no neighbour is walked: the segment keeps their count and bytes. */
+static inline void
+stats_segment_blocks(segment *seg, int gains)
+{
+    device_state *dev = seg->dev;
+    int pool = stat_pool(seg);
+    if (gains) {
+        if (++seg->n_blocks == 2) {
+            stat_add(dev, ALLOC_STAT_INACTIVE_SPLIT, pool, seg->free_blocks);
+            stat_add(dev, ALLOC_STAT_INACTIVE_SPLIT_BYTES, pool, seg->free_bytes);
+        }
+    } else {
+        MP_ASSERT(seg->n_blocks >= 2);
+        if (--seg->n_blocks == 1) {
+            stat_sub(dev, ALLOC_STAT_INACTIVE_SPLIT, pool, seg->free_blocks);
+            stat_sub(dev, ALLOC_STAT_INACTIVE_SPLIT_BYTES, pool, seg->free_bytes);
+        }
+    }
+}
 
 #endif
