@@ -45,6 +45,7 @@
 #define BUCKETS 64
 #define EXTRA_INLINE 2                  /* record_stream streams kept without a malloc */
 #define SPARE_EVENTS_MAX 64             /* completed events kept per device for reuse */
+#define SPARE_BLOCKS_MAX 64             /* merged-away block nodes kept per device for reuse */
 
 typedef struct segment segment;
 typedef struct block block;
@@ -149,6 +150,11 @@ struct device_state {
     uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
     pending_event *spare_events;    /* completed, ready to be recorded again */
     uint64_t spare_count;
+    /* block nodes merged away, ready for the next split (linked by
+     * list_next): a split and a merge happen on most malloc+free pairs,
+     * and glibc serves a node of this size from its slower bins */
+    block *spare_blocks;
+    uint64_t spare_block_count;
     private_pool *pools;            /* the one begun last first (torch asks LIFO) */
     block *deferred;                /* deferred blocks, linked by list_next */
     uint64_t active_pools;          /* pools being allocated to: captures underway */
@@ -304,6 +310,8 @@ void block_defer(device_state *dev, block *b);
 /* Records the deferred blocks' events (or frees them) once no pool is
  * being allocated to. */
 void deferred_process(allocator *a, device_state *dev);
+/* Frees the spare block nodes of `dev` (empty_cache, destroy). */
+void blocks_free_spares(device_state *dev);
 
 /* ---- alloc_stats.c ------------------------------------------------------ */
 
