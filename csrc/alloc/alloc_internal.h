@@ -144,6 +144,9 @@ struct device_state {
     uint64_t map_size, map_count;
     tag_slot *tags;
     uint64_t tag_capacity, tag_count;
+    /* the slot of the last tag counted (a region allocates many blocks
+     * in a row), NULL once the table moved */
+    tag_slot *tag_last;
     alloc_stats stats;
     alloc_device_stats torch;       /* torch's figures (alloc.h), kept with `stats` */
     uint64_t limit;

@@ -101,6 +101,7 @@ tag_find(device_state *dev, uint64_t tag)
         }
         free(dev->tags);
         dev->tags = grown;
+        dev->tag_last = NULL;
         dev->tag_capacity = capacity;
     }
     uint64_t slot = (tag * 0x9e3779b97f4a7c15ull) & (dev->tag_capacity - 1);
@@ -110,7 +111,8 @@ tag_find(device_state *dev, uint64_t tag)
         dev->tags[slot] = (tag_slot){.tag = tag, .used = 1};
         dev->tag_count++;
     }
-    return &dev->tags[slot];
+    dev->tag_last = &dev->tags[slot];
+    return dev->tag_last;
 }
 
 /* Tag accounting is best effort: without memory for the table the
@@ -118,7 +120,8 @@ tag_find(device_state *dev, uint64_t tag)
 static void
 tag_account(device_state *dev, uint64_t tag, uint64_t size, int allocate)
 {
-    tag_slot *slot = tag_find(dev, tag);
+    tag_slot *slot = dev->tag_last != NULL && dev->tag_last->tag == tag ? dev->tag_last
+                                                                      : tag_find(dev, tag);
     if (slot == NULL)
         return;
     if (allocate) {
