@@ -230,12 +230,29 @@ void block_retire(allocator *a, device_state *dev, block *b);
  * ALLOC_CONTEXT_ALL: frees too), else NULL. No lock held: it may take the
  * GIL. */
 void *history_gather(allocator *a, int at_least, uint64_t tag);
-/* Gives up one reference to `context` (NULL: nothing). */
-void history_drop(device_state *dev, void *context);
-/* Adds a record (ALLOC_TRACE_*) when recording; takes its own reference
- * to `context`. */
-void history_record(device_state *dev, int action, uint64_t address, uint64_t size,
+/* Adds a record to the ring of a recording device (history_record). */
+void history_append(device_state *dev, int action, uint64_t address, uint64_t size,
                     void *stream, uint64_t tag, void *context);
+
+/* Gives up one reference to `context` (NULL: nothing). Inline: with
+ * history off every malloc and free passes here with NULL. */
+static inline void
+history_drop(device_state *dev, void *context)
+{
+    if (context != NULL && dev->history.release != NULL)
+        dev->history.release(context);
+}
+
+/* Adds a record (ALLOC_TRACE_*) when recording; takes its own reference
+ * to `context`. Inline: one predictable branch when
+ * history is off. */
+static inline void
+history_record(device_state *dev, int action, uint64_t address, uint64_t size, void *stream,
+               uint64_t tag, void *context)
+{
+    if (__builtin_expect(dev->history.enabled != 0, 0))
+        history_append(dev, action, address, size, stream, tag, context);
+}
 
 /* ---- alloc_blocks.c ----------------------------------------------------- */
 /* The bucket a free block of `b`'s size and stream lives in. */
