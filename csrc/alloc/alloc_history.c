@@ -76,10 +76,8 @@ alloc_history_configure(allocator *a, const alloc_history_config *config)
 /* ---- records ---------------------------------------------------------------- */
 
 void *
-history_gather(allocator *a, int at_least, uint64_t tag)
+history_gather_now(allocator *a, uint64_t tag)
 {
-    if (atomic_load(&a->history_when) < at_least)
-        return NULL;
     pthread_mutex_lock(&a->history_lock);
     void *(*gather)(uint64_t) = a->history.enabled ? a->history.gather : NULL;
     pthread_mutex_unlock(&a->history_lock);

@@ -228,8 +228,17 @@ void block_retire(allocator *a, device_state *dev, block *b);
 /* A new context for an event of a block tagged `tag` when history
  * gathers for events of `at_least` (ALLOC_CONTEXT_STATE: allocations,
  * ALLOC_CONTEXT_ALL: frees too), else NULL. No lock held: it may take the
- * GIL. */
-void *history_gather(allocator *a, int at_least, uint64_t tag);
+ * GIL. history_gather_now() asks without looking at `at_least`. */
+void *history_gather_now(allocator *a, uint64_t tag);
+
+/* Inline: with history off, one atomic load and a predictable branch. */
+static inline void *
+history_gather(allocator *a, int at_least, uint64_t tag)
+{
+    if (__builtin_expect(atomic_load(&a->history_when) < at_least, 1))
+        return NULL;
+    return history_gather_now(a, tag);
+}
 /* Adds a record to the ring of a recording device (history_record). */
 void history_append(device_state *dev, int action, uint64_t address, uint64_t size,
                     void *stream, uint64_t tag, void *context);
