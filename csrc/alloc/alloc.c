@@ -222,6 +222,7 @@ alloc_destroy(allocator *a)
             free(s);
         }
         pools_free_all(dev);
+        blocks_free_spares(dev);
         free(dev->map);
         free(dev->tags);
         for (uint64_t i = 0; i < dev->ring_count; i++)

@@ -78,7 +78,7 @@ index_insert(block *b)
     MP_ASSERT(!b->allocated && b->event_count == 0 && b->n_extra == 0);
     list_push(block_bucket(b), b);
     b->in_index = 1;
-    stats_segment_shape(b->seg, 0, 1, (int64_t)b->size);
+    stats_segment_free(b->seg, 1, (int64_t)b->size);
 }
 
 static void
@@ -86,10 +86,49 @@ index_remove(block *b)
 {
     list_remove(block_bucket(b), b);
     b->in_index = 0;
-    stats_segment_shape(b->seg, 0, -1, -(int64_t)b->size);
+    stats_segment_free(b->seg, 0, (int64_t)b->size);
 }
 
 /* ---- blocks and segments ------------------------------------------------- */
+
+/* A zeroed block node: a spare, or a new one (NULL without memory). */
+static block *
+block_node_new(device_state *dev)
+{
+    block *b = dev->spare_blocks;
+    if (b == NULL)
+        return calloc(1, sizeof(*b));
+    dev->spare_blocks = b->list_next;
+    mp_counter_sub(&dev->spare_block_count, 1);
+    *b = (block){0};
+    return b;
+}
+
+/* Keeps the node of a block merged away for the next split, up to
+ * SPARE_BLOCKS_MAX per device. */
+static void
+block_node_give(device_state *dev, block *b)
+{
+    MP_ASSERT(b->context == NULL && b->n_extra == 0 && !b->allocated && !b->in_index);
+    if (dev->spare_block_count >= SPARE_BLOCKS_MAX) {
+        free(b);
+        return;
+    }
+    b->list_next = dev->spare_blocks;
+    dev->spare_blocks = b;
+    dev->spare_block_count++;
+}
+
+void
+blocks_free_spares(device_state *dev)
+{
+    for (block *b = dev->spare_blocks, *next; b != NULL; b = next) {
+        next = b->list_next;
+        free(b);
+    }
+    dev->spare_blocks = NULL;
+    dev->spare_block_count = 0;
+}
 
 /* Absorbs `victim`, the free block right after `b` in the same segment
  * (taken out of the index already), into `b`. */
@@ -103,8 +142,8 @@ absorb_next(block *b, block *victim)
     b->next = victim->next;
     if (victim->next != NULL)
         victim->next->prev = b;
-    stats_segment_shape(b->seg, -1, 0, 0);
-    free(victim);
+    stats_segment_blocks(b->seg, 0);
+    block_node_give(b->seg->dev, victim);
 }
 
 /* A block becomes free: merged with its free neighbours, indexed. */
@@ -210,6 +249,7 @@ segment_release_cached(allocator *a, device_state *dev)
     }
     events_process(a, dev, 1);
     events_free_spares(a, dev);
+    blocks_free_spares(dev);
     segment_release_free(a, dev, RELEASE_CACHE);
 }
 
@@ -248,7 +288,7 @@ block_take(block *b, uint64_t size)
     if (b->in_index)
         index_remove(b);
     if (should_split(b, size)) {
-        block *rest = calloc(1, sizeof(*rest));
+        block *rest = block_node_new(b->seg->dev);
         if (rest == NULL) {
             index_insert(b);
             return -1;
@@ -262,7 +302,7 @@ block_take(block *b, uint64_t size)
             b->next->prev = rest;
         b->next = rest;
         b->size = size;
-        stats_segment_shape(b->seg, 1, 0, 0);
+        stats_segment_blocks(b->seg, 1);
         MP_ASSERT(b->ptr + b->size == rest->ptr && rest->ptr + rest->size <= b->seg->base + b->seg->size);
         block_insert_free(rest);
     }

@@ -76,10 +76,8 @@ alloc_history_configure(allocator *a, const alloc_history_config *config)
 /* ---- records ---------------------------------------------------------------- */
 
 void *
-history_gather(allocator *a, int at_least, uint64_t tag)
+history_gather_now(allocator *a, uint64_t tag)
 {
-    if (atomic_load(&a->history_when) < at_least)
-        return NULL;
     pthread_mutex_lock(&a->history_lock);
     void *(*gather)(uint64_t) = a->history.enabled ? a->history.gather : NULL;
     pthread_mutex_unlock(&a->history_lock);
@@ -87,14 +85,7 @@ history_gather(allocator *a, int at_least, uint64_t tag)
 }
 
 void
-history_drop(device_state *dev, void *context)
-{
-    if (context != NULL && dev->history.release != NULL)
-        dev->history.release(context);
-}
-
-void
-history_record(device_state *dev, int action, uint64_t address, uint64_t size, void *stream,
+history_append(device_state *dev, int action, uint64_t address, uint64_t size, void *stream,
                uint64_t tag, void *context)
 {
     if (!dev->history.enabled || dev->ring_capacity == 0)
@@ -104,12 +95,15 @@ history_record(device_state *dev, int action, uint64_t address, uint64_t size, v
     else
         context = NULL;
     alloc_trace_record *slot;
+    /* head < capacity and count <= capacity: a subtraction wraps, no modulo */
     if (dev->ring_count == dev->ring_capacity) {
         slot = &dev->ring[dev->ring_head];          /* the oldest goes */
         history_drop(dev, slot->context);
-        dev->ring_head = (dev->ring_head + 1) % dev->ring_capacity;
+        if (++dev->ring_head == dev->ring_capacity)
+            dev->ring_head = 0;
     } else {
-        slot = &dev->ring[(dev->ring_head + dev->ring_count) % dev->ring_capacity];
+        uint64_t at = dev->ring_head + dev->ring_count;
+        slot = &dev->ring[at >= dev->ring_capacity ? at - dev->ring_capacity : at];
         dev->ring_count++;
     }
     *slot = (alloc_trace_record){.action = action, .address = address, .size = size,

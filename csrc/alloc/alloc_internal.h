@@ -45,6 +45,7 @@
 #define BUCKETS 64
 #define EXTRA_INLINE 2                  /* record_stream streams kept without a malloc */
 #define SPARE_EVENTS_MAX 64             /* completed events kept per device for reuse */
+#define SPARE_BLOCKS_MAX 64             /* merged-away block nodes kept per device for reuse */
 
 typedef struct segment segment;
 typedef struct block block;
@@ -81,7 +82,8 @@ struct segment {
     int small;
     device_state *dev;
     /* blocks, and how many of them are free and their bytes: the segment's
-     * share of torch's inactive_split figures (stats_segment_shape) */
+     * share of torch's inactive_split figures (stats_segment_free,
+     * stats_segment_blocks) */
     int64_t n_blocks, free_blocks, free_bytes;
     stream_state *owner;
     block *first;
@@ -142,12 +144,20 @@ struct device_state {
     uint64_t map_size, map_count;
     tag_slot *tags;
     uint64_t tag_capacity, tag_count;
+    /* the slot of the last tag counted (a region allocates many blocks
+     * in a row), NULL once the table moved */
+    tag_slot *tag_last;
     alloc_stats stats;
     alloc_device_stats torch;       /* torch's figures (alloc.h), kept with `stats` */
     uint64_t limit;
     uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
     pending_event *spare_events;    /* completed, ready to be recorded again */
     uint64_t spare_count;
+    /* block nodes merged away, ready for the next split (linked by
+     * list_next): a split and a merge happen on most malloc+free pairs,
+     * and glibc serves a node of this size from its slower bins */
+    block *spare_blocks;
+    uint64_t spare_block_count;
     private_pool *pools;            /* the one begun last first (torch asks LIFO) */
     block *deferred;                /* deferred blocks, linked by list_next */
     uint64_t active_pools;          /* pools being allocated to: captures underway */
@@ -218,14 +228,40 @@ void block_retire(allocator *a, device_state *dev, block *b);
 /* A new context for an event of a block tagged `tag` when history
  * gathers for events of `at_least` (ALLOC_CONTEXT_STATE: allocations,
  * ALLOC_CONTEXT_ALL: frees too), else NULL. No lock held: it may take the
- * GIL. */
-void *history_gather(allocator *a, int at_least, uint64_t tag);
-/* Gives up one reference to `context` (NULL: nothing). */
-void history_drop(device_state *dev, void *context);
-/* Adds a record (ALLOC_TRACE_*) when recording; takes its own reference
- * to `context`. */
-void history_record(device_state *dev, int action, uint64_t address, uint64_t size,
+ * GIL. history_gather_now() asks without looking at `at_least`. */
+void *history_gather_now(allocator *a, uint64_t tag);
+
+/* Inline: with history off, one atomic load and a predictable branch. */
+static inline void *
+history_gather(allocator *a, int at_least, uint64_t tag)
+{
+    if (__builtin_expect(atomic_load(&a->history_when) < at_least, 1))
+        return NULL;
+    return history_gather_now(a, tag);
+}
+/* Adds a record to the ring of a recording device (history_record). */
+void history_append(device_state *dev, int action, uint64_t address, uint64_t size,
                     void *stream, uint64_t tag, void *context);
+
+/* Gives up one reference to `context` (NULL: nothing). Inline: with
+ * history off every malloc and free passes here with NULL. */
+static inline void
+history_drop(device_state *dev, void *context)
+{
+    if (context != NULL && dev->history.release != NULL)
+        dev->history.release(context);
+}
+
+/* Adds a record (ALLOC_TRACE_*) when recording; takes its own reference
+ * to `context`. Inline: one predictable branch when
+ * history is off. */
+static inline void
+history_record(device_state *dev, int action, uint64_t address, uint64_t size, void *stream,
+               uint64_t tag, void *context)
+{
+    if (__builtin_expect(dev->history.enabled != 0, 0))
+        history_append(dev, action, address, size, stream, tag, context);
+}
 
 /* ---- alloc_blocks.c ----------------------------------------------------- */
 /* The bucket a free block of `b`'s size and stream lives in. */
@@ -303,6 +339,8 @@ void block_defer(device_state *dev, block *b);
 /* Records the deferred blocks' events (or frees them) once no pool is
  * being allocated to. */
 void deferred_process(allocator *a, device_state *dev);
+/* Frees the spare block nodes of `dev` (empty_cache, destroy). */
+void blocks_free_spares(device_state *dev);
 
 /* ---- alloc_stats.c ------------------------------------------------------ */
 
@@ -322,11 +360,102 @@ void stats_record_oom(allocator *a, device_state *dev, uint64_t size);
 /* A freed block stops being active: at its free, or once the events of the
  * other streams that used it completed. */
 void stats_block_inactive(device_state *dev, block *b);
-/* The segment of `seg` gains `blocks` blocks and `free_blocks` free ones of
- * `free_bytes` bytes (negative: loses): torch's inactive_split follows. */
-void stats_segment_shape(segment *seg, int64_t blocks, int64_t free_blocks, int64_t free_bytes);
 /* A retry after releasing the cache (torch's num_alloc_retries and
  * num_sync_all_streams: the release waits for every stream's events). */
 void stats_count_retry(device_state *dev);
+
+/* torch's figures change on every malloc, free, split and merge: the
+ * updates below are inline (headers, not LTO, decide that) and touch one
+ * pool's stat and the aggregate's, by index, without a loop. A peak moves
+ * only where `current` rises. */
+static inline void
+stat_increase(alloc_stat *stat, int64_t amount)
+{
+    stat->current += amount;
+    stat->allocated += amount;
+    if (stat->current > stat->peak)
+        stat->peak = stat->current;
+}
+
+static inline void
+stat_decrease(alloc_stat *stat, int64_t amount)
+{
+    MP_ASSERT(stat->current >= amount);
+    stat->current -= amount;
+    stat->freed += amount;
+}
+
+/* Index of a segment's pool in alloc_device_stats.arrays. */
+static inline int
+stat_pool(const segment *seg)
+{
+    return seg->small ? ALLOC_POOL_SMALL : ALLOC_POOL_LARGE;
+}
+
+/* Adds `amount` >= 0 to `kind` of `pool` and of all pools. */
+static inline void
+stat_add(device_state *dev, int kind, int pool, int64_t amount)
+{
+    MP_ASSERT(amount >= 0);
+    stat_increase(&dev->torch.arrays[kind][ALLOC_POOL_ALL], amount);
+    stat_increase(&dev->torch.arrays[kind][pool], amount);
+}
+
+/* Takes `amount` >= 0 from `kind` of `pool` and of all pools. */
+static inline void
+stat_sub(device_state *dev, int kind, int pool, int64_t amount)
+{
+    MP_ASSERT(amount >= 0);
+    stat_decrease(&dev->torch.arrays[kind][ALLOC_POOL_ALL], amount);
+    stat_decrease(&dev->torch.arrays[kind][pool], amount);
+}
+
+/* A free block of `bytes` joins (`joins`) or leaves the free blocks of
+ * `seg`: torch's inactive_split counts it while `seg` has more than one
+ * block. */
+static inline void
+stats_segment_free(segment *seg, int joins, int64_t bytes)
+{
+    device_state *dev = seg->dev;
+    int pool = stat_pool(seg);
+    if (joins) {
+        seg->free_blocks++;
+        seg->free_bytes += bytes;
+        if (seg->n_blocks > 1) {
+            stat_add(dev, ALLOC_STAT_INACTIVE_SPLIT, pool, 1);
+            stat_add(dev, ALLOC_STAT_INACTIVE_SPLIT_BYTES, pool, bytes);
+        }
+    } else {
+        seg->free_blocks--;
+        seg->free_bytes -= bytes;
+        MP_ASSERT(seg->free_blocks >= 0 && seg->free_bytes >= 0);
+        if (seg->n_blocks > 1) {
+            stat_sub(dev, ALLOC_STAT_INACTIVE_SPLIT, pool, 1);
+            stat_sub(dev, ALLOC_STAT_INACTIVE_SPLIT_BYTES, pool, bytes);
+        }
+    }
+}
+
+/* `seg` gains (split) or loses (merge) one block. Only the step between
+ * one and two blocks changes whether its free blocks are inactive split,
+ * so no neighbour is walked: the segment keeps their count and bytes. */
+static inline void
+stats_segment_blocks(segment *seg, int gains)
+{
+    device_state *dev = seg->dev;
+    int pool = stat_pool(seg);
+    if (gains) {
+        if (++seg->n_blocks == 2) {
+            stat_add(dev, ALLOC_STAT_INACTIVE_SPLIT, pool, seg->free_blocks);
+            stat_add(dev, ALLOC_STAT_INACTIVE_SPLIT_BYTES, pool, seg->free_bytes);
+        }
+    } else {
+        MP_ASSERT(seg->n_blocks >= 2);
+        if (--seg->n_blocks == 1) {
+            stat_sub(dev, ALLOC_STAT_INACTIVE_SPLIT, pool, seg->free_blocks);
+            stat_sub(dev, ALLOC_STAT_INACTIVE_SPLIT_BYTES, pool, seg->free_bytes);
+        }
+    }
+}
 
 #endif

@@ -101,6 +101,7 @@ tag_find(device_state *dev, uint64_t tag)
         }
         free(dev->tags);
         dev->tags = grown;
+        dev->tag_last = NULL;
         dev->tag_capacity = capacity;
     }
     uint64_t slot = (tag * 0x9e3779b97f4a7c15ull) & (dev->tag_capacity - 1);
@@ -110,7 +111,8 @@ tag_find(device_state *dev, uint64_t tag)
         dev->tags[slot] = (tag_slot){.tag = tag, .used = 1};
         dev->tag_count++;
     }
-    return &dev->tags[slot];
+    dev->tag_last = &dev->tags[slot];
+    return dev->tag_last;
 }
 
 /* Tag accounting is best effort: without memory for the table the
@@ -118,7 +120,8 @@ tag_find(device_state *dev, uint64_t tag)
 static void
 tag_account(device_state *dev, uint64_t tag, uint64_t size, int allocate)
 {
-    tag_slot *slot = tag_find(dev, tag);
+    tag_slot *slot = dev->tag_last != NULL && dev->tag_last->tag == tag ? dev->tag_last
+                                                                      : tag_find(dev, tag);
     if (slot == NULL)
         return;
     if (allocate) {
@@ -133,61 +136,14 @@ tag_account(device_state *dev, uint64_t tag, uint64_t size, int allocate)
 
 /* ---- torch's figures (alloc.h: alloc_device_stats) --------------------------- */
 
-static void
-stat_increase(alloc_stat *stat, int64_t amount)
-{
-    stat->current += amount;
-    stat->allocated += amount;
-    if (stat->current > stat->peak)
-        stat->peak = stat->current;
-}
-
-static void
-stat_decrease(alloc_stat *stat, int64_t amount)
-{
-    MP_ASSERT(stat->current >= amount);
-    stat->current -= amount;
-    stat->freed += amount;
-}
-
-/* Adds `amount` (negative: takes) to `kind` of the pool and of all pools. */
-static void
-stat_change(device_state *dev, int kind, int small, int64_t amount)
-{
-    alloc_stat *pools = dev->torch.arrays[kind];
-    alloc_stat *pool = &pools[small ? ALLOC_POOL_SMALL : ALLOC_POOL_LARGE];
-    if (amount > 0) {
-        stat_increase(&pools[ALLOC_POOL_ALL], amount);
-        stat_increase(pool, amount);
-    } else if (amount < 0) {
-        stat_decrease(&pools[ALLOC_POOL_ALL], -amount);
-        stat_decrease(pool, -amount);
-    }
-}
-
-void
-stats_segment_shape(segment *seg, int64_t blocks, int64_t free_blocks, int64_t free_bytes)
-{
-    int split = seg->n_blocks > 1;
-    int64_t count = split ? seg->free_blocks : 0, bytes = split ? seg->free_bytes : 0;
-    seg->n_blocks += blocks;
-    seg->free_blocks += free_blocks;
-    seg->free_bytes += free_bytes;
-    MP_ASSERT(seg->n_blocks >= 1 && seg->free_blocks >= 0 && seg->free_bytes >= 0);
-    split = seg->n_blocks > 1;
-    stat_change(seg->dev, ALLOC_STAT_INACTIVE_SPLIT, seg->small,
-                (split ? seg->free_blocks : 0) - count);
-    stat_change(seg->dev, ALLOC_STAT_INACTIVE_SPLIT_BYTES, seg->small,
-                (split ? seg->free_bytes : 0) - bytes);
-}
-
 void
 stats_block_inactive(device_state *dev, block *b)
 {
     MP_ASSERT(!b->allocated);
-    stat_change(dev, ALLOC_STAT_ACTIVE, b->seg->small, -1);
-    stat_change(dev, ALLOC_STAT_ACTIVE_BYTES, b->seg->small, -(int64_t)b->size);
-    stat_change(dev, ALLOC_STAT_REQUESTED_BYTES, b->seg->small, -(int64_t)b->requested);
+    int pool = stat_pool(b->seg);
+    stat_sub(dev, ALLOC_STAT_ACTIVE, pool, 1);
+    stat_sub(dev, ALLOC_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
+    stat_sub(dev, ALLOC_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
     history_record(dev, ALLOC_TRACE_FREE_COMPLETED, b->ptr, b->size, b->seg->owner->stream,
                    b->tag, NULL);
     history_drop(dev, b->context);
@@ -231,12 +187,12 @@ stats_account_malloc(device_state *dev, block *b, uint64_t size, uint64_t tag)
     MP_ASSERT(dev->stats.allocated_bytes <= dev->stats.reserved_bytes);
     MP_ASSERT(dev->stats.requested_bytes <= dev->stats.allocated_bytes);
     tag_account(dev, tag, b->size, 1);
-    int small = b->seg->small;
-    stat_change(dev, ALLOC_STAT_ALLOCATION, small, 1);
-    stat_change(dev, ALLOC_STAT_ALLOCATED_BYTES, small, (int64_t)b->size);
-    stat_change(dev, ALLOC_STAT_ACTIVE, small, 1);
-    stat_change(dev, ALLOC_STAT_ACTIVE_BYTES, small, (int64_t)b->size);
-    stat_change(dev, ALLOC_STAT_REQUESTED_BYTES, small, (int64_t)size);
+    int pool = stat_pool(b->seg);
+    stat_add(dev, ALLOC_STAT_ALLOCATION, pool, 1);
+    stat_add(dev, ALLOC_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
+    stat_add(dev, ALLOC_STAT_ACTIVE, pool, 1);
+    stat_add(dev, ALLOC_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
+    stat_add(dev, ALLOC_STAT_REQUESTED_BYTES, pool, (int64_t)size);
 }
 
 void
@@ -248,8 +204,9 @@ stats_account_free(device_state *dev, block *b)
     mp_counter_sub(&dev->stats.allocated_bytes, b->size);
     mp_counter_sub(&dev->stats.requested_bytes, b->requested);
     tag_account(dev, b->tag, b->size, 0);
-    stat_change(dev, ALLOC_STAT_ALLOCATION, b->seg->small, -1);
-    stat_change(dev, ALLOC_STAT_ALLOCATED_BYTES, b->seg->small, -(int64_t)b->size);
+    int pool = stat_pool(b->seg);
+    stat_sub(dev, ALLOC_STAT_ALLOCATION, pool, 1);
+    stat_sub(dev, ALLOC_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
     b->allocated = 0;
 }
 
@@ -257,8 +214,8 @@ void
 stats_segment_added(device_state *dev, segment *seg)
 {
     uint64_t size = seg->size;
-    stat_change(dev, ALLOC_STAT_SEGMENT, seg->small, 1);
-    stat_change(dev, ALLOC_STAT_RESERVED_BYTES, seg->small, (int64_t)size);
+    stat_add(dev, ALLOC_STAT_SEGMENT, stat_pool(seg), 1);
+    stat_add(dev, ALLOC_STAT_RESERVED_BYTES, stat_pool(seg), (int64_t)size);
     dev->torch.num_device_alloc++;
     dev->stats.reserved_bytes += size;
     dev->stats.device_allocs++;
@@ -270,8 +227,8 @@ void
 stats_segment_released(device_state *dev, segment *seg)
 {
     uint64_t size = seg->size;
-    stat_change(dev, ALLOC_STAT_SEGMENT, seg->small, -1);
-    stat_change(dev, ALLOC_STAT_RESERVED_BYTES, seg->small, -(int64_t)size);
+    stat_sub(dev, ALLOC_STAT_SEGMENT, stat_pool(seg), 1);
+    stat_sub(dev, ALLOC_STAT_RESERVED_BYTES, stat_pool(seg), (int64_t)size);
     dev->torch.num_device_free++;
     mp_counter_sub(&dev->stats.reserved_bytes, size);
     MP_ASSERT(dev->stats.allocated_bytes <= dev->stats.reserved_bytes);
