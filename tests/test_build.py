@@ -24,7 +24,9 @@ def test_every_build_uses_the_limited_api() -> None:
     for environ in ({}, {"MATEPOINT_TESTING": "1", "MATEPOINT_WERROR": "1"},
                     {"MATEPOINT_DEBUG": "1"}, {"MATEPOINT_RELEASE": "1"}):
         assert f"-DPy_LIMITED_API={LIMITED_API}" in c_flags(environ), environ
-    assert _C.__file__.endswith(".abi3.so"), _C.__file__
+    # a checkout built before abi3 keeps a _C.cpython-3XX-*.so that Python
+    # prefers: `make clean` (or removing matepoint/*.so) once
+    assert _C.__file__.endswith(".abi3.so"), f"{_C.__file__}: a stale pre-abi3 build?"
 
 
 def test_this_build_says_what_it_is() -> None:
