@@ -74,12 +74,13 @@ readme-test: install
 	MATEPOINT_README_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_readme.py
 
 # Release artefacts, built as a package index would get them: the sdist,
-# then a wheel built from the sdist alone in a clean folder, repaired to
+# then the one wheel (cp310-abi3: the limited C API serves every CPython
+# from 3.10) built from the sdist alone in a clean folder, repaired to
 # manylinux_2_28 (torch's own baseline) and checked (auditwheel show, twine
 # check, no debug information, no build paths, no test-build code).
 # The packaging tools live in their own venv ($(DIST_TOOLS)). Locally the
 # compiler is zig's clang aimed at glibc 2.28 (as the manylinux_2_28 image
-# would link: no symbol newer than 2.28); CI builds the same wheels in that
+# would link: no symbol newer than 2.28); CI builds the same wheel in that
 # image with cibuildwheel (pyproject.toml). Both are release builds
 # (MATEPOINT_RELEASE=1: stripped, optimized, refused with the test-build
 # switches this Makefile exports, which are cleared here).

@@ -34,6 +34,8 @@ extension = Extension(
     extra_compile_args=layout.c_flags(os.environ),
     extra_link_args=layout.link_flags(os.environ),
     libraries=["dl", "pthread"],
+    # the limited C API (c_flags defines Py_LIMITED_API): named _C.abi3.so
+    py_limited_api=True,
 )
 
 # The CUDA caching allocator: a plain shared library (no Python module) that
@@ -50,6 +52,9 @@ allocator = Extension(
     extra_compile_args=layout.c_flags(os.environ) + ["-fexceptions", "-flto"],
     extra_link_args=["-flto"] + layout.link_flags(os.environ),
     libraries=["dl", "pthread"],
+    # no Python API at all: named _alloc.abi3.so like _C, as the abi3 wheel
+    # that carries both serves every CPython from 3.10
+    py_limited_api=True,
 )
 
 class build_py_with_runtime_units(build_py):
@@ -68,4 +73,6 @@ class build_py_with_runtime_units(build_py):
             self.copy_file(source, os.path.join(target, name))
 
 
-setup(ext_modules=[extension, allocator], cmdclass={"build_py": build_py_with_runtime_units})
+# one wheel for every CPython from 3.10: tagged cp310-abi3
+setup(ext_modules=[extension, allocator], cmdclass={"build_py": build_py_with_runtime_units},
+      options={"bdist_wheel": {"py_limited_api": layout.PY_LIMITED_API_TAG}})

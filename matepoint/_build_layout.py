@@ -56,6 +56,12 @@ def runtime_unit_files() -> List[Tuple[str, str]]:
 
 
 C_FLAGS = ["-std=c11", "-Wall", "-Wextra"]
+# the limited C API of Python 3.10 (0x030A0000), in every build: one abi3
+# wheel (cp310-abi3) serves every CPython from 3.10; measured to add no
+# per-call overhead (benchmarks/RESULTS.md, "abi3"). setup.py tags the
+# extension and the wheel to match (PY_LIMITED_API_TAG).
+LIMITED_API = "0x030A0000"
+PY_LIMITED_API_TAG = "cp310"
 CXX_FLAGS = ["-std=c++17", "-O2", "-shared", "-fPIC"]
 
 
@@ -100,7 +106,7 @@ def c_flags(environ: Mapping[str, str]) -> List[str]:
     MATEPOINT_WERROR=1 -Werror, MATEPOINT_DEBUG=1 an unoptimized debug
     build with its asserts, MATEPOINT_RELEASE=1 a stripped release build
     (refused together with either of the first and the third)."""
-    flags = C_FLAGS + ["-fvisibility=hidden"]
+    flags = C_FLAGS + ["-fvisibility=hidden", f"-DPy_LIMITED_API={LIMITED_API}"]
     if environ.get("MATEPOINT_TESTING") == "1":
         flags.append("-DMATEPOINT_TESTING=1")
     if environ.get("MATEPOINT_WERROR") == "1":

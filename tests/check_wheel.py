@@ -6,6 +6,8 @@
   no symbol table beyond the dynamic one, no RPATH/RUNPATH, no path of the
   machine that built them (the build folder, the home, /tmp), and none of the
   test build's code (matepoint/_build_layout.py's TEST_BUILD_SYMBOLS);
+- it is the one abi3 wheel (tagged cp310-abi3, its libraries named
+  .abi3.so) that serves every CPython from 3.10;
 - it holds the C++ units compiled at run time (RUNTIME_UNIT_SOURCES) and the
   license.
 
@@ -61,6 +63,21 @@ def library_problems(path: str) -> List[str]:
     return problems
 
 
+def abi3_problems(wheel: str, archive: zipfile.ZipFile, libraries: List[str]) -> List[str]:
+    """The wheel is tagged for the limited API of 3.10 (file name and the
+    WHEEL metadata agree) and its libraries are named for it."""
+    problems = []
+    python_tag = f"{layout.PY_LIMITED_API_TAG}-abi3"
+    if f"-{python_tag}-" not in os.path.basename(wheel):
+        problems.append(f"not tagged {python_tag}")
+    metadata = [name for name in archive.namelist() if name.endswith(".dist-info/WHEEL")]
+    tags = re.findall(r"^Tag: (\S+)$", archive.read(metadata[0]).decode(), re.M) if metadata else []
+    if not tags or not all(tag.startswith(python_tag + "-") for tag in tags):
+        problems.append(f"WHEEL's tags {tags} are not all {python_tag}")
+    problems += [f"{name}: not named .abi3.so" for name in libraries if not name.endswith(".abi3.so")]
+    return problems
+
+
 def wheel_problems(wheel: str) -> List[str]:
     """Everything wrong with ``wheel`` (empty: it may ship)."""
     problems = []
@@ -68,6 +85,7 @@ def wheel_problems(wheel: str) -> List[str]:
         names = archive.namelist()
         archive.extractall(folder)
         libraries = [name for name in names if name.endswith(".so")]
+        problems += abi3_problems(wheel, archive, libraries)
         if not any(os.path.basename(name).startswith("_C.") for name in libraries):
             problems.append("no matepoint._C in the wheel")
         if not any(os.path.basename(name).startswith("_alloc.") for name in libraries):

@@ -9,10 +9,24 @@ import sys
 import pytest
 
 from matepoint import _C
-from matepoint._build_layout import TEST_BUILD_SYMBOLS
+from matepoint._build_layout import LIMITED_API, TEST_BUILD_SYMBOLS, c_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_ONLY = ("_simulate_cuda", "_sim_advance", "_offload_copies", "_fail_pool_acquires")
+
+
+def test_every_build_uses_the_limited_api() -> None:
+    """One abi3 wheel serves every CPython from 3.10: _C is compiled for
+    the limited C API of 3.10 in every build (plain, test, debug, release,
+    as ASan's reads the same flags) and named .abi3.so, which every CPython
+    from 3.10 imports; this one imported it."""
+    assert LIMITED_API == "0x030A0000"
+    for environ in ({}, {"MATEPOINT_TESTING": "1", "MATEPOINT_WERROR": "1"},
+                    {"MATEPOINT_DEBUG": "1"}, {"MATEPOINT_RELEASE": "1"}):
+        assert f"-DPy_LIMITED_API={LIMITED_API}" in c_flags(environ), environ
+    # a checkout built before abi3 keeps a _C.cpython-3XX-*.so that Python
+    # prefers: `make clean` (or removing matepoint/*.so) once
+    assert _C.__file__.endswith(".abi3.so"), f"{_C.__file__}: a stale pre-abi3 build?"
 
 
 def test_this_build_says_what_it_is() -> None:
@@ -31,6 +45,7 @@ def test_a_plain_build_ships_no_test_double(tmp_path) -> None:
     libraries = [os.path.join(folder, name) for folder, _, names in os.walk(tmp_path / "lib")
                  for name in names if name.endswith(".so")]
     assert len(libraries) == 2, libraries
+    assert all(library.endswith(".abi3.so") for library in libraries), libraries
     for library in libraries:
         with open(library, "rb") as handle:
             content = handle.read()

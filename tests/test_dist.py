@@ -183,6 +183,11 @@ def test_the_cibuildwheel_configuration_builds_the_wheel_make_dist_builds() -> N
     assert config["environment"]["MATEPOINT_RELEASE"] == "1"
     assert "MATEPOINT_RELEASE=1" in makefile
     assert "test_dist_install.py" in config["test-command"]
+    # one abi3 wheel, built once (with the oldest CPython it serves), as
+    # setup.py tags it (tests/check_wheel.py checks the built wheel's tag)
+    tag = _build_layout.PY_LIMITED_API_TAG
+    assert config["build"] == [f"{tag}-*"]
+    assert 'options={"bdist_wheel": {"py_limited_api": layout.PY_LIMITED_API_TAG}}' in read("setup.py")
 
 
 # ---- dir(matepoint) ------------------------------------------------------------

@@ -250,13 +250,17 @@ PYTHON_FOLDERS = ("base", "offload", "checkpoint", "testing", "module")
 
 def test_every_type_allocates_and_frees_through_its_slots() -> None:
     """Heap types get their memory from tp_alloc and give it back with
-    tp_free (which pairs with tp_alloc's type reference and GC tracking)."""
+    tp_free (which pairs with tp_alloc's type reference and GC tracking),
+    both read through PyType_GetSlot (csrc/base/compat.h: mp_type_alloc,
+    mp_type_free) as the limited C API requires."""
     sources = c_sources(*PYTHON_FOLDERS)
     raw = [path for path, text in sources.items()
            if re.search(r"\bPyObject_(GC_)?(New|NewVar|Del|Free)\b", text)]
     assert not raw, raw
     specs = sum(len(re.findall(r"^PyType_Spec \w+ = ", text, re.M)) for text in sources.values())
-    frees = sum(text.count("->tp_free(") for text in sources.values())
+    frees = sum(len(re.findall(r"\bmp_type_free\((?!PyTypeObject)", text))
+                for text in sources.values())
+    assert not any("->tp_free(" in text or "->tp_alloc(" in text for text in sources.values())
     assert specs >= 9 and frees == specs, (specs, frees)
 
 

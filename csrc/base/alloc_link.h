@@ -5,8 +5,7 @@
 #ifndef MATEPOINT_BASE_ALLOC_LINK_H
 #define MATEPOINT_BASE_ALLOC_LINK_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "compat.h"
 
 #include "alloc/alloc.h"
 #include "alloc/torch_bridge.h"

@@ -9,8 +9,7 @@
 #ifndef MATEPOINT_BASE_MODIFIED_INPUT_H
 #define MATEPOINT_BASE_MODIFIED_INPUT_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "compat.h"
 
 /* Raises the error for input tensor #index changed in place after the
  * forward pass, with any pending exception as its cause; returns NULL. */

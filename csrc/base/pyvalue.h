@@ -4,8 +4,7 @@
 #ifndef MATEPOINT_BASE_PYVALUE_H
 #define MATEPOINT_BASE_PYVALUE_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "compat.h"
 #include <stdint.h>
 
 /* obj.method() as a C integer. */

@@ -8,8 +8,7 @@
 #ifndef MATEPOINT_BASE_STATE_H
 #define MATEPOINT_BASE_STATE_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "compat.h"
 #include <stdint.h>
 
 #include "alloc_link.h"
@@ -47,6 +46,7 @@ typedef struct mp_state {
     PyObject *autocast_available_cache; /* dict: device type str -> bool */
     PyObject *tensor_class;             /* torch.Tensor */
     PyObject *module_type;              /* torch.nn.Module */
+    PyObject *method_type;              /* types.MethodType (no PyMethod_Check in the limited API) */
     PyObject *top_hooks;                /* torch._C._autograd._top_saved_tensors_default_hooks */
     PyObject *current_raw_stream;       /* torch._C._cuda_getCurrentRawStream, or NULL */
     /* the rest of torch's CUDA API the offload adapter calls (a test build

@@ -279,9 +279,11 @@ resolve_contexts(mp_state *st, checkpoint_options *opts, PyObject **forward,
         Py_DECREF(pair);
     } else if (context_fn != NULL) {
         if (!PyCallable_Check(context_fn)) {
+            PyObject *type_name = mp_type_name(context_fn);
             PyErr_Format(PyExc_TypeError,
-                         "matepoint.checkpoint: context_fn must be callable, got %.100s",
-                         Py_TYPE(context_fn)->tp_name);
+                         "matepoint.checkpoint: context_fn must be callable, got %.100V",
+                         type_name, "?");
+            Py_XDECREF(type_name);
             return -1;
         }
         made = PyObject_CallNoArgs(context_fn);
@@ -331,8 +333,10 @@ PyObject *
 checkpoint_set_sac_adapter(PyObject *module, PyObject *adapter)
 {
     if (!PyCallable_Check(adapter)) {
-        PyErr_Format(PyExc_TypeError, "matepoint: _set_sac_adapter takes a callable, got %.100s",
-                     Py_TYPE(adapter)->tp_name);
+        PyObject *type_name = mp_type_name(adapter);
+        PyErr_Format(PyExc_TypeError, "matepoint: _set_sac_adapter takes a callable, got %.100V",
+                     type_name, "?");
+        Py_XDECREF(type_name);
         return NULL;
     }
     mp_state *st = mp_state_of(module);
@@ -513,9 +517,11 @@ checkpoint_call(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyOb
     }
     PyObject *function = args[0];
     if (!PyCallable_Check(function)) {
+        PyObject *type_name = mp_type_name(function);
         PyErr_Format(PyExc_TypeError,
-                     "matepoint.checkpoint: function must be callable, got %.100s",
-                     Py_TYPE(function)->tp_name);
+                     "matepoint.checkpoint: function must be callable, got %.100V",
+                     type_name, "?");
+        Py_XDECREF(type_name);
         return NULL;
     }
     if (split_keywords(args + nargs, kwnames, &opts, &fn_kwargs) < 0)

@@ -33,7 +33,7 @@ holder_dealloc(Holder *self)
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     holder_clear(self);
-    tp->tp_free(self);
+    mp_type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -92,7 +92,7 @@ frame_pack(Frame *frame, PyObject *args, PyObject *kwargs)
     /* tp_alloc zero-fills, tracks, and takes the reference to the type
      * that holder_dealloc gives back */
     PyTypeObject *type = frame->st->holder_type;
-    Holder *holder = (Holder *)type->tp_alloc(type, 0);
+    Holder *holder = (Holder *)mp_type_alloc(type);
     if (holder == NULL)
         return NULL;
     holder->index = frame->n_holders;
@@ -153,7 +153,7 @@ frame_dealloc(Frame *self)
     PyObject_GC_UnTrack(self);
     frame_clear(self);
     PyMem_Free(self->holders);
-    tp->tp_free(self);
+    mp_type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -192,7 +192,7 @@ frame_new(mp_state *st, PyObject *module, PyObject *function)
     /* tp_alloc zero-fills every field (NULL objects, empty replay state),
      * tracks the frame and takes the reference to the type that
      * frame_dealloc gives back */
-    Frame *frame = (Frame *)st->frame_type->tp_alloc(st->frame_type, 0);
+    Frame *frame = (Frame *)mp_type_alloc(st->frame_type);
     if (frame == NULL)
         return NULL;
     frame->st = st;

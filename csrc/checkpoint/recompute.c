@@ -68,7 +68,7 @@ recompute_hook_dealloc(RecomputeHook *self)
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     recompute_hook_clear(self);
-    tp->tp_free(self);
+    mp_type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -214,7 +214,7 @@ check_metadata(RecomputeHook *hook)
     for (Py_ssize_t i = 0; i < frame->n_holders && result == 0; i++)
         result = compare_metadata(st, frame->holders[i], hook->gid, report);
     if (result == 0 && PyList_GET_SIZE(report) > 0) {
-        PyObject *empty = PyUnicode_New(0, 0);
+        PyObject *empty = PyUnicode_FromStringAndSize("", 0);
         PyObject *joined = empty ? PyUnicode_Join(empty, report) : NULL;
         if (joined != NULL)
             PyErr_Format(st->checkpoint_error,
@@ -278,7 +278,7 @@ frame_recompute(Frame *frame, PyObject *gid)
     }
     /* tp_alloc zero-fills, tracks and takes the type reference */
     PyTypeObject *type = st->recompute_hook_type;
-    RecomputeHook *hook = (RecomputeHook *)type->tp_alloc(type, 0);
+    RecomputeHook *hook = (RecomputeHook *)mp_type_alloc(type);
     if (hook == NULL)
         return -1;
     hook->frame = (Frame *)Py_NewRef(frame);

@@ -22,7 +22,7 @@ static void
 slot_dealloc(PyObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    tp->tp_free(self);
+    mp_type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -63,7 +63,7 @@ node_dealloc(TreeNode *self)
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     node_clear(self);
-    tp->tp_free(self);
+    mp_type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -86,7 +86,7 @@ static PyObject *
 slot_new(mp_state *st, Py_ssize_t index)
 {
     /* tp_alloc takes the reference to the type that slot_dealloc gives back */
-    TreeSlot *slot = (TreeSlot *)st->slot_type->tp_alloc(st->slot_type, 0);
+    TreeSlot *slot = (TreeSlot *)mp_type_alloc(st->slot_type);
     if (slot == NULL)
         return NULL;
     slot->index = index;
@@ -99,7 +99,7 @@ node_new(mp_state *st, int kind, PyObject *type, PyObject *keys, PyObject *items
 {
     /* tp_alloc tracks the node and takes the type reference node_dealloc
      * gives back */
-    TreeNode *node = (TreeNode *)st->node_type->tp_alloc(st->node_type, 0);
+    TreeNode *node = (TreeNode *)mp_type_alloc(st->node_type);
     if (node == NULL) {
         Py_XDECREF(keys);
         Py_DECREF(items);
@@ -126,17 +126,17 @@ static PyObject *
 flatten_items(mp_state *st, PyObject *seq, PyObject *tensors, int *changed)
 {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *out = PyTuple_New(n);
     if (out == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *templ = tree_flatten(st, items[i], tensors);
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *templ = tree_flatten(st, item, tensors);
         if (templ == NULL) {
             Py_DECREF(out);
             return NULL;
         }
-        if (templ != items[i])
+        if (templ != item)
             *changed = 1;
         PyTuple_SET_ITEM(out, i, templ);
     }

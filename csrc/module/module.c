@@ -273,6 +273,7 @@ static const struct torch_entry torch_entries[] = {
     ENTRY(register_pre_hook, "torch.nn.modules.module", "register_module_forward_pre_hook", 0),
     ENTRY(tensor_class, "torch", "Tensor", 0),
     ENTRY(module_type, "torch.nn", "Module", 0),
+    ENTRY(method_type, "types", "MethodType", 0),
     ENTRY(top_hooks, "torch._C._autograd", "_top_saved_tensors_default_hooks", 0),
     ENTRY(current_raw_stream, "torch._C", "_cuda_getCurrentRawStream", 1),
     ENTRY(has_primary_context, "torch._C", "_cuda_hasPrimaryContext", 1),
@@ -420,8 +421,8 @@ module_exec(PyObject *module)
     X(str_set_rng_state) X(str_training) X(str_track_running_stats) X(str_remove) X(str_cpu)   \
     X(str_fields) X(str_register_prehook) X(stop_recompute) X(bn_guard_hook) X(identity)       \
     X(str_requires_grad) X(str_is_cpu)                                                         \
-    X(unpack_hook) X(tensor_class) X(module_type) X(top_hooks) X(current_raw_stream)          \
-    X(torch_empty) X(torch_empty_strided) X(uint8_dtype) X(offload_unpack)                    \
+    X(unpack_hook) X(tensor_class) X(module_type) X(method_type) X(top_hooks)                  \
+    X(current_raw_stream) X(torch_empty) X(torch_empty_strided) X(uint8_dtype) X(offload_unpack) \
     X(current_user_hooks) X(hooks_below) X(torch_keywords) X(has_primary_context)              \
     X(cuda_default_stream) X(cuda_external_stream) X(tensor_record_stream) X(set_eval_frame)   \
     X(caching_mode_type) X(sac_adapter)

@@ -54,8 +54,10 @@ read_fields(PyObject *record, const record_field *table, size_t count, Py_ssize_
 {
     const char *where = policy ? policy : "block";
     if (!PyDict_Check(record)) {
-        PyErr_Format(PyExc_TypeError, "block %zd: %s must be a dict, got %s", index, where,
-                     Py_TYPE(record)->tp_name);
+        PyObject *type_name = mp_type_name(record);
+        PyErr_Format(PyExc_TypeError, "block %zd: %s must be a dict, got %.100V", index, where,
+                     type_name, "?");
+        Py_XDECREF(type_name);
         return -1;
     }
     if (PyDict_GET_SIZE(record) != (Py_ssize_t)count + extra) {
@@ -239,10 +241,17 @@ plan_solve_py(PyObject *module, PyObject *args)
     return result;
 }
 
-/* The blocks of `sequence` and the validated `choices` buffer; -1 with an
- * exception (the buffer then released). */
+/* The bytes of a `choices` argument (read with "y#": the limited API of
+ * 3.10 has no Py_buffer), borrowed from the call's arguments. */
+typedef struct {
+    const char *buf;
+    Py_ssize_t len;
+} plan_choices;
+
+/* The blocks of `sequence` and the validated `choices`; -1 with an
+ * exception. */
 static int
-blocks_and_choices(PyObject *sequence, Py_buffer *choices, plan_block **blocks, int *n)
+blocks_and_choices(PyObject *sequence, const plan_choices *choices, plan_block **blocks, int *n)
 {
     *blocks = blocks_from_sequence(sequence, n);
     if (*blocks == NULL)
@@ -251,7 +260,7 @@ blocks_and_choices(PyObject *sequence, Py_buffer *choices, plan_block **blocks, 
         PyErr_Format(PyExc_ValueError, "%zd choices for %d blocks", choices->len, *n);
         goto error;
     }
-    const uint8_t *values = choices->buf;
+    const uint8_t *values = (const uint8_t *)choices->buf;
     for (int i = 0; i < *n; i++) {
         if (values[i] >= PLAN_CHOICES) {
             PyErr_Format(PyExc_ValueError, "choice %d of block %d is not 0 to %d", values[i], i,
@@ -263,7 +272,6 @@ blocks_and_choices(PyObject *sequence, Py_buffer *choices, plan_block **blocks, 
 error:
     PyMem_Free(*blocks);
     *blocks = NULL;
-    PyBuffer_Release(choices);
     return -1;
 }
 
@@ -272,16 +280,16 @@ plan_evaluate_py(PyObject *module, PyObject *args)
 {
     (void)module;
     PyObject *sequence;
-    Py_buffer choices;
+    plan_choices choices;
     plan_block *blocks;
     int pipeline, n;
-    if (!PyArg_ParseTuple(args, "Oy*p:_plan_evaluate", &sequence, &choices, &pipeline))
+    if (!PyArg_ParseTuple(args, "Oy#p:_plan_evaluate", &sequence, &choices.buf, &choices.len,
+                          &pipeline))
         return NULL;
     if (blocks_and_choices(sequence, &choices, &blocks, &n) < 0)
         return NULL;
-    PyObject *result = cost_tuple(plan_evaluate(blocks, n, choices.buf, pipeline));
+    PyObject *result = cost_tuple(plan_evaluate(blocks, n, (const uint8_t *)choices.buf, pipeline));
     PyMem_Free(blocks);
-    PyBuffer_Release(&choices);
     return result;
 }
 
@@ -290,10 +298,11 @@ plan_evaluate_blocks_py(PyObject *module, PyObject *args)
 {
     (void)module;
     PyObject *sequence, *result = NULL;
-    Py_buffer choices;
+    plan_choices choices;
     plan_block *blocks;
     int pipeline, n;
-    if (!PyArg_ParseTuple(args, "Oy*p:_plan_evaluate_blocks", &sequence, &choices, &pipeline))
+    if (!PyArg_ParseTuple(args, "Oy#p:_plan_evaluate_blocks", &sequence, &choices.buf,
+                          &choices.len, &pipeline))
         return NULL;
     if (blocks_and_choices(sequence, &choices, &blocks, &n) < 0)
         return NULL;
@@ -302,12 +311,11 @@ plan_evaluate_blocks_py(PyObject *module, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    plan_evaluate_blocks(blocks, n, choices.buf, pipeline, costs);
+    plan_evaluate_blocks(blocks, n, (const uint8_t *)choices.buf, pipeline, costs);
     result = cost_list(costs, n);
 done:
     PyMem_Free(costs);
     PyMem_Free(blocks);
-    PyBuffer_Release(&choices);
     return result;
 }
 

@@ -6,8 +6,7 @@
 #ifndef MATEPOINT_MODULE_PLAN_H
 #define MATEPOINT_MODULE_PLAN_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "base/compat.h"
 
 /* (blocks, budget_units, pipeline) -> (choices: bytes, time_s, peak_units),
  * or None when no plan fits the budget. */

@@ -60,7 +60,17 @@ is_buffer_of(PyObject *buffers, PyObject *tensor)
 static PyObject *
 module_of(mp_state *st, PyObject *function, int *error)
 {
-    PyObject *candidate = PyMethod_Check(function) ? PyMethod_GET_SELF(function) : function;
+    PyObject *candidate = function;
+    if (Py_IS_TYPE(function, (PyTypeObject *)st->method_type)) {
+        /* a bound method holds its __self__: borrowed once the new
+         * reference is given back, like PyMethod_GET_SELF's */
+        candidate = PyObject_GetAttrString(function, "__self__");
+        if (candidate == NULL) {
+            *error = 1;
+            return NULL;
+        }
+        Py_DECREF(candidate);
+    }
     int is_module = PyObject_IsInstance(candidate, st->module_type);
     *error = is_module < 0;
     return is_module > 0 ? candidate : NULL;

@@ -17,8 +17,10 @@ offload_sac_save_py(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "O|p:_sac_offload", &tensors, &opens_region))
         return NULL;
     if (!PyList_Check(tensors)) {
-        PyErr_Format(PyExc_TypeError, "matepoint: _sac_offload takes a list of tensors, got %.100s",
-                     Py_TYPE(tensors)->tp_name);
+        PyObject *type_name = mp_type_name(tensors);
+        PyErr_Format(PyExc_TypeError, "matepoint: _sac_offload takes a list of tensors, got %.100V",
+                     type_name, "?");
+        Py_XDECREF(type_name);
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(tensors);
@@ -105,8 +107,10 @@ check_group(mp_state *st, PyObject *group, const char *function)
 {
     if (Py_IS_TYPE(group, st->offload_group_type))
         return 0;
-    PyErr_Format(PyExc_TypeError, "matepoint: %s takes an offload group, got %.100s", function,
-                 Py_TYPE(group)->tp_name);
+    PyObject *type_name = mp_type_name(group);
+    PyErr_Format(PyExc_TypeError, "matepoint: %s takes an offload group, got %.100V", function,
+                 type_name, "?");
+    Py_XDECREF(type_name);
     return -1;
 }
 

@@ -46,7 +46,7 @@ storage_copy_dealloc(StorageCopy *self)
     Py_CLEAR(self->source);
     Py_CLEAR(self->device_obj);
     Py_CLEAR(self->module);
-    tp->tp_free(self);
+    mp_type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -103,7 +103,7 @@ tensor_record_dealloc(TensorRecord *self)
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     tensor_record_clear(self);
-    tp->tp_free(self);
+    mp_type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -176,7 +176,7 @@ offload_group_dealloc(OffloadGroup *self)
     group_unlink(self);
     Py_CLEAR(self->copies);
     Py_CLEAR(self->module);
-    tp->tp_free(self);
+    mp_type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -208,7 +208,7 @@ packer_dealloc(OffloadPacker *self)
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     Py_CLEAR(self->records);
-    tp->tp_free(self);
+    mp_type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -244,7 +244,7 @@ PyType_Spec offload_packer_spec = {
 static PyObject *
 alloc_instance(PyTypeObject *type)
 {
-    return type->tp_alloc(type, 0);
+    return mp_type_alloc(type);
 }
 
 StorageCopy *

@@ -10,8 +10,7 @@
 #ifndef MATEPOINT_OFFLOAD_STREAMS_H
 #define MATEPOINT_OFFLOAD_STREAMS_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "base/compat.h"
 
 #include "cuda/cudart.h"
 #include "cuda/cudart_util.h"

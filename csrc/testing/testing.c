@@ -9,6 +9,13 @@
  * written by any thread through the simulator's observer, hence atomic. */
 static _Atomic uint64_t synchronized_under_gil[SIM_ENTRY_COUNT];
 
+#ifdef Py_LIMITED_API
+/* Not in the limited API, yet exported by every CPython 3.x libpython: a
+ * test build never ships (matepoint/_build_layout.py refuses a release
+ * build with MATEPOINT_TESTING), so it may call it. */
+PyAPI_FUNC(int) PyGILState_Check(void);
+#endif
+
 static void
 note_sync(cudart_sim_entry entry)
 {

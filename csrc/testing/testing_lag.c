@@ -35,10 +35,9 @@ spans_of(PyObject *flat, cudart_sim_span **spans, size_t *count)
         PyErr_NoMemory();
         return -1;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n / 2; i++) {
-        (*spans)[i].ptr = PyLong_AsVoidPtr(items[2 * i]);
-        (*spans)[i].bytes = PyLong_AsUnsignedLongLong(items[2 * i + 1]);
+        (*spans)[i].ptr = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(fast, 2 * i));
+        (*spans)[i].bytes = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(fast, 2 * i + 1));
         if (PyErr_Occurred()) {
             Py_DECREF(fast);
             PyMem_Free(*spans);

@@ -20,8 +20,10 @@ set_yield_hook(PyObject *module, PyObject *hook)
 {
     offload_engine *engine = mp_state_of(module)->engine;
     if (hook != Py_None && !PyCallable_Check(hook)) {
+        PyObject *type_name = mp_type_name(hook);
         PyErr_Format(PyExc_TypeError, "matepoint: the yield hook must be callable or None, "
-                     "not %.100s", Py_TYPE(hook)->tp_name);
+                     "not %.100V", type_name, "?");
+        Py_XDECREF(type_name);
         return NULL;
     }
     Py_XSETREF(engine->yield_hook, hook == Py_None ? NULL : Py_NewRef(hook));
