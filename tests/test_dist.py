@@ -73,14 +73,14 @@ def test_every_unit_compiled_at_run_time_ships_inside_the_package(tmp_path) -> N
                         ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     layout_file = checkout / "matepoint" / "_build_layout.py"
     text = layout_file.read_text()
-    assert "    OOM_UNIT_SOURCE,\n)" in text
-    layout_file.write_text(text.replace("    OOM_UNIT_SOURCE,\n)",
-                                        '    OOM_UNIT_SOURCE,\n    "csrc/alloc/alloc.h",\n)'))
+    listed = "RUNTIME_UNIT_SOURCES = (OOM_UNIT_SOURCE, ADAPTER_UNIT_SOURCE) + ADAPTER_HEADER_SOURCES"
+    assert listed in text
+    layout_file.write_text(text.replace(listed, listed + ' + ("csrc/common/mp_assert.h",)'))
     built = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib",
                             str(tmp_path / "lib")], cwd=checkout, env=plain_environment(),
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
-    for source, name in _build_layout.runtime_unit_files() + [("csrc/alloc/alloc.h", "alloc.h")]:
+    for source, name in _build_layout.runtime_unit_files() + [("csrc/common/mp_assert.h", "mp_assert.h")]:
         with open(tmp_path / "lib" / "matepoint" / name, encoding="utf-8") as shipped:
             assert shipped.read() == read(source)
 
