@@ -139,6 +139,8 @@ test-214:
 ASAN_BUILD := build/asan
 SANITIZER_PRELOAD = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libubsan.so)
 sanitize: install
+	@# a library left by an older build (another ABI tag) would be imported instead
+	rm -f $(ASAN_BUILD)/matepoint/*.so
 	CFLAGS="$(SANITIZE) -fno-omit-frame-pointer" LDFLAGS="$(SANITIZE)" MATEPOINT_DEBUG=1 \
 	  $(PY) setup.py -q build_ext --build-lib $(ASAN_BUILD) --build-temp $(ASAN_BUILD)-tmp
 	$(PY) setup.py -q build_py --build-lib $(ASAN_BUILD)   # the packages and files a wheel ships
