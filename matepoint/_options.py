@@ -167,6 +167,9 @@ ENVIRONMENT = {
         "pip install ships neither.",
     "MATEPOINT_WERROR": "build time, 1: compile the C core with -Werror.",
     "MATEPOINT_DEBUG": "build time, 1: an unoptimized build with MP_ASSERT checks on.",
+    "MATEPOINT_RELEASE":
+        "build time, 1: a release build (optimized, stripped, no build paths), as make dist "
+        "makes; refused together with MATEPOINT_TESTING or MATEPOINT_DEBUG.",
     "MATEPOINT_ALLOC_BACKEND":
         "test builds only, host: the allocator's host backend (the simulated GPU's memory).",
     "MATEPOINT_ALLOC_HOST_CAPACITY":
