@@ -98,7 +98,8 @@ def pool_stats() -> Dict[str, Any]:
     peak_device_bytes_in_flight: device memory of inputs held while their copy
     out may run (``offload_window``); spilled_bytes, peak_spilled_bytes,
     spill_writes, spill_reads, spill_read_stalls, spill_failures: the disk
-    tier's (``spill_dir``).
+    tier's (``spill_dir``; the first four are the current tier's, from 0
+    again after ``spill_dir`` changes).
     """
     return _pool_stats()
 

@@ -444,3 +444,16 @@ def test_a_spill_file_changed_behind_the_tier_fails_backward_clearly(simulated, 
     gc.collect()
     matepoint._C._spill_settle()
     assert matepoint.pool_stats()["spilled_bytes"] == 0
+
+
+def test_the_tier_figures_are_the_current_tiers(simulated, spill_dir, tmp_path):
+    """pool_stats()' spill figures describe the tier in use: once spill_dir
+    changes they read 0 until the new tier works, never the old tier's (a
+    count taken before a step would otherwise exceed the one after it)."""
+    checked_step(spill_dir, LIMIT)
+    assert matepoint.pool_stats()["spill_writes"] >= DEPTH // 2   # premise: it spilled
+    matepoint.set_options(spill_dir=str(tmp_path / "other"))
+    stats = matepoint.pool_stats()
+    assert (stats["spill_writes"], stats["spill_reads"], stats["spilled_bytes"]) == (0, 0, 0)
+    checked_step(str(tmp_path / "other"), LIMIT)
+    assert matepoint.pool_stats()["spill_writes"] >= DEPTH // 2

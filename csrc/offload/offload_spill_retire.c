@@ -19,6 +19,11 @@ offload_spill_detach(offload_engine *engine, offload_spill_retired *retired)
     engine->spill = NULL;
     engine->orphans = NULL;
     engine->orphan_count = engine->orphan_capacity = 0;
+    /* pool_stats()' figures of the tier are the current tier's: none now
+     * (a new tier counts from 0; kept, the old tier's would read as the new
+     * one's until its first poll, and counts would seem to go back) */
+    engine->spilled_bytes = engine->peak_spilled_bytes = 0;
+    engine->spill_writes = engine->spill_reads = 0;
 }
 
 void
