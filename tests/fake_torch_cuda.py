@@ -8,7 +8,11 @@ of test builds (tests/sim.py), so the adapter runs without a GPU:
 - ``torch.Tensor.record_stream(tensor, stream)``: what torch's caching
   allocator does, done by matepoint's allocator library that holds the
   simulated device memory,
-- ``torch._C._cuda_hasPrimaryContext(device)``: the simulated contexts.
+- ``torch._C._cuda_hasPrimaryContext(device)``: the simulated contexts,
+- ``torch._C._cuda_maybeExchangeDevice(device)``: torch's device exchange
+  that creates no context (a device without one becomes torch's target
+  device only, what ``torch.cuda.current_device()`` then answers: read it
+  with ``_C._sim_torch_device()``).
 
 Each is Python, as torch's are, so the GIL may change threads inside any of
 them; each yields it once on purpose while other threads run, and a test can run code of its own
@@ -93,6 +97,11 @@ class TorchCudaStandin:
         self._enter("_cuda_hasPrimaryContext")
         return bool(_C._sim_stats()["contexts"][device])
 
+    def _cuda_maybeExchangeDevice(self, device: int) -> int:
+        device = _device_index(device, "_cuda_maybeExchangeDevice")
+        self._enter("_cuda_maybeExchangeDevice")
+        return _C._sim_maybe_exchange_device(device)
+
     def default_stream(self, device: int) -> Stream:
         device = _device_index(device, "default_stream")
         self._enter("default_stream")
@@ -126,8 +135,8 @@ class TorchCudaStandin:
     def entries(self) -> Dict[str, Callable]:
         """By torch's name, for _C._torch_cuda_entries."""
         return {name: getattr(self, name) for name in (
-            "_cuda_getCurrentRawStream", "_cuda_hasPrimaryContext", "default_stream",
-            "ExternalStream", "record_stream")}
+            "_cuda_getCurrentRawStream", "_cuda_hasPrimaryContext", "_cuda_maybeExchangeDevice",
+            "default_stream", "ExternalStream", "record_stream")}
 
 
 @contextlib.contextmanager

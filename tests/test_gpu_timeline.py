@@ -221,3 +221,37 @@ def test_no_host_synchronization_with_the_gil_held(simulated):
     assert_bitwise_equal(grads, expected)
     assert_bitwise_equal(limited, expected)
     assert _C._sim_stats()["pageable_copies"] > 0
+
+
+def test_torch_keeps_its_current_device_when_the_engine_leaves_another(simulated):
+    """A block on GPU 1 checkpointed while GPU 0 is current: the engine
+    enters GPU 1 to copy its input out, and leaves. With a context on GPU 0
+    it makes GPU 0 current again. Without one (a new thread that never used
+    GPU 0) it stays on GPU 1, as torch's own guards do, and then, as they
+    do, tells torch that GPU 0 is still the current device (its target
+    device): torch.cuda.current_device() must not answer 1, or the next
+    torch.empty(device="cuda") lands on GPU 1."""
+    torch.manual_seed(0)
+    with sim.device(1):
+        layer = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+        x = torch.randn(BATCH, WIDTH).requires_grad_()
+    expected = layer(x).detach().clone()
+    seen: dict = {}
+
+    def checkpoint_on_gpu_1(case: str) -> None:
+        out = matepoint.checkpoint(layer, x, preserve_rng_state=False)
+        seen[case] = (_C._sim_get_device(), _C._sim_torch_device(),
+                      _C._sim_stats()["contexts"][0], [row[4] for row in _C._offload_copies()])
+        assert_bitwise_equal([out], [expected])
+        out.float().sum().backward()
+
+    assert _C._sim_get_device() == 0
+    checkpoint_on_gpu_1("GPU 0 has a context")
+    _C._sim_forget_contexts()
+    try:
+        run_in_thread(lambda: checkpoint_on_gpu_1("GPU 0 has none"))
+    finally:
+        _C._sim_set_device(0)           # the context every other test assumes
+    # (CUDA's current device, torch's, whether GPU 0 has a context, where inputs went)
+    assert seen["GPU 0 has a context"] == (0, 0, True, [1]), seen
+    assert seen["GPU 0 has none"] == (1, 0, False, [1]), seen

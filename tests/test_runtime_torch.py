@@ -105,6 +105,14 @@ def test_context_query_goes_through_the_adapter(simulated):
     assert standin.calls["_cuda_hasPrimaryContext"] > 0, standin.calls
 
 
+def test_target_device_goes_through_the_adapter(simulated):
+    """Leaving GPU 1 for a GPU 0 without a context tells torch through
+    torch._C._cuda_maybeExchangeDevice, once per leave of that kind."""
+    standin = simulated
+    test_gpu_timeline.test_torch_keeps_its_current_device_when_the_engine_leaves_another(standin)
+    assert standin.calls["_cuda_maybeExchangeDevice"] > 0, standin.calls
+
+
 def test_tensor_device_of_the_adapter():
     """CUDA tensors are copied from their device's index (None: device 0);
     anything else stays."""

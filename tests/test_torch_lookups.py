@@ -33,6 +33,7 @@ def _cpu_build() -> bool:
 MAY_BE_MISSING: Dict[str, Callable[[], bool]] = {
     "torch._C._cuda_getCurrentRawStream": _cpu_build,
     "torch._C._cuda_hasPrimaryContext": _cpu_build,
+    "torch._C._cuda_maybeExchangeDevice": _cpu_build,
     "torch.utils.checkpoint._current_user_saved_tensors_hooks": lambda: TORCH_VERSION < (2, 14),
 }
 

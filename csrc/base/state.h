@@ -52,6 +52,7 @@ typedef struct mp_state {
     /* the rest of torch's CUDA API the offload adapter calls (a test build
      * swaps in a stand-in: csrc/testing/testing_torch.c); NULL when absent */
     PyObject *has_primary_context;      /* torch._C._cuda_hasPrimaryContext, or NULL */
+    PyObject *maybe_exchange_device;    /* torch._C._cuda_maybeExchangeDevice, or NULL */
     PyObject *cuda_default_stream;      /* torch.cuda.default_stream, or NULL */
     PyObject *cuda_external_stream;     /* torch.cuda.ExternalStream, or NULL */
     PyObject *tensor_record_stream;     /* torch.Tensor.record_stream, or NULL */

@@ -277,6 +277,7 @@ static const struct torch_entry torch_entries[] = {
     ENTRY(top_hooks, "torch._C._autograd", "_top_saved_tensors_default_hooks", 0),
     ENTRY(current_raw_stream, "torch._C", "_cuda_getCurrentRawStream", 1),
     ENTRY(has_primary_context, "torch._C", "_cuda_hasPrimaryContext", 1),
+    ENTRY(maybe_exchange_device, "torch._C", "_cuda_maybeExchangeDevice", 1),
     ENTRY(cuda_default_stream, "torch.cuda", "default_stream", 1),
     ENTRY(cuda_external_stream, "torch.cuda", "ExternalStream", 1),
     ENTRY(tensor_record_stream, "torch", "Tensor.record_stream", 1),
@@ -424,6 +425,7 @@ module_exec(PyObject *module)
     X(unpack_hook) X(tensor_class) X(module_type) X(method_type) X(top_hooks)                  \
     X(current_raw_stream) X(torch_empty) X(torch_empty_strided) X(uint8_dtype) X(offload_unpack) \
     X(current_user_hooks) X(hooks_below) X(torch_keywords) X(has_primary_context)              \
+    X(maybe_exchange_device)                                                                   \
     X(cuda_default_stream) X(cuda_external_stream) X(tensor_record_stream) X(set_eval_frame)   \
     X(caching_mode_type) X(sac_adapter)
 

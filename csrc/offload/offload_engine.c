@@ -277,11 +277,14 @@ offload_engine_leave_device(mp_state *st, int index, int previous)
     if (previous == index)
         return;
     /* setting a device creates its context: a thread that started on a
-     * device it never used (0, in a new thread) stays on `index` instead.
-     * Runs on error paths too: a pending exception is kept. */
+     * device it never used (0, in a new thread) stays on `index` instead,
+     * and torch is told `previous` is still its current device, as its own
+     * guards leave it (else torch.cuda.current_device() would answer
+     * `index`, and torch.empty(device="cuda") land there). Runs on error
+     * paths too: a pending exception is kept. */
     PyObject *pending = mp_take_exception();
     int has = has_context(st, previous);
-    if (has < 0)
+    if (has < 0 || (has == 0 && st->engine->runtime->keep_target_device(st, previous) < 0))
         PyErr_WriteUnraisable(NULL);
     if (has > 0 && st->engine->rt->set_device(previous) != CUDART_SUCCESS)
         (void)st->engine->rt->get_last_error();

@@ -43,6 +43,15 @@ typedef struct offload_runtime {
     /* 1 when `device` has its primary context already, 0 when using it
      * would create one. */
     int (*has_context)(mp_state *st, int device);
+    /* The engine entered a device and, leaving, stays there because
+     * `previous`, the device it left, has no context (setting it would
+     * create one). torch keeps its own idea of the thread's current device
+     * for that case (c10::cuda::MaybeExchangeDevice: a thread-local target
+     * device index, what torch.cuda.current_device() then answers and what
+     * torch's next device guard makes current): it is set to `previous`
+     * here, as torch's own guards leave it, so torch never takes the
+     * device the engine used for the thread's. */
+    int (*keep_target_device)(mp_state *st, int previous);
     /* A new uint8 tensor of `nbytes` on `device` (torch device
      * `device_obj`), allocated on its current stream. */
     PyObject *(*empty_bytes)(mp_state *st, int device, PyObject *device_obj, uint64_t nbytes);
@@ -53,8 +62,9 @@ extern const offload_runtime offload_runtime_torch;
 /* torch's answers of offload_runtime_torch, for the test build's runtime
  * that runs them over the simulated GPU. They reach torch only through
  * the entry points the module state looked up once (base/state.h:
- * current_raw_stream, has_primary_context, cuda_default_stream,
- * cuda_external_stream, tensor_record_stream), so a test can put a
+ * current_raw_stream, has_primary_context, maybe_exchange_device,
+ * cuda_default_stream, cuda_external_stream, tensor_record_stream), so a
+ * test can put a
  * torch.cuda stand-in written in Python in their place; being Python, it
  * may hand the GIL to another thread inside any of them, as torch may. */
 int offload_torch_may_hold_tensors(mp_state *st);
@@ -64,5 +74,6 @@ int offload_torch_record_stream(mp_state *st, offload_site site, PyObject *stora
 int offload_torch_stream_wait_event(const cudart *rt, offload_site site, void *stream,
                                     void *event);
 int offload_torch_has_context(mp_state *st, int device);
+int offload_torch_keep_target_device(mp_state *st, int previous);
 
 #endif

@@ -128,6 +128,22 @@ offload_torch_has_context(mp_state *st, int device)
     return has;
 }
 
+/* torch._C._cuda_maybeExchangeDevice(previous): with the thread on
+ * another device and no context on `previous`, torch only sets its target
+ * device index (with a context, found since, it makes `previous` current:
+ * right too). Its answer, the device that was current, is not needed. */
+int
+offload_torch_keep_target_device(mp_state *st, int previous)
+{
+    if (require(st->maybe_exchange_device, "torch._C._cuda_maybeExchangeDevice") < 0)
+        return -1;
+    PyObject *answer = PyObject_CallFunction(st->maybe_exchange_device, "i", previous);
+    if (answer == NULL)
+        return -1;
+    Py_DECREF(answer);
+    return 0;
+}
+
 static PyObject *
 torch_empty_bytes(mp_state *st, int device, PyObject *device_obj, uint64_t nbytes)
 {
@@ -150,5 +166,6 @@ const offload_runtime offload_runtime_torch = {
     .record_stream = offload_torch_record_stream,
     .stream_wait_event = offload_torch_stream_wait_event,
     .has_context = offload_torch_has_context,
+    .keep_target_device = offload_torch_keep_target_device,
     .empty_bytes = torch_empty_bytes,
 };

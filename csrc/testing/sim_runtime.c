@@ -140,6 +140,47 @@ sim_has_context(mp_state *st, int device)
            cudart_sim_get_stats().has_context[device];
 }
 
+/* torch's own idea of the calling thread's current device where it
+ * differs from CUDA's (c10::cuda's thread-local targetDeviceIndex, CUDA
+ * 12 and later): -1, or the device a guard gave back without creating its
+ * context, which torch then reports as current. Per thread, as torch's. */
+static _Thread_local int torch_target_device = -1;
+
+int
+sim_runtime_maybe_exchange_device(int device)
+{
+    int current = cudart_sim_current_device();
+    MP_ASSERT(device >= 0 && device < CUDART_SIM_DEVICES);
+    if (device == current)
+        return current;
+    if (cudart_sim_get_stats().has_context[device])
+        (void)cudart_sim_set_current_device(device);    /* a valid device: cannot fail */
+    else
+        torch_target_device = device;
+    return current;
+}
+
+int
+sim_runtime_torch_device(void)
+{
+    return torch_target_device >= 0 ? torch_target_device : cudart_sim_current_device();
+}
+
+int
+sim_runtime_torch_set_device(int device)
+{
+    torch_target_device = -1;
+    return cudart_sim_set_current_device(device);
+}
+
+static int
+sim_keep_target_device(mp_state *st, int previous)
+{
+    (void)st;
+    (void)sim_runtime_maybe_exchange_device(previous);
+    return 0;
+}
+
 /* torch.empty on the CPU with `device` current, so the allocator harness
  * takes the memory from that device. */
 static PyObject *
@@ -192,6 +233,7 @@ const offload_runtime offload_runtime_sim = {
     .record_stream = sim_record_stream,
     .stream_wait_event = sim_stream_wait_event,
     .has_context = sim_has_context,
+    .keep_target_device = sim_keep_target_device,
     .empty_bytes = sim_empty_bytes,
 };
 
@@ -209,6 +251,7 @@ const offload_runtime offload_runtime_torch_sim = {
     .record_stream = sim_torch_record_stream,
     .stream_wait_event = sim_stream_wait_event,
     .has_context = offload_torch_has_context,
+    .keep_target_device = offload_torch_keep_target_device,
     .empty_bytes = sim_empty_bytes,
 };
 

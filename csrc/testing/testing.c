@@ -150,7 +150,7 @@ sim_set_device(PyObject *module, PyObject *arg)
     int device;
     if (testing_device_arg(arg, &device) < 0)
         return NULL;
-    (void)cudart_sim_set_current_device(device);
+    (void)sim_runtime_torch_set_device(device);
     Py_RETURN_NONE;
 }
 
@@ -495,7 +495,8 @@ static PyMethodDef testing_methods[] = {
      "Counters of the simulated GPU, as a dict."},
     {"_sim_set_device", sim_set_device, METH_O,
      "_sim_set_device($module, device, /)\n--\n\n"
-     "The calling thread's current device (cudaSetDevice)."},
+     "The calling thread's current device, as torch.cuda.set_device (cudaSetDevice; torch's "
+     "target device cleared)."},
     {"_sim_get_device", sim_get_device, METH_NOARGS,
      "_sim_get_device($module, /)\n--\n\n"
      "The calling thread's current device."},

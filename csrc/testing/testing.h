@@ -79,6 +79,20 @@ void sim_runtime_drop_site(int site);
 /* The calls the engine made at `site` since (dropped ones included). */
 uint64_t sim_runtime_site_issued(offload_site site);
 
+/* torch's device functions over the simulated GPU, per thread as torch's
+ * (c10/cuda/CUDAFunctions.cpp, CUDA 12 and later), for the harness and the
+ * torch.cuda stand-in:
+ *   maybe_exchange_device  c10::cuda::MaybeExchangeDevice: makes `device`
+ *                          current where it has a context, else only
+ *                          torch's target device; returns CUDA's current
+ *                          device before
+ *   torch_device           what torch.cuda.current_device() answers: the
+ *                          target device, else CUDA's current one
+ *   torch_set_device       torch.cuda.set_device: clears the target */
+int sim_runtime_maybe_exchange_device(int device);
+int sim_runtime_torch_device(void);
+int sim_runtime_torch_set_device(int device);
+
 /* Where the harness allocates: the thread's current device and stream. */
 void sim_runtime_where(int *device, void **stream);
 

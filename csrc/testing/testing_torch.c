@@ -9,7 +9,10 @@
  *   _torch_cuda_entries(entries) -> previous    replace torch's CUDA entry points
  *                                    the adapter calls, by torch's name
  *   _torch_tensor_device(tensor, device) -> int or None    the adapter's answer
- *   _sim_stream_device(handle) -> int    the simulated device of a stream (-1: none) */
+ *   _sim_stream_device(handle) -> int    the simulated device of a stream (-1: none)
+ *   _sim_maybe_exchange_device(device) -> int    torch's MaybeExchangeDevice over
+ *                                    the simulated GPU (the stand-in's)
+ *   _sim_torch_device() -> int       the device torch.cuda.current_device() answers */
 #include "testing.h"
 #include "testing/cudart_sim.h"
 #include "offload/offload_internal.h"
@@ -24,6 +27,7 @@ static const struct {
 } entries[] = {
     {"_cuda_getCurrentRawStream", offsetof(mp_state, current_raw_stream)},
     {"_cuda_hasPrimaryContext", offsetof(mp_state, has_primary_context)},
+    {"_cuda_maybeExchangeDevice", offsetof(mp_state, maybe_exchange_device)},
     {"default_stream", offsetof(mp_state, cuda_default_stream)},
     {"ExternalStream", offsetof(mp_state, cuda_external_stream)},
     {"record_stream", offsetof(mp_state, tensor_record_stream)},
@@ -126,6 +130,24 @@ sim_stream_device(PyObject *module, PyObject *handle)
     return PyLong_FromLong(cudart_sim_stream_device(stream));
 }
 
+static PyObject *
+sim_maybe_exchange_device(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    int device;
+    if (testing_device_arg(arg, &device) < 0)
+        return NULL;
+    return PyLong_FromLong(sim_runtime_maybe_exchange_device(device));
+}
+
+static PyObject *
+sim_torch_device(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromLong(sim_runtime_torch_device());
+}
+
 static PyMethodDef testing_torch_methods[] = {
     {"_simulate_torch_adapter", simulate_torch_adapter, METH_O,
      "_simulate_torch_adapter($module, on, /)\n--\n\n"
@@ -134,14 +156,22 @@ static PyMethodDef testing_torch_methods[] = {
     {"_torch_cuda_entries", torch_cuda_entries, METH_O,
      "_torch_cuda_entries($module, entries, /)\n--\n\n"
      "Replace torch's CUDA entry points the adapter calls (a dict by torch's name: "
-     "_cuda_getCurrentRawStream, _cuda_hasPrimaryContext, default_stream, ExternalStream, "
-     "record_stream; None: absent); returns all of them as they were."},
+     "_cuda_getCurrentRawStream, _cuda_hasPrimaryContext, _cuda_maybeExchangeDevice, "
+     "default_stream, ExternalStream, record_stream; None: absent); returns all of them as they were."},
     {"_torch_tensor_device", torch_tensor_device, METH_VARARGS,
      "_torch_tensor_device($module, tensor, device, /)\n--\n\n"
      "The CUDA device index torch's adapter copies tensor (on device) from, or None."},
     {"_sim_stream_device", sim_stream_device, METH_O,
      "_sim_stream_device($module, handle, /)\n--\n\n"
      "The simulated device a stream handle belongs to; -1 for 0 or a stale handle."},
+    {"_sim_maybe_exchange_device", sim_maybe_exchange_device, METH_O,
+     "_sim_maybe_exchange_device($module, device, /)\n--\n\n"
+     "torch's MaybeExchangeDevice on the simulated GPU: device becomes current where it has a "
+     "context, else only torch's target device; returns the device CUDA had current."},
+    {"_sim_torch_device", sim_torch_device, METH_NOARGS,
+     "_sim_torch_device($module, /)\n--\n\n"
+     "The calling thread's current device as torch reports it (its target device, else "
+     "CUDA's)."},
     {NULL, NULL, 0, NULL},
 };
 
