@@ -35,6 +35,14 @@ enum {
     CUDART_STREAM_NON_BLOCKING = 1,
 };
 
+/* CUDA's special stream handles (driver_types.h): cudaStreamLegacy names
+ * the legacy default stream of the calling thread's current device, as
+ * NULL does (matepoint loads the runtime's legacy-stream entry points);
+ * cudaStreamPerThread names the calling thread's own default stream of
+ * its current device: one handle, another stream on every thread. */
+#define CUDART_STREAM_LEGACY ((void *)(uintptr_t)0x1)
+#define CUDART_STREAM_PER_THREAD ((void *)(uintptr_t)0x2)
+
 typedef struct cudart {
     int (*get_device_count)(int *count);
     int (*get_device)(int *device);

@@ -42,11 +42,12 @@ start_h2d(mp_state *st, StorageCopy *copy, void *dst, int on_copy_stream, void *
     stream = on_copy_stream ? device->copy_in : *compute;
     /* the compute stream, when it is the producer that waited on the copy
      * out, orders this copy after it already */
-    int after_d2h = copy->d2h_done == NULL || (copy->producer_waited && *compute == copy->producer);
+    int after_d2h = copy->d2h_done == NULL ||
+                    (copy->producer_waited && streams_same(*compute, copy->producer));
     /* the previous copy back reads the same host buffer: this copy's event
      * must cover it too, for the buffer is returned once that completes;
      * on its own stream it does already */
-    int after_h2d = copy->h2d_done == NULL || copy->h2d_stream == stream;
+    int after_h2d = copy->h2d_done == NULL || streams_same(copy->h2d_stream, stream);
     const offload_runtime *runtime = engine->runtime;
     int failed = (on_copy_stream &&
                   offload_device_order(engine, device, OFFLOAD_SITE_COPY_IN_AFTER_COMPUTE, stream,
@@ -171,7 +172,7 @@ await_h2d(mp_state *st, StorageCopy *copy)
     if (offload_engine_current_stream(st, index, &compute) < 0)
         return -1;
     /* a key, compared with the flag: the legacy stream's handle is NULL */
-    if (copy->h2d_awaited && compute == copy->h2d_awaited_on)
+    if (copy->h2d_awaited && streams_same(compute, copy->h2d_awaited_on))
         return 0;
     if (offload_engine_enter_device(st, index, &previous) < 0)
         return -1;
@@ -185,7 +186,7 @@ await_h2d(mp_state *st, StorageCopy *copy)
     /* read on another stream than the one whose allocator it came from
      * (a prefetch made while the region after it ran): that allocator
      * reuses it only once this stream passed what it queues now */
-    if (copy->fetched != NULL && compute != copy->fetched_on)
+    if (copy->fetched != NULL && !streams_same(compute, copy->fetched_on))
         return st->engine->runtime->record_stream(st, OFFLOAD_SITE_FETCHED_ON_READER,
                                                   copy->fetched, index, compute);
     return 0;

@@ -55,7 +55,7 @@ order_producer_after_copy(mp_state *st, StorageCopy *copy)
     void *current;
     if (offload_engine_current_stream(st, index, &current) < 0)
         return -1;
-    if (current != copy->producer)
+    if (!streams_same(current, copy->producer))
         return st->engine->runtime->record_stream(st, OFFLOAD_SITE_SOURCE_ON_COPY_OUT,
                                                   copy->source, index, copy->device->copy_out);
     if (offload_engine_enter_device(st, index, &previous) < 0)

@@ -16,6 +16,20 @@
 #include "cuda/cudart_util.h"
 #include "offload_runtime.h"
 
+/* Do two stream handles the engine kept as keys name one stream where
+ * they are compared? The engine compares keys with their device current,
+ * so equal handles do (NULL names that device's legacy stream for every
+ * thread), all but cudaStreamPerThread: it names the calling thread's own
+ * stream, so one taken on a thread names another stream on the next (a
+ * forward's and its backward worker's), and it matches nothing, itself
+ * included. Unequal handles count as two streams (cudaStreamLegacy and
+ * NULL are one): a wait too many, never one too few. */
+static inline int
+streams_same(const void *a, const void *b)
+{
+    return a == b && a != CUDART_STREAM_PER_THREAD;
+}
+
 /* 0 when status is success, else raises naming `what` and returns -1. */
 int streams_check(const cudart *rt, int status, const char *what);
 

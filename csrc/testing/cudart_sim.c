@@ -14,6 +14,7 @@ _Thread_local int sim_last_error;
 _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
 _Thread_local int sim_handouts_deferred;
 _Thread_local int sim_capture_mode;
+_Thread_local sim_stream *sim_per_thread_streams[CUDART_SIM_DEVICES];
 
 static const char *const entry_names[SIM_ENTRY_COUNT] = {
     "cudaGetDeviceCount", "cudaGetDevice", "cudaSetDevice", "cudaHostAlloc", "cudaFreeHost",

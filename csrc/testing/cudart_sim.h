@@ -5,8 +5,12 @@
  * Model, as CUDA documents it:
  * - CUDART_SIM_DEVICES devices, each with a legacy default stream; stream
  *   handle NULL means the legacy stream of the calling thread's current
- *   device (a per-thread setting, 0 in a new thread). Streams created are
- *   non-blocking (torch and matepoint create no other kind).
+ *   device (a per-thread setting, 0 in a new thread), as does
+ *   cudaStreamLegacy; cudaStreamPerThread names the calling thread's own
+ *   default stream of its current device, another one on each thread
+ *   (made at first use, never destroyed). Streams created are
+ *   non-blocking (torch and matepoint create no other kind), and so is a
+ *   per-thread stream here (on CUDA it waits for the legacy stream).
  * - Every operation queued on a stream (copies, event records, waits,
  *   kernels) runs only when the test advances the simulation, when a caller blocks on it
  *   (event or stream synchronization, a device-to-host copy into pageable

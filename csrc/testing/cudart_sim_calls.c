@@ -140,6 +140,8 @@ sim_stream_destroy(void *stream)
 {
     int injected = sim_enter(SIM_STREAM_DESTROY);
     sim_stream *s = stream == NULL ? NULL : sim_resolve(stream);
+    if (s != NULL && !s->created)
+        s = NULL;               /* a default stream is never destroyed */
     int status = s == NULL ? CUDART_ERROR_INVALID_HANDLE : injected;
     if (s != NULL) {
         /* as in CUDA, queued work still runs; the stream goes once it has */
@@ -225,7 +227,7 @@ sim_event_record(void *event_handle, void *stream)
     if (status != CUDART_SUCCESS)
         return sim_leave(status);
     uint64_t generation = ++event->recorded;
-    event->recorded_on = s->created ? (void *)s : NULL;
+    event->recorded_on = sim_handle_of(s);
     event->refs++;
     status = sim_push_locked(s, (sim_op){.kind = OP_RECORD, .event = event, .generation = generation});
     if (status != CUDART_SUCCESS) {

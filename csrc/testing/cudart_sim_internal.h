@@ -63,6 +63,8 @@ typedef struct sim_stream {
     size_t head, count, cap;    /* queued operations are ops[head .. head + count) */
     int device;
     int created;                /* 0 for the legacy streams, which live forever */
+    int per_thread;             /* a thread's cudaStreamPerThread stream (not created:
+                                 * lives forever, as the thread's own) */
     int destroyed;              /* freed once its queue ran dry */
     int capture;                /* CUDA's capture status: 0 none, 1 active, 2 invalidated */
     uint64_t land_pass;         /* the launch (sim_gpu.land_passes) that last looked here */
@@ -112,6 +114,10 @@ extern _Thread_local int sim_last_error;
 extern _Thread_local void *sim_current_streams[CUDART_SIM_DEVICES];
 extern _Thread_local int sim_handouts_deferred;
 extern _Thread_local int sim_capture_mode;     /* cudaStreamCaptureMode, 0: global */
+/* The thread's cudaStreamPerThread stream of each device, made at first
+ * use and kept on sim_gpu.streams after the thread ended (its queued work
+ * still runs). */
+extern _Thread_local sim_stream *sim_per_thread_streams[CUDART_SIM_DEVICES];
 
 /* The runtime table (cudart_sim_calls.c). */
 extern const cudart sim_table;
@@ -175,11 +181,16 @@ int sim_kernel_touches(const sim_kernel *kernel, const char *lo, const char *hi)
 int sim_push_locked(sim_stream *stream, sim_op op);
 /* The device now has its primary context. */
 void sim_use_device(int device);
-/* NULL: the legacy stream of the current device; else a live created
- * stream, or NULL when the handle is none. */
+/* The stream a handle names on the calling thread: NULL and
+ * cudaStreamLegacy the legacy stream of the current device (of `device`),
+ * cudaStreamPerThread the thread's own stream there, else a live created
+ * stream; NULL when the handle is none (or out of memory). */
 sim_stream *sim_resolve(void *handle);
 /* The same, NULL naming `device`'s legacy stream; NULL when none. */
 sim_stream *sim_resolve_on(int device, void *handle);
+/* The handle a stream is known by in logs and event records: the
+ * created stream itself, cudaStreamPerThread, or NULL (legacy). */
+void *sim_handle_of(const sim_stream *stream);
 /* Memory handed out at `base` on `device` (-1: pinned host); 0 or -1. */
 int sim_add_range(void *base, size_t bytes, int device);
 sim_range *sim_find_range(const void *ptr);

@@ -318,26 +318,54 @@ sim_use_device(int device)
     sim_gpu.stats.has_context[device] = 1;
 }
 
-/* NULL is the legacy stream of the thread's current device; a handle must
- * be a live created stream. */
-sim_stream *
-sim_resolve(void *handle)
+/* The calling thread's cudaStreamPerThread stream of `device`, made at
+ * its first use; NULL when out of memory. */
+static sim_stream *
+per_thread_stream(int device)
 {
-    if (handle == NULL)
-        return &sim_gpu.legacy[sim_current_device];
-    for (sim_stream *s = sim_gpu.streams; s != NULL; s = s->next) {
-        if (s == handle && !s->destroyed)
-            return s;
+    sim_stream *s = sim_per_thread_streams[device];
+    if (s == NULL && (s = calloc(1, sizeof(*s))) != NULL) {
+        s->device = device;
+        s->per_thread = 1;
+        s->next = sim_gpu.streams;
+        sim_gpu.streams = s;
+        sim_per_thread_streams[device] = s;
     }
-    return NULL;
+    return s;
 }
 
+/* NULL and cudaStreamLegacy are the legacy stream of `device`,
+ * cudaStreamPerThread the calling thread's own stream there; any other
+ * handle must be a live created stream (of whichever device). */
 sim_stream *
 sim_resolve_on(int device, void *handle)
 {
     if (device < 0 || device >= CUDART_SIM_DEVICES)
         return NULL;
-    return handle == NULL ? &sim_gpu.legacy[device] : sim_resolve(handle);
+    if (handle == NULL || handle == CUDART_STREAM_LEGACY)
+        return &sim_gpu.legacy[device];
+    if (handle == CUDART_STREAM_PER_THREAD)
+        return per_thread_stream(device);
+    for (sim_stream *s = sim_gpu.streams; s != NULL; s = s->next) {
+        if (s == handle && s->created && !s->destroyed)
+            return s;
+    }
+    return NULL;
+}
+
+void *
+sim_handle_of(const sim_stream *stream)
+{
+    if (stream->created)
+        return (void *)stream;
+    return stream->per_thread ? CUDART_STREAM_PER_THREAD : NULL;
+}
+
+/* A handle as the runtime's calls take it: of the current device. */
+sim_stream *
+sim_resolve(void *handle)
+{
+    return sim_resolve_on(sim_current_device, handle);
 }
 
 int
@@ -454,7 +482,7 @@ sim_log_wait_locked(const sim_stream *waiter, const sim_event *event)
     /* a legacy source is known only by the device its event belongs to */
     sim_gpu.wait_log[sim_gpu.wait_log_count++] = (cudart_sim_wait){
         .waiter_device = waiter->device,
-        .waiter = waiter->created ? (void *)waiter : NULL,
+        .waiter = sim_handle_of(waiter),
         .source_device = event->recorded == 0 ? -1 : event->device,
         .source = (void *)source,
     };

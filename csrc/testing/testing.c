@@ -209,7 +209,9 @@ sim_set_stream(PyObject *module, PyObject *args)
     void *stream = handle == Py_None ? NULL : PyLong_AsVoidPtr(handle);
     if (PyErr_Occurred())
         return NULL;
-    if (stream != NULL && cudart_sim_stream_device(stream) != device) {
+    /* cudaStreamLegacy and cudaStreamPerThread name a stream of every device */
+    int special = stream == CUDART_STREAM_LEGACY || stream == CUDART_STREAM_PER_THREAD;
+    if (stream != NULL && !special && cudart_sim_stream_device(stream) != device) {
         PyErr_Format(PyExc_ValueError, "simulated GPU: that stream is not device %d's", device);
         return NULL;
     }

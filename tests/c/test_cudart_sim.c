@@ -3,6 +3,7 @@
 #include "testing/cudart_sim.h"
 #include "check.h"
 
+#include <pthread.h>
 #include <string.h>
 
 static const cudart *rt;
@@ -614,6 +615,44 @@ test_expandable_free_syncs_only_the_own_stream(void)
     rt->stream_destroy(side);
 }
 
+/* Synchronizes the calling thread's cudaStreamPerThread stream. */
+static void *
+synchronize_own_default_stream(void *status)
+{
+    *(int *)status = rt->stream_synchronize(CUDART_STREAM_PER_THREAD);
+    return NULL;
+}
+
+static void
+test_the_per_thread_handle_names_each_threads_own_stream(void)
+{
+    void *pinned;
+    char host[8] = "mine";
+    int status = -1;
+    pthread_t other;
+    CHECK(rt->host_alloc(&pinned, 8, CUDART_HOST_ALLOC_PORTABLE) == CUDART_SUCCESS);
+    memset(pinned, 0, 8);
+    CHECK(rt->memcpy_async(pinned, host, 8, CUDART_MEMCPY_HOST_TO_DEVICE,
+                           CUDART_STREAM_PER_THREAD) == CUDART_SUCCESS);
+    /* another thread's stream of that handle holds none of this work */
+    CHECK(pthread_create(&other, NULL, synchronize_own_default_stream, &status) == 0);
+    CHECK(pthread_join(other, NULL) == 0);
+    CHECK(status == CUDART_SUCCESS && ((char *)pinned)[0] == '\0');
+    CHECK(rt->stream_synchronize(CUDART_STREAM_PER_THREAD) == CUDART_SUCCESS);
+    CHECK(strcmp(pinned, "mine") == 0);
+    /* cudaStreamLegacy is the legacy stream, as NULL */
+    memset(pinned, 0, 8);
+    rt->memcpy_async(pinned, host, 8, CUDART_MEMCPY_HOST_TO_DEVICE, NULL);
+    CHECK(rt->stream_synchronize(CUDART_STREAM_LEGACY) == CUDART_SUCCESS);
+    CHECK(strcmp(pinned, "mine") == 0);
+    /* default streams are never destroyed */
+    CHECK(rt->stream_destroy(CUDART_STREAM_PER_THREAD) == CUDART_ERROR_INVALID_HANDLE);
+    CHECK(rt->stream_destroy(CUDART_STREAM_LEGACY) == CUDART_ERROR_INVALID_HANDLE);
+    (void)rt->get_last_error();
+    CHECK(cudart_sim_get_stats().ops_queued == 0);
+    rt->free_host(pinned);
+}
+
 int
 main(void)
 {
@@ -639,6 +678,7 @@ main(void)
     test_a_deferred_handout_poisons_in_stream_order();
     test_a_launch_lands_only_what_its_memory_needs();
     test_expandable_free_syncs_only_the_own_stream();
+    test_the_per_thread_handle_names_each_threads_own_stream();
     CHECK(cudart_sim_get_stats().events_live == 0 && cudart_sim_get_stats().streams_live == 0);
     return check_report("test_cudart_sim");
 }
