@@ -1,4 +1,5 @@
 """Build script: the C extension matepoint._C (no torch headers, no CUDA needed)."""
+import glob
 import importlib.util
 import os
 
@@ -26,11 +27,15 @@ _spec.loader.exec_module(layout)
 # MATEPOINT_TESTING=1 builds csrc/testing (the test controls and the
 # simulated GPU) into _C, and the allocator's host backend (csrc/alloc/alloc_host.c); a plain build ships none of them.
 TESTING = os.environ.get("MATEPOINT_TESTING") == "1"
+# every header: setuptools compares only sources with the library, so a
+# change to a header alone would leave an in-place build stale
+HEADERS = sorted(glob.glob("csrc/*/*.h"))
 
 extension = Extension(
     "matepoint._C",
     sources=layout.extension_sources(".", TESTING),
     include_dirs=["csrc"],
+    depends=HEADERS,
     extra_compile_args=layout.c_flags(os.environ),
     extra_link_args=layout.link_flags(os.environ),
     libraries=["dl", "pthread"],
@@ -45,6 +50,7 @@ allocator = Extension(
     "matepoint._alloc",
     sources=layout.allocator_sources(".", TESTING),
     include_dirs=["csrc"],
+    depends=HEADERS,
     # torch.OutOfMemoryError is thrown (oom_raise.cpp) through these frames.
     # Link-time optimization: malloc and free cross the allocator's files
     # (csrc/alloc/alloc_internal.h), and only LTO inlines those calls as it
