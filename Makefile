@@ -49,9 +49,23 @@ UNIT_HEADERS := $(wildcard csrc/*/*.h tests/c/*.h)
 CTESTS  := $(addprefix build/ctest/,$(UNIT_TESTS))
 VALGRIND_TESTS := $(addprefix build/valgrind/,$(UNIT_TESTS))
 
-.PHONY: test quick test-214 readme-test ctest abi-check fuzz valgrind sanitize install demo bench gpu-check clean
+.PHONY: test test-parts pytest quick install-214 test-214 readme-test ctest abi-check fuzz valgrind \
+  sanitize install demo bench gpu-check clean
 
-test: ctest fuzz valgrind install sanitize test-214 readme-test docs dist-test
+# Everything, its parts TEST_JOBS at a time. The three Python suites (plain,
+# ASan, torch 2.14.1) take most of the time, mostly one core each and
+# often waiting (threads, subprocesses, the simulated GPU's lag): on a
+# 2-core machine three at once took 36 minutes where one after the other
+# took 70. Each part's output is printed whole when it ends.
+TEST_JOBS ?= 4
+test:
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target test-parts
+# the longest first: they start as soon as their environment is installed,
+# and the short parts fill the cores meanwhile
+test-parts: test-214 sanitize pytest readme-test dist-test ctest fuzz valgrind
+
+# The Python suite on torch 2.13 (after the docs: its site checks read them)
+pytest: install docs
 	$(PY) -m pytest -q tests
 
 # The Python edit loop: the in-place test build (only what changed is
@@ -122,7 +136,7 @@ dist-test: dist
 # serves (its x86_64 CUDA build runs on the CPU; ~5.5 GB installed).
 VENV214 ?= .venv-214
 TORCH214 ?= torch==2.14.1
-test-214:
+install-214:
 	test -x $(VENV214)/bin/python || $(PYTHON) -m venv $(VENV214)
 	$(VENV214)/bin/python -c "import torch" 2>/dev/null || \
 	  $(VENV214)/bin/python -m pip install -q "$(TORCH214)"
@@ -131,7 +145,11 @@ test-214:
 	  > build/torch-214.txt
 	$(VENV214)/bin/python -m pip install -q -c build/torch-214.txt pytest numpy "setuptools>=77" \
 	  $(RECIPE_LIBRARIES) timm torchtitan==0.2.0
-	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+	@# the checkout on the path, not an editable install: that would rebuild
+	@# the in-place libraries another suite may have loaded (the abi3 build
+	@# of `make install` serves both torches)
+	echo "$(CURDIR)" > "$$($(VENV214)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/matepoint-checkout.pth"
+test-214: install install-214
 	$(VENV214)/bin/python -m pytest -q tests
 
 # The whole Python suite once more against an ASan/UBSan build of the
