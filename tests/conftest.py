@@ -59,7 +59,11 @@ def _on_simulated_gpu(progress: int, device_memory: bool = True):
     matepoint.set_options(min_offload_bytes=0)
     _C._simulate_cuda(True)
     _C._sim_set_progress(progress)
-    launch_errors = _C._sim_stats()["launch_errors"]
+    # device memory freed as torch's allocator with expandable segments
+    # frees it (after syncing its own stream only), not after every
+    # stream as cudaFree waits: work still queued on it is a fault
+    _C._sim_expandable(device_memory)
+    launch_errors, unmap_faults = _C._sim_stats()["launch_errors"], sim.unjudged_unmap_faults()
     try:
         with sim.device_memory(device_memory) as allocator:
             with sim.as_on_cuda(lag=device_memory):
@@ -73,11 +77,14 @@ def _on_simulated_gpu(progress: int, device_memory: bool = True):
             assert _C._offload_copies() == []
             assert _C._sim_stats()["launch_errors"] == launch_errors, \
                 "a kernel launch found a CUDA error left behind (torch would raise)"
+            assert sim.unjudged_unmap_faults() == unmap_faults, \
+                "device memory was freed while another stream's queued work used it"
             if allocator is not None:
                 allocator.matepoint_reset()   # the allocator's events of pending frees go too
     finally:
         sim_autograd.take_workers_errors()   # the next test starts clean
         _C._sim_set_progress(0)
+        _C._sim_expandable(False)
         _C._simulate_cuda(False)
         matepoint.set_options(**{name: getattr(saved, name) for name in saved.__dataclass_fields__})
     counts = _C._sim_stats()

@@ -33,6 +33,9 @@ EVERYTHING = 1 << 62   # operations per call: a GPU that keeps up with the CPU
 
 _memory: Optional[Tuple[ctypes.CDLL, ctypes.CDLL, int]] = None
 _side_streams: List[int] = []
+# unmap faults a test provoked on purpose and judged itself (the
+# simulated fixtures fail a test on any other): unmap_faults_judged()
+_judged_unmap_faults = 0
 
 
 def require_test_build() -> None:
@@ -118,6 +121,24 @@ def empty_device_cache() -> None:
     library.matepoint_reset.argtypes = []
     library.matepoint_reset.restype = None
     library.matepoint_reset()
+
+
+@contextlib.contextmanager
+def unmap_faults_judged() -> Iterator[None]:
+    """Unmap faults made inside (_sim_stats()["unmap_faults"]: memory freed
+    under another stream's queued work, the simulated fixtures' check) are
+    the test's own to judge: a proof that a wait is needed provokes one."""
+    global _judged_unmap_faults
+    before = _C._sim_stats()["unmap_faults"]
+    try:
+        yield
+    finally:
+        _judged_unmap_faults += _C._sim_stats()["unmap_faults"] - before
+
+
+def unjudged_unmap_faults() -> int:
+    """The unmap faults so far, but those a test judged itself."""
+    return _C._sim_stats()["unmap_faults"] - _judged_unmap_faults
 
 
 def record_stream(tensor, index: int, handle: Optional[int]) -> None:

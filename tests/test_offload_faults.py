@@ -126,16 +126,13 @@ def test_a_source_used_in_place_outlives_its_copy_out_under_expandable_segments(
     model, x = MLP(width, 4), torch.randn(width, width)
     before = matepoint.pool_stats()["used_in_place"]
     queued = _C._sim_stats()["calls"]["cudaMemcpyAsync"]
-    _C._sim_expandable(True)
-    try:
-        train_step(model, x, matepoint.checkpoint)
-        gc.collect()
-        pending = _C._sim_stats()["ops_queued"]
-        faults = _C._sim_stats()["unmap_faults"]
-        sim.empty_device_cache()                    # the allocator unmaps what is free
-        made = _C._sim_stats()["unmap_faults"] - faults
-    finally:
-        _C._sim_expandable(False)
+    _C._sim_expandable(True)      # the fixture's mode too: said here, this test's premise
+    train_step(model, x, matepoint.checkpoint)
+    gc.collect()
+    pending = _C._sim_stats()["ops_queued"]
+    faults = _C._sim_stats()["unmap_faults"]
+    sim.empty_device_cache()                        # the allocator unmaps what is free
+    made = _C._sim_stats()["unmap_faults"] - faults
     assert matepoint.pool_stats()["used_in_place"] - before == 2      # the premise
     assert _C._sim_stats()["calls"]["cudaMemcpyAsync"] > queued and pending > 0
     assert made == 0, "a copy out read memory unmapped under it"

@@ -395,14 +395,11 @@ def in_place_under_expandable_segments() -> Callable[[], bool]:
     def once() -> bool:
         matepoint.empty_pool()
         before = matepoint.pool_stats()["used_in_place"]
-        _C._sim_expandable(True)
-        try:
-            grads = [g.detach().clone() for g in train_step(model, x, matepoint.checkpoint)[1]]
-            gc.collect()
-            pending = _C._sim_stats()["ops_queued"]
-            sim.empty_device_cache()            # the allocator unmaps what is free
-        finally:
-            _C._sim_expandable(False)
+        _C._sim_expandable(True)    # the fixture's mode too: said here, this case's premise
+        grads = [g.detach().clone() for g in train_step(model, x, matepoint.checkpoint)[1]]
+        gc.collect()
+        pending = _C._sim_stats()["ops_queued"]
+        sim.empty_device_cache()                # the allocator unmaps what is free
         sim.finish()
         assert matepoint.pool_stats()["used_in_place"] - before == 2, "nothing used in place"
         assert pending > 0, "the copies out ran before the sources went"
@@ -464,7 +461,8 @@ def run_check(prepare: Callable[[], Callable[[], bool]], adversary: str, drop: O
     _C._sim_set_progress(ADVERSARIES[adversary])
     _C._sim_drop_site(drop)
     try:
-        right = check()
+        with sim.unmap_faults_judged():
+            right = check()
         counts = _C._sim_site_counts()
     finally:
         _C._sim_drop_site(None)
