@@ -15,7 +15,7 @@
 
 #include <stdlib.h>
 
-static private_pool *
+private_pool *
 pool_find(device_state *dev, uint64_t pool_a, uint64_t pool_b)
 {
     for (private_pool *p = dev->pools; p != NULL; p = p->next) {

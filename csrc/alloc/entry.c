@@ -532,6 +532,10 @@ static const matepoint_torch_bridge bridge = {
     .release_pool = bridge_release_pool,
     .largest_free_block = bridge_largest_free_block,
     .base_allocation = bridge_base_allocation,
+    .checkpoint_pool = bridge_checkpoint_pool,
+    .free_pool_state = alloc_pool_state_free,
+    .restore_pool = bridge_restore_pool,
+    .free_pool_delta = alloc_pool_delta_free,
 };
 
 EXPORT const matepoint_torch_bridge *

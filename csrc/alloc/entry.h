@@ -21,5 +21,8 @@ void bridge_end_pool(int device, uint64_t pool_a, uint64_t pool_b);
 void bridge_release_pool(int device, uint64_t pool_a, uint64_t pool_b);
 uint64_t bridge_largest_free_block(int device);
 void *bridge_base_allocation(void *ptr, uint64_t *size);
+/* The table's checkpointed pool states (alloc.h). */
+int bridge_checkpoint_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_state *out);
+int bridge_restore_pool(const alloc_pool_state *state, alloc_pool_delta *out);
 
 #endif

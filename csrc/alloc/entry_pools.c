@@ -123,3 +123,26 @@ bridge_base_allocation(void *ptr, uint64_t *size)
     return a ? alloc_base_allocation(a, ptr, size) : NULL;
 }
 
+
+/* Checkpointed pool states (alloc.h), for torch.compile's CUDA graph trees. */
+int
+bridge_checkpoint_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_state *out)
+{
+    allocator *a = entry_allocator();
+    if (a == NULL) {
+        *out = (alloc_pool_state){0};
+        return ALLOC_RESTORE_NO_POOL;
+    }
+    return alloc_pool_checkpoint(a, device, pool_a, pool_b, out);
+}
+
+int
+bridge_restore_pool(const alloc_pool_state *state, alloc_pool_delta *out)
+{
+    allocator *a = entry_allocator();
+    if (a == NULL) {
+        *out = (alloc_pool_delta){0};
+        return ALLOC_RESTORE_NO_POOL;
+    }
+    return alloc_pool_restore(a, state, out);
+}

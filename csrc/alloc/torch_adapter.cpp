@@ -298,35 +298,100 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
     }
 
     // torch.compile's CUDA graph trees take a pool's state after each
-    // recording (getCheckpointState) and restore it when they switch
-    // between recorded graphs (setCheckpointPoolState). Restoring is not
-    // supported yet: the state is a marker, and a restore says so at once
-    // (torch's base class would already refuse at the first recording).
+    // recording (getCheckpointState) and set the pool back to one when they
+    // switch between recorded graphs (setCheckpointPoolState). The state
+    // and its restore are the library's (alloc.h); here torch's
+    // CheckpointDelta is made of the pointers it freed and allocated, the
+    // latter with this allocator's deleter and book entry, as torch's
+    // allocator hands them out.
     std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
                                                             at::cuda::MempoolId_t id) override
     {
-        if (bridge_->begin_pool == nullptr)
+        if (bridge_->checkpoint_pool == nullptr)
             return CUDAPluggableAllocator::getCheckpointState(device, id);
-        return std::make_shared<cca::AllocatorState>();
+        auto state = std::make_shared<PoolState>(bridge_);
+        int status = bridge_->checkpoint_pool(device, id.first, id.second, &state->data);
+        TORCH_CHECK(status == ALLOC_RESTORE_OK,
+                    "matepoint's allocator cannot checkpoint CUDA graph pool (", id.first, ", ",
+                    id.second, ") of device ", static_cast<int>(device), ": ",
+                    alloc_restore_reason(status));
+        return state;
     }
 
     cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
                                                 std::shared_ptr<cca::AllocatorState> state) override
     {
-        (void)device;
-        (void)state;
-        TORCH_CHECK(false,
-                    "matepoint's allocator cannot yet restore a CUDA graph pool to a checkpointed "
-                    "state (setCheckpointPoolState), which torch.compile's CUDA graph trees ask "
-                    "when they switch between recorded graphs (mode=\"reduce-overhead\" with "
-                    "several compiled graphs, such as training's forward and backward): compile "
-                    "without mode=\"reduce-overhead\", or run without "
-                    "matepoint.install_allocator()");
+        if (bridge_->restore_pool == nullptr)
+            return CUDAPluggableAllocator::setCheckpointPoolState(device, std::move(state));
+        auto *pool = dynamic_cast<PoolState *>(state.get());
+        TORCH_CHECK(pool != nullptr && pool->data.device == device,
+                    "matepoint's allocator can restore only a state it checkpointed itself, of "
+                    "the same device (got one of another allocator, or of another device than ",
+                    static_cast<int>(device), ")");
+        alloc_pool_delta delta{};
+        int status = bridge_->restore_pool(&pool->data, &delta);
+        TORCH_CHECK(status == ALLOC_RESTORE_OK,
+                    "matepoint's allocator cannot restore CUDA graph pool (", pool->data.pool_a,
+                    ", ", pool->data.pool_b, ") of device ", static_cast<int>(device),
+                    " to its checkpointed state: ", alloc_restore_reason(status));
+        std::unique_ptr<alloc_pool_delta, std::function<void(alloc_pool_delta *)>> owned(
+            &delta, [this](alloc_pool_delta *d) { bridge_->free_pool_delta(d); });
+        cca::CheckpointDelta result;
+        std::lock_guard<std::mutex> guard(allocator_mutex_);
+        for (uint64_t i = 0; i < delta.freed_count; i++) {
+            allocation_metadata_.erase(delta.freed[i]);
+            restored_.erase(delta.freed[i]);
+            result.ptrs_freed.push_back(delta.freed[i]);
+        }
+        for (uint64_t i = 0; i < delta.allocated_count; i++) {
+            const alloc_restored_block &b = delta.allocated[i];
+            restored_[b.ptr] = Restored{static_cast<size_t>(b.size), device,
+                                        static_cast<cudaStream_t>(b.stream)};
+            result.dataptrs_allocd.emplace_back(b.ptr, b.ptr, raw_deleter(),
+                                                c10::Device(c10::DeviceType::CUDA, device));
+        }
+        return result;
+    }
+
+    // A block a restore allocated goes back through the library like any
+    // other; torch's book of allocations (allocation_metadata_) cannot take
+    // it (its entry type is not exported), so this one keeps it.
+    void raw_delete(void *ptr) override
+    {
+        Restored block{};
+        {
+            std::lock_guard<std::mutex> guard(allocator_mutex_);
+            auto found = restored_.find(ptr);
+            if (found != restored_.end()) {
+                block = found->second;
+                restored_.erase(found);
+            }
+        }
+        if (block.size == 0)
+            return CUDAPluggableAllocator::raw_delete(ptr);
+        bridge_->free(ptr, block.size, block.device, block.stream);
     }
 
     std::string name() override { return "matepoint"; }
 
   private:
+    // A pool's checkpointed state, torch's opaque AllocatorState.
+    struct PoolState final : cca::AllocatorState {
+        explicit PoolState(const matepoint_torch_bridge *b) : bridge(b) {}
+        ~PoolState() override { bridge->free_pool_state(&data); }
+        PoolState(const PoolState &) = delete;
+        PoolState &operator=(const PoolState &) = delete;
+        const matepoint_torch_bridge *bridge;
+        alloc_pool_state data{};
+    };
+
+    // a block allocated by a restore: what torch's free entry takes
+    struct Restored {
+        size_t size;
+        c10::DeviceIndex device;
+        cudaStream_t stream;
+    };
+
     using PoolFilter = std::function<bool(cudaStream_t)>;
     using PoolKey = std::tuple<int, c10::CaptureId_t, c10::CaptureId_t>;
 
@@ -377,6 +442,9 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
     const matepoint_torch_bridge *bridge_;
     std::mutex observers_lock_;
     std::vector<cca::OutOfMemoryObserver> observers_;
+    // the blocks restores allocated, until freed (guarded by the base
+    // class's allocator_mutex_, as its own book)
+    std::unordered_map<void *, Restored> restored_;
     std::mutex filters_lock_;
     std::map<PoolKey, std::unique_ptr<PoolFilter>> filters_;
     std::mutex ipc_lock_;

@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped whenever an entry changes meaning or place; the adapter refuses
  * a table of another version (a stale cached build). */
-#define MATEPOINT_TORCH_BRIDGE_VERSION 1
+#define MATEPOINT_TORCH_BRIDGE_VERSION 2
 
 /* Called by the allocator after it released its locks, when a request
  * failed for lack of memory and before it raises torch's
@@ -89,6 +89,15 @@ typedef struct matepoint_torch_bridge {
     /* IPC: the segment holding `ptr`, its base returned, its size in *size;
      * NULL when `ptr` is not inside a live block */
     void *(*base_allocation)(void *ptr, uint64_t *size);
+    /* torch.compile's CUDA graph trees (alloc.h's checkpointed pool
+     * states): checkpoint_pool fills a state the caller frees with
+     * free_pool_state; restore_pool fills a delta the caller frees with
+     * free_pool_delta. Both return ALLOC_RESTORE_* (alloc_restore_reason
+     * says why a refusal). */
+    int (*checkpoint_pool)(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_state *out);
+    void (*free_pool_state)(alloc_pool_state *state);
+    int (*restore_pool)(const alloc_pool_state *state, alloc_pool_delta *out);
+    void (*free_pool_delta)(alloc_pool_delta *delta);
 } matepoint_torch_bridge;
 
 #ifdef __cplusplus
