@@ -250,6 +250,16 @@ int alloc_pool_takes(allocator *a, int device, void *stream);
 /* Uses left of a pool (torch's getPoolUseCount); -1: no such pool. */
 int alloc_pool_use_count(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
 
+/* Makes the pool if missing, with one use, else takes one more use of it
+ * (torch's createOrIncrefPool: a torch.cuda.MemPool holds one use from its
+ * making to its end). 0; -1 for a device out of range, a pool whose uses
+ * were all given back (its memory may be on its way back), or no memory. */
+int alloc_create_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
+/* Gives back the segments of the pool holding no live block once the pool
+ * is released (torch's emptyCache(mempool_id) at a MemPool's end); a pool
+ * still in use keeps them, as a graph may replay into them. */
+void alloc_empty_pool(allocator *a, uint64_t pool_a, uint64_t pool_b);
+
 /* ---- checkpointed pool states (torch's PrivatePoolState) ---------------------
  * torch.compile's CUDA graph trees record several graphs into one pool and
  * replay them in orders other than their recording's: a replay hands out no

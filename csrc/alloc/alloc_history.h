@@ -69,6 +69,7 @@ typedef struct {
     uint64_t address, size;
     void *stream;
     int small;                  /* the small pool's */
+    uint64_t pool_a, pool_b;    /* the private pool owning it; (0, 0): the ordinary cache */
     uint64_t first_block, block_count;   /* its blocks in alloc_snapshot.blocks */
 } alloc_segment_record;
 
@@ -88,6 +89,10 @@ void alloc_history_configure(allocator *a, const alloc_history_config *config);
  * their contexts; 0, or -1 without memory (then `out` is empty). The
  * caller frees it with alloc_snapshot_free. */
 int alloc_take_snapshot(allocator *a, int device, alloc_snapshot *out);
+/* The same, of the segments of private pool (pool_a, pool_b) only ((0, 0):
+ * all, as alloc_take_snapshot); the trace is the device's whole. */
+int alloc_take_pool_snapshot(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
+                             alloc_snapshot *out);
 void alloc_snapshot_free(allocator *a, alloc_snapshot *snapshot);
 
 #endif

@@ -146,3 +146,26 @@ bridge_restore_pool(const alloc_pool_state *state, alloc_pool_delta *out)
     }
     return alloc_pool_restore(a, state, out);
 }
+
+/* torch.cuda.MemPool: its making, its uses, its end's emptyCache(mempool_id). */
+int
+bridge_create_pool(int device, uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = entry_allocator();
+    return a ? alloc_create_pool(a, device, pool_a, pool_b) : -1;
+}
+
+int
+bridge_pool_use_count(int device, uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = entry_allocator();
+    return a ? alloc_pool_use_count(a, device, pool_a, pool_b) : -1;
+}
+
+void
+bridge_empty_pool(uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = entry_allocator();
+    if (a != NULL)
+        alloc_empty_pool(a, pool_a, pool_b);
+}

@@ -164,7 +164,7 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         cca::SnapshotInfo result;
         int devices = bridge_->device_count();
         for (int device = 0; device < devices; device++) {
-            DeviceSnapshot snap(bridge_, device);
+            DeviceSnapshot snap(bridge_, device, mempool);
             const alloc_snapshot &data = snap.data;
             for (uint64_t i = 0; i < data.segment_count; i++)
                 result.segments.push_back(segment_info(device, data, data.segments[i]));
@@ -213,6 +213,68 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         if (bridge_->release_pool == nullptr)
             return CUDAPluggableAllocator::releasePool(device, mempool_id);
         bridge_->release_pool(device, mempool_id.first, mempool_id.second);
+    }
+
+    // ---- torch.cuda.MemPool: a pool made (one use) with the MemPool and
+    // released at its end; use_mem_pool begins allocating to it (one more
+    // use) with a filter of the calling thread. A MemPool serving another
+    // allocator's memory (MemPool(allocator=...)) cannot be one of this
+    // allocator's pools.
+    void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                            std::shared_ptr<cca::CUDAAllocator> allocator) override
+    {
+        if (bridge_->create_pool == nullptr)
+            return CUDAPluggableAllocator::createOrIncrefPool(device, mempool_id,
+                                                              std::move(allocator));
+        TORCH_CHECK(allocator == nullptr || allocator.get() == this,
+                    "matepoint's allocator cannot serve a torch.cuda.MemPool whose memory "
+                    "comes from another allocator (MemPool(allocator=...)): make the MemPool "
+                    "without allocator=, or run without matepoint.install_allocator()");
+        TORCH_CHECK(bridge_->create_pool(device, mempool_id.first, mempool_id.second) == 0,
+                    "matepoint's allocator cannot make memory pool (", mempool_id.first, ", ",
+                    mempool_id.second, ") on CUDA device ", static_cast<int>(device),
+                    ": the pool was released already, or the device or host memory is missing");
+    }
+
+    int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override
+    {
+        if (bridge_->pool_use_count == nullptr)
+            return CUDAPluggableAllocator::getPoolUseCount(device, mempool_id);
+        int uses = bridge_->pool_use_count(device, mempool_id.first, mempool_id.second);
+        return uses < 0 ? 0 : uses;
+    }
+
+    // A MemPool's end turns this off; turning it on is refused: matepoint's
+    // allocator never serves other requests from a pool.
+    void setUseOnOOM(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                     bool use_on_oom) override
+    {
+        (void)device;
+        (void)mempool_id;
+        TORCH_CHECK(!use_on_oom,
+                    "matepoint's allocator does not serve other allocations from a "
+                    "torch.cuda.MemPool when out of memory (MemPool(use_on_oom=True)): make the "
+                    "MemPool without use_on_oom, or run without matepoint.install_allocator()");
+    }
+
+    void setNoSplit(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override
+    {
+        (void)device;
+        (void)mempool_id;
+        TORCH_CHECK(false,
+                    "matepoint's allocator always splits a pool's segments "
+                    "(MemPool(no_split=True) is not supported): make the MemPool without "
+                    "no_split, or run without matepoint.install_allocator()");
+    }
+
+    // emptyCache of one pool (a MemPool's end) gives back only that pool's
+    // free segments, and only once it is released: a pool in use keeps
+    // them, as a graph may replay into them.
+    void emptyCache(c10::cuda::MempoolId_t mempool_id) override
+    {
+        if (bridge_->empty_pool == nullptr || (mempool_id.first == 0 && mempool_id.second == 0))
+            return CUDAPluggableAllocator::emptyCache(mempool_id);
+        bridge_->empty_pool(mempool_id.first, mempool_id.second);
     }
 
     // cudnn.benchmark's workspace bound, as torch's allocator answers it:
@@ -451,69 +513,9 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
     std::unordered_map<std::string, std::weak_ptr<void>> ipc_open_;
 };
 
-void
-write_error(char *out, size_t n, const std::string &text)
-{
-    if (out == nullptr || n == 0)
-        return;
-    std::strncpy(out, text.c_str(), n - 1);
-    out[n - 1] = '\0';
-}
-
-// Python and TorchScript stacks, as torch's _record_memory_history
-// gathers them for context="all"
-std::shared_ptr<c10::GatheredContext>
-gather_stack()
-{
-    return torch::CapturedTraceback::gather(true, true, false);
-}
-
 }  // namespace
 
-// Attaches `observer` through torch's own C++ entry point (the one
-// torch._C._cuda_attach_out_of_memory_observer calls after initializing
-// CUDA), so a C caller (and the tests, where CUDA cannot initialize) reach
-// the current allocator's attachOutOfMemoryObserver. 0, or -1 with the
-// reason in `error` (torch's allocator refused, e.g. the plain pluggable one).
-extern "C" __attribute__((visibility("default"))) int
-matepoint_torch_adapter_attach_oom_observer(void (*observer)(int64_t device, size_t allocated,
-                                                             size_t device_total,
-                                                             size_t device_free),
-                                            char *error, size_t error_size)
-{
-    try {
-        cca::attachOutOfMemoryObserver(
-            [observer](int64_t device, size_t allocated, size_t total, size_t free_bytes) {
-                observer(device, allocated, total, free_bytes);
-            });
-    } catch (const std::exception &failure) {
-        write_error(error, error_size, failure.what());
-        return -1;
-    }
-    return 0;
-}
-
-
-// What torch.cuda.memory._record_memory_history(enabled, context="all" or
-// None, max_entries, clear_history) does once CUDA is initialized: calls
-// the current allocator's recordHistory through torch's C++ entry point.
-// torch's own Python entry initializes CUDA first, which a machine without
-// a GPU cannot; the tests record history through this. 0, or -1 with the
-// reason in `error`.
-extern "C" __attribute__((visibility("default"))) int
-matepoint_torch_adapter_record_history(int enabled, int stacks, uint64_t max_entries, int clear,
-                                       char *error, size_t error_size)
-{
-    try {
-        cca::recordHistory(enabled != 0, stacks ? gather_stack : nullptr, max_entries,
-                           stacks ? cca::RecordContext::ALL : cca::RecordContext::NEVER,
-                           clear != 0, {});
-    } catch (const std::exception &failure) {
-        write_error(error, error_size, failure.what());
-        return -1;
-    }
-    return 0;
-}
+#include "torch_entries.h"
 
 // Makes an adapter over the library's table (`get_bridge`, the library's
 // matepoint_alloc_torch_bridge) torch's current CUDA allocator. 0, or -1
@@ -534,35 +536,6 @@ matepoint_torch_adapter_install(const matepoint_torch_bridge *(*get_bridge)(void
     try {
         torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(
             std::make_shared<Adapter>(bridge));
-    } catch (const std::exception &failure) {
-        write_error(error, error_size, failure.what());
-        return -1;
-    }
-    return 0;
-}
-
-// Test entries: torch's own dispatch (c10::cuda::CUDACachingAllocator's
-// free functions call the current allocator), asked from Python by
-// tests/torch_pool_cases.py where torch has no binding. 0, or -1 when torch
-// threw (the text in `error`).
-extern "C" __attribute__((visibility("default"))) int
-matepoint_torch_adapter_cache_info(int device, size_t *largest, char *error, size_t error_size)
-{
-    try {
-        cca::cacheInfo(static_cast<c10::DeviceIndex>(device), largest);
-    } catch (const std::exception &failure) {
-        write_error(error, error_size, failure.what());
-        return -1;
-    }
-    return 0;
-}
-
-extern "C" __attribute__((visibility("default"))) int
-matepoint_torch_adapter_base_allocation(void *ptr, void **base, size_t *size, char *error,
-                                        size_t error_size)
-{
-    try {
-        *base = cca::getBaseAllocation(ptr, size);
     } catch (const std::exception &failure) {
         write_error(error, error_size, failure.what());
         return -1;
