@@ -88,7 +88,7 @@ void
 history_append(device_state *dev, int action, uint64_t address, uint64_t size, void *stream,
                uint64_t tag, void *context)
 {
-    if (!dev->history.enabled || dev->ring_capacity == 0)
+    if (!dev->history.enabled || dev->ring_capacity == 0 || (dev->history.skip >> action & 1u))
         return;
     if (context != NULL && dev->history.retain != NULL)
         dev->history.retain(context);

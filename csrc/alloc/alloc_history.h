@@ -20,12 +20,31 @@
 #include "alloc.h"
 
 #include <stdint.h>
+#include <string.h>
 
 /* torch's TraceEntry actions, in its order */
 enum {
     ALLOC_TRACE_ALLOC, ALLOC_TRACE_FREE_REQUESTED, ALLOC_TRACE_FREE_COMPLETED,
     ALLOC_TRACE_SEGMENT_ALLOC, ALLOC_TRACE_SEGMENT_FREE, ALLOC_TRACE_OOM = 8
 };
+/* torch's names of its TraceEntry actions (its skip_actions list), by
+ * value; matepoint records none past those above but accepts every name. */
+enum { ALLOC_TRACE_ACTIONS = 10 };
+
+/* The action named `name`, or -1 for a name torch does not know. */
+static inline int
+alloc_trace_action(const char *name)
+{
+    static const char *const names[ALLOC_TRACE_ACTIONS] = {
+        "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+        "segment_map", "segment_unmap", "snapshot", "oom", "annotate"};
+    for (int action = 0; action < ALLOC_TRACE_ACTIONS; action++) {
+        if (strcmp(names[action], name) == 0)
+            return action;
+    }
+    return -1;
+}
+
 /* gather()'s tag for an event of no block (a free's own stack) */
 #define ALLOC_TAG_NONE UINT64_MAX
 
@@ -37,6 +56,7 @@ typedef struct {
     uint64_t max_entries;       /* records kept per device, the oldest dropped */
     int when;                   /* ALLOC_CONTEXT_*: which events gather a context */
     int clear;                  /* drop the records made so far */
+    uint32_t skip;              /* actions not recorded: bit (1 << ALLOC_TRACE_*) each */
     /* a new context for an event of an allocation tagged `tag`, one
      * reference (NULL: none); called for every block while enabled,
      * whatever `when` says (it carries the tag), with stacks if `when` */

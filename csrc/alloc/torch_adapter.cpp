@@ -144,8 +144,19 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
             return CUDAPluggableAllocator::recordHistory(enabled, context_recorder,
                                                          alloc_trace_max_entries, when,
                                                          clear_history, skip_actions);
+        // a bad name refuses the call before anything changed
+        uint32_t skip = 0;
+        for (const std::string &name : skip_actions) {
+            int action = alloc_trace_action(name.c_str());
+            TORCH_CHECK(action >= 0, "matepoint's allocator: unknown memory history action '",
+                        name, "' in skip_actions (torch's actions: alloc, free_requested, "
+                        "free_completed, segment_alloc, segment_free, segment_map, "
+                        "segment_unmap, snapshot, oom, annotate)");
+            skip |= 1u << action;
+        }
         recorder.store(enabled ? context_recorder : nullptr);
         alloc_history_config config{};
+        config.skip = skip;
         config.enabled = enabled;
         config.max_entries = alloc_trace_max_entries;
         config.when = static_cast<int>(when);

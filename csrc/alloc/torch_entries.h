@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -60,19 +61,21 @@ matepoint_torch_adapter_attach_oom_observer(void (*observer)(int64_t device, siz
 
 
 // What torch.cuda.memory._record_memory_history(enabled, context="all" or
-// None, max_entries, clear_history) does once CUDA is initialized: calls
-// the current allocator's recordHistory through torch's C++ entry point.
-// torch's own Python entry initializes CUDA first, which a machine without
-// a GPU cannot; the tests record history through this. 0, or -1 with the
-// reason in `error`.
+// None, max_entries, clear_history, skip_actions) does once CUDA is
+// initialized: calls the current allocator's recordHistory through torch's
+// C++ entry point. torch's own Python entry initializes CUDA first, which a
+// machine without a GPU cannot; the tests record history through this.
+// `skip` holds `skip_count` action names. 0, or -1 with the reason in `error`.
 extern "C" __attribute__((visibility("default"))) int
 matepoint_torch_adapter_record_history(int enabled, int stacks, uint64_t max_entries, int clear,
-                                       char *error, size_t error_size)
+                                       const char *const *skip, size_t skip_count, char *error,
+                                       size_t error_size)
 {
     try {
+        std::vector<std::string> skip_actions(skip, skip + skip_count);
         cca::recordHistory(enabled != 0, stacks ? gather_stack : nullptr, max_entries,
                            stacks ? cca::RecordContext::ALL : cca::RecordContext::NEVER,
-                           clear != 0, {});
+                           clear != 0, skip_actions);
     } catch (const std::exception &failure) {
         write_error(error, error_size, failure.what());
         return -1;
