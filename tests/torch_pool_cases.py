@@ -188,7 +188,11 @@ def test_graph_trees_switch_between_two_recordings_of_one_pool(memory) -> None:
     replay(replay_a1, 1.0)
     torch._C._cuda_setCheckpointPoolState(0, after_a, [], [replay_a1._cdata])
     assert allocated_bytes() == 2 * ELEMENTS * 4        # A's two outputs, live again
+    assert torch._C._cuda_checkPoolLiveAllocations(0, pool, {a1_at, a2_at})
+    assert not torch._C._cuda_checkPoolLiveAllocations(0, pool, {a1_at})
     torch._C._cuda_cudaCachingAllocator_raw_delete(a2_at)
+    assert torch._C._cuda_checkPoolLiveAllocations(0, pool, {a1_at})
+    assert not torch._C._cuda_checkPoolLiveAllocations(0, pool, {a1_at, a2_at})
     (c1,) = record(pool, side, 4.0)
     assert c1.data_ptr() == a2_at, "the dead output's block is reused"
     assert torch.equal(read(a1_at), torch.full((ELEMENTS,), 1.0)), "A's output was overwritten"

@@ -352,6 +352,12 @@ void alloc_pool_state_free(alloc_pool_state *state);
  * refusal with `out` empty and the pool unchanged. */
 int alloc_pool_restore(allocator *a, const alloc_pool_state *state, alloc_pool_delta *out);
 void alloc_pool_delta_free(alloc_pool_delta *delta);
+/* 1 when the live blocks of the pool are exactly the `count` distinct
+ * pointers `ptrs` (torch's checkPoolLiveAllocations, which CUDA graph
+ * trees ask when checking themselves), 0 when not, ALLOC_RESTORE_NO_POOL
+ * for no such pool. */
+int alloc_pool_live_is(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
+                       void *const *ptrs, uint64_t count);
 
 /* The largest free block cached on `device`, in the ordinary cache or any
  * pool (what torch's cacheInfo reports beside its guess of free device

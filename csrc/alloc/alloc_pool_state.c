@@ -266,3 +266,26 @@ done:
         alloc_pool_delta_free(out);
     return result;
 }
+
+int
+alloc_pool_live_is(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
+                   void *const *ptrs, uint64_t count)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL)
+        return ALLOC_RESTORE_NO_POOL;
+    pthread_mutex_lock(&dev->lock);
+    private_pool *pool = pool_find(dev, pool_a, pool_b);
+    int result = ALLOC_RESTORE_NO_POOL;
+    if (pool != NULL) {
+        uint64_t segments, blocks, live;
+        count_pool(dev, pool, &segments, &blocks, &live);
+        result = live == count;
+        for (uint64_t i = 0; i < count && result; i++) {
+            const block *b = map_find(dev, (uintptr_t)ptrs[i]);
+            result = b != NULL && b->seg->owner->pool == pool;
+        }
+    }
+    pthread_mutex_unlock(&dev->lock);
+    return result;
+}

@@ -536,6 +536,7 @@ static const matepoint_torch_bridge bridge = {
     .free_pool_state = alloc_pool_state_free,
     .restore_pool = bridge_restore_pool,
     .free_pool_delta = alloc_pool_delta_free,
+    .pool_live_is = bridge_pool_live_is,
     .create_pool = bridge_create_pool,
     .pool_use_count = bridge_pool_use_count,
     .empty_pool = bridge_empty_pool,

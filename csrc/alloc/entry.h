@@ -24,6 +24,8 @@ void *bridge_base_allocation(void *ptr, uint64_t *size);
 /* The table's checkpointed pool states (alloc.h). */
 int bridge_checkpoint_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_state *out);
 int bridge_restore_pool(const alloc_pool_state *state, alloc_pool_delta *out);
+int bridge_pool_live_is(int device, uint64_t pool_a, uint64_t pool_b, void *const *ptrs,
+                        uint64_t count);
 /* The table's torch.cuda.MemPool entries (alloc.h). */
 int bridge_create_pool(int device, uint64_t pool_a, uint64_t pool_b);
 int bridge_pool_use_count(int device, uint64_t pool_a, uint64_t pool_b);

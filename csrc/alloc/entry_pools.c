@@ -147,6 +147,14 @@ bridge_restore_pool(const alloc_pool_state *state, alloc_pool_delta *out)
     return alloc_pool_restore(a, state, out);
 }
 
+int
+bridge_pool_live_is(int device, uint64_t pool_a, uint64_t pool_b, void *const *ptrs,
+                    uint64_t count)
+{
+    allocator *a = entry_allocator();
+    return a ? alloc_pool_live_is(a, device, pool_a, pool_b, ptrs, count) : ALLOC_RESTORE_NO_POOL;
+}
+
 /* torch.cuda.MemPool: its making, its uses, its end's emptyCache(mempool_id). */
 int
 bridge_create_pool(int device, uint64_t pool_a, uint64_t pool_b)

@@ -29,6 +29,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -424,6 +425,19 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
                                                 c10::Device(c10::DeviceType::CUDA, device));
         }
         return result;
+    }
+
+    bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                                  const std::unordered_set<void *> &expected) override
+    {
+        if (bridge_->pool_live_is == nullptr)
+            return CUDAPluggableAllocator::checkPoolLiveAllocations(device, mempool_id, expected);
+        std::vector<void *> ptrs(expected.begin(), expected.end());
+        int same = bridge_->pool_live_is(device, mempool_id.first, mempool_id.second,
+                                         ptrs.data(), ptrs.size());
+        TORCH_CHECK(same >= 0, "matepoint's allocator has no CUDA graph pool (", mempool_id.first,
+                    ", ", mempool_id.second, ") on device ", static_cast<int>(device));
+        return same == 1;
     }
 
     // A block a restore allocated goes back through the library like any

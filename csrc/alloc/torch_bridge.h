@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped whenever an entry changes meaning or place; the adapter refuses
  * a table of another version (a stale cached build). */
-#define MATEPOINT_TORCH_BRIDGE_VERSION 3
+#define MATEPOINT_TORCH_BRIDGE_VERSION 4
 
 /* Called by the allocator after it released its locks, when a request
  * failed for lack of memory and before it raises torch's
@@ -99,6 +99,10 @@ typedef struct matepoint_torch_bridge {
     void (*free_pool_state)(alloc_pool_state *state);
     int (*restore_pool)(const alloc_pool_state *state, alloc_pool_delta *out);
     void (*free_pool_delta)(alloc_pool_delta *delta);
+    /* checkPoolLiveAllocations: 1 when the pool's live blocks are exactly
+     * `ptrs` (distinct), 0 when not, ALLOC_RESTORE_NO_POOL for no pool */
+    int (*pool_live_is)(int device, uint64_t pool_a, uint64_t pool_b, void *const *ptrs,
+                        uint64_t count);
     /* torch.cuda.MemPool (alloc.h): create_pool makes a pool or takes one
      * more use of it (0, or -1: released already, no memory, no such
      * device); pool_use_count: its uses, -1 for no such pool; empty_pool:

@@ -124,6 +124,11 @@ test_switching_between_two_recordings(void)
     CHECK(delta.allocated[0].stream == &side);
     alloc_pool_delta_free(&delta);
     CHECK(layout_is(a, &after_a) && alloc_check(a, 0) == 0);
+    void *live[3] = {a2, a1, b1};
+    CHECK(alloc_pool_live_is(a, 0, 1, 0, live, 2) == 1);
+    CHECK(alloc_pool_live_is(a, 0, 1, 0, live, 1) == 0);       /* a1 missing */
+    CHECK(alloc_pool_live_is(a, 0, 1, 0, live, 3) == 0);       /* b1 is not live */
+    CHECK(alloc_pool_live_is(a, 0, 8, 0, live, 2) == ALLOC_RESTORE_NO_POOL);
     alloc_stats now = alloc_get_stats(a, 0);
     CHECK(now.live_blocks == 2 && now.allocated_bytes == 4096 + 3 * MiB);
     CHECK(now.requested_bytes == 4000 + 3 * MiB);
