@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -59,6 +59,14 @@ def device_bytes() -> int:
 
 def allocated_bytes() -> int:
     return int(matepoint.memory_stats(0)["allocated_bytes"])
+
+
+def use_count_in_c(library: ctypes.CDLL, pool: Tuple[int, int]) -> int:
+    """The library's own count of a pool's uses on device 0 (-1: none)."""
+    count = library.matepoint_test_pool_use_count
+    count.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
+    count.restype = ctypes.c_int
+    return count(0, pool[0], pool[1])
 
 
 def holder(segments: List[Dict[str, Any]], ptr: int) -> Dict[str, Any]:
@@ -136,10 +144,14 @@ def test_mem_pools_matepoint_cannot_serve_are_refused_clearly(cuda_up) -> None:
     with pytest.raises(RuntimeError, match="matepoint's allocator cannot serve a "
                                            "torch.cuda.MemPool whose memory comes from another"):
         torch.cuda.MemPool(allocator=foreign.allocator())
-    with pytest.raises(RuntimeError, match="use_on_oom"):
-        torch.cuda.MemPool(use_on_oom=True)
-    with pytest.raises(RuntimeError, match="no_split"):
-        torch.cuda.MemPool(no_split=True)
+    for refused in ({"use_on_oom": True}, {"no_split": True}):
+        with pytest.raises(RuntimeError, match="matepoint's allocator .*" + next(iter(refused))):
+            torch.cuda.MemPool(**refused)
+        # the refused MemPool's pool (torch numbers them in order) was not left behind
+        made = torch.cuda.MemPool()
+        assert use_count_in_c(cuda_up, (made.id[0], made.id[1] - 1)) == -1
+        assert use_count_in_c(cuda_up, made.id) == 1
+        del made
     own = torch.cuda.MemPool(allocator=torch.cuda.memory._get_current_allocator().allocator())
     with torch.cuda.use_mem_pool(own):
         inside = torch.ones(ELEMENTS)

@@ -257,12 +257,15 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
     }
 
     // A MemPool's end turns this off; turning it on is refused: matepoint's
-    // allocator never serves other requests from a pool.
+    // allocator never serves other requests from a pool. torch's MemPool
+    // constructor, the one caller of both refusals below, made the pool just
+    // before and will not end it (no destructor runs after a throw): the
+    // refusal gives its use back, so that nothing is left behind.
     void setUseOnOOM(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
                      bool use_on_oom) override
     {
-        (void)device;
-        (void)mempool_id;
+        if (use_on_oom)
+            refused_pool(device, mempool_id);
         TORCH_CHECK(!use_on_oom,
                     "matepoint's allocator does not serve other allocations from a "
                     "torch.cuda.MemPool when out of memory (MemPool(use_on_oom=True)): make the "
@@ -271,8 +274,7 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
 
     void setNoSplit(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override
     {
-        (void)device;
-        (void)mempool_id;
+        refused_pool(device, mempool_id);
         TORCH_CHECK(false,
                     "matepoint's allocator always splits a pool's segments "
                     "(MemPool(no_split=True) is not supported): make the MemPool without "
@@ -485,6 +487,12 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
     static PoolKey pool_key(c10::DeviceIndex device, const c10::cuda::MempoolId_t &id)
     {
         return PoolKey{static_cast<int>(device), id.first, id.second};
+    }
+
+    void refused_pool(c10::DeviceIndex device, const c10::cuda::MempoolId_t &id)
+    {
+        if (bridge_->release_pool != nullptr)
+            bridge_->release_pool(device, id.first, id.second);
     }
 
     // Called by the library with its lock held: torch's filters only ask
