@@ -1,6 +1,7 @@
 /* Private to the allocator library's entry files (entry.c: torch's entry
  * points, the C API and the C++ adapter's table; entry_pools.c: CUDA graph
- * pools, cacheInfo and IPC). Not a contract for anything else. */
+ * pools, their states and MemPools, cacheInfo and IPC). Not a contract for
+ * anything else. */
 #ifndef MATEPOINT_ALLOC_ENTRY_H
 #define MATEPOINT_ALLOC_ENTRY_H
 

@@ -1,5 +1,6 @@
-/* The allocator library's entry points for CUDA graph pools, cacheInfo and
- * CUDA IPC: the C++ adapter's table entries (torch_bridge.h), the
+/* The allocator library's entry points for CUDA graph pools (their
+ * checkpointed states, torch.cuda.MemPool), cacheInfo and CUDA IPC: the
+ * C++ adapter's table entries (torch_bridge.h), the
  * base-allocation hook torch's pluggable allocator takes without the
  * adapter, and, in test builds, the same calls by name for the simulated
  * GPU's tests. Thread-safety: the allocator locks itself. */
