@@ -34,6 +34,7 @@ SIM_SOURCES := $(sort $(wildcard csrc/testing/cudart_sim*.c)) $(COMMON_SOURCES)
 test_pool_SOURCES        := tests/c/test_pool.c $(POOL_SOURCES)
 test_alloc_SOURCES       := tests/c/test_alloc.c $(ALLOC_SOURCES)
 test_alloc_pools_SOURCES := tests/c/test_alloc_pools.c $(ALLOC_SOURCES)
+test_alloc_pool_state_SOURCES := tests/c/test_alloc_pool_state.c $(ALLOC_SOURCES)
 test_planner_SOURCES     := tests/c/test_planner.c $(PLANNER_SOURCES)
 test_planner_LIBS        := -lm
 test_cudart_sim_SOURCES  := tests/c/test_cudart_sim.c $(SIM_SOURCES)
@@ -43,7 +44,7 @@ test_cudart_load_SOURCES := tests/c/test_cudart_load.c csrc/cuda/cudart.c
 test_cudart_load_LIBS    := -ldl -lpthread
 UNIT_LIBS = $(or $($(1)_LIBS),-lpthread)
 # the tests that run on their own (test_cudart_load needs its fake libraries)
-UNIT_TESTS := test_pool test_alloc test_alloc_pools test_planner test_cudart_sim test_helpers test_spill
+UNIT_TESTS := test_pool test_alloc test_alloc_pools test_alloc_pool_state test_planner test_cudart_sim test_helpers test_spill
 # any header may change what a test compiles: all of them are prerequisites
 UNIT_HEADERS := $(wildcard csrc/*/*.h tests/c/*.h)
 CTESTS  := $(addprefix build/ctest/,$(UNIT_TESTS))

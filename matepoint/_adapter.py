@@ -22,7 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -155,18 +155,22 @@ def guard_torch_memory_api(reason: str) -> None:
 
 
 def record_history(enabled: bool, stacks: bool = True, max_entries: int = 1 << 20,
-                   clear: bool = False) -> None:
+                   clear: bool = False, skip_actions: Sequence[str] = ()) -> None:
     """What torch.cuda.memory._record_memory_history(context="all" or None,
-    max_entries=..., clear_history=...) does once CUDA is up: the current
-    allocator's recordHistory, through c10's C++ entry point and torch's
-    stack gatherer. torch's Python entry initializes CUDA first, which a
-    process without a GPU cannot do: the tests and benchmarks/memory_plot.py
-    (the simulated GPU) record through this. Needs the adapter installed."""
+    max_entries=..., clear_history=..., skip_actions=...) does once CUDA is
+    up: the current allocator's recordHistory, through c10's C++ entry point
+    and torch's stack gatherer. torch's Python entry initializes CUDA first,
+    which a process without a GPU cannot do: the tests and
+    benchmarks/memory_plot.py (the simulated GPU) record through this. Needs
+    the adapter installed."""
     record = build().matepoint_torch_adapter_record_history
     record.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int,
-                       ctypes.c_char_p, ctypes.c_size_t]
+                       ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t, ctypes.c_char_p,
+                       ctypes.c_size_t]
     record.restype = ctypes.c_int
+    names = (ctypes.c_char_p * max(len(skip_actions), 1))(*[a.encode() for a in skip_actions])
     error = ctypes.create_string_buffer(_ERROR_BYTES)
-    if record(int(enabled), int(stacks), max_entries, int(clear), error, _ERROR_BYTES) != 0:
+    if record(int(enabled), int(stacks), max_entries, int(clear), names, len(skip_actions),
+              error, _ERROR_BYTES) != 0:
         raise RuntimeError(f"recording memory history failed: "
                            f"{error.value.decode(errors='replace')}")

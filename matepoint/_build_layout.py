@@ -40,7 +40,8 @@ OOM_UNIT = os.path.basename(OOM_UNIT_SOURCE)
 # the OOM unit (matepoint/_adapter.py), and the headers it includes
 ADAPTER_UNIT_SOURCE = "csrc/alloc/torch_adapter.cpp"
 ADAPTER_HEADER_SOURCES = ("csrc/alloc/torch_bridge.h", "csrc/alloc/alloc.h",
-                          "csrc/alloc/alloc_history.h", "csrc/alloc/torch_snapshot.h")
+                          "csrc/alloc/alloc_history.h", "csrc/alloc/torch_snapshot.h",
+                          "csrc/alloc/torch_entries.h")
 # Every C++ unit compiled at run time against the torch in use, and any
 # header one includes: shipped inside the installed package under their base
 # names (setup.py's build_py), so such a header is included by its bare name

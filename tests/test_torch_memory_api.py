@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import pytest
 import torch
@@ -34,13 +35,18 @@ needs_cuda_libraries = pytest.mark.skipif(
            f"the adapter against (torch's memory API is checked on a CUDA build of torch)")
 
 
-def _run_cases(path: str, *selection: str) -> None:
+def _run_cases(path: str, *selection: str, preload: Optional[str] = None) -> None:
+    """Runs the cases of `path` in a subprocess, with library `preload`
+    preloaded after any already (AddressSanitizer's runtime stays first)."""
     if not getattr(_C, "TEST_BUILD", 0):
         pytest.skip("needs a test build (the simulated GPU)")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                os.path.join(HERE, path), *selection]
+    env = dict(os.environ)
+    if preload is not None:
+        env["LD_PRELOAD"] = " ".join(filter(None, [env.get("LD_PRELOAD"), preload]))
     result = subprocess.run(command, cwd=os.path.dirname(HERE), capture_output=True, text=True,
-                            timeout=900)
+                            timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 

@@ -296,3 +296,26 @@ def test_history_off_records_nothing_and_keeps_stacks_out(cuda_up) -> None:
     after = torch.cuda.memory._snapshot()["device_traces"][0]
     assert len(after) == len(snapshot["device_traces"][0])   # off: nothing more recorded
     del held
+
+
+def test_history_skips_the_actions_named(cuda_up) -> None:
+    """torch's _record_memory_history(skip_actions=[...]): those actions are
+    not recorded, the others are; an unknown name is refused."""
+    sim.empty_device_cache()
+    segments_before = mine(0)["num_device_alloc"]
+    _adapter.record_history(True, False, 100000, clear=True,
+                            skip_actions=["free_requested", "segment_alloc"])
+    try:
+        with sim.device(0):
+            held = torch.empty(MIB, dtype=torch.uint8)
+        del held
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    finally:
+        record_history(False)
+    assert mine(0)["num_device_alloc"] > segments_before     # a segment was allocated
+    actions = [entry["action"] for entry in trace]
+    assert "alloc" in actions and "free_completed" in actions
+    assert "free_requested" not in actions and "segment_alloc" not in actions
+    with pytest.raises(RuntimeError, match="matepoint's allocator: unknown memory history "
+                                           "action 'free' in skip_actions"):
+        _adapter.record_history(True, skip_actions=["free"])

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
-from typing import Iterator, Tuple
+from typing import Iterator, List, Tuple
 
 import pytest
 import torch
 
+import matepoint
 from matepoint import _adapter, _C
 from matepoint._allocator import allocator_path
 import sim
@@ -129,16 +130,107 @@ def test_base_allocation_through_torch(memory) -> None:
     assert b"invalid device pointer" in error.value
 
 
-def test_checkpoint_state_is_taken_and_a_restore_is_refused_clearly(memory) -> None:
-    """torch.compile's CUDA graph trees take a pool's state after every
-    recording (it must not raise: a single recorded graph replays), and
-    restore it only when switching graphs, which is refused saying why."""
-    pool = (0, 4444)
+def replayed(ptr: int, elements: int) -> torch.UntypedStorage:
+    """What a CUDA graph tree makes of a replayed output: a storage over the
+    recorded address, with no deleter (torch._C's own constructor)."""
+    return torch._C._construct_storage_from_data_pointer(ptr, torch.device("cpu"), elements * 4)
+
+
+def read(ptr: int, elements: int = ELEMENTS) -> torch.Tensor:
+    """The floats at `ptr` (a view with no deleter: it frees nothing)."""
+    return torch.empty(0).set_(replayed(ptr, elements), 0, (elements,), (1,)).clone()
+
+
+def replay(storage: torch.UntypedStorage, value: float) -> None:
+    """A graph replay writing its output into the recorded address."""
+    torch.empty(0).set_(storage, 0, (ELEMENTS,), (1,)).fill_(value)
+
+
+def record(pool: Tuple[int, int], stream: int, *values: float) -> List[torch.Tensor]:
+    """A recording into `pool`: a scratch tensor freed, then the outputs."""
     torch._C._cuda_beginAllocateToPool(0, pool)
-    torch._C._cuda_endAllocateToPool(0, pool)
     try:
-        state = torch._C._cuda_getCheckpointState(0, pool)
-        with pytest.raises(RuntimeError, match="matepoint's allocator cannot yet restore"):
-            torch._C._cuda_setCheckpointPoolState(0, state, [], [])
+        with sim.stream(0, stream):
+            scratch = torch.ones(ELEMENTS)
+            outputs = [torch.full((ELEMENTS,), value) for value in values]
+            del scratch
     finally:
+        torch._C._cuda_endAllocateToPool(0, pool)
+    return outputs
+
+
+def allocated_bytes() -> int:
+    return int(matepoint.memory_stats(0)["allocated_bytes"])
+
+
+def test_graph_trees_switch_between_two_recordings_of_one_pool(memory) -> None:
+    """torch.compile's CUDA graph trees (cudagraph_trees.py): graphs A and B
+    recorded into one pool; then A replays and C is recorded from A's
+    state; then B's path replays and D is recorded from B's state. Each
+    switch is torch's _cuda_setCheckpointPoolState, with the replayed
+    outputs given deleters and the dead ones freed through torch's
+    raw_delete: a recording never lands on a live replayed output."""
+    side, _ = sim.side_streams()
+    pool = (0, 4545)
+    a1, a2 = record(pool, side, 1.0, 2.0)
+    a1_at, a2_at = a1.data_ptr(), a2.data_ptr()
+    after_a = torch._C._cuda_getCheckpointState(0, pool)
+    (b1,) = record(pool, side, 3.0)
+    b1_at = b1.data_ptr()
+    after_b = torch._C._cuda_getCheckpointState(0, pool)
+    assert len({a1_at, a2_at, b1_at}) == 3
+    held = device_bytes()
+    # the recorded tensors die: the allocator's books say the pool is free
+    del a1, a2, b1
+    assert allocated_bytes() == 0
+    # A replays (a2 dies at once), then C records from A's state
+    replay_a1 = replayed(a1_at, ELEMENTS)
+    replay(replay_a1, 1.0)
+    torch._C._cuda_setCheckpointPoolState(0, after_a, [], [replay_a1._cdata])
+    assert allocated_bytes() == 2 * ELEMENTS * 4        # A's two outputs, live again
+    assert torch._C._cuda_checkPoolLiveAllocations(0, pool, {a1_at, a2_at})
+    assert not torch._C._cuda_checkPoolLiveAllocations(0, pool, {a1_at})
+    torch._C._cuda_cudaCachingAllocator_raw_delete(a2_at)
+    assert torch._C._cuda_checkPoolLiveAllocations(0, pool, {a1_at})
+    assert not torch._C._cuda_checkPoolLiveAllocations(0, pool, {a1_at, a2_at})
+    (c1,) = record(pool, side, 4.0)
+    assert c1.data_ptr() == a2_at, "the dead output's block is reused"
+    assert torch.equal(read(a1_at), torch.full((ELEMENTS,), 1.0)), "A's output was overwritten"
+    del c1
+    # B's path replays (A's outputs, then B's), then D records from B's state
+    replay_a1_again, replay_b1 = replayed(a1_at, ELEMENTS), replayed(b1_at, ELEMENTS)
+    replay(replay_a1_again, 1.0)
+    replay(replay_b1, 3.0)
+    torch._C._cuda_setCheckpointPoolState(0, after_b, [replay_a1._cdata],
+                                          [replay_a1_again._cdata, replay_b1._cdata])
+    assert allocated_bytes() == 3 * ELEMENTS * 4
+    torch._C._cuda_cudaCachingAllocator_raw_delete(a2_at)
+    (d1,) = record(pool, side, 5.0)
+    assert d1.data_ptr() not in (a1_at, b1_at)
+    assert torch.equal(read(a1_at), torch.full((ELEMENTS,), 1.0))
+    assert torch.equal(read(b1_at), torch.full((ELEMENTS,), 3.0))
+    assert float(d1.sum()) == 5.0 * ELEMENTS
+    sim.empty_device_cache()                            # read()'s copies' segment
+    assert device_bytes() == held, "the pool took no new segment"
+    # the replayed outputs die through the allocator's deleter, the stale one frees nothing
+    del d1, replay_a1_again, replay_b1, replay_a1
+    assert allocated_bytes() == 0
+    for _ in range(4):                                  # A, B, C, D recorded into it
         torch._C._cuda_releasePool(0, pool)
+    assert device_bytes() == 0
+    assert matepoint.memory_stats(0)["active_bytes.all.current"] == 0
+
+
+def test_a_restore_of_a_released_pool_is_refused_clearly(memory) -> None:
+    side, _ = sim.side_streams()
+    pool = (0, 4646)
+    (out,) = record(pool, side, 1.0)
+    state = torch._C._cuda_getCheckpointState(0, pool)
+    del out
+    torch._C._cuda_releasePool(0, pool)
+    with pytest.raises(RuntimeError, match="matepoint's allocator cannot restore CUDA graph "
+                                           "pool .* the pool does not exist or was released"):
+        torch._C._cuda_setCheckpointPoolState(0, state, [], [])
+    with pytest.raises(RuntimeError, match="matepoint's allocator cannot checkpoint"):
+        torch._C._cuda_getCheckpointState(0, pool)
+    assert device_bytes() == 0

@@ -250,6 +250,115 @@ int alloc_pool_takes(allocator *a, int device, void *stream);
 /* Uses left of a pool (torch's getPoolUseCount); -1: no such pool. */
 int alloc_pool_use_count(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
 
+/* Makes the pool if missing, with one use, else takes one more use of it
+ * (torch's createOrIncrefPool: a torch.cuda.MemPool holds one use from its
+ * making to its end). 0; -1 for a device out of range, a pool whose uses
+ * were all given back (its memory may be on its way back), or no memory. */
+int alloc_create_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
+/* Gives back the segments of the pool holding no live block once the pool
+ * is released (torch's emptyCache(mempool_id) at a MemPool's end); a pool
+ * still in use keeps them, as a graph may replay into them. */
+void alloc_empty_pool(allocator *a, uint64_t pool_a, uint64_t pool_b);
+
+/* ---- checkpointed pool states (torch's PrivatePoolState) ---------------------
+ * torch.compile's CUDA graph trees record several graphs into one pool and
+ * replay them in orders other than their recording's: a replay hands out no
+ * memory, so before recording again after replays the pool must be set to
+ * the layout it had after the recording replayed last (torch's
+ * getCheckpointState, setCheckpointPoolState; its Note "Checkpointing
+ * PrivatePoolState").
+ *
+ * A state lists the pool's segments and, per segment, its blocks in address
+ * order: allocated ones as they were handed out (size, requested bytes,
+ * tag), and the free space between them (one entry per run of free
+ * blocks). Restoring frees every block of the pool allocated now, then
+ * allocates exactly the state's allocated blocks at their addresses: after
+ * it, the pool's live blocks are the state's, and the segments the pool
+ * made since stay, all free. Every figure follows as for frees and
+ * mallocs. The caller learns which pointers were freed and which were
+ * allocated (a pointer live before and in the state is in both).
+ *
+ * Refused, nothing changed: a pool missing or released (NO_POOL), a
+ * state's segment no longer the pool's, or of another size (SEGMENT_GONE),
+ * a block of the pool still waiting for another stream while a capture is
+ * underway, so that no wait is allowed (BUSY), or no memory. Outside
+ * captures restoring waits for the pool's blocks pending on other streams. */
+typedef struct {
+    uint64_t ptr, size;
+    uint64_t requested, tag;    /* allocated blocks: as handed out */
+    int allocated;              /* 0: free space */
+} alloc_block_state;
+
+typedef struct {
+    uint64_t base, size;
+    void *stream;
+    uint64_t first_block, block_count;  /* alloc_pool_state.blocks[first_block...] */
+} alloc_segment_state;
+
+typedef struct {
+    int device;
+    uint64_t pool_a, pool_b;
+    alloc_segment_state *segments;
+    uint64_t segment_count;
+    alloc_block_state *blocks;
+    uint64_t block_count;
+} alloc_pool_state;
+
+/* an allocated block of a restored state: its pointer, size and stream */
+typedef struct {
+    void *ptr;
+    uint64_t size;
+    void *stream;
+} alloc_restored_block;
+
+typedef struct {
+    void **freed;                       /* the pool's live pointers before */
+    uint64_t freed_count;
+    alloc_restored_block *allocated;    /* the state's allocated blocks */
+    uint64_t allocated_count;
+} alloc_pool_delta;
+
+enum {
+    ALLOC_RESTORE_OK = 0, ALLOC_RESTORE_NO_POOL = -1, ALLOC_RESTORE_SEGMENT_GONE = -2,
+    ALLOC_RESTORE_BUSY = -3, ALLOC_RESTORE_NO_MEMORY = -4
+};
+
+/* Why a checkpoint or restore was refused, in the user's terms. */
+static inline const char *
+alloc_restore_reason(int status)
+{
+    switch (status) {
+    case ALLOC_RESTORE_OK: return "done";
+    case ALLOC_RESTORE_NO_POOL: return "the pool does not exist or was released";
+    case ALLOC_RESTORE_SEGMENT_GONE:
+        return "a segment of the checkpointed state is no longer the pool's (its memory was "
+               "given back since)";
+    case ALLOC_RESTORE_BUSY:
+        return "a block of the pool is still used on another stream while a CUDA graph "
+               "capture is underway";
+    case ALLOC_RESTORE_NO_MEMORY: return "out of host memory";
+    default: return "unknown refusal";
+    }
+}
+
+/* The state of a pool of `device`: 0, or ALLOC_RESTORE_NO_POOL (no such
+ * pool, or released), ALLOC_RESTORE_NO_MEMORY; `out` then empty. The
+ * caller frees it with alloc_pool_state_free. */
+int alloc_pool_checkpoint(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
+                          alloc_pool_state *out);
+void alloc_pool_state_free(alloc_pool_state *state);
+/* Sets the state's pool to `state`: ALLOC_RESTORE_OK with `out` filled (the
+ * caller frees it with alloc_pool_delta_free), else an ALLOC_RESTORE_*
+ * refusal with `out` empty and the pool unchanged. */
+int alloc_pool_restore(allocator *a, const alloc_pool_state *state, alloc_pool_delta *out);
+void alloc_pool_delta_free(alloc_pool_delta *delta);
+/* 1 when the live blocks of the pool are exactly the `count` distinct
+ * pointers `ptrs` (torch's checkPoolLiveAllocations, which CUDA graph
+ * trees ask when checking themselves), 0 when not, ALLOC_RESTORE_NO_POOL
+ * for no such pool. */
+int alloc_pool_live_is(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
+                       void *const *ptrs, uint64_t count);
+
 /* The largest free block cached on `device`, in the ordinary cache or any
  * pool (what torch's cacheInfo reports beside its guess of free device
  * memory); 0 when none, or for a device out of range. */

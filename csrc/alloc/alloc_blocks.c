@@ -130,6 +130,20 @@ blocks_free_spares(device_state *dev)
     dev->spare_block_count = 0;
 }
 
+int
+blocks_reserve_spares(device_state *dev, uint64_t count)
+{
+    while (dev->spare_block_count < count) {
+        block *b = calloc(1, sizeof(*b));
+        if (b == NULL)
+            return -1;
+        b->list_next = dev->spare_blocks;
+        dev->spare_blocks = b;
+        dev->spare_block_count++;
+    }
+    return 0;
+}
+
 /* Absorbs `victim`, the free block right after `b` in the same segment
  * (taken out of the index already), into `b`. */
 static void
@@ -306,6 +320,30 @@ block_take(block *b, uint64_t size)
         MP_ASSERT(b->ptr + b->size == rest->ptr && rest->ptr + rest->size <= b->seg->base + b->seg->size);
         block_insert_free(rest);
     }
+    return 0;
+}
+
+int
+block_carve(block *b, uint64_t size)
+{
+    MP_ASSERT(!b->allocated && b->event_count == 0 && b->size >= size && size % MIN_BLOCK == 0);
+    if (b->size > size && b->seg->dev->spare_blocks == NULL)
+        return -1;
+    if (b->in_index)
+        index_remove(b);
+    if (b->size == size)
+        return 0;
+    block *rest = block_node_new(b->seg->dev);
+    rest->ptr = b->ptr + size;
+    rest->size = b->size - size;
+    rest->seg = b->seg;
+    rest->prev = b;
+    rest->next = b->next;
+    if (b->next != NULL)
+        b->next->prev = rest;
+    b->next = rest;
+    b->size = size;
+    stats_segment_blocks(b->seg, 1);
     return 0;
 }
 

@@ -88,7 +88,7 @@ void
 history_append(device_state *dev, int action, uint64_t address, uint64_t size, void *stream,
                uint64_t tag, void *context)
 {
-    if (!dev->history.enabled || dev->ring_capacity == 0)
+    if (!dev->history.enabled || dev->ring_capacity == 0 || (dev->history.skip >> action & 1u))
         return;
     if (context != NULL && dev->history.retain != NULL)
         dev->history.retain(context);
@@ -131,9 +131,20 @@ block_state(const block *b)
     return b->event_count > 0 || b->deferred ? ALLOC_BLOCK_PENDING_FREE : ALLOC_BLOCK_INACTIVE;
 }
 
+/* Whether a snapshot of pool (pool_a, pool_b) shows `seg`: (0, 0) shows
+ * every segment, another id its pool's only (torch's snapshot(mempool_id)). */
+static int
+shown(const segment *seg, uint64_t pool_a, uint64_t pool_b)
+{
+    const private_pool *pool = seg->owner->pool;
+    if (pool_a == 0 && pool_b == 0)
+        return 1;
+    return pool != NULL && pool->id_a == pool_a && pool->id_b == pool_b;
+}
+
 /* Fills `out` from the device's state. Lock held. */
 static int
-snapshot_locked(device_state *dev, alloc_snapshot *out)
+snapshot_locked(device_state *dev, uint64_t pool_a, uint64_t pool_b, alloc_snapshot *out)
 {
     uint64_t segments = 0, blocks = 0;
     for (segment *seg = dev->segments; seg != NULL; seg = seg->next) {
@@ -150,9 +161,14 @@ snapshot_locked(device_state *dev, alloc_snapshot *out)
     while (last != NULL && last->next != NULL)
         last = last->next;
     for (segment *seg = last; seg != NULL; seg = seg->prev) {
+        if (!shown(seg, pool_a, pool_b))
+            continue;
+        const private_pool *pool = seg->owner->pool;
         alloc_segment_record *s = &out->segments[out->segment_count++];
         *s = (alloc_segment_record){.address = seg->base, .size = seg->size,
                                     .stream = seg->owner->stream, .small = seg->small,
+                                    .pool_a = pool ? pool->id_a : 0,
+                                    .pool_b = pool ? pool->id_b : 0,
                                     .first_block = out->block_count};
         for (block *b = seg->first; b != NULL; b = b->next) {
             int state = block_state(b);
@@ -174,12 +190,19 @@ snapshot_locked(device_state *dev, alloc_snapshot *out)
 int
 alloc_take_snapshot(allocator *a, int device, alloc_snapshot *out)
 {
+    return alloc_take_pool_snapshot(a, device, 0, 0, out);
+}
+
+int
+alloc_take_pool_snapshot(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
+                         alloc_snapshot *out)
+{
     memset(out, 0, sizeof(*out));
     device_state *dev = device_of(a, device);
     if (dev == NULL)
         return 0;
     pthread_mutex_lock(&dev->lock);
-    int result = snapshot_locked(dev, out);
+    int result = snapshot_locked(dev, pool_a, pool_b, out);
     out->release = dev->history.release;
     pthread_mutex_unlock(&dev->lock);
     if (result < 0)

@@ -20,12 +20,31 @@
 #include "alloc.h"
 
 #include <stdint.h>
+#include <string.h>
 
 /* torch's TraceEntry actions, in its order */
 enum {
     ALLOC_TRACE_ALLOC, ALLOC_TRACE_FREE_REQUESTED, ALLOC_TRACE_FREE_COMPLETED,
     ALLOC_TRACE_SEGMENT_ALLOC, ALLOC_TRACE_SEGMENT_FREE, ALLOC_TRACE_OOM = 8
 };
+/* torch's names of its TraceEntry actions (its skip_actions list), by
+ * value; matepoint records none past those above but accepts every name. */
+enum { ALLOC_TRACE_ACTIONS = 10 };
+
+/* The action named `name`, or -1 for a name torch does not know. */
+static inline int
+alloc_trace_action(const char *name)
+{
+    static const char *const names[ALLOC_TRACE_ACTIONS] = {
+        "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+        "segment_map", "segment_unmap", "snapshot", "oom", "annotate"};
+    for (int action = 0; action < ALLOC_TRACE_ACTIONS; action++) {
+        if (strcmp(names[action], name) == 0)
+            return action;
+    }
+    return -1;
+}
+
 /* gather()'s tag for an event of no block (a free's own stack) */
 #define ALLOC_TAG_NONE UINT64_MAX
 
@@ -37,6 +56,7 @@ typedef struct {
     uint64_t max_entries;       /* records kept per device, the oldest dropped */
     int when;                   /* ALLOC_CONTEXT_*: which events gather a context */
     int clear;                  /* drop the records made so far */
+    uint32_t skip;              /* actions not recorded: bit (1 << ALLOC_TRACE_*) each */
     /* a new context for an event of an allocation tagged `tag`, one
      * reference (NULL: none); called for every block while enabled,
      * whatever `when` says (it carries the tag), with stacks if `when` */
@@ -69,6 +89,7 @@ typedef struct {
     uint64_t address, size;
     void *stream;
     int small;                  /* the small pool's */
+    uint64_t pool_a, pool_b;    /* the private pool owning it; (0, 0): the ordinary cache */
     uint64_t first_block, block_count;   /* its blocks in alloc_snapshot.blocks */
 } alloc_segment_record;
 
@@ -88,6 +109,10 @@ void alloc_history_configure(allocator *a, const alloc_history_config *config);
  * their contexts; 0, or -1 without memory (then `out` is empty). The
  * caller frees it with alloc_snapshot_free. */
 int alloc_take_snapshot(allocator *a, int device, alloc_snapshot *out);
+/* The same, of the segments of private pool (pool_a, pool_b) only ((0, 0):
+ * all, as alloc_take_snapshot); the trace is the device's whole. */
+int alloc_take_pool_snapshot(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
+                             alloc_snapshot *out);
 void alloc_snapshot_free(allocator *a, alloc_snapshot *snapshot);
 
 #endif

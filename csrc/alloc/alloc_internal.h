@@ -10,6 +10,8 @@
  * - alloc_streams.c  per-stream state and the events of cross-stream frees
  * - alloc_pools.c    private pools of CUDA graphs (torch's PrivatePool),
  *                    the largest free block, a pointer's segment
+ * - alloc_pool_state.c  a pool's checkpointed state and its restore
+ *                    (torch's PrivatePoolState, for CUDA graph trees)
  * - alloc_history.c  the trace ring and the snapshot's enumeration
  *                    (alloc_history.h)
  * - alloc_stats.c    the live-pointer table, per-tag and device statistics,
@@ -274,6 +276,13 @@ block *block_find_free(stream_state **list, uint64_t size, int small, void *stre
 /* Takes `b` for `size` bytes, splitting the rest off as a free block;
  * 0, or -1 without memory (then `b` is indexed again). */
 int block_take(block *b, uint64_t size);
+/* Takes free block `b` (indexed or not) for exactly `size` bytes, the
+ * rest, if any, split off as its next block, neither indexed nor merged
+ * (alloc_pool_state.c lays a segment out block by block). Needs a spare
+ * node when it splits (blocks_reserve_spares); 0, or -1 without one. */
+int block_carve(block *b, uint64_t size);
+/* Keeps at least `count` spare block nodes on `dev`; 0, or -1 without memory. */
+int blocks_reserve_spares(device_state *dev, uint64_t count);
 /* A new segment of `stream` for a request of `rounded` bytes, in `pool`
  * (NULL: the ordinary cache), holding one free block (not indexed); on
  * out-of-memory it frees what it may (segment_release_cached) and retries
@@ -318,6 +327,8 @@ void block_forget_streams(block *b);
 
 /* ---- alloc_pools.c ------------------------------------------------------ */
 
+/* The pool of `dev` named (pool_a, pool_b), or NULL. */
+private_pool *pool_find(device_state *dev, uint64_t pool_a, uint64_t pool_b);
 /* The pool an allocation on `stream` goes to while pools are being
  * allocated to: the one begun last whose filter takes the stream; NULL
  * for the ordinary cache. */
@@ -347,6 +358,9 @@ void blocks_free_spares(device_state *dev);
 /* The live-pointer table: 0, or -1 without memory. */
 int map_insert(device_state *dev, block *b);
 block *map_take(device_state *dev, uintptr_t ptr);
+/* Grows the table so that `count` live blocks fit without growing; 0, or
+ * -1 without memory. */
+int map_reserve(device_state *dev, uint64_t count);
 block *map_find(device_state *dev, uintptr_t ptr);
 /* Counts a block handed out for `size` requested bytes, under `tag`. */
 void stats_account_malloc(device_state *dev, block *b, uint64_t size, uint64_t tag);

@@ -15,7 +15,7 @@
 
 #include <stdlib.h>
 
-static private_pool *
+private_pool *
 pool_find(device_state *dev, uint64_t pool_a, uint64_t pool_b)
 {
     for (private_pool *p = dev->pools; p != NULL; p = p->next) {
@@ -141,6 +141,44 @@ alloc_begin_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
 done:
     pthread_mutex_unlock(&dev->lock);
     return result;
+}
+
+int
+alloc_create_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL)
+        return -1;
+    pthread_mutex_lock(&dev->lock);
+    private_pool *pool = pool_find(dev, pool_a, pool_b);
+    int result = -1;
+    if (pool == NULL && (pool = calloc(1, sizeof(*pool))) != NULL) {
+        pool->id_a = pool_a;
+        pool->id_b = pool_b;
+        pool->next = dev->pools;
+        dev->pools = pool;
+    } else if (pool != NULL && pool->use_count == 0) {
+        pool = NULL;        /* released: torch asserts a live pool's use */
+    }
+    if (pool != NULL) {
+        pool->use_count++;
+        result = 0;
+    }
+    pthread_mutex_unlock(&dev->lock);
+    return result;
+}
+
+void
+alloc_empty_pool(allocator *a, uint64_t pool_a, uint64_t pool_b)
+{
+    for (int d = 0; d < a->device_count; d++) {
+        device_state *dev = &a->devices[d];
+        pthread_mutex_lock(&dev->lock);
+        private_pool *pool = pool_find(dev, pool_a, pool_b);
+        if (pool != NULL && pool_released(pool))
+            pool_release_free(a, dev, pool);
+        pthread_mutex_unlock(&dev->lock);
+    }
 }
 
 void

@@ -40,6 +40,16 @@ map_grow(device_state *dev)
 }
 
 int
+map_reserve(device_state *dev, uint64_t count)
+{
+    while (count > dev->map_size) {
+        if (map_grow(dev) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+int
 map_insert(device_state *dev, block *b)
 {
     if (dev->map_count >= dev->map_size && map_grow(dev) < 0)

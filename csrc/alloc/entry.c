@@ -492,14 +492,14 @@ bridge_configure_history(const alloc_history_config *config)
 }
 
 static int
-bridge_take_snapshot(int device, alloc_snapshot *out)
+bridge_take_snapshot(int device, uint64_t pool_a, uint64_t pool_b, alloc_snapshot *out)
 {
     allocator *a = get_allocator();
     if (a == NULL) {
         memset(out, 0, sizeof(*out));
         return 0;
     }
-    return alloc_take_snapshot(a, device, out);
+    return alloc_take_pool_snapshot(a, device, pool_a, pool_b, out);
 }
 
 static void
@@ -532,6 +532,14 @@ static const matepoint_torch_bridge bridge = {
     .release_pool = bridge_release_pool,
     .largest_free_block = bridge_largest_free_block,
     .base_allocation = bridge_base_allocation,
+    .checkpoint_pool = bridge_checkpoint_pool,
+    .free_pool_state = alloc_pool_state_free,
+    .restore_pool = bridge_restore_pool,
+    .free_pool_delta = alloc_pool_delta_free,
+    .pool_live_is = bridge_pool_live_is,
+    .create_pool = bridge_create_pool,
+    .pool_use_count = bridge_pool_use_count,
+    .empty_pool = bridge_empty_pool,
 };
 
 EXPORT const matepoint_torch_bridge *

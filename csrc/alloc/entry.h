@@ -1,6 +1,7 @@
 /* Private to the allocator library's entry files (entry.c: torch's entry
  * points, the C API and the C++ adapter's table; entry_pools.c: CUDA graph
- * pools, cacheInfo and IPC). Not a contract for anything else. */
+ * pools, their states and MemPools, cacheInfo and IPC). Not a contract for
+ * anything else. */
 #ifndef MATEPOINT_ALLOC_ENTRY_H
 #define MATEPOINT_ALLOC_ENTRY_H
 
@@ -21,5 +22,14 @@ void bridge_end_pool(int device, uint64_t pool_a, uint64_t pool_b);
 void bridge_release_pool(int device, uint64_t pool_a, uint64_t pool_b);
 uint64_t bridge_largest_free_block(int device);
 void *bridge_base_allocation(void *ptr, uint64_t *size);
+/* The table's checkpointed pool states (alloc.h). */
+int bridge_checkpoint_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_state *out);
+int bridge_restore_pool(const alloc_pool_state *state, alloc_pool_delta *out);
+int bridge_pool_live_is(int device, uint64_t pool_a, uint64_t pool_b, void *const *ptrs,
+                        uint64_t count);
+/* The table's torch.cuda.MemPool entries (alloc.h). */
+int bridge_create_pool(int device, uint64_t pool_a, uint64_t pool_b);
+int bridge_pool_use_count(int device, uint64_t pool_a, uint64_t pool_b);
+void bridge_empty_pool(uint64_t pool_a, uint64_t pool_b);
 
 #endif

@@ -1,5 +1,6 @@
-/* The allocator library's entry points for CUDA graph pools, cacheInfo and
- * CUDA IPC: the C++ adapter's table entries (torch_bridge.h), the
+/* The allocator library's entry points for CUDA graph pools (their
+ * checkpointed states, torch.cuda.MemPool), cacheInfo and CUDA IPC: the
+ * C++ adapter's table entries (torch_bridge.h), the
  * base-allocation hook torch's pluggable allocator takes without the
  * adapter, and, in test builds, the same calls by name for the simulated
  * GPU's tests. Thread-safety: the allocator locks itself. */
@@ -123,3 +124,57 @@ bridge_base_allocation(void *ptr, uint64_t *size)
     return a ? alloc_base_allocation(a, ptr, size) : NULL;
 }
 
+
+/* Checkpointed pool states (alloc.h), for torch.compile's CUDA graph trees. */
+int
+bridge_checkpoint_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_state *out)
+{
+    allocator *a = entry_allocator();
+    if (a == NULL) {
+        *out = (alloc_pool_state){0};
+        return ALLOC_RESTORE_NO_POOL;
+    }
+    return alloc_pool_checkpoint(a, device, pool_a, pool_b, out);
+}
+
+int
+bridge_restore_pool(const alloc_pool_state *state, alloc_pool_delta *out)
+{
+    allocator *a = entry_allocator();
+    if (a == NULL) {
+        *out = (alloc_pool_delta){0};
+        return ALLOC_RESTORE_NO_POOL;
+    }
+    return alloc_pool_restore(a, state, out);
+}
+
+int
+bridge_pool_live_is(int device, uint64_t pool_a, uint64_t pool_b, void *const *ptrs,
+                    uint64_t count)
+{
+    allocator *a = entry_allocator();
+    return a ? alloc_pool_live_is(a, device, pool_a, pool_b, ptrs, count) : ALLOC_RESTORE_NO_POOL;
+}
+
+/* torch.cuda.MemPool: its making, its uses, its end's emptyCache(mempool_id). */
+int
+bridge_create_pool(int device, uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = entry_allocator();
+    return a ? alloc_create_pool(a, device, pool_a, pool_b) : -1;
+}
+
+int
+bridge_pool_use_count(int device, uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = entry_allocator();
+    return a ? alloc_pool_use_count(a, device, pool_a, pool_b) : -1;
+}
+
+void
+bridge_empty_pool(uint64_t pool_a, uint64_t pool_b)
+{
+    allocator *a = entry_allocator();
+    if (a != NULL)
+        alloc_empty_pool(a, pool_a, pool_b);
+}

@@ -29,6 +29,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -144,8 +145,19 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
             return CUDAPluggableAllocator::recordHistory(enabled, context_recorder,
                                                          alloc_trace_max_entries, when,
                                                          clear_history, skip_actions);
+        // a bad name refuses the call before anything changed
+        uint32_t skip = 0;
+        for (const std::string &name : skip_actions) {
+            int action = alloc_trace_action(name.c_str());
+            TORCH_CHECK(action >= 0, "matepoint's allocator: unknown memory history action '",
+                        name, "' in skip_actions (torch's actions: alloc, free_requested, "
+                        "free_completed, segment_alloc, segment_free, segment_map, "
+                        "segment_unmap, snapshot, oom, annotate)");
+            skip |= 1u << action;
+        }
         recorder.store(enabled ? context_recorder : nullptr);
         alloc_history_config config{};
+        config.skip = skip;
         config.enabled = enabled;
         config.max_entries = alloc_trace_max_entries;
         config.when = static_cast<int>(when);
@@ -164,7 +176,7 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         cca::SnapshotInfo result;
         int devices = bridge_->device_count();
         for (int device = 0; device < devices; device++) {
-            DeviceSnapshot snap(bridge_, device);
+            DeviceSnapshot snap(bridge_, device, mempool);
             const alloc_snapshot &data = snap.data;
             for (uint64_t i = 0; i < data.segment_count; i++)
                 result.segments.push_back(segment_info(device, data, data.segments[i]));
@@ -213,6 +225,70 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         if (bridge_->release_pool == nullptr)
             return CUDAPluggableAllocator::releasePool(device, mempool_id);
         bridge_->release_pool(device, mempool_id.first, mempool_id.second);
+    }
+
+    // ---- torch.cuda.MemPool: a pool made (one use) with the MemPool and
+    // released at its end; use_mem_pool begins allocating to it (one more
+    // use) with a filter of the calling thread. A MemPool serving another
+    // allocator's memory (MemPool(allocator=...)) cannot be one of this
+    // allocator's pools.
+    void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                            std::shared_ptr<cca::CUDAAllocator> allocator) override
+    {
+        if (bridge_->create_pool == nullptr)
+            return CUDAPluggableAllocator::createOrIncrefPool(device, mempool_id,
+                                                              std::move(allocator));
+        TORCH_CHECK(allocator == nullptr || allocator.get() == this,
+                    "matepoint's allocator cannot serve a torch.cuda.MemPool whose memory "
+                    "comes from another allocator (MemPool(allocator=...)): make the MemPool "
+                    "without allocator=, or run without matepoint.install_allocator()");
+        TORCH_CHECK(bridge_->create_pool(device, mempool_id.first, mempool_id.second) == 0,
+                    "matepoint's allocator cannot make memory pool (", mempool_id.first, ", ",
+                    mempool_id.second, ") on CUDA device ", static_cast<int>(device),
+                    ": the pool was released already, or the device or host memory is missing");
+    }
+
+    int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override
+    {
+        if (bridge_->pool_use_count == nullptr)
+            return CUDAPluggableAllocator::getPoolUseCount(device, mempool_id);
+        int uses = bridge_->pool_use_count(device, mempool_id.first, mempool_id.second);
+        return uses < 0 ? 0 : uses;
+    }
+
+    // A MemPool's end turns this off; turning it on is refused: matepoint's
+    // allocator never serves other requests from a pool. torch's MemPool
+    // constructor, the one caller of both refusals below, made the pool just
+    // before and will not end it (no destructor runs after a throw): the
+    // refusal gives its use back, so that nothing is left behind.
+    void setUseOnOOM(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                     bool use_on_oom) override
+    {
+        if (use_on_oom)
+            refused_pool(device, mempool_id);
+        TORCH_CHECK(!use_on_oom,
+                    "matepoint's allocator does not serve other allocations from a "
+                    "torch.cuda.MemPool when out of memory (MemPool(use_on_oom=True)): make the "
+                    "MemPool without use_on_oom, or run without matepoint.install_allocator()");
+    }
+
+    void setNoSplit(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override
+    {
+        refused_pool(device, mempool_id);
+        TORCH_CHECK(false,
+                    "matepoint's allocator always splits a pool's segments "
+                    "(MemPool(no_split=True) is not supported): make the MemPool without "
+                    "no_split, or run without matepoint.install_allocator()");
+    }
+
+    // emptyCache of one pool (a MemPool's end) gives back only that pool's
+    // free segments, and only once it is released: a pool in use keeps
+    // them, as a graph may replay into them.
+    void emptyCache(c10::cuda::MempoolId_t mempool_id) override
+    {
+        if (bridge_->empty_pool == nullptr || (mempool_id.first == 0 && mempool_id.second == 0))
+            return CUDAPluggableAllocator::emptyCache(mempool_id);
+        bridge_->empty_pool(mempool_id.first, mempool_id.second);
     }
 
     // cudnn.benchmark's workspace bound, as torch's allocator answers it:
@@ -298,41 +374,125 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
     }
 
     // torch.compile's CUDA graph trees take a pool's state after each
-    // recording (getCheckpointState) and restore it when they switch
-    // between recorded graphs (setCheckpointPoolState). Restoring is not
-    // supported yet: the state is a marker, and a restore says so at once
-    // (torch's base class would already refuse at the first recording).
+    // recording (getCheckpointState) and set the pool back to one when they
+    // switch between recorded graphs (setCheckpointPoolState). The state
+    // and its restore are the library's (alloc.h); here torch's
+    // CheckpointDelta is made of the pointers it freed and allocated, the
+    // latter with this allocator's deleter and book entry, as torch's
+    // allocator hands them out.
     std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
                                                             at::cuda::MempoolId_t id) override
     {
-        if (bridge_->begin_pool == nullptr)
+        if (bridge_->checkpoint_pool == nullptr)
             return CUDAPluggableAllocator::getCheckpointState(device, id);
-        return std::make_shared<cca::AllocatorState>();
+        auto state = std::make_shared<PoolState>(bridge_);
+        int status = bridge_->checkpoint_pool(device, id.first, id.second, &state->data);
+        TORCH_CHECK(status == ALLOC_RESTORE_OK,
+                    "matepoint's allocator cannot checkpoint CUDA graph pool (", id.first, ", ",
+                    id.second, ") of device ", static_cast<int>(device), ": ",
+                    alloc_restore_reason(status));
+        return state;
     }
 
     cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
                                                 std::shared_ptr<cca::AllocatorState> state) override
     {
-        (void)device;
-        (void)state;
-        TORCH_CHECK(false,
-                    "matepoint's allocator cannot yet restore a CUDA graph pool to a checkpointed "
-                    "state (setCheckpointPoolState), which torch.compile's CUDA graph trees ask "
-                    "when they switch between recorded graphs (mode=\"reduce-overhead\" with "
-                    "several compiled graphs, such as training's forward and backward): compile "
-                    "without mode=\"reduce-overhead\", or run without "
-                    "matepoint.install_allocator()");
+        if (bridge_->restore_pool == nullptr)
+            return CUDAPluggableAllocator::setCheckpointPoolState(device, std::move(state));
+        auto *pool = dynamic_cast<PoolState *>(state.get());
+        TORCH_CHECK(pool != nullptr && pool->data.device == device,
+                    "matepoint's allocator can restore only a state it checkpointed itself, of "
+                    "the same device (got one of another allocator, or of another device than ",
+                    static_cast<int>(device), ")");
+        alloc_pool_delta delta{};
+        int status = bridge_->restore_pool(&pool->data, &delta);
+        TORCH_CHECK(status == ALLOC_RESTORE_OK,
+                    "matepoint's allocator cannot restore CUDA graph pool (", pool->data.pool_a,
+                    ", ", pool->data.pool_b, ") of device ", static_cast<int>(device),
+                    " to its checkpointed state: ", alloc_restore_reason(status));
+        std::unique_ptr<alloc_pool_delta, std::function<void(alloc_pool_delta *)>> owned(
+            &delta, [this](alloc_pool_delta *d) { bridge_->free_pool_delta(d); });
+        cca::CheckpointDelta result;
+        std::lock_guard<std::mutex> guard(allocator_mutex_);
+        for (uint64_t i = 0; i < delta.freed_count; i++) {
+            allocation_metadata_.erase(delta.freed[i]);
+            restored_.erase(delta.freed[i]);
+            result.ptrs_freed.push_back(delta.freed[i]);
+        }
+        for (uint64_t i = 0; i < delta.allocated_count; i++) {
+            const alloc_restored_block &b = delta.allocated[i];
+            restored_[b.ptr] = Restored{static_cast<size_t>(b.size), device,
+                                        static_cast<cudaStream_t>(b.stream)};
+            result.dataptrs_allocd.emplace_back(b.ptr, b.ptr, raw_deleter(),
+                                                c10::Device(c10::DeviceType::CUDA, device));
+        }
+        return result;
+    }
+
+    bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                                  const std::unordered_set<void *> &expected) override
+    {
+        if (bridge_->pool_live_is == nullptr)
+            return CUDAPluggableAllocator::checkPoolLiveAllocations(device, mempool_id, expected);
+        std::vector<void *> ptrs(expected.begin(), expected.end());
+        int same = bridge_->pool_live_is(device, mempool_id.first, mempool_id.second,
+                                         ptrs.data(), ptrs.size());
+        TORCH_CHECK(same >= 0, "matepoint's allocator has no CUDA graph pool (", mempool_id.first,
+                    ", ", mempool_id.second, ") on device ", static_cast<int>(device));
+        return same == 1;
+    }
+
+    // A block a restore allocated goes back through the library like any
+    // other; torch's book of allocations (allocation_metadata_) cannot take
+    // it (its entry type is not exported), so this one keeps it.
+    void raw_delete(void *ptr) override
+    {
+        Restored block{};
+        {
+            std::lock_guard<std::mutex> guard(allocator_mutex_);
+            auto found = restored_.find(ptr);
+            if (found != restored_.end()) {
+                block = found->second;
+                restored_.erase(found);
+            }
+        }
+        if (block.size == 0)
+            return CUDAPluggableAllocator::raw_delete(ptr);
+        bridge_->free(ptr, block.size, block.device, block.stream);
     }
 
     std::string name() override { return "matepoint"; }
 
   private:
+    // A pool's checkpointed state, torch's opaque AllocatorState.
+    struct PoolState final : cca::AllocatorState {
+        explicit PoolState(const matepoint_torch_bridge *b) : bridge(b) {}
+        ~PoolState() override { bridge->free_pool_state(&data); }
+        PoolState(const PoolState &) = delete;
+        PoolState &operator=(const PoolState &) = delete;
+        const matepoint_torch_bridge *bridge;
+        alloc_pool_state data{};
+    };
+
+    // a block allocated by a restore: what torch's free entry takes
+    struct Restored {
+        size_t size;
+        c10::DeviceIndex device;
+        cudaStream_t stream;
+    };
+
     using PoolFilter = std::function<bool(cudaStream_t)>;
     using PoolKey = std::tuple<int, c10::CaptureId_t, c10::CaptureId_t>;
 
     static PoolKey pool_key(c10::DeviceIndex device, const c10::cuda::MempoolId_t &id)
     {
         return PoolKey{static_cast<int>(device), id.first, id.second};
+    }
+
+    void refused_pool(c10::DeviceIndex device, const c10::cuda::MempoolId_t &id)
+    {
+        if (bridge_->release_pool != nullptr)
+            bridge_->release_pool(device, id.first, id.second);
     }
 
     // Called by the library with its lock held: torch's filters only ask
@@ -377,75 +537,18 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
     const matepoint_torch_bridge *bridge_;
     std::mutex observers_lock_;
     std::vector<cca::OutOfMemoryObserver> observers_;
+    // the blocks restores allocated, until freed (guarded by the base
+    // class's allocator_mutex_, as its own book)
+    std::unordered_map<void *, Restored> restored_;
     std::mutex filters_lock_;
     std::map<PoolKey, std::unique_ptr<PoolFilter>> filters_;
     std::mutex ipc_lock_;
     std::unordered_map<std::string, std::weak_ptr<void>> ipc_open_;
 };
 
-void
-write_error(char *out, size_t n, const std::string &text)
-{
-    if (out == nullptr || n == 0)
-        return;
-    std::strncpy(out, text.c_str(), n - 1);
-    out[n - 1] = '\0';
-}
-
-// Python and TorchScript stacks, as torch's _record_memory_history
-// gathers them for context="all"
-std::shared_ptr<c10::GatheredContext>
-gather_stack()
-{
-    return torch::CapturedTraceback::gather(true, true, false);
-}
-
 }  // namespace
 
-// Attaches `observer` through torch's own C++ entry point (the one
-// torch._C._cuda_attach_out_of_memory_observer calls after initializing
-// CUDA), so a C caller (and the tests, where CUDA cannot initialize) reach
-// the current allocator's attachOutOfMemoryObserver. 0, or -1 with the
-// reason in `error` (torch's allocator refused, e.g. the plain pluggable one).
-extern "C" __attribute__((visibility("default"))) int
-matepoint_torch_adapter_attach_oom_observer(void (*observer)(int64_t device, size_t allocated,
-                                                             size_t device_total,
-                                                             size_t device_free),
-                                            char *error, size_t error_size)
-{
-    try {
-        cca::attachOutOfMemoryObserver(
-            [observer](int64_t device, size_t allocated, size_t total, size_t free_bytes) {
-                observer(device, allocated, total, free_bytes);
-            });
-    } catch (const std::exception &failure) {
-        write_error(error, error_size, failure.what());
-        return -1;
-    }
-    return 0;
-}
-
-
-// What torch.cuda.memory._record_memory_history(enabled, context="all" or
-// None, max_entries, clear_history) does once CUDA is initialized: calls
-// the current allocator's recordHistory through torch's C++ entry point.
-// torch's own Python entry initializes CUDA first, which a machine without
-// a GPU cannot; the tests record history through this. 0, or -1 with the
-// reason in `error`.
-extern "C" __attribute__((visibility("default"))) int
-matepoint_torch_adapter_record_history(int enabled, int stacks, uint64_t max_entries, int clear,
-                                       char *error, size_t error_size)
-{
-    try {
-        cca::recordHistory(enabled != 0, stacks ? gather_stack : nullptr, max_entries,
-                           stacks ? cca::RecordContext::ALL : cca::RecordContext::NEVER,
-                           clear != 0, {});
-    } catch (const std::exception &failure) {
-        write_error(error, error_size, failure.what());
-        return -1;
-    }
-    return 0;
-}
+#include "torch_entries.h"
 
 // Makes an adapter over the library's table (`get_bridge`, the library's
 // matepoint_alloc_torch_bridge) torch's current CUDA allocator. 0, or -1
@@ -466,35 +569,6 @@ matepoint_torch_adapter_install(const matepoint_torch_bridge *(*get_bridge)(void
     try {
         torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(
             std::make_shared<Adapter>(bridge));
-    } catch (const std::exception &failure) {
-        write_error(error, error_size, failure.what());
-        return -1;
-    }
-    return 0;
-}
-
-// Test entries: torch's own dispatch (c10::cuda::CUDACachingAllocator's
-// free functions call the current allocator), asked from Python by
-// tests/torch_pool_cases.py where torch has no binding. 0, or -1 when torch
-// threw (the text in `error`).
-extern "C" __attribute__((visibility("default"))) int
-matepoint_torch_adapter_cache_info(int device, size_t *largest, char *error, size_t error_size)
-{
-    try {
-        cca::cacheInfo(static_cast<c10::DeviceIndex>(device), largest);
-    } catch (const std::exception &failure) {
-        write_error(error, error_size, failure.what());
-        return -1;
-    }
-    return 0;
-}
-
-extern "C" __attribute__((visibility("default"))) int
-matepoint_torch_adapter_base_allocation(void *ptr, void **base, size_t *size, char *error,
-                                        size_t error_size)
-{
-    try {
-        *base = cca::getBaseAllocation(ptr, size);
     } catch (const std::exception &failure) {
         write_error(error, error_size, failure.what());
         return -1;

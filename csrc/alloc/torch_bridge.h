@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped whenever an entry changes meaning or place; the adapter refuses
  * a table of another version (a stale cached build). */
-#define MATEPOINT_TORCH_BRIDGE_VERSION 1
+#define MATEPOINT_TORCH_BRIDGE_VERSION 4
 
 /* Called by the allocator after it released its locks, when a request
  * failed for lack of memory and before it raises torch's
@@ -65,11 +65,12 @@ typedef struct matepoint_torch_bridge {
     int (*device_count)(void);
 
     /* Memory history (alloc_history.h): torch's recordHistory, and a
-     * snapshot of one device that the caller frees with free_snapshot
-     * (it holds context references). take_snapshot: 0, or -1 without
+     * snapshot of one device, of the segments of pool (pool_a, pool_b)
+     * only unless (0, 0), that the caller frees with free_snapshot (it
+     * holds context references). take_snapshot: 0, or -1 without
      * memory. */
     void (*configure_history)(const alloc_history_config *config);
-    int (*take_snapshot)(int device, alloc_snapshot *out);
+    int (*take_snapshot)(int device, uint64_t pool_a, uint64_t pool_b, alloc_snapshot *out);
     void (*free_snapshot)(alloc_snapshot *snapshot);
 
     /* Out-of-memory observers: one observer, replaced by the next call
@@ -89,6 +90,26 @@ typedef struct matepoint_torch_bridge {
     /* IPC: the segment holding `ptr`, its base returned, its size in *size;
      * NULL when `ptr` is not inside a live block */
     void *(*base_allocation)(void *ptr, uint64_t *size);
+    /* torch.compile's CUDA graph trees (alloc.h's checkpointed pool
+     * states): checkpoint_pool fills a state the caller frees with
+     * free_pool_state; restore_pool fills a delta the caller frees with
+     * free_pool_delta. Both return ALLOC_RESTORE_* (alloc_restore_reason
+     * says why a refusal). */
+    int (*checkpoint_pool)(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_state *out);
+    void (*free_pool_state)(alloc_pool_state *state);
+    int (*restore_pool)(const alloc_pool_state *state, alloc_pool_delta *out);
+    void (*free_pool_delta)(alloc_pool_delta *delta);
+    /* checkPoolLiveAllocations: 1 when the pool's live blocks are exactly
+     * `ptrs` (distinct), 0 when not, ALLOC_RESTORE_NO_POOL for no pool */
+    int (*pool_live_is)(int device, uint64_t pool_a, uint64_t pool_b, void *const *ptrs,
+                        uint64_t count);
+    /* torch.cuda.MemPool (alloc.h): create_pool makes a pool or takes one
+     * more use of it (0, or -1: released already, no memory, no such
+     * device); pool_use_count: its uses, -1 for no such pool; empty_pool:
+     * a released pool's free segments go back (emptyCache(mempool_id)). */
+    int (*create_pool)(int device, uint64_t pool_a, uint64_t pool_b);
+    int (*pool_use_count)(int device, uint64_t pool_a, uint64_t pool_b);
+    void (*empty_pool)(uint64_t pool_a, uint64_t pool_b);
 } matepoint_torch_bridge;
 
 #ifdef __cplusplus

@@ -95,9 +95,10 @@ approximate_time()
 struct DeviceSnapshot {
     const matepoint_torch_bridge *bridge;
     alloc_snapshot data{};
-    DeviceSnapshot(const matepoint_torch_bridge *b, int device) : bridge(b)
+    DeviceSnapshot(const matepoint_torch_bridge *b, int device, const c10::cuda::MempoolId_t &pool)
+        : bridge(b)
     {
-        TORCH_CHECK(bridge->take_snapshot(device, &data) == 0,
+        TORCH_CHECK(bridge->take_snapshot(device, pool.first, pool.second, &data) == 0,
                     "matepoint's allocator: out of host memory for a memory snapshot");
     }
     ~DeviceSnapshot() { bridge->free_snapshot(&data); }
@@ -114,6 +115,8 @@ segment_info(int device, const alloc_snapshot &data, const alloc_segment_record 
     info.total_size = seg.size;
     info.stream = seg.stream;
     info.is_large = !seg.small;
+    info.owner_private_pool_id = {static_cast<c10::CaptureId_t>(seg.pool_a),
+                                  static_cast<c10::CaptureId_t>(seg.pool_b)};
     for (uint64_t i = seg.first_block; i < seg.first_block + seg.block_count; i++) {
         const alloc_block_record &b = data.blocks[i];
         cca::BlockInfo block;

@@ -3,7 +3,8 @@
  *
  * LLVMFuzzerTestOneInput reads bytes as operations (malloc, free,
  * record_stream, stream progress, empty cache, a CUDA graph's pool begun,
- * ended or released; pool acquire/release/empty)
+ * ended, released, checkpointed or restored to its checkpoint; pool
+ * acquire/release/empty)
  * and aborts on any broken invariant or corrupted block. Built with clang
  * -fsanitize=fuzzer it is a libFuzzer target; built without (FUZZ_DRIVER),
  * main() feeds it random inputs for a bounded number of seconds, which is
@@ -82,17 +83,80 @@ takes_stream(void *filter, void *stream)
 typedef struct {
     int active;         /* begun, not ended */
     int uses;           /* begun, not released */
+    int checkpointed;   /* `state` holds its last checkpoint */
+    alloc_pool_state state;
 } graph_pool;
 
-/* Begins, ends or releases graph pool `op[1] % GRAPH_POOLS` of a device;
- * the allocator must refuse exactly what torch refuses. */
+/* Restores done and the blocks they freed and allocated, reported at the
+ * end (the fuzzer's premise: restores really happen). One thread only. */
+static long restores_done, restored_freed, restored_allocated;
+
+/* Sets pool `g` back to its checkpoint, as CUDA graph trees do: the slots
+ * whose blocks it freed are forgotten (their memory may be handed out
+ * again), the blocks it allocated are adopted by free slots, or freed at
+ * once (an output dead since). Every other slot keeps its contents. */
+static void
+graph_pool_restore(allocator *a, graph_pool *g, slot slots[SLOTS], int device)
+{
+    alloc_pool_delta delta;
+    int result = alloc_pool_restore(a, &g->state, &delta);
+    if (g->uses == 0)
+        require(result == ALLOC_RESTORE_NO_POOL, "a released pool restored");
+    else
+        require(result == ALLOC_RESTORE_OK || result == ALLOC_RESTORE_BUSY ||
+                    result == ALLOC_RESTORE_SEGMENT_GONE, "a restore refused for no reason");
+    if (result != ALLOC_RESTORE_OK)
+        return;
+    restores_done++;
+    restored_freed += (long)delta.freed_count;
+    restored_allocated += (long)delta.allocated_count;
+    for (uint64_t i = 0; i < delta.freed_count; i++) {
+        int owned = 0;
+        for (int k = 0; k < SLOTS; k++) {
+            if (slots[k].ptr == (char *)delta.freed[i]) {
+                slots[k] = (slot){0};
+                owned = 1;
+            }
+        }
+        require(owned, "a restore freed a block nobody held");
+    }
+    for (uint64_t i = 0; i < delta.allocated_count; i++) {
+        const alloc_restored_block *b = &delta.allocated[i];
+        slot *free_slot = NULL;
+        for (int k = 0; k < SLOTS && free_slot == NULL; k++)
+            free_slot = slots[k].ptr == NULL ? &slots[k] : NULL;
+        if (free_slot == NULL) {
+            require(alloc_free(a, b->ptr, device) == 0, "free of a restored block failed");
+            continue;
+        }
+        *free_slot = (slot){b->ptr, b->size, device, (unsigned char)(0x5a + i)};
+        fill_pattern(free_slot);
+    }
+    alloc_pool_delta_free(&delta);
+}
+
+/* Begins, ends, releases, checkpoints or restores graph pool
+ * `op[1] % GRAPH_POOLS` of a device; the allocator must refuse exactly
+ * what torch refuses. */
 static void
 graph_pool_op(allocator *a, graph_pool pools[2][GRAPH_POOLS], const uint8_t *op,
-              alloc_host_stream *stream)
+              alloc_host_stream *stream, slot slots[SLOTS])
 {
     int device = op[2] & 1, id = op[1] % GRAPH_POOLS;
     graph_pool *g = &pools[device][id];
-    switch ((op[1] / GRAPH_POOLS) % 3) {
+    switch ((op[1] / GRAPH_POOLS) % 5) {
+    case 3: {
+        alloc_pool_state_free(&g->state);
+        int result = alloc_pool_checkpoint(a, device, (uint64_t)id + 1, 0, &g->state);
+        require(result == (g->uses > 0 ? ALLOC_RESTORE_OK : ALLOC_RESTORE_NO_POOL),
+                "checkpoint of a pool in use refused, or of none taken");
+        g->checkpointed = result == ALLOC_RESTORE_OK;
+        break;
+    }
+    case 4:
+        if (g->checkpointed)
+            graph_pool_restore(a, g, slots, device);
+        break;
     case 0: {
         int result = alloc_begin_pool(a, device, (uint64_t)id + 1, 0, takes_stream, stream);
         require(!g->active || result == -1, "a pool begun twice");
@@ -162,7 +226,7 @@ run_allocator(const uint8_t *data, size_t size)
             alloc_host_complete(stream);
             break;
         case 5:
-            graph_pool_op(a, graphs, op, &streams[op[2] / 2 % 3]);
+            graph_pool_op(a, graphs, op, &streams[op[2] / 2 % 3], slots);
             break;
         default:
             alloc_empty_cache(a);
@@ -184,6 +248,7 @@ run_allocator(const uint8_t *data, size_t size)
                 require(alloc_end_pool(a, d, (uint64_t)id + 1, 0) == 0, "end of a pool failed");
             for (; g->uses > 0; g->uses--)
                 require(alloc_release_pool(a, d, (uint64_t)id + 1, 0) == 0, "release failed");
+            alloc_pool_state_free(&g->state);
         }
     }
     alloc_empty_cache(a);
@@ -258,7 +323,9 @@ main(int argc, char **argv)
         LLVMFuzzerTestOneInput(buffer, size);
         runs++;
     }
-    printf("fuzz_ops: %ld inputs in %.0f s (seed %u), no invariant broken\n", runs, seconds, first_seed);
+    printf("fuzz_ops: %ld inputs in %.0f s (seed %u), no invariant broken; %ld graph pool "
+           "restores (%ld blocks freed, %ld allocated)\n", runs, seconds, first_seed,
+           restores_done, restored_freed, restored_allocated);
     return 0;
 }
 #endif

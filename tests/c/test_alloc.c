@@ -917,6 +917,36 @@ test_history_records_and_snapshot(void)
     CHECK(atomic_load(&contexts_alive) == 0);  /* every reference given back */
 }
 
+/* torch's skip_actions: the actions named are not recorded, the others are. */
+static void
+test_history_skips_actions(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    allocator *a = make(&ctx, 0, 1);
+    CHECK(alloc_trace_action("free_requested") == ALLOC_TRACE_FREE_REQUESTED);
+    CHECK(alloc_trace_action("oom") == ALLOC_TRACE_OOM && alloc_trace_action("annotate") == 9);
+    CHECK(alloc_trace_action("free") == -1 && alloc_trace_action("") == -1);
+    alloc_history_config config = {
+        .enabled = 1, .max_entries = 100, .when = ALLOC_CONTEXT_NEVER, .clear = 1,
+        .skip = 1u << ALLOC_TRACE_FREE_REQUESTED | 1u << ALLOC_TRACE_SEGMENT_ALLOC};
+    alloc_history_configure(a, &config);
+    alloc_free(a, alloc_malloc(a, 1000, 0, &s1, 0), 0);
+    alloc_snapshot snap;
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 2);
+    CHECK(snap.trace_count == 2 && snap.trace[0].action == ALLOC_TRACE_ALLOC &&
+          snap.trace[1].action == ALLOC_TRACE_FREE_COMPLETED);
+    alloc_snapshot_free(a, &snap);
+    config.skip = 0;                         /* a later call records them again */
+    config.clear = 0;
+    alloc_history_configure(a, &config);
+    alloc_free(a, alloc_malloc(a, 1000, 0, &s1, 0), 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 5);
+    CHECK(snap.trace_count == 5 && snap.trace[3].action == ALLOC_TRACE_FREE_REQUESTED);
+    alloc_snapshot_free(a, &snap);
+    finish(a, &ctx);
+}
+
 int
 main(void)
 {
@@ -936,6 +966,7 @@ main(void)
     test_tags_are_exact();
     test_torch_figures();
     test_history_records_and_snapshot();
+    test_history_skips_actions();
     test_randomized_operations_keep_invariants();
     test_threads_stress();
     test_broken_invariants_stop_a_debug_build();

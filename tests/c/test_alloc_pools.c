@@ -2,6 +2,7 @@
  * free block (cudnn.benchmark) and a pointer's segment (CUDA IPC), on the
  * host backend (csrc/alloc/alloc_pools.c). */
 #include "alloc/alloc.h"
+#include "alloc/alloc_history.h"
 #include "alloc/alloc_host.h"
 #include "check.h"
 
@@ -340,6 +341,41 @@ test_base_allocation(void)
     finish(a, &ctx);
 }
 
+/* torch.cuda.MemPool: made with one use, one more while allocated to
+ * (use_mem_pool), its memory kept until its last use goes; a snapshot of
+ * the pool shows its segments only. */
+static void
+test_a_mem_pool_lives_by_its_uses(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream side = {0};
+    allocator *a = make(&ctx, 0);
+    capture cap = {.streams = {&side}};
+    void *cached = alloc_malloc(a, 4096, 0, &side, 0);
+    alloc_free(a, cached, 0);                      /* the ordinary cache's segment */
+    CHECK(alloc_create_pool(a, 0, 0, 9) == 0 && alloc_pool_use_count(a, 0, 0, 9) == 1);
+    CHECK(alloc_create_pool(a, 7, 0, 9) == -1);
+    CHECK(alloc_begin_pool(a, 0, 0, 9, captures, &cap) == 0);
+    CHECK(alloc_pool_use_count(a, 0, 0, 9) == 2);
+    void *inside = alloc_malloc(a, 4096, 0, &side, 0);
+    CHECK(alloc_end_pool(a, 0, 0, 9) == 0 && alloc_release_pool(a, 0, 0, 9) == 0);
+    CHECK(inside != cached && alloc_pool_use_count(a, 0, 0, 9) == 1);
+    alloc_snapshot snap;
+    CHECK(alloc_take_pool_snapshot(a, 0, 0, 9, &snap) == 0 && snap.segment_count == 1);
+    CHECK(snap.segments[0].address <= (uintptr_t)inside && snap.segments[0].pool_b == 9);
+    alloc_snapshot_free(a, &snap);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.segment_count == 2);
+    alloc_snapshot_free(a, &snap);
+    alloc_free(a, inside, 0);
+    alloc_empty_pool(a, 0, 9);                     /* in use: its segment stays */
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 4 * MiB);
+    CHECK(alloc_release_pool(a, 0, 0, 9) == 0);    /* the MemPool's end */
+    alloc_empty_pool(a, 0, 9);
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 2 * MiB);   /* the ordinary cache stays */
+    CHECK(alloc_pool_use_count(a, 0, 0, 9) == -1);
+    finish(a, &ctx);
+}
+
 int
 main(void)
 {
@@ -353,5 +389,6 @@ main(void)
     test_destroy_with_a_pool_in_use();
     test_largest_free_block();
     test_base_allocation();
+    test_a_mem_pool_lives_by_its_uses();
     return check_report("test_alloc_pools");
 }
