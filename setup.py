@@ -1,5 +1,4 @@
 """Build script: the C extension matepoint._C (no torch headers, no CUDA needed)."""
-import glob
 import importlib.util
 import os
 
@@ -27,9 +26,8 @@ _spec.loader.exec_module(layout)
 # MATEPOINT_TESTING=1 builds csrc/testing (the test controls and the
 # simulated GPU) into _C, and the allocator's host backend (csrc/alloc/alloc_host.c); a plain build ships none of them.
 TESTING = os.environ.get("MATEPOINT_TESTING") == "1"
-# every header: setuptools compares only sources with the library, so a
-# change to a header alone would leave an in-place build stale
-HEADERS = sorted(glob.glob("csrc/*/*.h"))
+# a change to a header alone rebuilds too
+HEADERS = layout.header_files(".")
 
 extension = Extension(
     "matepoint._C",

@@ -71,6 +71,13 @@ def _glob(root: str, folder: str, pattern: str = "*.c") -> List[str]:
     return [os.path.relpath(path, root) for path in found]
 
 
+def header_files(root: str) -> List[str]:
+    """Every header under csrc: each extension depends on all of them
+    (setuptools compares only the sources with a built library)."""
+    return [path for folder in sorted(os.listdir(os.path.join(root, "csrc")))
+            for path in _glob(root, folder, "*.h")]
+
+
 def extension_sources(root: str, testing: bool) -> List[str]:
     """The C files of matepoint._C, relative to the checkout ``root``."""
     folders = EXTENSION_FOLDERS + (TEST_FOLDERS if testing else ())
