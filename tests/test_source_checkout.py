@@ -13,6 +13,7 @@ import pytest
 import matepoint
 
 PACKAGE = os.path.dirname(matepoint.__file__)
+SOURCE_TREE = os.path.realpath(os.path.dirname(PACKAGE))
 
 
 def copy_package(target, with_extension: bool) -> str:
@@ -25,12 +26,14 @@ def copy_package(target, with_extension: bool) -> str:
 
 def import_from(checkout, *extra_path: str, code: str = "") -> subprocess.CompletedProcess:
     """Imports matepoint in a fresh interpreter whose current directory is
-    ``checkout``, as `python -m` puts it first on sys.path; an editable
-    install's finder (this test environment's) is removed, as a
-    `pip install .` has none."""
+    ``checkout``, as `python -m` puts it first on sys.path; this test
+    environment's own copy (an editable install's finder, or the source
+    tree on the path: make test-214's .pth) is removed, as a
+    `pip install .` has neither."""
     script = textwrap.dedent(f"""
-        import sys
+        import os, sys
         sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+        sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != {SOURCE_TREE!r}]
         sys.path[1:1] = {list(extra_path)!r}
         import matepoint
         print("C from", matepoint._C.__file__)
