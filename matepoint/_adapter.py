@@ -16,13 +16,15 @@ matepoint's allocator when called (fallback_functions()).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import glob
 import os
 import shutil
 import subprocess
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+import tempfile
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -86,22 +88,55 @@ def cuda_include_dirs() -> List[str]:
             and os.path.exists(os.path.join(path, "crt", "host_defines.h"))]
 
 
-def build() -> ctypes.CDLL:
-    """Compiles (or reuses from the cache) and loads the adapter; raises
-    _oom.BuildError saying why it cannot be had here."""
+def _unit() -> Tuple[str, _oom.UnitExtras]:
+    """The adapter's source and how it builds here; raises _oom.BuildError
+    saying why it cannot."""
     files = _unit_files()
     if files is None:
         raise _oom.BuildError("torch_adapter.cpp or its headers are not in the installed package")
     if not os.path.exists(os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc",
                                        "cuda", "CUDAPluggableAllocator.h")):
-        raise _oom.BuildError("this torch ships no CUDAPluggableAllocator.h (a CPU-only build)")
+        raise _oom.BuildError("this torch ships no CUDAPluggableAllocator.h")
     includes = cuda_include_dirs()
     if not includes:
         raise _oom.BuildError("no CUDA runtime headers (cuda_runtime_api.h) under $CUDA_HOME, "
                               "beside nvcc or in the nvidia-cuda-runtime wheel")
     extras = _oom.UnitExtras(flags=_FLAGS, include_dirs=(os.path.dirname(files[0]), includes[0]),
                              libraries=_LIBRARIES, depends=tuple(files[1:]))
-    return _oom.load_library(files[0], "torch_adapter", extras)
+    return files[0], extras
+
+
+def build() -> ctypes.CDLL:
+    """Compiles (or reuses from the cache) and loads the adapter; raises
+    _oom.BuildError saying why it cannot be had here."""
+    source, extras = _unit()
+    return _oom.load_library(source, "torch_adapter", extras)
+
+
+# c10's CUDA headers include one that a CUDA build of torch generates (its
+# build options); a CPU build ships the others without it
+_GENERATED_HEADER = os.path.join("c10", "cuda", "impl", "cuda_cmake_macros.h")
+_GENERATED_TEXT = "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
+
+
+def check_compiles() -> None:
+    """Compiles the adapter against the running torch's headers without
+    linking it: a CPU build of torch ships the CUDA headers, not
+    libtorch_cuda (nor the one header a CUDA build generates, which is
+    written as a CUDA build of torch writes it). Raises _oom.BuildError with
+    the compiler's output."""
+    source, extras = _unit()
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    if os.path.exists(os.path.join(include, _GENERATED_HEADER)):
+        _oom.check_compiles(source, extras)
+        return
+    with tempfile.TemporaryDirectory(prefix="matepoint-headers-") as folder:
+        generated = os.path.join(folder, _GENERATED_HEADER)
+        os.makedirs(os.path.dirname(generated))
+        with open(generated, "w") as handle:
+            handle.write(_GENERATED_TEXT)
+        extras = dataclasses.replace(extras, include_dirs=extras.include_dirs + (folder,))
+        _oom.check_compiles(source, extras)
 
 
 def install(library: ctypes.CDLL) -> None:

@@ -300,19 +300,41 @@ def _run_compiler(command: List[str], timeout: float) -> Tuple[int, str]:
             raise
 
 
-def _compile(source: str, compiler: List[str], folder: str, target: str,
-             extras: UnitExtras = UnitExtras()) -> None:
+def compile_command(source: str, compiler: List[str], extras: UnitExtras,
+                    output: Optional[str]) -> List[str]:
+    """The command that builds `source` against the running torch into the
+    library `output`; with output None, one that only checks it compiles
+    (no torch library needed: a CPU build of torch has the CUDA headers
+    but not libtorch_cuda)."""
     include, lib = _torch_dirs()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    # build beside the target, then rename: ranks of one job may race here
-    handle, partial = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(handle)
     command = compiler + _FLAGS + list(extras.flags) + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                                                         "-I", include]
     for include_dir in extras.include_dirs:
         command += ["-I", include_dir]
+    if output is None:
+        return command + ["-fsyntax-only", source]
     command += [source, "-L", lib, "-lc10"] + [f"-l{name}" for name in extras.libraries]
-    command += [f"-Wl,-rpath,{lib}", "-o", partial]
+    return command + [f"-Wl,-rpath,{lib}", "-o", output]
+
+
+def check_compiles(source: str, extras: UnitExtras = UnitExtras()) -> None:
+    """Raises BuildError with the compiler's output where `source` does not
+    compile against the running torch's headers."""
+    command = compile_command(source, _compiler(), extras, None)
+    code, output = _run_compiler(command, build_timeout())
+    if code != 0:
+        raise BuildError(f"{os.path.basename(source)} does not compile against torch "
+                         f"{torch.__version__} (exit {code}): {shlex.join(command)}\n"
+                         f"{output[-4000:]}")
+
+
+def _compile(source: str, compiler: List[str], folder: str, target: str,
+             extras: UnitExtras = UnitExtras()) -> None:
+    # build beside the target, then rename: ranks of one job may race here
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(handle)
+    command = compile_command(source, compiler, extras, partial)
     started = time.monotonic()
     try:
         code, output = _run_compiler(command, build_timeout())
