@@ -293,6 +293,24 @@ should_split(const block *b, uint64_t size)
     return b->seg->small ? remaining >= MIN_BLOCK : remaining > LARGE_SPLIT_MIN;
 }
 
+/* Makes the node `rest` the remainder of `b` past its first `size` bytes,
+ * linked after it in the segment (not yet in any free list). Lock held. */
+static void
+split_into(block *b, uint64_t size, block *rest)
+{
+    rest->ptr = b->ptr + size;
+    rest->size = b->size - size;
+    rest->seg = b->seg;
+    rest->prev = b;
+    rest->next = b->next;
+    if (b->next != NULL)
+        b->next->prev = rest;
+    b->next = rest;
+    b->size = size;
+    stats_segment_blocks(b->seg, 1);
+    MP_ASSERT(b->ptr + b->size == rest->ptr && rest->ptr + rest->size <= b->seg->base + b->seg->size);
+}
+
 /* Takes `b` for a request of `size` bytes, splitting off the rest as a new
  * free block. Lock held. 0, or -1 without memory. */
 int
@@ -307,17 +325,7 @@ block_take(block *b, uint64_t size)
             index_insert(b);
             return -1;
         }
-        rest->ptr = b->ptr + size;
-        rest->size = b->size - size;
-        rest->seg = b->seg;
-        rest->prev = b;
-        rest->next = b->next;
-        if (b->next != NULL)
-            b->next->prev = rest;
-        b->next = rest;
-        b->size = size;
-        stats_segment_blocks(b->seg, 1);
-        MP_ASSERT(b->ptr + b->size == rest->ptr && rest->ptr + rest->size <= b->seg->base + b->seg->size);
+        split_into(b, size, rest);
         block_insert_free(rest);
     }
     return 0;
@@ -333,17 +341,7 @@ block_carve(block *b, uint64_t size)
         index_remove(b);
     if (b->size == size)
         return 0;
-    block *rest = block_node_new(b->seg->dev);
-    rest->ptr = b->ptr + size;
-    rest->size = b->size - size;
-    rest->seg = b->seg;
-    rest->prev = b;
-    rest->next = b->next;
-    if (b->next != NULL)
-        b->next->prev = rest;
-    b->next = rest;
-    b->size = size;
-    stats_segment_blocks(b->seg, 1);
+    split_into(b, size, block_node_new(b->seg->dev));
     return 0;
 }
 
