@@ -113,6 +113,18 @@ def stream(index: int, handle: Optional[int]) -> Iterator[None]:
         _C._sim_order_streams(index, previous, index, handle)
 
 
+def install_adapter() -> ctypes.CDLL:
+    """matepoint's allocator, serving the simulated GPU, made torch's CUDA
+    allocator through the C++ adapter (for the rest of the process: the
+    adapter tests run in a subprocess of their own); its library."""
+    from matepoint import _adapter
+    require_test_build()
+    library, _, _ = _attach()
+    _adapter.install(library)
+    _C._attach_allocator(allocator_path())
+    return library
+
+
 def empty_device_cache() -> None:
     """torch.cuda.empty_cache() for the simulated devices' allocator: its
     cached segments and the completed events it keeps for reuse (at most

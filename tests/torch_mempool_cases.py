@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import matepoint
-from matepoint import _adapter, _C
+from matepoint import _C
 from matepoint._allocator import allocator_path
 import sim
 
@@ -34,11 +34,7 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def library() -> ctypes.CDLL:
-    sim.require_test_build()
-    lib, _, _ = sim._attach()
-    _adapter.install(lib)
-    _C._attach_allocator(allocator_path())
-    return lib
+    return sim.install_adapter()
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import torch
 
 import matepoint
 from matepoint import _adapter, _C
-from matepoint._allocator import allocator_path
 import sim
 
 ELEMENTS = 1 << 14
@@ -32,10 +31,7 @@ CAPTURE_INVALIDATED = 901
 
 @pytest.fixture(scope="module")
 def adapter() -> ctypes.CDLL:
-    sim.require_test_build()
-    library, _, _ = sim._attach()
-    _adapter.install(library)
-    _C._attach_allocator(allocator_path())
+    sim.install_adapter()
     return _adapter.build()
 
 
