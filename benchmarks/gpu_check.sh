@@ -52,9 +52,9 @@ step build 120 "$PY" -m pip install -q --no-build-isolation --no-deps -e . || {
     echo "gpu-check: the build failed; nothing else run" | tee -a "$OUT/steps.txt"
     exit 1
 }
-step cuda-tests 90 "$PY" -m pytest -q -rA -p no:cacheprovider -m cuda tests
+step cuda-tests 110 "$PY" -m pytest -q -rA -p no:cacheprovider -m cuda tests
 step probe 150 "$PY" benchmarks/allocator_probe.py --out "$OUT"
-step bench 120 "$PY" -m matepoint.bench --gpu-check --cases latent \
+step bench 100 "$PY" -m matepoint.bench --gpu-check --cases latent \
     --latent-depth "$LATENT_DEPTH" --modes torch,torch+save_on_cpu,matepoint,matepoint+alloc --out "$OUT/bench"
 tail -n 40 "$OUT/bench.log" 2>/dev/null
 if [ -n "$failed" ]; then

@@ -208,3 +208,92 @@ def test_pool_stats_polled_by_another_thread_during_training(cuda_offload) -> No
     torch.cuda.synchronize()
     gc.collect()
     assert matepoint.pool_stats()["device_bytes_in_flight"] == 0
+
+
+def test_two_threads_train_with_the_disk_tier(cuda_offload, tmp_path) -> None:
+    """Two training threads, each its own model, with pinned memory capped
+    below one step's inputs so the disk tier spills and reads back while
+    the other thread offloads (issue 43's crash on the simulated GPU):
+    every step exact in both threads."""
+    import threading
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    one_input = BATCH * WIDTH * 4
+    matepoint.set_options(spill_dir=str(spill), host_limit_bytes=3 * one_input)
+    torch.manual_seed(0)
+    models = [nn.ModuleList(Slow() for _ in range(DEPTH)).cuda() for _ in range(2)]
+    inputs = [torch.randn(BATCH, WIDTH, device="cuda") for _ in range(2)]
+    devices = ["cuda"] * DEPTH
+    expected = [grads_of(m, x, plain, devices) for m, x in zip(models, inputs)]
+    before = matepoint.pool_stats()
+    errors: list = []
+
+    def train(index: int) -> None:
+        try:
+            for _ in range(3):
+                got = grads_of(models[index], inputs[index], matepoint.checkpoint, devices)
+                assert_exact(got, expected[index])
+        except BaseException as error:  # noqa: BLE001 (re-raised below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        matepoint.set_options(spill_dir=None, host_limit_bytes=None)
+    assert not errors, errors
+    stats = matepoint.pool_stats()
+    assert stats["spill_writes"] > before["spill_writes"], "nothing was spilled"
+    assert stats["spill_reads"] > before["spill_reads"], "nothing was read back"
+
+
+EXPANDABLE_CHILD = """
+import sys, torch, torch.nn as nn
+sys.path.insert(0, {tests!r})
+import matepoint
+import test_cuda_timeline as t
+matepoint.set_options(offload=True, min_offload_bytes=1 << 16, offload_window=1,
+                      prefetch_depth=2)
+torch.manual_seed(0)
+blocks = nn.ModuleList(t.Slow() for _ in range(t.DEPTH)).cuda()
+x = torch.randn(t.BATCH, t.WIDTH, device="cuda")
+devices = ["cuda"] * t.DEPTH
+expected = t.grads_of(blocks, x, t.plain, devices)
+emptied = [0]
+
+def empty_cache(grad):
+    torch.cuda.empty_cache()      # unmaps what is free: pages a late copy would still use
+    emptied[0] += 1
+
+def checkpoint_then_empty_in_backward(block, h):
+    out = matepoint.checkpoint(block, h)
+    out.register_hook(empty_cache)    # in backward, just before this region's recompute
+    return out
+
+before = matepoint.pool_stats()["prefetched"]
+for _ in range(2):
+    got = t.grads_of(blocks, x, checkpoint_then_empty_in_backward, devices)
+    t.assert_exact(got, expected)
+assert emptied[0] >= 2 * t.DEPTH and matepoint.pool_stats()["prefetched"] > before
+print("exact", emptied[0], "caches emptied")
+"""
+
+
+def test_expandable_segments_with_the_cache_emptied_in_backward() -> None:
+    """torch's allocator with expandable_segments unmaps freed pages after
+    syncing only their segment's stream; empty_cache() in every block's
+    backward while prefetches and copies out are in flight: a copy left
+    reading or writing a released source faults (illegal address) or
+    reads wrong data."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    code = EXPANDABLE_CHILD.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "exact" in done.stdout
