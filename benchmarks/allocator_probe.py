@@ -9,7 +9,9 @@ a time limit and reports PASS or FAIL, its error and its seconds:
   cudnn        a conv net with torch.backends.cudnn.benchmark = True (cacheInfo)
   graph        torch.cuda.graph capture and replay (a private pool), a second
                graph sharing the pool, make_graphed_callables
-  compile      a torch.compile(mode="reduce-overhead") step (cudagraph trees)
+  compile      torch.compile(mode="reduce-overhead") training steps (cudagraph
+               trees switch between the forward and backward graphs' pool states)
+  mempool      torch.cuda.MemPool and use_mem_pool
   snapshot     _record_memory_history, _snapshot, _dump_snapshot, rendered by
                torch.cuda._memory_viz to HTML
   ipc          an interior view of a CUDA tensor shared with spawned processes
@@ -153,19 +155,50 @@ def probe_graph() -> Dict[str, Any]:
 
 
 def probe_compile() -> Dict[str, Any]:
+    """Training steps: cudagraph trees record a forward and a backward graph
+    into one pool and switch between them (getCheckpointState /
+    setCheckpointPoolState), then inference with the same module."""
     torch.manual_seed(0)
     model = _block(512).cuda()
     compiled = torch.compile(model, mode="reduce-overhead")
     errors = []
     for _ in range(4):
         x = torch.randn(32, 512, device="cuda")
+        model.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        errors += [float((a - p.grad).abs().max()) for a, p in zip(got, model.parameters())]
+    for _ in range(2):
+        x = torch.randn(32, 512, device="cuda")
         with torch.no_grad():
-            got = compiled(x).clone()
-            errors.append(float((got - model(x)).abs().max()))
+            errors.append(float((compiled(x).clone() - model(x)).abs().max()))
     torch.cuda.synchronize()
     if max(errors) > 1e-2:
-        raise AssertionError(f"compiled output differs from eager by {max(errors)}")
+        raise AssertionError(f"compiled results differ from eager by {max(errors)}")
     return {"max_error": max(errors)}
+
+
+def probe_mempool() -> Dict[str, Any]:
+    """torch.cuda.MemPool / use_mem_pool: the pool's allocations in its own
+    segments, its memory back once it is gone."""
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        inside = torch.ones(1 << 20, device="cuda")
+    outside = torch.ones(1 << 20, device="cuda")
+    segments = pool.snapshot()
+    if not any(s["address"] <= inside.data_ptr() < s["address"] + s["total_size"]
+               for s in segments):
+        raise AssertionError("an allocation inside use_mem_pool is not in the pool's segments")
+    if any(s["address"] <= outside.data_ptr() < s["address"] + s["total_size"]
+           for s in segments):
+        raise AssertionError("an allocation outside use_mem_pool landed in the pool")
+    reserved = torch.cuda.memory_reserved()
+    del inside, pool, segments
+    torch.cuda.synchronize()
+    return {"reserved_mib": round(reserved / MIB, 1),
+            "reserved_after_release_mib": round(torch.cuda.memory_reserved() / MIB, 1)}
 
 
 def probe_snapshot(out: str) -> Dict[str, Any]:
@@ -238,8 +271,9 @@ def probe_ipc() -> Dict[str, Any]:
     return {"offset_bytes": offset, **results}
 
 
-PROBES = ("train", "cudnn", "graph", "compile", "snapshot", "ipc")
-LIMITS_S = {"train": 60, "cudnn": 60, "graph": 60, "compile": 150, "snapshot": 60, "ipc": 90}
+PROBES = ("train", "cudnn", "graph", "compile", "mempool", "snapshot", "ipc")
+LIMITS_S = {"train": 60, "cudnn": 60, "graph": 60, "compile": 150, "mempool": 30, "snapshot": 60,
+            "ipc": 90}
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -274,7 +308,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         report["device"] = torch.cuda.get_device_name(0)
         report["oom_raises"] = matepoint.install_allocator()
         calls = {"train": probe_train, "cudnn": probe_cudnn, "graph": probe_graph,
-                 "compile": probe_compile, "snapshot": lambda: probe_snapshot(args.out),
+                 "compile": probe_compile, "mempool": probe_mempool, "snapshot": lambda: probe_snapshot(args.out),
                  "ipc": probe_ipc}
         for name in names:
             report["probes"][name] = run_probe(name, calls[name], LIMITS_S[name])
