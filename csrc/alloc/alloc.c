@@ -85,8 +85,9 @@ void
 block_retire(allocator *a, device_state *dev, block *b)
 {
     if (b->n_extra > 0 && events_insert(a, dev, b) < 0) {
-        /* no event for some stream: only a device-wide wait is safe */
-        a->backend.device_synchronize(a->backend.ctx, dev->index);
+        /* no event for some stream: only a device-wide wait is safe (its
+         * failure was reported; torch's fallback goes on alike) */
+        (void)a->backend.device_synchronize(a->backend.ctx, dev->index);
     }
     block_forget_streams(b);
     if (b->event_count == 0) {

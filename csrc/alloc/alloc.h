@@ -45,10 +45,13 @@ typedef struct {
     int (*event_record)(void *ctx, int device, void *stream, void **event);
     /* 1 completed, 0 pending, ALLOC_ERROR */
     int (*event_query)(void *ctx, void *event);
-    void (*event_wait)(void *ctx, void *event);
+    /* waits for the event: ALLOC_OK, or ALLOC_ERROR (reported; the work
+     * it stands for may still run) */
+    int (*event_wait)(void *ctx, void *event);
     void (*event_free)(void *ctx, void *event);
-    /* waits for all work on the device (a fallback when no event can be made) */
-    void (*device_synchronize)(void *ctx, int device);
+    /* waits for all work on the device (a fallback when no event can be
+     * made): ALLOC_OK, or ALLOC_ERROR as event_wait */
+    int (*device_synchronize)(void *ctx, int device);
     /* optional, NULL: none. Told of each block alloc_malloc hands out,
      * after the lock was released: `bytes` is the block's size, the request
      * rounded up (more when a large block's small rest stayed attached) */
@@ -281,8 +284,11 @@ void alloc_empty_pool(allocator *a, uint64_t pool_a, uint64_t pool_b);
  * Refused, nothing changed: a pool missing or released (NO_POOL), a
  * state's segment no longer the pool's, or of another size (SEGMENT_GONE),
  * a block of the pool still waiting for another stream while a capture is
- * underway, so that no wait is allowed (BUSY), or no memory. Outside
- * captures restoring waits for the pool's blocks pending on other streams. */
+ * underway, so that no wait is allowed (BUSY), no memory, or a failed wait
+ * (WAIT_FAILED: the blocks may still be in use). Outside captures
+ * restoring waits for the other streams the pool's blocks were used on
+ * (their pending frees, and record_stream uses of live blocks), and for
+ * nothing else of the device. */
 typedef struct {
     uint64_t ptr, size;
     uint64_t requested, tag;    /* allocated blocks: as handed out */
@@ -320,7 +326,7 @@ typedef struct {
 
 enum {
     ALLOC_RESTORE_OK = 0, ALLOC_RESTORE_NO_POOL = -1, ALLOC_RESTORE_SEGMENT_GONE = -2,
-    ALLOC_RESTORE_BUSY = -3, ALLOC_RESTORE_NO_MEMORY = -4
+    ALLOC_RESTORE_BUSY = -3, ALLOC_RESTORE_NO_MEMORY = -4, ALLOC_RESTORE_WAIT_FAILED = -5
 };
 
 /* Why a checkpoint or restore was refused, in the user's terms. */
@@ -337,6 +343,9 @@ alloc_restore_reason(int status)
         return "a block of the pool is still used on another stream while a CUDA graph "
                "capture is underway";
     case ALLOC_RESTORE_NO_MEMORY: return "out of host memory";
+    case ALLOC_RESTORE_WAIT_FAILED:
+        return "waiting for another stream's use of a block of the pool failed (the CUDA "
+               "error is reported above), so its memory could not be taken back safely";
     default: return "unknown refusal";
     }
 }

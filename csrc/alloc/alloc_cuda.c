@@ -116,15 +116,17 @@ cuda_event_query(void *ctx, void *event)
     return ALLOC_ERROR;
 }
 
-static void
+static int
 cuda_event_wait(void *ctx, void *event)
 {
     const cudart *rt = ctx;
     int mode = cudart_relax_capture(rt);
     int status = rt->event_synchronize(event);
     cudart_restore_capture(rt, mode);
-    if (status != CUDART_SUCCESS)
-        report(rt, status, "cudaEventSynchronize");
+    if (status == CUDART_SUCCESS)
+        return ALLOC_OK;
+    report(rt, status, "cudaEventSynchronize");
+    return ALLOC_ERROR;
 }
 
 static void
@@ -136,19 +138,21 @@ cuda_event_free(void *ctx, void *event)
         report(rt, status, "cudaEventDestroy");
 }
 
-static void
+static int
 cuda_device_synchronize(void *ctx, int device)
 {
     const cudart *rt = ctx;
     int previous = enter_device(rt, device);
     if (previous < 0)
-        return;
+        return ALLOC_ERROR;
     int mode = cudart_relax_capture(rt);
     int status = rt->device_synchronize();
     cudart_restore_capture(rt, mode);
     cudart_leave_device(rt, device, previous);
-    if (status != CUDART_SUCCESS)
-        report(rt, status, "cudaDeviceSynchronize");
+    if (status == CUDART_SUCCESS)
+        return ALLOC_OK;
+    report(rt, status, "cudaDeviceSynchronize");
+    return ALLOC_ERROR;
 }
 
 alloc_backend

@@ -18,6 +18,17 @@ alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes)
     atomic_store(&ctx->events_recorded, 0);
     atomic_store(&ctx->events_created, 0);
     atomic_store(&ctx->event_queries, 0);
+    atomic_store(&ctx->event_waits, 0);
+    atomic_store(&ctx->synchronizes, 0);
+    atomic_store(&ctx->fail_wait_at, 0);
+}
+
+/* 1 when a test asked the wait just counted to fail. */
+static int
+wait_fails(alloc_host_ctx *host)
+{
+    uint64_t count = atomic_load(&host->event_waits) + atomic_load(&host->synchronizes);
+    return count == atomic_load(&host->fail_wait_at);
 }
 
 void
@@ -78,17 +89,21 @@ host_event_query(void *ctx, void *event)
     return e->stream == NULL || atomic_load(&e->stream->completed) >= e->mark;
 }
 
-static void
+static int
 host_event_wait(void *ctx, void *event)
 {
+    alloc_host_ctx *host = ctx;
     host_event *e = event;
-    (void)ctx;
+    atomic_fetch_add(&host->event_waits, 1);
+    if (wait_fails(host))
+        return ALLOC_ERROR;
     if (e->stream == NULL)
-        return;
+        return ALLOC_OK;
     uint64_t done = atomic_load(&e->stream->completed);
     while (done < e->mark &&
            !atomic_compare_exchange_weak(&e->stream->completed, &done, e->mark))
         ;
+    return ALLOC_OK;
 }
 
 static void
@@ -99,11 +114,15 @@ host_event_free(void *ctx, void *event)
     free(event);
 }
 
-static void
+/* Counted only: a test's streams are completed by the test itself
+ * (alloc_host_complete), so the allocator cannot wait for them. */
+static int
 host_synchronize(void *ctx, int device)
 {
-    (void)ctx;
+    alloc_host_ctx *host = ctx;
     (void)device;
+    atomic_fetch_add(&host->synchronizes, 1);
+    return wait_fails(host) ? ALLOC_ERROR : ALLOC_OK;
 }
 
 alloc_backend

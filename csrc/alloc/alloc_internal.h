@@ -315,6 +315,11 @@ void stream_drop_if_unused(device_state *dev, stream_state *s);
 /* Retires completed events of every stream (all of them, waiting, if
  * `wait`) and forgets the streams left with nothing. */
 void events_process(allocator *a, device_state *dev, int wait);
+/* Retires the events of `s` from its oldest through `last`, known
+ * complete (`last` waited for: the events of one stream complete in the
+ * order they were recorded), with no query. */
+void events_retire_through(allocator *a, device_state *dev, stream_state *s,
+                           const pending_event *last);
 /* Records an event on each extra stream of `b` and queues it there; -1
  * (nothing queued) when one could not be made. */
 int events_insert(allocator *a, device_state *dev, block *b);

@@ -131,8 +131,7 @@ segment_state_whole(const alloc_pool_state *state, const alloc_segment_state *s)
 
 /* What a restore needs, checked before anything changes. Lock held. */
 static int
-restore_check(allocator *a, device_state *dev, private_pool *pool, const alloc_pool_state *state,
-              int *needs_sync)
+restore_check(device_state *dev, private_pool *pool, const alloc_pool_state *state)
 {
     if (pool == NULL || pool->use_count == 0)
         return ALLOC_RESTORE_NO_POOL;
@@ -142,24 +141,76 @@ restore_check(allocator *a, device_state *dev, private_pool *pool, const alloc_p
         if (seg == NULL || seg->size != s->size || !segment_state_whole(state, s))
             return ALLOC_RESTORE_SEGMENT_GONE;
     }
-    /* frees pending on other streams complete first (no wait is allowed
-     * while a capture is underway: then the restore is refused) */
-    if (dev->active_pools == 0 && dev->events_pending != 0)
-        events_process(a, dev, 1);
-    *needs_sync = 0;
+    /* a block waiting for other streams is waited for below, which a
+     * capture underway forbids; a deferred one has no event to wait on */
     for (const segment *seg = dev->segments; seg != NULL; seg = seg->next) {
         if (seg->owner->pool != pool)
             continue;
         for (const block *b = seg->first; b != NULL; b = b->next) {
-            if (b->event_count != 0 || b->deferred)
+            int waits = b->event_count != 0 || (b->allocated && b->n_extra != 0);
+            if (b->deferred || (waits && dev->active_pools != 0))
                 return ALLOC_RESTORE_BUSY;
-            if (b->allocated && b->n_extra != 0)
-                *needs_sync = 1;
         }
     }
-    /* a live block used on other streams is freed at once: only a wait
-     * for the device orders that, which a capture forbids */
-    return *needs_sync && dev->active_pools != 0 ? ALLOC_RESTORE_BUSY : ALLOC_RESTORE_OK;
+    return ALLOC_RESTORE_OK;
+}
+
+/* Waits for `stream`'s work so far: an event recorded there now. Lock
+ * held. */
+static int
+wait_stream(allocator *a, device_state *dev, void *stream)
+{
+    void *event = NULL;
+    if (a->backend.event_record(a->backend.ctx, dev->index, stream, &event) != ALLOC_OK)
+        return -1;
+    int status = a->backend.event_wait(a->backend.ctx, event);
+    a->backend.event_free(a->backend.ctx, event);
+    return status == ALLOC_OK ? 0 : -1;
+}
+
+/* The newest event queued on `s` for a block of `pool`, or NULL. */
+static const pending_event *
+last_pool_event(const stream_state *s, const private_pool *pool)
+{
+    const pending_event *last = NULL;
+    for (const pending_event *e = s->head; e != NULL; e = e->next) {
+        if (e->b->seg->owner->pool == pool)
+            last = e;
+    }
+    return last;
+}
+
+/* Waits for the other streams that used the pool's blocks, and for them
+ * only (never the whole device): those a live block was used on
+ * (record_stream), then on each stream the newest event of a pending
+ * block of the pool. Every wait happens before anything changes: -1 (a
+ * wait failed, reported) leaves the allocator as it was. Then the
+ * pending blocks retire. Lock held. */
+static int
+restore_wait(allocator *a, device_state *dev, private_pool *pool)
+{
+    for (const segment *seg = dev->segments; seg != NULL; seg = seg->next) {
+        for (const block *b = seg->first; b != NULL && seg->owner->pool == pool; b = b->next) {
+            for (int i = 0; b->allocated && i < b->n_extra; i++) {
+                if (wait_stream(a, dev, b->extra_streams[i]) < 0)
+                    return -1;
+            }
+        }
+    }
+    for (const stream_state *s = dev->streams; s != NULL; s = s->next) {
+        const pending_event *last = last_pool_event(s, pool);
+        if (last != NULL && a->backend.event_wait(a->backend.ctx, last->event) != ALLOC_OK)
+            return -1;
+    }
+    for (stream_state *s = dev->streams, *next; s != NULL; s = next) {
+        next = s->next;
+        const pending_event *last = last_pool_event(s, pool);
+        if (last != NULL) {
+            events_retire_through(a, dev, s, last);
+            stream_drop_if_unused(dev, s);
+        }
+    }
+    return 0;
 }
 
 /* Frees the block at `ptr`, live in the pool, at once (its other streams'
@@ -238,14 +289,13 @@ alloc_pool_restore(allocator *a, const alloc_pool_state *state, alloc_pool_delta
         return ALLOC_RESTORE_NO_POOL;
     pthread_mutex_lock(&dev->lock);
     private_pool *pool = pool_find(dev, state->pool_a, state->pool_b);
-    int needs_sync = 0;
-    int result = restore_check(a, dev, pool, state, &needs_sync);
+    int result = restore_check(dev, pool, state);
     if (result == ALLOC_RESTORE_OK && restore_reserve(dev, pool, state, out) < 0)
         result = ALLOC_RESTORE_NO_MEMORY;
+    if (result == ALLOC_RESTORE_OK && restore_wait(a, dev, pool) < 0)
+        result = ALLOC_RESTORE_WAIT_FAILED;
     if (result != ALLOC_RESTORE_OK)
         goto done;
-    if (needs_sync)
-        a->backend.device_synchronize(a->backend.ctx, dev->index);
     /* every live block of the pool goes (its pointer noted first: freeing
      * merges neighbours, so the walk restarts from the table) */
     for (segment *seg = dev->segments; seg != NULL; seg = seg->next) {

@@ -96,31 +96,53 @@ events_free_spares(allocator *a, device_state *dev)
  * before it, so querying them would only cost (torch's process_events).
  * With `wait`, waits for each instead. A block whose last event completed
  * returns to its stream's free blocks. Lock held. */
+/* Retires the oldest event of `s`, complete: its block returns to its
+ * stream's free blocks once its last event did. Lock held. */
+static void
+retire_head(allocator *a, device_state *dev, stream_state *s)
+{
+    pending_event *e = s->head;
+    MP_ASSERT(e->b->event_count > 0 && !e->b->allocated && !e->b->in_index);
+    s->head = e->next;
+    if (s->head == NULL) {
+        MP_ASSERT(s->tail == e);
+        s->tail = NULL;
+    }
+    mp_counter_sub(&dev->events_pending, 1);
+    block *b = e->b;
+    event_give_spare(a, dev, e);
+    if (--b->event_count == 0) {
+        segment *seg = b->seg;
+        stats_block_inactive(dev, b);
+        block_insert_free(b);
+        pool_settle_segment(a, dev, seg);
+    }
+}
+
 static void
 retire_events(allocator *a, device_state *dev, stream_state *s, int wait)
 {
     MP_ASSERT(queue_consistent(s));
     while (s->head != NULL) {
-        pending_event *e = s->head;
-        MP_ASSERT(e->b->event_count > 0 && !e->b->allocated && !e->b->in_index);
+        /* a failed wait was reported (alloc_cuda.c); retiring goes on as
+         * before: the pool restore, which must not free then, waits itself */
         if (wait)
-            a->backend.event_wait(a->backend.ctx, e->event);
-        else if (a->backend.event_query(a->backend.ctx, e->event) != 1)
+            (void)a->backend.event_wait(a->backend.ctx, s->head->event);
+        else if (a->backend.event_query(a->backend.ctx, s->head->event) != 1)
             return;
-        s->head = e->next;
-        if (s->head == NULL) {
-            MP_ASSERT(s->tail == e);
-            s->tail = NULL;
-        }
-        mp_counter_sub(&dev->events_pending, 1);
-        block *b = e->b;
-        event_give_spare(a, dev, e);
-        if (--b->event_count == 0) {
-            segment *seg = b->seg;
-            stats_block_inactive(dev, b);
-            block_insert_free(b);
-            pool_settle_segment(a, dev, seg);
-        }
+        retire_head(a, dev, s);
+    }
+}
+
+void
+events_retire_through(allocator *a, device_state *dev, stream_state *s, const pending_event *last)
+{
+    MP_ASSERT(queue_consistent(s));
+    int done = 0;
+    while (!done) {
+        MP_ASSERT(s->head != NULL);     /* `last` is queued on `s` */
+        done = s->head == last;
+        retire_head(a, dev, s);
     }
 }
 

@@ -259,6 +259,84 @@ test_blocks_in_use_on_other_streams(void)
     finish(a, &ctx);
 }
 
+/* The state of the block at `ptr` in a snapshot (ALLOC_BLOCK_*), or -1. */
+static int
+block_state_of(allocator *a, const void *ptr)
+{
+    alloc_snapshot snap;
+    if (alloc_take_snapshot(a, 0, &snap) != 0)
+        return -1;
+    int state = -1;
+    for (uint64_t i = 0; i < snap.block_count; i++) {
+        if (snap.blocks[i].address == (uintptr_t)ptr)
+            state = snap.blocks[i].state;
+    }
+    alloc_snapshot_free(a, &snap);
+    return state;
+}
+
+/* A restore waits for the streams that used the pool's blocks, and only
+ * them: never the device (the host backend counts its synchronizes),
+ * never another cache's pending frees. A failed wait refuses it, nothing
+ * changed: the blocks may still be in use. */
+static void
+test_the_restore_waits_for_the_pools_streams_only(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream side = {0}, reader = {0}, user = {0}, busy = {0};
+    allocator *a = make(&ctx);
+    CHECK(alloc_begin_pool(a, 0, 3, 0, every_stream, NULL) == 0);
+    void *kept = alloc_malloc(a, 4096, 0, &side, 0);
+    void *read = alloc_malloc(a, 4096, 0, &side, 0);
+    CHECK(alloc_end_pool(a, 0, 3, 0) == 0);
+    alloc_pool_state state;
+    CHECK(alloc_pool_checkpoint(a, 0, 3, 0, &state) == ALLOC_RESTORE_OK);
+    /* the ordinary cache: a free pending on `busy`, which nothing here may wait for */
+    void *outside = alloc_malloc(a, 4096, 0, &side, 0);
+    CHECK(alloc_record_stream(a, outside, &busy) == 0);
+    alloc_host_submit(&busy);
+    alloc_free(a, outside, 0);
+    /* the pool: a free pending on `reader`, a live block used on `user` */
+    CHECK(alloc_record_stream(a, read, &reader) == 0);
+    alloc_host_submit(&reader);
+    alloc_free(a, read, 0);
+    CHECK(alloc_record_stream(a, kept, &user) == 0);
+    alloc_host_submit(&user);
+    CHECK(block_state_of(a, read) == ALLOC_BLOCK_PENDING_FREE);
+    /* each wait fails once in turn: refused, the pool as it was */
+    alloc_pool_delta delta;
+    for (uint64_t fail = 1; fail <= 2; fail++) {
+        uint64_t waits = atomic_load(&ctx.event_waits);
+        atomic_store(&ctx.fail_wait_at, waits + fail);  /* the first, then the second */
+        CHECK(alloc_pool_restore(a, &state, &delta) == ALLOC_RESTORE_WAIT_FAILED);
+        CHECK(delta.freed == NULL && delta.allocated == NULL);
+        CHECK(atomic_load(&ctx.event_waits) == waits + fail);
+        CHECK(alloc_pool_live_is(a, 0, 3, 0, &kept, 1) == 1);
+        CHECK(block_state_of(a, read) == ALLOC_BLOCK_PENDING_FREE);
+        CHECK(alloc_check(a, 0) == 0);
+    }
+    CHECK(atomic_load(&reader.completed) == 0);
+    atomic_store(&ctx.fail_wait_at, 0);
+    /* then it waits for `user` and `reader`, and for nothing else */
+    uint64_t waits = atomic_load(&ctx.event_waits);
+    CHECK(alloc_pool_restore(a, &state, &delta) == ALLOC_RESTORE_OK);
+    CHECK(atomic_load(&ctx.event_waits) == waits + 2 && atomic_load(&ctx.synchronizes) == 0);
+    CHECK(atomic_load(&reader.completed) == 1 && atomic_load(&user.completed) == 1);
+    CHECK(atomic_load(&busy.completed) == 0);
+    CHECK(block_state_of(a, outside) == ALLOC_BLOCK_PENDING_FREE);
+    CHECK(delta.freed_count == 1 && delta.allocated_count == 2 && restored(&delta, read, 4096));
+    alloc_pool_delta_free(&delta);
+    CHECK(layout_is(a, &state) && alloc_check(a, 0) == 0);
+    alloc_pool_state_free(&state);
+    alloc_host_complete(&busy);
+    alloc_free(a, kept, 0);
+    alloc_free(a, read, 0);
+    CHECK(alloc_release_pool(a, 0, 3, 0) == 0);
+    alloc_empty_cache(a);
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 0);
+    finish(a, &ctx);
+}
+
 /* Memory history sees a restore as frees and mallocs. */
 static void
 test_history_records_the_restore(void)
@@ -302,6 +380,7 @@ main(void)
     test_switching_between_two_recordings();
     test_a_state_of_gone_segments_is_refused();
     test_blocks_in_use_on_other_streams();
+    test_the_restore_waits_for_the_pools_streams_only();
     test_history_records_the_restore();
     return check_report("test_alloc_pool_state");
 }
