@@ -52,6 +52,10 @@ typedef struct {
     /* waits for all work on the device (a fallback when no event can be
      * made): ALLOC_OK, or ALLOC_ERROR as event_wait */
     int (*device_synchronize)(void *ctx, int device);
+    /* optional, NULL: no stream ever captures. 1 when `stream` of `device`
+     * is being captured into a CUDA graph (no event recorded on it could be
+     * waited for), 0 when not, ALLOC_ERROR when that could not be asked */
+    int (*stream_capturing)(void *ctx, int device, void *stream);
     /* optional, NULL: none. Told of each block alloc_malloc hands out,
      * after the lock was released: `bytes` is the block's size, the request
      * rounded up (more when a large block's small rest stayed attached) */
@@ -283,12 +287,14 @@ void alloc_empty_pool(allocator *a, uint64_t pool_a, uint64_t pool_b);
  *
  * Refused, nothing changed: a pool missing or released (NO_POOL), a
  * state's segment no longer the pool's, or of another size (SEGMENT_GONE),
- * a block of the pool still waiting for another stream while a capture is
- * underway, so that no wait is allowed (BUSY), no memory, or a failed wait
- * (WAIT_FAILED: the blocks may still be in use). Outside captures
- * restoring waits for the other streams the pool's blocks were used on
- * (their pending frees, and record_stream uses of live blocks), and for
- * nothing else of the device. */
+ * a live block of the pool used on a stream now capturing a CUDA graph
+ * (no wait on it is allowed), or a block freed during a capture (its
+ * events wait for the capture's end) (BUSY), no memory, or a failed wait
+ * (WAIT_FAILED: the blocks may still be in use). Otherwise restoring
+ * waits for the other streams the pool's blocks were used on (their
+ * pending frees, recorded outside any capture, and record_stream uses of
+ * live blocks), and for nothing else of the device, whatever other pools
+ * are being allocated to. */
 typedef struct {
     uint64_t ptr, size;
     uint64_t requested, tag;    /* allocated blocks: as handed out */
@@ -340,8 +346,9 @@ alloc_restore_reason(int status)
         return "a segment of the checkpointed state is no longer the pool's (its memory was "
                "given back since)";
     case ALLOC_RESTORE_BUSY:
-        return "a block of the pool is still used on another stream while a CUDA graph "
-               "capture is underway";
+        return "a block of the pool is still used on another stream that is capturing a CUDA "
+               "graph (or whose capture status could not be read), so its use cannot be waited "
+               "for, or was freed during a capture";
     case ALLOC_RESTORE_NO_MEMORY: return "out of host memory";
     case ALLOC_RESTORE_WAIT_FAILED:
         return "waiting for another stream's use of a block of the pool failed (the CUDA "

@@ -155,6 +155,18 @@ cuda_device_synchronize(void *ctx, int device)
     return ALLOC_ERROR;
 }
 
+static int
+cuda_stream_capturing(void *ctx, int device, void *stream)
+{
+    const cudart *rt = ctx;
+    int previous = enter_device(rt, device);     /* the legacy stream is the device's */
+    if (previous < 0)
+        return ALLOC_ERROR;
+    int capturing = cudart_stream_capturing(rt, stream);
+    cudart_leave_device(rt, device, previous);
+    return capturing < 0 ? ALLOC_ERROR : capturing;
+}
+
 alloc_backend
 alloc_cuda_backend(const cudart *rt)
 {
@@ -162,6 +174,7 @@ alloc_cuda_backend(const cudart *rt)
         .device_malloc = cuda_device_malloc, .device_free = cuda_device_free,
         .event_record = cuda_event_record, .event_query = cuda_event_query,
         .event_wait = cuda_event_wait, .event_free = cuda_event_free,
-        .device_synchronize = cuda_device_synchronize, .ctx = (void *)rt,
+        .device_synchronize = cuda_device_synchronize,
+        .stream_capturing = cuda_stream_capturing, .ctx = (void *)rt,
     };
 }

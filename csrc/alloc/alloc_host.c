@@ -125,6 +125,15 @@ host_synchronize(void *ctx, int device)
     return wait_fails(host) ? ALLOC_ERROR : ALLOC_OK;
 }
 
+static int
+host_stream_capturing(void *ctx, int device, void *stream)
+{
+    alloc_host_stream *s = stream;
+    (void)ctx;
+    (void)device;
+    return s != NULL && atomic_load(&s->capturing);
+}
+
 alloc_backend
 alloc_host_backend(alloc_host_ctx *ctx)
 {
@@ -132,6 +141,7 @@ alloc_host_backend(alloc_host_ctx *ctx)
         .device_malloc = host_malloc, .device_free = host_free,
         .event_record = host_event_record, .event_query = host_event_query,
         .event_wait = host_event_wait, .event_free = host_event_free,
-        .device_synchronize = host_synchronize, .ctx = ctx,
+        .device_synchronize = host_synchronize, .stream_capturing = host_stream_capturing,
+        .ctx = ctx,
     };
 }

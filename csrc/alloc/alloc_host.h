@@ -14,6 +14,7 @@
 typedef struct {
     _Atomic uint64_t submitted;     /* work queued on the stream */
     _Atomic uint64_t completed;     /* work finished */
+    _Atomic int capturing;          /* 1: being captured into a CUDA graph (tests set it) */
 } alloc_host_stream;
 
 typedef struct {

@@ -129,9 +129,26 @@ segment_state_whole(const alloc_pool_state *state, const alloc_segment_state *s)
     return at == s->base + s->size;
 }
 
-/* What a restore needs, checked before anything changes. Lock held. */
+/* 1 when the work of `stream` may be waited for now: it is not being
+ * captured (an event recorded on it would join the capture and could not
+ * be waited for). */
 static int
-restore_check(device_state *dev, private_pool *pool, const alloc_pool_state *state)
+stream_waitable(allocator *a, device_state *dev, void *stream)
+{
+    if (a->backend.stream_capturing == NULL)
+        return 1;
+    return a->backend.stream_capturing(a->backend.ctx, dev->index, stream) == 0;
+}
+
+/* What a restore needs, checked before anything changes. Lock held.
+ * Other pools being allocated to (a capture elsewhere, a use_mem_pool
+ * context) do not matter: the frees pending on other streams had their
+ * events recorded outside any capture (alloc_pools.c defers the others),
+ * and waiting for those is allowed during a capture (relaxed mode,
+ * alloc_cuda.c); only a live block's stream now capturing cannot be
+ * waited for. */
+static int
+restore_check(allocator *a, device_state *dev, private_pool *pool, const alloc_pool_state *state)
 {
     if (pool == NULL || pool->use_count == 0)
         return ALLOC_RESTORE_NO_POOL;
@@ -141,15 +158,17 @@ restore_check(device_state *dev, private_pool *pool, const alloc_pool_state *sta
         if (seg == NULL || seg->size != s->size || !segment_state_whole(state, s))
             return ALLOC_RESTORE_SEGMENT_GONE;
     }
-    /* a block waiting for other streams is waited for below, which a
-     * capture underway forbids; a deferred one has no event to wait on */
     for (const segment *seg = dev->segments; seg != NULL; seg = seg->next) {
         if (seg->owner->pool != pool)
             continue;
         for (const block *b = seg->first; b != NULL; b = b->next) {
-            int waits = b->event_count != 0 || (b->allocated && b->n_extra != 0);
-            if (b->deferred || (waits && dev->active_pools != 0))
+            /* a deferred block has no event to wait on before the capture's end */
+            if (b->deferred)
                 return ALLOC_RESTORE_BUSY;
+            for (int i = 0; b->allocated && i < b->n_extra; i++) {
+                if (!stream_waitable(a, dev, b->extra_streams[i]))
+                    return ALLOC_RESTORE_BUSY;
+            }
         }
     }
     return ALLOC_RESTORE_OK;
@@ -289,7 +308,7 @@ alloc_pool_restore(allocator *a, const alloc_pool_state *state, alloc_pool_delta
         return ALLOC_RESTORE_NO_POOL;
     pthread_mutex_lock(&dev->lock);
     private_pool *pool = pool_find(dev, state->pool_a, state->pool_b);
-    int result = restore_check(dev, pool, state);
+    int result = restore_check(a, dev, pool, state);
     if (result == ALLOC_RESTORE_OK && restore_reserve(dev, pool, state, out) < 0)
         result = ALLOC_RESTORE_NO_MEMORY;
     if (result == ALLOC_RESTORE_OK && restore_wait(a, dev, pool) < 0)

@@ -216,14 +216,16 @@ test_a_state_of_gone_segments_is_refused(void)
     finish(a, &ctx);
 }
 
-/* A pool's block freed while another stream still uses it: outside a
- * capture the restore waits for that use; during one (no wait allowed) it
- * is refused, and a live block used on another stream too. */
+/* A block of the pool freed after use on another stream is waited for,
+ * whatever other pools are being allocated to (a use_mem_pool context, a
+ * capture of another stream): its event was recorded outside any capture.
+ * A live block used on a stream now capturing cannot be waited for: the
+ * restore is refused, nothing changed, until that capture ended. */
 static void
 test_blocks_in_use_on_other_streams(void)
 {
     alloc_host_ctx ctx;
-    alloc_host_stream side = {0}, reader = {0};
+    alloc_host_stream side = {0}, reader = {0}, other = {0};
     allocator *a = make(&ctx);
     CHECK(alloc_begin_pool(a, 0, 3, 0, every_stream, NULL) == 0);
     void *kept = alloc_malloc(a, 4096, 0, &side, 0);
@@ -234,27 +236,33 @@ test_blocks_in_use_on_other_streams(void)
     CHECK(alloc_record_stream(a, read, &reader) == 0);
     alloc_host_submit(&reader);
     alloc_free(a, read, 0);                                      /* pending on `reader` */
-    alloc_host_stream other = {0};
-    CHECK(alloc_begin_pool(a, 0, 4, 0, every_stream, NULL) == 0);    /* a capture underway */
+    /* another pool allocated to, as inside use_mem_pool(pool) */
+    CHECK(alloc_begin_pool(a, 0, 4, 0, every_stream, NULL) == 0);
     alloc_pool_delta delta;
-    CHECK(alloc_pool_restore(a, &state, &delta) == ALLOC_RESTORE_BUSY);
-    CHECK(alloc_end_pool(a, 0, 4, 0) == 0);
     CHECK(alloc_pool_restore(a, &state, &delta) == ALLOC_RESTORE_OK);  /* waited */
+    CHECK(atomic_load(&reader.completed) == 1);
     CHECK(delta.freed_count == 1 && delta.allocated_count == 2 && restored(&delta, read, 4096));
     alloc_pool_delta_free(&delta);
     CHECK(layout_is(a, &state) && alloc_check(a, 0) == 0);
-    /* a live block used on another stream, during a capture */
+    /* a live block used on a stream that now captures a graph */
     CHECK(alloc_record_stream(a, kept, &other) == 0);
-    CHECK(alloc_begin_pool(a, 0, 4, 0, every_stream, NULL) == 0);
+    alloc_host_submit(&other);
+    atomic_store(&other.capturing, 1);
+    uint64_t waits = atomic_load(&ctx.event_waits);
     CHECK(alloc_pool_restore(a, &state, &delta) == ALLOC_RESTORE_BUSY);
-    CHECK(alloc_end_pool(a, 0, 4, 0) == 0);
+    CHECK(delta.freed == NULL && atomic_load(&ctx.event_waits) == waits);
+    CHECK(atomic_load(&other.completed) == 0 && atomic_load(&ctx.events_recorded) == 1);
+    void *live[2] = {kept, read};
+    CHECK(alloc_pool_live_is(a, 0, 3, 0, live, 2) == 1);
+    atomic_store(&other.capturing, 0);                           /* the capture ended */
     CHECK(alloc_pool_restore(a, &state, &delta) == ALLOC_RESTORE_OK);
+    CHECK(atomic_load(&other.completed) == 1 && atomic_load(&ctx.synchronizes) == 0);
     alloc_pool_delta_free(&delta);
+    CHECK(alloc_end_pool(a, 0, 4, 0) == 0);
     alloc_pool_state_free(&state);
     alloc_free(a, kept, 0);
     alloc_free(a, read, 0);
     CHECK(alloc_release_pool(a, 0, 3, 0) == 0 && alloc_release_pool(a, 0, 4, 0) == 0);
-    CHECK(alloc_release_pool(a, 0, 4, 0) == 0);                  /* begun twice */
     CHECK(alloc_get_stats(a, 0).reserved_bytes == 0);
     finish(a, &ctx);
 }
