@@ -134,6 +134,28 @@ def test_two_pools_share_nothing_and_a_pool_reuses_its_blocks(cuda_up) -> None:
     assert matepoint.memory_stats(0)["segment.all.current"] == 0
 
 
+def test_a_pool_matepoint_cannot_begin_is_refused_and_nothing_kept(cuda_up) -> None:
+    """A begin the allocator refuses (here: a device it does not serve)
+    raises at use_mem_pool, before its body, naming matepoint's allocator
+    and why; the adapter keeps no filter (a second try is refused alike,
+    not as "already recording") and the pool keeps its one use."""
+    pool = torch.cuda.MemPool()
+    ran = 0
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"matepoint's allocator cannot allocate to memory "
+                                               r"pool \(\d+, \d+\) on device 7: no such device"):
+            with torch.cuda.use_mem_pool(pool, device=7):
+                ran += 1
+    assert ran == 0
+    assert use_count_in_c(cuda_up, pool.id) == 1
+    with torch.cuda.use_mem_pool(pool):
+        inside = torch.ones(ELEMENTS)
+    assert tuple(holder(pool.snapshot(), inside.data_ptr())["segment_pool_id"]) == pool.id
+    del inside, pool
+    gc.collect()
+    assert device_bytes() == 0
+
+
 def test_mem_pools_matepoint_cannot_serve_are_refused_clearly(cuda_up) -> None:
     foreign = torch.cuda.memory.CUDAPluggableAllocator(allocator_path(), "matepoint_malloc",
                                                        "matepoint_free")

@@ -242,8 +242,33 @@ int alloc_check(allocator *a, int device);
  * alloc_end_pool of that pool returned. */
 typedef int (*alloc_pool_filter)(void *filter, void *stream);
 
-/* 0; -1 for a device out of range, a pool being allocated to already (as
- * torch refuses), a pool released already, or no memory. */
+/* Why alloc_begin_pool refused (nothing changed), or ALLOC_BEGIN_OK. */
+enum {
+    ALLOC_BEGIN_OK = 0, ALLOC_BEGIN_NO_DEVICE = -1, ALLOC_BEGIN_BEING_ALLOCATED_TO = -2,
+    ALLOC_BEGIN_RELEASED = -3, ALLOC_BEGIN_NO_MEMORY = -4, ALLOC_BEGIN_NO_FILTER = -5,
+    ALLOC_BEGIN_NO_ALLOCATOR = -6
+};
+
+/* A refusal of alloc_begin_pool in the user's terms. */
+static inline const char *
+alloc_begin_pool_reason(int status)
+{
+    switch (status) {
+    case ALLOC_BEGIN_OK: return "done";
+    case ALLOC_BEGIN_NO_DEVICE: return "no such device";
+    case ALLOC_BEGIN_BEING_ALLOCATED_TO: return "the pool is being allocated to already";
+    case ALLOC_BEGIN_RELEASED:
+        return "the pool was released already (its graphs and MemPools are gone)";
+    case ALLOC_BEGIN_NO_MEMORY: return "out of host memory for the pool's record";
+    case ALLOC_BEGIN_NO_FILTER: return "no stream filter was given";
+    case ALLOC_BEGIN_NO_ALLOCATOR: return "the allocator could not be created (no CUDA runtime)";
+    default: return "unknown refusal";
+    }
+}
+
+/* ALLOC_BEGIN_OK, or a refusal (ALLOC_POOL_*) that changed nothing: a
+ * device out of range, a pool being allocated to already (as torch
+ * refuses), a pool released already, no filter, or no memory. */
 int alloc_begin_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
                      alloc_pool_filter use_pool, void *filter);
 /* Stops allocating to the pool; 0, or -1 when it is not being allocated to. */

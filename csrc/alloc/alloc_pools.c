@@ -114,21 +114,30 @@ alloc_begin_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
                  alloc_pool_filter use_pool, void *filter)
 {
     device_state *dev = device_of(a, device);
-    if (dev == NULL || use_pool == NULL)
-        return -1;
+    if (dev == NULL)
+        return ALLOC_BEGIN_NO_DEVICE;
+    if (use_pool == NULL)
+        return ALLOC_BEGIN_NO_FILTER;
     pthread_mutex_lock(&dev->lock);
     private_pool *pool = pool_find(dev, pool_a, pool_b);
-    int result = -1;
+    int result;
     /* torch refuses a pool being recorded to already, and one whose
      * graphs were all released (its memory may be on its way back) */
-    if (pool != NULL && (pool->use_pool != NULL || pool->use_count == 0))
+    if (pool != NULL && pool->use_pool != NULL) {
+        result = ALLOC_BEGIN_BEING_ALLOCATED_TO;
         goto done;
+    }
+    if (pool != NULL && pool->use_count == 0) {
+        result = ALLOC_BEGIN_RELEASED;
+        goto done;
+    }
     if (pool != NULL) {
         pool_unlink(dev, pool);
     } else if ((pool = calloc(1, sizeof(*pool))) != NULL) {
         pool->id_a = pool_a;
         pool->id_b = pool_b;
     } else {
+        result = ALLOC_BEGIN_NO_MEMORY;
         goto done;
     }
     pool->use_count++;
@@ -137,7 +146,7 @@ alloc_begin_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
     pool->next = dev->pools;
     dev->pools = pool;
     dev->active_pools++;
-    result = 0;
+    result = ALLOC_BEGIN_OK;
 done:
     pthread_mutex_unlock(&dev->lock);
     return result;

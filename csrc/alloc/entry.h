@@ -16,7 +16,7 @@
 allocator *entry_allocator(void);
 
 /* The adapter table's graph-pool, cacheInfo and IPC entries (torch_bridge.h). */
-void bridge_begin_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_filter use_pool,
+int bridge_begin_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_filter use_pool,
                        void *filter);
 void bridge_end_pool(int device, uint64_t pool_a, uint64_t pool_b);
 void bridge_release_pool(int device, uint64_t pool_a, uint64_t pool_b);

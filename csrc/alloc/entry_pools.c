@@ -8,7 +8,6 @@
 #include "entry.h"
 
 #include <stddef.h>
-#include <stdio.h>
 
 /* ---- CUDA IPC ------------------------------------------------------------ */
 
@@ -80,18 +79,17 @@ matepoint_test_largest_free_block(int device)
 #endif
 
 /* CUDA graph pools (alloc.h). torch checks what it asks (a pool begun
- * twice, ended unbegun) itself; a begin the allocator cannot take (no
- * memory, a pool released already) leaves the capture's requests to
- * matepoint_malloc's refusal, which says why. */
-void
+ * twice, ended unbegun) itself; a begin the allocator refuses returns why
+ * (ALLOC_POOL_*), and the adapter raises it to the caller: torch then
+ * neither ends nor releases the pool. */
+int
 bridge_begin_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_filter use_pool,
                   void *filter)
 {
     allocator *a = entry_allocator();
-    if (a == NULL || alloc_begin_pool(a, device, pool_a, pool_b, use_pool, filter) < 0)
-        fprintf(stderr, "matepoint allocator: could not begin graph pool (%llu, %llu) on "
-                        "device %d\n", (unsigned long long)pool_a, (unsigned long long)pool_b,
-                device);
+    if (a == NULL)
+        return ALLOC_BEGIN_NO_ALLOCATOR;
+    return alloc_begin_pool(a, device, pool_a, pool_b, use_pool, filter);
 }
 
 void

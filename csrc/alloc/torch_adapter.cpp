@@ -207,8 +207,19 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
                         "beginAllocateToPool: already recording to mempool_id");
             filters_.emplace(key, std::move(owned));
         }
-        bridge_->begin_pool(device, mempool_id.first, mempool_id.second, &Adapter::use_pool,
-                            raw);
+        int status = bridge_->begin_pool(device, mempool_id.first, mempool_id.second,
+                                         &Adapter::use_pool, raw);
+        if (status == ALLOC_BEGIN_OK)
+            return;
+        // refused, nothing begun: torch sees the error and will neither end
+        // nor release the pool, so the filter goes too
+        {
+            std::lock_guard<std::mutex> guard(filters_lock_);
+            filters_.erase(key);
+        }
+        TORCH_CHECK(false, "matepoint's allocator cannot allocate to memory pool (",
+                    mempool_id.first, ", ", mempool_id.second, ") on device ",
+                    static_cast<int>(device), ": ", alloc_begin_pool_reason(status));
     }
 
     void endAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override

@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped whenever an entry changes meaning or place; the adapter refuses
  * a table of another version (a stale cached build). */
-#define MATEPOINT_TORCH_BRIDGE_VERSION 4
+#define MATEPOINT_TORCH_BRIDGE_VERSION 5
 
 /* Called by the allocator after it released its locks, when a request
  * failed for lack of memory and before it raises torch's
@@ -79,9 +79,11 @@ typedef struct matepoint_torch_bridge {
 
     /* CUDA graph private pools (pool_a, pool_b: torch's MempoolId_t).
      * begin_pool: until end_pool, allocations on `device` whose stream
-     * use_pool(filter, stream) accepts come from the pool; release_pool: the
-     * pool's memory may go back once its blocks are freed. NULL: not yet. */
-    void (*begin_pool)(int device, uint64_t pool_a, uint64_t pool_b,
+     * use_pool(filter, stream) accepts come from the pool, or a refusal
+     * that changed nothing (ALLOC_POOL_*, alloc_begin_pool_reason says
+     * why); release_pool: the pool's memory may go back once its blocks
+     * are freed. NULL: not yet. */
+    int (*begin_pool)(int device, uint64_t pool_a, uint64_t pool_b,
                        int (*use_pool)(void *filter, void *stream), void *filter);
     void (*end_pool)(int device, uint64_t pool_a, uint64_t pool_b);
     void (*release_pool)(int device, uint64_t pool_a, uint64_t pool_b);

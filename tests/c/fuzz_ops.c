@@ -159,7 +159,7 @@ graph_pool_op(allocator *a, graph_pool pools[2][GRAPH_POOLS], const uint8_t *op,
         break;
     case 0: {
         int result = alloc_begin_pool(a, device, (uint64_t)id + 1, 0, takes_stream, stream);
-        require(!g->active || result == -1, "a pool begun twice");
+        require(!g->active || result == ALLOC_BEGIN_BEING_ALLOCATED_TO, "a pool begun twice");
         /* a released pool with memory left is refused too: not modelled */
         if (result == 0) {
             g->active = 1;

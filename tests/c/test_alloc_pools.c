@@ -137,7 +137,7 @@ test_released_pool_keeps_live_blocks_until_freed(void)
     alloc_stats s = alloc_get_stats(a, 1);
     CHECK(s.reserved_bytes == 20 * MiB && s.device_frees == 1);   /* the small segment went */
     CHECK(alloc_pool_use_count(a, 1, 7, 0) == 0);
-    CHECK(alloc_begin_pool(a, 1, 7, 0, captures, &cap) == -1);    /* released: torch refuses */
+    CHECK(alloc_begin_pool(a, 1, 7, 0, captures, &cap) == ALLOC_BEGIN_RELEASED);  /* torch refuses */
     CHECK(alloc_check(a, 1) == 0);
     alloc_free(a, output, 1);
     CHECK(alloc_get_stats(a, 1).reserved_bytes == 0 && ctx.live_bytes == 0);
@@ -251,7 +251,7 @@ test_nested_pools_innermost_first(void)
     capture outer = {.streams = {&s1, &s2}}, inner = {.streams = {&s2}};
     CHECK(alloc_begin_pool(a, 0, 10, 0, captures, &outer) == 0);
     CHECK(alloc_begin_pool(a, 0, 0, 11, captures, &inner) == 0);
-    CHECK(alloc_begin_pool(a, 0, 10, 0, captures, &outer) == -1);   /* recorded to already */
+    CHECK(alloc_begin_pool(a, 0, 10, 0, captures, &outer) == ALLOC_BEGIN_BEING_ALLOCATED_TO);
     void *x = alloc_malloc(a, 4096, 0, &s2, 0);     /* inner */
     void *y = alloc_malloc(a, 4096, 0, &s1, 0);     /* outer */
     CHECK(alloc_end_pool(a, 0, 0, 11) == 0);
@@ -267,8 +267,8 @@ test_nested_pools_innermost_first(void)
     CHECK(alloc_release_pool(a, 0, 10, 0) == 0);
     CHECK(alloc_release_pool(a, 0, 10, 0) == -1);
     CHECK(alloc_release_pool(a, 0, 99, 0) == -1 && alloc_end_pool(a, 0, 99, 0) == -1);
-    CHECK(alloc_begin_pool(a, 5, 1, 0, captures, &outer) == -1);     /* no such device */
-    CHECK(alloc_begin_pool(a, 0, 1, 0, NULL, &outer) == -1);
+    CHECK(alloc_begin_pool(a, 5, 1, 0, captures, &outer) == ALLOC_BEGIN_NO_DEVICE);
+    CHECK(alloc_begin_pool(a, 0, 1, 0, NULL, &outer) == ALLOC_BEGIN_NO_FILTER);
     CHECK(alloc_get_stats(a, 0).reserved_bytes == 0);
     finish(a, &ctx);
 }
