@@ -211,12 +211,8 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
                                          &Adapter::use_pool, raw);
         if (status == ALLOC_BEGIN_OK)
             return;
-        // refused, nothing begun: torch sees the error and will neither end
-        // nor release the pool, so the filter goes too
-        {
-            std::lock_guard<std::mutex> guard(filters_lock_);
-            filters_.erase(key);
-        }
+        std::lock_guard<std::mutex> guard(filters_lock_);   // torch will not end it
+        filters_.erase(key);
         TORCH_CHECK(false, "matepoint's allocator cannot allocate to memory pool (",
                     mempool_id.first, ", ", mempool_id.second, ") on device ",
                     static_cast<int>(device), ": ", alloc_begin_pool_reason(status));
@@ -415,6 +411,19 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
                     "matepoint's allocator can restore only a state it checkpointed itself, of "
                     "the same device (got one of another allocator, or of another device than ",
                     static_cast<int>(device), ")");
+        // The C restore cannot be undone: what the books need is allocated
+        // first (spare nodes keyed after it, room bounded by the state's blocks
+        // and the books' live pointers), so no bad_alloc can follow a restore.
+        const uint64_t blocks = pool->data.block_count;
+        decltype(restored_) spare;
+        cca::CheckpointDelta result;
+        for (size_t i = 0; i < blocks; i++)
+            spare.emplace(reinterpret_cast<void *>(i + 1), Restored{});   // distinct keys
+        result.dataptrs_allocd.reserve(blocks);
+        std::unique_lock<std::mutex> books(allocator_mutex_);
+        result.ptrs_freed.reserve(allocation_metadata_.size() + restored_.size());
+        restored_.reserve(restored_.size() + blocks);
+        books.unlock();
         alloc_pool_delta delta{};
         int status = bridge_->restore_pool(&pool->data, &delta);
         TORCH_CHECK(status == ALLOC_RESTORE_OK,
@@ -423,8 +432,9 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
                     " to its checkpointed state: ", alloc_restore_reason(status));
         std::unique_ptr<alloc_pool_delta, std::function<void(alloc_pool_delta *)>> owned(
             &delta, [this](alloc_pool_delta *d) { bridge_->free_pool_delta(d); });
-        cca::CheckpointDelta result;
-        std::lock_guard<std::mutex> guard(allocator_mutex_);
+        TORCH_INTERNAL_ASSERT(delta.allocated_count <= spare.size() &&
+                              delta.freed_count <= result.ptrs_freed.capacity());
+        books.lock();
         for (uint64_t i = 0; i < delta.freed_count; i++) {
             allocation_metadata_.erase(delta.freed[i]);
             restored_.erase(delta.freed[i]);
@@ -432,8 +442,10 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         }
         for (uint64_t i = 0; i < delta.allocated_count; i++) {
             const alloc_restored_block &b = delta.allocated[i];
-            restored_[b.ptr] = Restored{static_cast<size_t>(b.size), device,
-                                        static_cast<cudaStream_t>(b.stream)};
+            auto node = spare.extract(spare.begin());
+            node.key() = b.ptr;
+            node.mapped() = Restored{b.size, device, static_cast<cudaStream_t>(b.stream)};
+            restored_.insert(std::move(node));
             result.dataptrs_allocd.emplace_back(b.ptr, b.ptr, raw_deleter(),
                                                 c10::Device(c10::DeviceType::CUDA, device));
         }
