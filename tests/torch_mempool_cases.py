@@ -163,13 +163,17 @@ def test_mem_pools_matepoint_cannot_serve_are_refused_clearly(cuda_up) -> None:
                                            "torch.cuda.MemPool whose memory comes from another"):
         torch.cuda.MemPool(allocator=foreign.allocator())
     for refused in ({"use_on_oom": True}, {"no_split": True}):
+        before = torch.cuda.MemPool()
         with pytest.raises(RuntimeError, match="matepoint's allocator .*" + next(iter(refused))):
             torch.cuda.MemPool(**refused)
-        # the refused MemPool's pool (torch numbers them in order) was not left behind
-        made = torch.cuda.MemPool()
-        assert use_count_in_c(cuda_up, (made.id[0], made.id[1] - 1)) == -1
-        assert use_count_in_c(cuda_up, made.id) == 1
-        del made
+        after = torch.cuda.MemPool()
+        # torch numbered the refused MemPool between the two (asserted, so
+        # that the check of its id below cannot pass for another id)
+        assert after.id == (before.id[0], before.id[1] + 2)
+        refused_id = (before.id[0], before.id[1] + 1)
+        assert use_count_in_c(cuda_up, refused_id) == -1      # not left behind
+        assert use_count_in_c(cuda_up, before.id) == 1 and use_count_in_c(cuda_up, after.id) == 1
+        del before, after
     own = torch.cuda.MemPool(allocator=torch.cuda.memory._get_current_allocator().allocator())
     with torch.cuda.use_mem_pool(own):
         inside = torch.ones(ELEMENTS)
