@@ -294,7 +294,11 @@ restore_reserve(device_state *dev, private_pool *pool, const alloc_pool_state *s
     delta->allocated = calloc(allocated ? allocated : 1, sizeof(*delta->allocated));
     if (delta->freed == NULL || delta->allocated == NULL)
         return -1;
-    if (blocks_reserve_spares(dev, state->block_count) < 0)
+    /* each segment, all free once its live blocks went, is one block:
+     * laying out its s->block_count blocks (at least one each,
+     * segment_state_whole) takes s->block_count - 1 splits */
+    MP_ASSERT(state->block_count >= state->segment_count);
+    if (blocks_reserve_spares(dev, state->block_count - state->segment_count) < 0)
         return -1;
     return map_reserve(dev, dev->map_count - live + allocated);
 }
