@@ -139,6 +139,14 @@ def test_tensors_left_on_device_count_in_the_budget(offload_heap_memory) -> None
     matepoint.set_options(min_offload_bytes=MIB)
     model, x = chain(8, 256), torch.randn(512, 256)
     profiles = matepoint.plan(model, x, budget_bytes=1 << 30, repeats=1).profiles
+    # times set, not measured: copies free and selective faster than a
+    # full recompute, so the plans below offload (this test's premise)
+    # whatever a loaded machine measured (a run beside two others chose
+    # recompute everywhere); the memory figures stay as measured
+    profiles = [dataclasses.replace(p, copy_s=0.0, policies={
+        **p.policies, "selective": dataclasses.replace(p.policies["selective"],
+                                                      seconds=p.checkpointed_s() / 2)})
+        for p in profiles]
     for p in profiles:
         assert p.offload_stay_bytes == p.input_bytes == 512 << 10
         # selective holds the input and the first linear's output
