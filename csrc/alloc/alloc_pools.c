@@ -25,6 +25,22 @@ pool_find(device_state *dev, uint64_t pool_a, uint64_t pool_b)
     return NULL;
 }
 
+/* A new pool of id (pool_a, pool_b), first in its device's list (found
+ * first: one being allocated to is looked for on every malloc); NULL
+ * without memory. Lock held. */
+static private_pool *
+pool_add(device_state *dev, uint64_t pool_a, uint64_t pool_b)
+{
+    private_pool *pool = calloc(1, sizeof(*pool));
+    if (pool == NULL)
+        return NULL;
+    pool->id_a = pool_a;
+    pool->id_b = pool_b;
+    pool->next = dev->pools;
+    dev->pools = pool;
+    return pool;
+}
+
 static void
 pool_unlink(device_state *dev, private_pool *pool)
 {
@@ -133,18 +149,15 @@ alloc_begin_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
     }
     if (pool != NULL) {
         pool_unlink(dev, pool);
-    } else if ((pool = calloc(1, sizeof(*pool))) != NULL) {
-        pool->id_a = pool_a;
-        pool->id_b = pool_b;
-    } else {
+        pool->next = dev->pools;
+        dev->pools = pool;
+    } else if ((pool = pool_add(dev, pool_a, pool_b)) == NULL) {
         result = ALLOC_BEGIN_NO_MEMORY;
         goto done;
     }
     pool->use_count++;
     pool->use_pool = use_pool;
     pool->filter = filter;
-    pool->next = dev->pools;
-    dev->pools = pool;
     dev->active_pools++;
     result = ALLOC_BEGIN_OK;
 done:
@@ -161,12 +174,9 @@ alloc_create_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b)
     pthread_mutex_lock(&dev->lock);
     private_pool *pool = pool_find(dev, pool_a, pool_b);
     int result = -1;
-    if (pool == NULL && (pool = calloc(1, sizeof(*pool))) != NULL) {
-        pool->id_a = pool_a;
-        pool->id_b = pool_b;
-        pool->next = dev->pools;
-        dev->pools = pool;
-    } else if (pool != NULL && pool->use_count == 0) {
+    if (pool == NULL) {
+        pool = pool_add(dev, pool_a, pool_b);
+    } else if (pool->use_count == 0) {
         pool = NULL;        /* released: torch asserts a live pool's use */
     }
     if (pool != NULL) {
