@@ -72,8 +72,8 @@ class build_py_with_runtime_units(build_py):
         if getattr(self, "editable_mode", False):
             return  # an editable install finds them in csrc/ (matepoint/_oom.py)
         target = os.path.join(self.build_lib, "matepoint")
-        self.mkpath(target)
         for source, name in layout.runtime_unit_files():
+            self.mkpath(os.path.dirname(os.path.join(target, name)))
             self.copy_file(source, os.path.join(target, name))
 
 

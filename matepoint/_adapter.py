@@ -2,7 +2,7 @@
 past malloc and free, so torch's own memory API answers from it.
 
 torch's CUDAPluggableAllocator throws for memory_stats, snapshots and
-out-of-memory observers. csrc/alloc/torch_adapter.cpp subclasses it and
+out-of-memory observers. csrc/torch_cxx/torch_adapter.cpp subclasses it and
 answers them from the allocator library's table (csrc/alloc/torch_bridge.h);
 it is compiled at run time against the running torch exactly as the OOM
 unit is (matepoint/_oom.py: same cache, key, trust checks, timeout), and
@@ -31,23 +31,22 @@ import torch
 from matepoint import _build_layout, _C, _oom
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# inside an installed package the unit and its headers sit beside this
-# file; in a source checkout they are in csrc/alloc
-_FOLDERS = [_HERE, os.path.join(_HERE, os.pardir, os.path.dirname(_build_layout.ADAPTER_UNIT_SOURCE))]
 _LIBRARIES = ("c10_cuda", "torch_cpu", "torch_cuda")
 # torch 2.14's c10 headers use C++20 (operator<=>)
 _FLAGS = ("-std=c++20",)
 _ERROR_BYTES = 1024
 
 
-def _unit_files() -> Optional[List[str]]:
-    """[source, headers...] from the first folder holding them all."""
-    names = [os.path.basename(path) for path in
-             (_build_layout.ADAPTER_UNIT_SOURCE,) + _build_layout.ADAPTER_HEADER_SOURCES]
-    for folder in _FOLDERS:
-        paths = [os.path.normpath(os.path.join(folder, name)) for name in names]
+def _unit_files() -> Optional[Tuple[str, List[str]]]:
+    """(the folder playing csrc/, [source, headers...]) from the first
+    such folder holding them all: the installed package's, else the
+    checkout's."""
+    relative = [os.path.relpath(path, "csrc") for path in
+                (_build_layout.ADAPTER_UNIT_SOURCE,) + _build_layout.ADAPTER_HEADER_SOURCES]
+    for root in _build_layout.unit_source_roots(_HERE):
+        paths = [os.path.join(root, path) for path in relative]
         if all(os.path.exists(path) for path in paths):
-            return paths
+            return root, paths
     return None
 
 
@@ -91,9 +90,10 @@ def cuda_include_dirs() -> List[str]:
 def _unit() -> Tuple[str, _oom.UnitExtras]:
     """The adapter's source and how it builds here; raises _oom.BuildError
     saying why it cannot."""
-    files = _unit_files()
-    if files is None:
+    found = _unit_files()
+    if found is None:
         raise _oom.BuildError("torch_adapter.cpp or its headers are not in the installed package")
+    root, files = found
     if not os.path.exists(os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc",
                                        "cuda", "CUDAPluggableAllocator.h")):
         raise _oom.BuildError("this torch ships no CUDAPluggableAllocator.h")
@@ -101,7 +101,7 @@ def _unit() -> Tuple[str, _oom.UnitExtras]:
     if not includes:
         raise _oom.BuildError("no CUDA runtime headers (cuda_runtime_api.h) under $CUDA_HOME, "
                               "beside nvcc or in the nvidia-cuda-runtime wheel")
-    extras = _oom.UnitExtras(flags=_FLAGS, include_dirs=(os.path.dirname(files[0]), includes[0]),
+    extras = _oom.UnitExtras(flags=_FLAGS, include_dirs=(root, includes[0]),
                              libraries=_LIBRARIES, depends=tuple(files[1:]))
     return files[0], extras
 

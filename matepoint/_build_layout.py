@@ -31,29 +31,37 @@ ALLOCATOR_TEST_SOURCES = ("csrc/alloc/alloc_host.c",)
 # release check (tests/check_wheel.py) look for them in built libraries
 TEST_BUILD_SYMBOLS = (b"cudart_sim", b"testing_add_functions", b"matepoint_alloc_use_runtime",
                       b"alloc_host_init")
-# the C++ unit that raises torch.OutOfMemoryError: in the checkout, and its
-# name inside an installed package (compiled at run time, see _oom.py)
-OOM_UNIT_SOURCE = "csrc/alloc/oom_raise.cpp"
-OOM_UNIT = os.path.basename(OOM_UNIT_SOURCE)
-# the C++ adapter that makes the allocator torch's CUDA allocator beyond
-# malloc and free (memory_stats, snapshots, ...), compiled at run time like
-# the OOM unit (matepoint/_adapter.py), and the headers it includes
-ADAPTER_UNIT_SOURCE = "csrc/alloc/torch_adapter.cpp"
+# The C++ units compiled against torch (csrc/torch_cxx: the unit that raises
+# torch.OutOfMemoryError, and the adapter that makes the allocator torch's
+# CUDA allocator past malloc and free, with the headers it includes). They
+# include local headers by their path under csrc/ ("alloc/torch_bridge.h"),
+# so an installed package ships them under matepoint/_csrc/ with the same
+# paths, and a build of either tree passes its root as the include folder.
+OOM_UNIT_SOURCE = "csrc/torch_cxx/oom_raise.cpp"
+ADAPTER_UNIT_SOURCE = "csrc/torch_cxx/torch_adapter.cpp"
 ADAPTER_HEADER_SOURCES = ("csrc/alloc/torch_bridge.h", "csrc/alloc/alloc.h",
-                          "csrc/alloc/alloc_history.h", "csrc/alloc/torch_snapshot.h",
-                          "csrc/alloc/torch_entries.h")
-# Every C++ unit compiled at run time against the torch in use, and any
-# header one includes: shipped inside the installed package under their base
-# names (setup.py's build_py), so such a header is included by its bare name
-# ("x.h", found beside the unit in the checkout and the package alike). A new
-# unit is one more entry here.
+                          "csrc/alloc/alloc_history.h", "csrc/torch_cxx/torch_snapshot.h",
+                          "csrc/torch_cxx/torch_entries.h")
+# Every C++ unit compiled against torch and every header one includes: a
+# new unit is one more entry here.
 RUNTIME_UNIT_SOURCES = (OOM_UNIT_SOURCE, ADAPTER_UNIT_SOURCE) + ADAPTER_HEADER_SOURCES
+# where they are inside the installed package: the package's csrc/
+PACKAGE_SOURCES = "_csrc"
 
 
 def runtime_unit_files() -> List[Tuple[str, str]]:
-    """(path in the checkout, name inside the installed package) of each
-    run-time-compiled unit and header."""
-    return [(path, os.path.basename(path)) for path in RUNTIME_UNIT_SOURCES]
+    """(path in the checkout, path inside the installed package) of each
+    C++ unit and header compiled against torch."""
+    return [(path, os.path.join(PACKAGE_SOURCES, os.path.relpath(path, "csrc")))
+            for path in RUNTIME_UNIT_SOURCES]
+
+
+def unit_source_roots(package_dir: str) -> List[str]:
+    """The folders that play csrc/ for the C++ units, most specific first:
+    the installed package's copy, then the checkout's csrc/ (an editable
+    install or a source tree), given the package folder ``package_dir``."""
+    return [os.path.join(package_dir, PACKAGE_SOURCES),
+            os.path.normpath(os.path.join(package_dir, os.pardir, "csrc"))]
 
 
 C_FLAGS = ["-std=c11", "-Wall", "-Wextra"]

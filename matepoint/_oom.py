@@ -54,8 +54,8 @@ from matepoint import _build_layout, _C
 log = logging.getLogger("matepoint")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # where the unit is: inside an installed package, else in the source checkout
-_SOURCES = [os.path.join(_HERE, _build_layout.OOM_UNIT),
-            os.path.join(_HERE, os.pardir, _build_layout.OOM_UNIT_SOURCE)]
+_SOURCES = [os.path.join(root, os.path.relpath(_build_layout.OOM_UNIT_SOURCE, "csrc"))
+            for root in _build_layout.unit_source_roots(_HERE)]
 _FLAGS = _build_layout.CXX_FLAGS
 DEFAULT_BUILD_TIMEOUT_S = 120.0
 _loaded: List[ctypes.CDLL] = []   # keeps built libraries loaded for the process

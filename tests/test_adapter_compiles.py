@@ -1,4 +1,4 @@
-"""The C++ adapter (csrc/alloc/torch_adapter.cpp) compiles against the
+"""The C++ adapter (csrc/torch_cxx/torch_adapter.cpp) compiles against the
 running torch's own headers, in every run: on torch 2.13's CPU build, which
 ships torch's CUDA headers but no libtorch_cuda to link, this is as far as
 the adapter gets here; on torch 2.14.1 (the CUDA build) the memory API

@@ -80,7 +80,7 @@ def test_every_unit_compiled_at_run_time_ships_inside_the_package(tmp_path) -> N
                             str(tmp_path / "lib")], cwd=checkout, env=plain_environment(),
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
-    for source, name in _build_layout.runtime_unit_files() + [("csrc/common/mp_assert.h", "mp_assert.h")]:
+    for source, name in _build_layout.runtime_unit_files() + [("csrc/common/mp_assert.h", "_csrc/common/mp_assert.h")]:
         with open(tmp_path / "lib" / "matepoint" / name, encoding="utf-8") as shipped:
             assert shipped.read() == read(source)
 

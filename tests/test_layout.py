@@ -15,9 +15,10 @@ MAX_LINES = 600
 
 # Bottom first. A folder may include headers of its own folder and of the
 # folders listed before it; testing (test builds only) sits above the
-# engine it drives and below the module that registers it.
-LAYERS = ("common", "cuda", "pool", "spill", "alloc", "planner", "base", "offload", "checkpoint",
-          "testing", "module")
+# engine it drives and below the module that registers it; torch_cxx (the
+# C++ units compiled against torch) sits on the allocator whose table it reads.
+LAYERS = ("common", "cuda", "pool", "spill", "alloc", "torch_cxx", "planner", "base", "offload",
+          "checkpoint", "testing", "module")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 

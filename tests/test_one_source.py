@@ -147,7 +147,7 @@ def test_tags_are_decoded_by_c() -> None:
     """The tag encoding (region << 2 | phase) is C's alone, in the allocator's
     header: Python gets rows, _C and the torch adapter decode through it."""
     assert not re.search(r">>\s*2|&\s*3\b", read("matepoint/_allocator.py"))
-    assert not re.search(r">>\s*2|&\s*3\b", read("csrc/alloc/torch_adapter.cpp"))
+    assert not re.search(r">>\s*2|&\s*3\b", read("csrc/torch_cxx/torch_adapter.cpp"))
     assert "TAG_PHASE_BITS" in read("csrc/alloc/alloc.h")
     assert "TAG_PHASE_BITS" not in read("csrc/base/alloc_link.c")
 
@@ -170,7 +170,7 @@ def test_every_c_file_is_built_from_the_one_source_list() -> None:
 def test_build_files_read_the_layout_instead_of_restating_it() -> None:
     setup, makefile, oom = read("setup.py"), read("Makefile"), read("matepoint/_oom.py")
     for text, name in ((setup, "setup.py"), (makefile, "Makefile"), (oom, "_oom.py")):
-        assert "csrc/alloc/oom_raise.cpp" not in text and '"oom_raise.cpp"' not in text, name
+        assert "csrc/torch_cxx/oom_raise.cpp" not in text and '"oom_raise.cpp"' not in text, name
         assert "-std=c11" not in text and '"-std=c++17"' not in text, name
     assert "glob(" not in setup and "_build_layout" in setup
     assert "cp matepoint" not in makefile and "_build_layout.py cflags" in makefile
@@ -360,16 +360,18 @@ print(type(first).__name__, [f for f in walk] == rest)
 
 
 def test_the_adapter_ships_with_every_header_it_includes() -> None:
-    """An installed package compiles torch_adapter.cpp from its own folder:
-    each local header it includes, transitively, must be shipped beside it
-    (and hashed into the cached build's key)."""
+    """An installed package compiles torch_adapter.cpp from its own copy of
+    csrc/: each local header it includes, transitively, must be shipped
+    with it (and hashed into the cached build's key). A header is named by
+    its path under csrc/ or, in its own folder, by its bare name."""
     from matepoint import _build_layout as layout
     shipped = set(layout.ADAPTER_HEADER_SOURCES)
     seen, todo = set(), [layout.ADAPTER_UNIT_SOURCE]
     while todo:
         path = todo.pop()
         for name in re.findall(r'#include "([^"]+)"', read(path)):
-            header = os.path.join(os.path.dirname(path), name)
+            header = os.path.join("csrc", name) if "/" in name else \
+                os.path.join(os.path.dirname(path), name)
             if header not in seen:
                 seen.add(header)
                 todo.append(header)

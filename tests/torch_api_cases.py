@@ -1,5 +1,5 @@
 """torch's own memory API answered by matepoint's allocator, through the
-C++ adapter (csrc/alloc/torch_adapter.cpp) installed over the allocator
+C++ adapter (csrc/torch_cxx/torch_adapter.cpp) installed over the allocator
 that serves the simulated GPU's memory (tests/sim.py device_memory()).
 
 Run by tests/test_torch_memory_api.py in a subprocess: installing the

@@ -1,6 +1,6 @@
 """torch.cuda.MemPool and torch.cuda.use_mem_pool (torch's own Python API)
 under matepoint's allocator, through the C++ adapter
-(csrc/alloc/torch_adapter.cpp), over the allocator serving the simulated
+(csrc/torch_cxx/torch_adapter.cpp), over the allocator serving the simulated
 GPU's memory (tests/sim.py).
 
 Run by tests/test_torch_graph_pools.py in a subprocess (the adapter becomes

@@ -1,5 +1,5 @@
 """torch's CUDA graph pool hooks, cacheInfo and getBaseAllocation answered by
-matepoint's allocator through the C++ adapter (csrc/alloc/torch_adapter.cpp),
+matepoint's allocator through the C++ adapter (csrc/torch_cxx/torch_adapter.cpp),
 over the allocator serving the simulated GPU's memory (tests/sim.py).
 
 Run by tests/test_torch_graph_pools.py in a subprocess (the adapter becomes

@@ -10,7 +10,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/csrc/profiler/combined_traceback.h>
 
-#include "torch_bridge.h"
+#include "alloc/torch_bridge.h"
 
 #include <atomic>
 #include <memory>

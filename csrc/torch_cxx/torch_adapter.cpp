@@ -14,7 +14,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/csrc/profiler/combined_traceback.h>
 
-#include "torch_bridge.h"
+#include "alloc/torch_bridge.h"
 #include "torch_snapshot.h"
 
 #include <c10/cuda/CUDAException.h>
