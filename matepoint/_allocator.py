@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import os
 from typing import Any, Callable, Dict, Union
 
 import torch
 
-from matepoint import _adapter, _C, _oom
+from matepoint import _adapter, _C, _oom, _units
 from matepoint._errors import type_error, value_error
 from matepoint._options import show_int
 
@@ -60,15 +61,13 @@ def _hook_setters(pluggable: Any) -> Dict[str, Callable[[int], None]]:
 def install_allocator() -> bool:
     """Make matepoint's allocator torch's CUDA allocator for this process.
 
-    Call it at program start, before anything touches CUDA memory. torch's
-    memory API (memory_stats, max_memory_allocated, reset_peak_memory_stats,
-    memory_summary, out-of-memory observers, ...) answers from it through a
-    C++ adapter, and out of memory raises torch.OutOfMemoryError through
-    another C++ unit, both compiled and cached at the first call. Returns
-    whether out of memory raises. A unit that cannot be built is warned
-    about: out of memory then stops the process, or torch's memory functions
-    raise naming matepoint's allocator. Refused (RuntimeError) where torch
-    would ignore record_stream (no set_record_stream_fn).
+    Call it at program start, before CUDA is used. torch's memory API
+    (memory_stats, snapshots, out-of-memory observers, ...) answers from it
+    through a C++ adapter, and out of memory raises torch.OutOfMemoryError
+    through another C++ unit, both prebuilt for the torch releases the wheel
+    names (else compiled and cached at the first call). Returns whether out
+    of memory raises; a missing unit is warned about with its fix (also in
+    allocator_info()). RuntimeError where torch would ignore record_stream.
     """
     global _installed
     if _installed:
@@ -84,7 +83,8 @@ def install_allocator() -> bool:
     try:
         _adapter.install(library)
     except (OSError, AttributeError, _oom.BuildError, RuntimeError) as error:
-        raises = _install_plain(path, library, str(error))
+        fix = getattr(error, "fix", "")
+        raises = _install_plain(path, library, str(error) + (f". To fix: {fix}" if fix else ""))
     else:
         raises = _oom.attach_oom_handler(library)
     _C._attach_allocator(path)
@@ -114,6 +114,30 @@ def _install_plain(path: str, library: ctypes.CDLL, reason: str) -> bool:
                "allocator, because the C++ adapter that answers it could not be built here: "
                f"{reason}. matepoint.memory_stats() and memory_report() still work.")
     return raises
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorInfo:
+    """What install_allocator() gave this process: whether it ran
+    (``installed``), and the state of each C++ unit it loads into torch,
+    ``adapter`` (torch's memory API, snapshots, cudnn.benchmark, CUDA
+    graphs) and ``oom_unit`` (out of memory as torch.OutOfMemoryError):
+    where each came from ("prebuilt", "compiled here", "missing", "not
+    loaded"), its file, the reason it is missing and the fix."""
+    installed: bool
+    adapter: _units.UnitState
+    oom_unit: _units.UnitState
+    prebuilt_for: str
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The same as plain values (JSON)."""
+        return dataclasses.asdict(self)
+
+
+def allocator_info() -> AllocatorInfo:
+    """Each allocator unit's origin, or why it is missing and the fix."""
+    return AllocatorInfo(_installed, _units.state("torch_adapter"), _units.state("oom_raise"),
+                         _units.carried_torches())
 
 
 def is_installed() -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from glob import glob
-from typing import List, Mapping, Tuple
+from typing import List, Mapping, NamedTuple, Optional, Tuple
 
 # csrc/ folders compiled into matepoint._C; csrc/cuda's runtime loader and
 # helpers and csrc/common go into both libraries; test builds
@@ -41,12 +41,101 @@ OOM_UNIT_SOURCE = "csrc/torch_cxx/oom_raise.cpp"
 ADAPTER_UNIT_SOURCE = "csrc/torch_cxx/torch_adapter.cpp"
 ADAPTER_HEADER_SOURCES = ("csrc/alloc/torch_bridge.h", "csrc/alloc/alloc.h",
                           "csrc/alloc/alloc_history.h", "csrc/torch_cxx/torch_snapshot.h",
-                          "csrc/torch_cxx/torch_entries.h")
+                          "csrc/torch_cxx/torch_entries.h", "csrc/torch_cxx/single_threaded.h")
+OOM_HEADER_SOURCES = ("csrc/torch_cxx/single_threaded.h",)
 # Every C++ unit compiled against torch and every header one includes: a
 # new unit is one more entry here.
 RUNTIME_UNIT_SOURCES = (OOM_UNIT_SOURCE, ADAPTER_UNIT_SOURCE) + ADAPTER_HEADER_SOURCES
 # where they are inside the installed package: the package's csrc/
 PACKAGE_SOURCES = "_csrc"
+
+
+class CxxUnit(NamedTuple):
+    """One C++ unit compiled against torch: its checkout source and the
+    local headers it includes, whether it needs CUDA's headers and torch's
+    CUDA libraries, and the torch libraries it links."""
+    name: str
+    source: str
+    headers: Tuple[str, ...]
+    needs_cuda: bool
+    libraries: Tuple[str, ...]
+
+
+CXX_UNITS = {
+    "oom_raise": CxxUnit("oom_raise", OOM_UNIT_SOURCE, OOM_HEADER_SOURCES, False, ("c10",)),
+    "torch_adapter": CxxUnit("torch_adapter", ADAPTER_UNIT_SOURCE, ADAPTER_HEADER_SOURCES, True,
+                             ("c10", "c10_cuda", "torch_cpu", "torch_cuda")),
+}
+
+# The torch releases the wheel carries every unit prebuilt for, by minor
+# release: each is built against the headers of the release named (a patch
+# release keeps its minor's C++ ABI). Those are torch's PyPI wheels, CUDA 13
+# builds (2.11 to 2.14: CUDA 13.0, 2.15: 13.2) with the C++11 ABI; the units
+# compile against the CUDA 13.0 runtime's headers (the nvidia-cuda-runtime
+# and nvidia-cuda-crt wheels of PREBUILT_CUDA_HEADERS).
+PREBUILT_TORCH = {"2.11": "2.11.0", "2.12": "2.12.1", "2.13": "2.13.0", "2.14": "2.14.1",
+                  "2.15": "2.15.0"}
+PREBUILT_CUDA_MAJOR = "13"
+PREBUILT_CUDA_HEADERS = "13.0"
+PREBUILT_CXX11_ABI = True
+# Prebuilt units are C++20 whatever the torch (the run-time build follows
+# torch's own standard, cxx_standard()): in C++17 mode libstdc++ 12 calls
+# two functions newer than torch's own libstdc++ floor (GLIBCXX_3.4.26 and
+# 3.4.29), and its types have one layout in both modes. Every torch of
+# PREBUILT_TORCH compiles under it.
+PREBUILT_CXX_STANDARD = "c++20"
+# inside the installed package: the units and their list (one JSON object)
+PREBUILT_FOLDER = "_prebuilt"
+PREBUILT_MANIFEST = "units.json"
+
+
+def torch_minor(version: str) -> str:
+    """'2.14' of '2.14.1+cu130' (or of '2.16.0a0+git1234')."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def cxx_standard(torch_version: str) -> str:
+    """The C++ standard torch's own extensions build with for this torch
+    (torch.utils.cpp_extension): C++17 up to 2.11, C++20 from 2.12 (whose
+    c10 headers need it from 2.14 on)."""
+    major, minor = (int("".join(ch for ch in part if ch.isdigit()) or 0)
+                    for part in torch_minor(torch_version).split("."))
+    return "c++17" if (major, minor) <= (2, 11) else "c++20"
+
+
+def unit_key(unit: CxxUnit, torch_version: str, cuda_version: Optional[str],
+             cxx11_abi: bool) -> str:
+    """What a built unit is for: torch's minor release, CUDA's major release
+    (units that need CUDA), torch's C++ ABI, e.g. 'torch2.14-cu13-cxx11abi1'."""
+    parts = [f"torch{torch_minor(torch_version)}"]
+    if unit.needs_cuda:
+        parts.append(f"cu{(cuda_version or 'none').split('.')[0]}")
+    parts.append(f"cxx11abi{int(cxx11_abi)}")
+    return "-".join(parts)
+
+
+def cxx_command(compiler: List[str], source: str, standard: str, cxx11_abi: bool,
+                include_dirs: List[str], library_dir: str, libraries: Tuple[str, ...],
+                output: Optional[str], flags: Tuple[str, ...] = (),
+                link_inputs: Tuple[str, ...] = ()) -> List[str]:
+    """The command that compiles ``source`` (or links an object) in the C++
+    ``standard`` with ``flags`` against torch's headers (``include_dirs``:
+    torch's include folder first) into the library ``output``, linked to
+    torch's ``libraries`` in ``library_dir`` and then to ``link_inputs``
+    (archives and linker options, which follow what they serve); with
+    output None, one that only checks that it compiles."""
+    command = list(compiler) + [f"-std={standard}"] + CXX_FLAGS + [
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}"] + list(flags)
+    for folder in include_dirs:
+        command += ["-I", folder]
+    if output is None:
+        return command + ["-fsyntax-only", source]
+    # --no-as-needed: each torch library is named in the unit (DT_NEEDED),
+    # whatever this linker's default, so the loader binds the unit to the
+    # torch the process runs
+    command += [source, "-L", library_dir, "-Wl,--no-as-needed"]
+    command += [f"-l{name}" for name in libraries]
+    return command + list(link_inputs) + ["-o", output]
 
 
 def runtime_unit_files() -> List[Tuple[str, str]]:
@@ -71,7 +160,7 @@ C_FLAGS = ["-std=c11", "-Wall", "-Wextra"]
 # extension and the wheel to match (PY_LIMITED_API_TAG).
 LIMITED_API = "0x030A0000"
 PY_LIMITED_API_TAG = "cp310"
-CXX_FLAGS = ["-std=c++17", "-O2", "-shared", "-fPIC"]
+CXX_FLAGS = ["-O2", "-shared", "-fPIC"]
 
 
 def _glob(root: str, folder: str, pattern: str = "*.c") -> List[str]:

@@ -1,26 +1,36 @@
-"""Out of memory under matepoint's allocator as torch.OutOfMemoryError.
+"""Out of memory under matepoint's allocator as torch.OutOfMemoryError, and
+the C++ units matepoint loads into torch: prebuilt, or compiled here.
 
 torch takes an allocator's failure only as a thrown c10::OutOfMemoryError,
-a C++ type. The throw lives in one small C++ file (oom_raise.cpp) that is
-compiled the first time install_allocator() runs, against the torch that
-is running (its headers, C++ ABI and libc10), and cached in
-MATEPOINT_CACHE_DIR (default ~/.cache/matepoint). Compiling at run time
-keeps ``pip install .`` free of torch (pip's isolated build has none, and
-asking for it there fetches a multi-GB CUDA build) and rebuilds after a
-torch upgrade. It needs a C++ compiler (``c++``, or $CXX); without the
-unit, out of memory stops the process (abort) with the same message.
+a C++ type, and answers its memory API only through a C++ subclass of its
+allocator: each lives in a small C++ unit compiled against torch
+(csrc/torch_cxx). A release wheel carries both prebuilt for every torch it
+names (matepoint/_units.py); for another torch (a newer release, a build
+from source) a unit is compiled the first time install_allocator() runs,
+against the torch that is running (its headers, C++ standard, C++ ABI and
+libraries), and cached in MATEPOINT_CACHE_DIR (default ~/.cache/matepoint).
+That needs a C++ compiler (``c++``, or $CXX) and, for the adapter, CUDA's
+runtime headers; without the OOM unit, out of memory stops the process
+(abort) with the same message.
 
 The build is
-- keyed: the cached file's name hashes the source, torch's version, C++ ABI
-  and library folder, the CPU architecture, the Python ABI and the compiler
-  (its resolved path, size and modification time, as ccache checks it), so
-  a home directory shared by x86-64 and aarch64 nodes or an upgraded
-  compiler never loads a library built for something else;
-- bounded: the compiler and everything it starts are killed after
+- keyed: the cached file's name hashes the source and its headers, torch's
+  version, the headers of torch's allocator, its C++ ABI and library
+  folder, CUDA's headers' version, the CPU architecture, the Python ABI and
+  the compiler (its resolved path, size and modification time, as ccache
+  checks it), so a home directory shared by x86-64 and aarch64 nodes, an
+  upgraded compiler or new headers never load a library built for
+  something else;
+- bounded and announced: a log line says what is compiled and about how
+  long it takes; the compiler and everything it starts are killed after
   MATEPOINT_BUILD_TIMEOUT seconds (default 120);
-- recorded: a failed or timed-out build leaves ``<name>-<key>.failed`` (the
-  compiler's output) beside where the library would be, so other processes
-  do not retry it; delete that file or set MATEPOINT_BUILD_RETRY=1 to retry;
+- recorded: a failed build leaves ``<name>-<key>.failed`` (the compiler's
+  output) beside where the library would be, so other processes do not
+  retry what cannot succeed; a build that timed out is retried once a
+  longer MATEPOINT_BUILD_TIMEOUT is set, one killed by a signal (the
+  kernel's OOM killer) is not recorded, and a change of compiler, torch or
+  headers is a new key; delete that file or set MATEPOINT_BUILD_RETRY=1 to
+  retry anyway;
 - safe: the cache folder is created private (0700), and a cached library is
   loaded only when its folder and the file belong to this user and no one
   else can write them (nor replace the folder through a parent). Otherwise
@@ -30,14 +40,16 @@ The build is
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import json
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import sysconfig
@@ -45,32 +57,38 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from matepoint import _build_layout, _C
+from matepoint import _build_layout, _C, _units
 
 log = logging.getLogger("matepoint")
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# where the unit is: inside an installed package, else in the source checkout
-_SOURCES = [os.path.join(root, os.path.relpath(_build_layout.OOM_UNIT_SOURCE, "csrc"))
-            for root in _build_layout.unit_source_roots(_HERE)]
-_FLAGS = _build_layout.CXX_FLAGS
 DEFAULT_BUILD_TIMEOUT_S = 120.0
-_loaded: List[ctypes.CDLL] = []   # keeps built libraries loaded for the process
+_loaded: List[ctypes.CDLL] = []   # keeps loaded units in the process
+# the headers of torch that make a unit's C++ ABI (the allocator classes it
+# subclasses and the error it throws): their text is part of the cache key
+_TORCH_ABI_HEADERS = ("c10/core/Allocator.h", "c10/core/CachingDeviceAllocator.h",
+                      "c10/cuda/CUDACachingAllocator.h",
+                      "torch/csrc/cuda/CUDAPluggableAllocator.h", "c10/util/Exception.h")
 
 
 class BuildError(RuntimeError):
-    """A C++ unit could not be compiled or loaded here; the message says why."""
+    """A C++ unit could not be compiled or loaded here: the message says
+    why, ``fix`` the one thing that supplies what is missing ('' if none)."""
+
+    def __init__(self, message: str, fix: str = "") -> None:
+        super().__init__(message)
+        self.fix = fix
 
 
 @dataclass(frozen=True)
 class UnitExtras:
     """What a unit needs beyond torch's headers and libc10: compiler flags
-    after the common ones (a later ``-std=`` wins), more include folders,
-    more of torch's libraries (``c10_cuda``), and the headers it includes
-    (their text is part of the cache key)."""
+    after the common ones, more include folders, more of torch's libraries
+    (``c10_cuda``), and the headers it includes (their text is part of the
+    cache key)."""
     flags: Tuple[str, ...] = ()
     include_dirs: Tuple[str, ...] = ()
     libraries: Tuple[str, ...] = ()
@@ -121,9 +139,26 @@ def build_timeout() -> float:
     return value
 
 
+def prebuilt_allowed() -> bool:
+    """Whether units may come from the wheel (MATEPOINT_PREBUILT, default 1;
+    0 compiles them here, as for a torch built from source)."""
+    text = os.environ.get("MATEPOINT_PREBUILT", "1").strip().lower()
+    if text not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"MATEPOINT_PREBUILT must be 1 or 0 (load the wheel's prebuilt C++ "
+                         f"units, or compile them here), got {text!r}")
+    return text in ("1", "true", "yes", "on")
+
+
 def _torch_dirs() -> List[str]:
     root = os.path.dirname(torch.__file__)
     return [os.path.join(root, "include"), os.path.join(root, "lib")]
+
+
+def compiler_fix() -> str:
+    """What to do where a unit must be compiled and there is no compiler."""
+    return ("install a C++ compiler (apt-get install g++, dnf install gcc-c++, or conda install "
+            "-c conda-forge gxx), or use a torch this matepoint carries prebuilt units for "
+            f"({_units.carried_torches()})")
 
 
 def _compiler() -> List[str]:
@@ -132,10 +167,11 @@ def _compiler() -> List[str]:
     command = shlex.split(variable if variable is not None else "c++")
     origin = f"$CXX={variable!r}" if variable is not None else "'c++' (set $CXX to choose one)"
     if not command:
-        raise BuildError(f"no C++ compiler: {origin} is empty")
+        raise BuildError(f"no C++ compiler: {origin} is empty", compiler_fix())
     program = shutil.which(command[0])
     if program is None:
-        raise BuildError(f"no C++ compiler: {origin} is not an executable on PATH")
+        raise BuildError(f"no C++ compiler: {origin} is not an executable on PATH",
+                         compiler_fix())
     return [program] + command[1:]
 
 
@@ -147,11 +183,31 @@ def _compiler_identity(command: List[str]) -> str:
     return f"{real}|{info.st_size}|{info.st_mtime_ns}|{shlex.join(command[1:])}"
 
 
+@functools.lru_cache(maxsize=None)
+def _headers_digest(include_dirs: Tuple[str, ...]) -> str:
+    """The text of torch's allocator headers and the version of CUDA's
+    runtime headers a build would include: a torch rebuilt in place, or
+    other CUDA headers, is another key."""
+    digest = hashlib.sha256()
+    for relative in _TORCH_ABI_HEADERS:
+        path = os.path.join(_torch_dirs()[0], relative)
+        if os.path.exists(path):
+            with open(path, "rb") as handle:
+                digest.update(handle.read())
+    for folder in include_dirs:
+        runtime = os.path.join(folder, "cuda_runtime_api.h")
+        if os.path.exists(runtime):
+            with open(runtime, errors="replace") as handle:
+                found = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", handle.read())
+            digest.update(f"{folder}|CUDART_VERSION={found.group(1) if found else '?'}".encode())
+    return digest.hexdigest()
+
+
 def cache_key(source: str, compiler: Optional[List[str]] = None,
               extras: UnitExtras = UnitExtras()) -> str:
     """The hash in a cached library's name: source text (and its headers'),
-    torch (version, C++ ABI, library folder), CPU architecture, Python ABI,
-    compiler, flags."""
+    torch (version, allocator headers, C++ ABI, library folder), CUDA's
+    headers' version, CPU architecture, Python ABI, compiler, flags."""
     text = b""
     for path in (source,) + extras.depends:
         with open(path, "rb") as handle:
@@ -159,98 +215,11 @@ def cache_key(source: str, compiler: Optional[List[str]] = None,
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     python_abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
     parts = [torch.__version__, f"cxx11abi={abi}", os.path.realpath(_torch_dirs()[1]),
-             platform.machine(), str(python_abi),
+             _headers_digest(tuple(extras.include_dirs)), platform.machine(), str(python_abi),
              _compiler_identity(compiler if compiler is not None else _compiler()),
-             " ".join(_FLAGS), repr((extras.flags, extras.include_dirs, extras.libraries))]
+             " ".join(_build_layout.CXX_FLAGS), _build_layout.cxx_standard(torch.__version__),
+             repr((extras.flags, extras.include_dirs, extras.libraries))]
     return hashlib.sha256(text + "\0".join(parts).encode()).hexdigest()[:20]
-
-
-def _private_problem(path: str, info: os.stat_result, what: str) -> Optional[str]:
-    if info.st_uid != os.geteuid():
-        return f"{what} {path} belongs to uid {info.st_uid}, not this user ({os.geteuid()})"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{what} {path} can be written by others (mode {stat.S_IMODE(info.st_mode):o})"
-    return None
-
-
-def _parents_problem(parent: str, what: str) -> Optional[str]:
-    """Why someone else could replace a folder whose parent is ``parent``
-    (a resolved path); None when ``parent`` and every folder above it belong
-    to this user or root and no one else may write them (or only with the
-    sticky bit /tmp has, which keeps others from renaming our entries)."""
-    while True:
-        info = os.stat(parent)
-        writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        if info.st_uid not in (0, os.geteuid()) or (writable and not info.st_mode & stat.S_ISVTX):
-            return (f"its parent {parent} (uid {info.st_uid}, mode "
-                    f"{stat.S_IMODE(info.st_mode):o}) lets others replace {what}")
-        if parent == os.path.dirname(parent):
-            return None
-        parent = os.path.dirname(parent)
-
-
-def _folder_problem(folder: str) -> Optional[str]:
-    """Why a library in ``folder`` (a resolved path) could have been put
-    there by someone else; None when only this user (or root) could."""
-    info = os.stat(folder)
-    if not stat.S_ISDIR(info.st_mode):
-        return "it cannot be used (not a directory)"
-    problem = _private_problem(folder, info, "the cache folder")
-    if problem is not None:
-        return problem
-    return _parents_problem(os.path.dirname(folder), "the cache folder")
-
-
-def _cache_folder() -> Tuple[str, Optional[str]]:
-    """(the cache folder resolved and created, why it may not be used or None)."""
-    folder = os.path.realpath(cache_dir())
-    try:
-        _make_private_folders(folder)
-        return folder, _folder_problem(folder)
-    except OSError as error:   # a file in the way, an unwritable home, ...
-        return folder, f"it cannot be used ({error.strerror or error})"
-
-
-def _private_folder() -> str:
-    """A new folder only this user can write, made in the first temporary
-    folder (TMPDIR, /tmp, /var/tmp, /dev/shm) whose whole chain of parents
-    no one else can rearrange: mkdtemp's own 0700 is not enough when its
-    parent is writable by others without the sticky bit (they could rename
-    the new folder away and put theirs, with their library, in its place).
-    BuildError when there is none."""
-    refused = []
-    for base in dict.fromkeys((tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm")):
-        try:
-            base = os.path.realpath(base)
-            problem = _parents_problem(base, "a folder made in it")
-            if problem is None:
-                return tempfile.mkdtemp(prefix="matepoint-", dir=base)
-        except OSError as error:
-            problem = f"{base} cannot be used ({error.strerror or error})"
-        refused.append(problem)
-    raise BuildError("no private folder to build in: " + "; ".join(refused))
-
-
-def _make_private_folders(folder: str) -> None:
-    """Creates ``folder`` and its missing parents 0700 whatever the umask
-    (os.makedirs gives the parents the umask's mode: 0777 under umask 0)."""
-    missing = []
-    while not os.path.exists(folder):
-        missing.append(folder)
-        folder = os.path.dirname(folder)
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            continue  # another process made it: _folder_problem checks it
-        os.chmod(path, 0o700)
-
-
-def _file_problem(path: str) -> Optional[str]:
-    info = os.lstat(path)
-    if not stat.S_ISREG(info.st_mode):
-        return f"the cached library {path} is not a regular file"
-    return _private_problem(path, info, "the cached library")
 
 
 def _warn(message: str) -> None:
@@ -274,6 +243,14 @@ def _write_atomically(folder: str, target: str, text: str) -> None:
             os.unlink(partial)
 
 
+class _TimedOut(BuildError):
+    """The compiler ran past the timeout and was killed."""
+
+
+class _Killed(BuildError):
+    """The compiler was killed by a signal (not a verdict on the unit)."""
+
+
 def _run_compiler(command: List[str], timeout: float) -> Tuple[int, str]:
     """Runs the compiler in its own process group; on timeout (or an
     interrupt) kills the group: the driver, cc1plus, as and ld alike."""
@@ -293,7 +270,7 @@ def _run_compiler(command: List[str], timeout: float) -> Tuple[int, str]:
             except subprocess.TimeoutExpired:
                 output = ""  # a descendant left the group and holds the pipe
             if isinstance(error, subprocess.TimeoutExpired):
-                raise BuildError(
+                raise _TimedOut(
                     f"the compiler ran longer than {timeout:g} s and was killed (set "
                     f"MATEPOINT_BUILD_TIMEOUT to allow more): {shlex.join(command)}\n"
                     f"{(output or '')[-2000:]}") from None
@@ -302,20 +279,17 @@ def _run_compiler(command: List[str], timeout: float) -> Tuple[int, str]:
 
 def compile_command(source: str, compiler: List[str], extras: UnitExtras,
                     output: Optional[str]) -> List[str]:
-    """The command that builds `source` against the running torch into the
-    library `output`; with output None, one that only checks it compiles
-    (no torch library needed: a CPU build of torch has the CUDA headers
-    but not libtorch_cuda)."""
+    """The command that builds `source` against the running torch (in its
+    C++ standard) into the library `output`; with output None, one that only
+    checks it compiles (no torch library needed: a CPU build of torch has the
+    CUDA headers but not libtorch_cuda)."""
     include, lib = _torch_dirs()
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    command = compiler + _FLAGS + list(extras.flags) + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                                                        "-I", include]
-    for include_dir in extras.include_dirs:
-        command += ["-I", include_dir]
-    if output is None:
-        return command + ["-fsyntax-only", source]
-    command += [source, "-L", lib, "-lc10"] + [f"-l{name}" for name in extras.libraries]
-    return command + [f"-Wl,-rpath,{lib}", "-o", output]
+    return _build_layout.cxx_command(
+        compiler, source, _build_layout.cxx_standard(torch.__version__),
+        bool(torch._C._GLIBCXX_USE_CXX11_ABI), [include, *extras.include_dirs], lib,
+        ("c10", *(name for name in extras.libraries if name != "c10")), output,
+        flags=tuple(extras.flags),
+        link_inputs=(f"-Wl,-rpath,{lib}",))
 
 
 def check_compiles(source: str, extras: UnitExtras = UnitExtras()) -> None:
@@ -336,8 +310,13 @@ def _compile(source: str, compiler: List[str], folder: str, target: str,
     os.close(handle)
     command = compile_command(source, compiler, extras, partial)
     started = time.monotonic()
+    log.warning("matepoint: compiling %s against torch %s (about 10-30 s, once: cached in %s)",
+                os.path.basename(source), torch.__version__, folder)
     try:
         code, output = _run_compiler(command, build_timeout())
+        if code < 0:
+            raise _Killed(f"compiling {os.path.basename(source)} was stopped by signal {-code} "
+                          f"(out of memory?): {shlex.join(command)}\n{output[-2000:]}")
         if code != 0:
             raise BuildError(f"compiling {os.path.basename(source)} failed (exit {code}): "
                              f"{shlex.join(command)}\n{output[-2000:]}")
@@ -351,6 +330,40 @@ def _compile(source: str, compiler: List[str], folder: str, target: str,
              time.monotonic() - started)
 
 
+def _recorded_failure(marker: str) -> Optional[str]:
+    """The failure ``marker`` records while it still holds, else None: a
+    timeout holds only until a longer MATEPOINT_BUILD_TIMEOUT is set."""
+    if not os.path.exists(marker) or os.environ.get("MATEPOINT_BUILD_RETRY") == "1":
+        return None
+    with open(marker, errors="replace") as handle:
+        text = handle.read()
+    try:
+        recorded = json.loads(text)
+    except ValueError:   # an older release's marker: the compiler's output
+        recorded = {"failure": text, "timeout_s": None}
+    timeout = recorded.get("timeout_s")
+    if timeout is not None and build_timeout() > timeout:
+        return None
+    return str(recorded.get("failure", ""))
+
+
+def _private_build_folder() -> str:
+    folder, refused = _units.private_temp_folder()
+    if folder is None:
+        raise BuildError("no private folder to build in: " + "; ".join(refused))
+    return folder
+
+
+def _cache_folder() -> Tuple[str, Optional[str]]:
+    """(the cache folder resolved and created, why it may not be used or None)."""
+    folder = os.path.realpath(cache_dir())
+    try:
+        _units.make_private_folders(folder)
+        return folder, _units.folder_problem(folder, "the cache folder", (os.geteuid(),))
+    except OSError as error:   # a file in the way, an unwritable home, ...
+        return folder, f"the cache folder {folder} cannot be used ({error.strerror or error})"
+
+
 def _build(source: str, name: str,
            extras: UnitExtras = UnitExtras()) -> Tuple[str, Optional[str]]:
     """(library path, private folder to remove after loading or None)."""
@@ -359,11 +372,11 @@ def _build(source: str, name: str,
     folder, problem = _cache_folder()
     target = os.path.join(folder, f"{name}-{key}.so")
     if problem is None and os.path.lexists(target):
-        problem = _file_problem(target)
+        problem = _units.file_problem(target, "the cached library", (os.geteuid(),))
         if problem is None:
             return target, None
     if problem is not None:
-        private = _private_folder()
+        private = _private_build_folder()
         _warn(f"matepoint: not loading or caching {name} in {folder}: {problem}; building it "
               f"in the private folder {private} instead (set MATEPOINT_CACHE_DIR to a folder "
               f"only you can write to keep the build)")
@@ -374,22 +387,25 @@ def _build(source: str, name: str,
             raise
         return os.path.join(private, f"{name}.so"), private
     marker = os.path.join(folder, f"{name}-{key}.failed")
-    if os.path.exists(marker):
-        if os.environ.get("MATEPOINT_BUILD_RETRY") != "1":
-            with open(marker, errors="replace") as handle:
-                recorded = handle.read()
-            raise BuildError(f"an earlier build failed, recorded in {marker} (delete it or set "
-                             f"MATEPOINT_BUILD_RETRY=1 to try again): {recorded[-2000:]}")
-        os.unlink(marker)
+    recorded = _recorded_failure(marker)
+    if recorded is not None:
+        raise BuildError(f"an earlier build failed, recorded in {marker} (delete it or set "
+                         f"MATEPOINT_BUILD_RETRY=1 to try again): {recorded[-2000:]}")
     try:
         _compile(source, compiler, folder, target, extras)
+    except _Killed:
+        raise   # not the unit's fault: the next process tries again
     except BuildError as error:
+        timeout = build_timeout() if isinstance(error, _TimedOut) else None
         try:
-            _write_atomically(folder, marker, f"{error}\n")
+            _write_atomically(folder, marker, json.dumps({"failure": str(error),
+                                                          "timeout_s": timeout}))
         except OSError as failure:
             raise BuildError(f"{error}\n(could not record it in {marker}: {failure})") from None
+        again = "set a longer MATEPOINT_BUILD_TIMEOUT, " if timeout is not None else ""
         raise BuildError(f"{error}\n(recorded in {marker}, so other processes do not retry it: "
-                         f"delete it or set MATEPOINT_BUILD_RETRY=1 to try again)") from None
+                         f"{again}delete it or set MATEPOINT_BUILD_RETRY=1 to try again)") \
+            from None
     return target, None
 
 
@@ -417,27 +433,85 @@ def load_library(source: str, name: str, extras: UnitExtras = UnitExtras()) -> c
     return library
 
 
-def _source() -> Optional[str]:
-    return next((path for path in _SOURCES if os.path.exists(path)), None)
+def unit_source(name: str) -> Optional[Tuple[str, str]]:
+    """(the folder playing csrc/, the source of unit ``name``) from the
+    installed package, else the checkout; None when neither has it whole
+    (the source and every header it includes)."""
+    unit = _build_layout.CXX_UNITS[name]
+    relative = [os.path.relpath(path, "csrc") for path in (unit.source,) + unit.headers]
+    for root in _build_layout.unit_source_roots(_HERE):
+        if all(os.path.exists(os.path.join(root, path)) for path in relative):
+            return root, os.path.join(root, relative[0])
+    return None
+
+
+def unit_build_inputs(name: str, extras: Callable[[], UnitExtras] = UnitExtras
+                      ) -> Tuple[str, str, UnitExtras]:
+    """(source, name, extras) that compile unit ``name`` here: the source
+    and its headers from the installed package (else the checkout), the
+    torch libraries it links, and what ``extras()`` adds (or raises
+    BuildError for)."""
+    found = unit_source(name)
+    if found is None:
+        raise BuildError(f"{name}'s C++ source is not in the installed package",
+                         "reinstall matepoint")
+    root, source = found
+    unit = _build_layout.CXX_UNITS[name]
+    depends = tuple(os.path.join(root, os.path.relpath(path, "csrc")) for path in unit.headers)
+    needed = extras()
+    return source, name, UnitExtras(needed.flags, (root,) + needed.include_dirs, unit.libraries,
+                                    needed.depends + depends)
+
+
+def load_unit(name: str,
+              extras: Callable[[], UnitExtras] = UnitExtras) -> ctypes.CDLL:
+    """Unit ``name`` of _build_layout.CXX_UNITS loaded: the wheel's prebuilt
+    one for the running torch, else one compiled here (``extras()`` says
+    what the compile needs, or raises BuildError saying what is missing).
+    Its state, with the reason and the fix when it cannot be had, is
+    recorded (_units.state); raises BuildError then."""
+    key = _units.key(name)
+    why_not_prebuilt = "MATEPOINT_PREBUILT=0 asks to compile it here"
+    if prebuilt_allowed():
+        path, why_not_prebuilt = _units.find(name)
+        if path is not None:
+            try:
+                library = ctypes.CDLL(path)
+            except OSError as error:   # a libstdc++ or torch it does not fit after all
+                why_not_prebuilt = f"the prebuilt {name} does not load here ({error})"
+                log.warning("matepoint: %s; compiling it here instead", why_not_prebuilt)
+            else:
+                _loaded.append(library)
+                _units.record(_units.UnitState(name, _units.PREBUILT, key, path))
+                return library
+    try:
+        library = load_library(*unit_build_inputs(name, extras))
+    except (BuildError, OSError, ValueError) as error:
+        fix = getattr(error, "fix", "")
+        reason = f"{why_not_prebuilt}; and compiling it here failed: {error}"
+        _units.record(_units.UnitState(name, _units.MISSING, key, None, reason, fix))
+        raise BuildError(reason, fix) from None
+    _units.record(_units.UnitState(name, _units.COMPILED, key, getattr(library, "_name", None),
+                                   why_not_prebuilt))
+    return library
 
 
 def attach_oom_handler(allocator: ctypes.CDLL) -> bool:
     """Makes the allocator raise torch.OutOfMemoryError; returns whether it
-    does. When it cannot (no compiler, failed or timed-out build), warns at
-    the caller's line that out of memory will stop the process, and why."""
+    does. When it cannot (no prebuilt unit for this torch and no compiler, a
+    failed or timed-out build), warns at the caller's line that out of
+    memory will stop the process, why, and what fixes it."""
     global _state
-    source = _source()
     try:
-        if source is None:
-            raise BuildError("oom_raise.cpp is not in the installed package")
-        library = load_library(source, "oom_raise")
+        library = load_unit("oom_raise")
         handler = ctypes.cast(library.matepoint_raise_oom, ctypes.c_void_p)
     except (OSError, AttributeError, BuildError) as error:
         _state = HandlerState(False, str(error))
+        fix = getattr(error, "fix", "")
         _warn("matepoint: running out of memory under matepoint's allocator will stop the "
               "process (abort, with the message on stderr) instead of raising "
               f"torch.OutOfMemoryError, because the C++ unit that raises it is not available: "
-              f"{error}")
+              f"{error}" + (f". To fix: {fix}" if fix else ""))
         return False
     set_handler = getattr(allocator, _C.ALLOCATOR_SYMBOLS["set_oom_handler"])
     set_handler.argtypes = [ctypes.c_void_p]

@@ -153,10 +153,14 @@ ENVIRONMENT = {
         "1 at import: patch torch's checkpoint for the whole process (a patched parent sets it "
         "for its spawned children); 0: do not, and spawning helpers warn that children run "
         "torch's checkpoint.",
+    "MATEPOINT_PREBUILT":
+        "0: install_allocator() compiles its C++ units against the torch in use instead of "
+        "loading the ones the wheel carries prebuilt (for a torch built from source under a "
+        "released version number); default 1.",
     "MATEPOINT_CACHE_DIR":
         "where install_allocator() caches the C++ units it compiles against the torch in use "
-        "(the out-of-memory unit and the adapter to torch's memory API; default "
-        "~/.cache/matepoint; private, 0700).",
+        "(the out-of-memory unit and the adapter to torch's memory API, for a torch the wheel "
+        "carries none for; default ~/.cache/matepoint; private, 0700).",
     "MATEPOINT_BUILD_TIMEOUT":
         "seconds the C++ compiler of such a unit may run before it is killed (default 120).",
     "MATEPOINT_BUILD_RETRY":
@@ -167,6 +171,12 @@ ENVIRONMENT = {
         "pip install ships neither.",
     "MATEPOINT_WERROR": "build time, 1: compile the C core with -Werror.",
     "MATEPOINT_DEBUG": "build time, 1: an unoptimized build with MP_ASSERT checks on.",
+    "MATEPOINT_PREBUILT_UNITS":
+        "build time: the folder of prebuilt C++ units (tools/prebuild_units.py's, as make dist "
+        "makes it) that the wheel carries.",
+    "MATEPOINT_PREBUILD_INDEX":
+        "build time: the package index tools/prebuild_units.py fetches torch's and CUDA's "
+        "headers from (default https://pypi.org/simple).",
     "MATEPOINT_RELEASE":
         "build time, 1: a release build (optimized, stripped, no build paths), as make dist "
         "makes; refused together with MATEPOINT_TESTING or MATEPOINT_DEBUG.",

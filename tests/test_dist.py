@@ -22,7 +22,7 @@ from matepoint.__main__ import TESTED_TORCH
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLASSES = {"Plan", "PlanError", "PlannedBlock", "Options", "TorchCheckpointPatch"}
+CLASSES = {"Plan", "PlanError", "PlannedBlock", "Options", "TorchCheckpointPatch", "AllocatorInfo"}
 
 
 def pyproject() -> dict:

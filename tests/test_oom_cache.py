@@ -22,7 +22,7 @@ import pytest
 
 from matepoint import _oom
 
-SOURCE = _oom._source()
+SOURCE, _, EXTRAS = _oom.unit_build_inputs("oom_raise")
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("cc") is None,
                                 reason="needs a C and a C++ compiler")
 
@@ -43,8 +43,10 @@ ATTACH_SCRIPT = textwrap.dedent("""
 def environment(tmp_path: Path, **extra: str) -> Dict[str, str]:
     temp = tmp_path / "tmp"
     temp.mkdir(exist_ok=True)
+    # MATEPOINT_PREBUILT=0: the unit is compiled here, as for a torch the
+    # wheel carries none for
     env = dict(os.environ, MATEPOINT_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(temp),
-               MATEPOINT_ALLOC_BACKEND="host")
+               MATEPOINT_ALLOC_BACKEND="host", MATEPOINT_PREBUILT="0")
     for name in ("CXX", "MATEPOINT_BUILD_TIMEOUT", "MATEPOINT_BUILD_RETRY"):
         env.pop(name, None)
     env.update(extra)
@@ -129,7 +131,7 @@ def test_library_planted_in_a_folder_others_can_write_never_runs(tmp_path: Path,
     cache = parent / "cache"
     prepare(cache, parent)
     env = environment(tmp_path, MATEPOINT_CACHE_DIR=str(cache))
-    planted = cache / f"oom_raise-{_oom.cache_key(SOURCE)}.so"
+    planted = cache / f"oom_raise-{_oom.cache_key(SOURCE, extras=EXTRAS)}.so"
     canary = tmp_path / "planted-code-ran"
     plant_library(planted, canary)
     planted.chmod(0o700)
@@ -153,7 +155,7 @@ def test_library_planted_in_a_folder_others_can_write_never_runs(tmp_path: Path,
 def test_library_of_another_user_in_a_private_folder_never_runs(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
-    planted = cache / f"oom_raise-{_oom.cache_key(SOURCE)}.so"
+    planted = cache / f"oom_raise-{_oom.cache_key(SOURCE, extras=EXTRAS)}.so"
     canary = tmp_path / "planted-code-ran"
     plant_library(planted, canary)
     os.chown(planted, 65534, 65534)

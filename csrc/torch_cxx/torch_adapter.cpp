@@ -8,8 +8,8 @@
 // converts between torch's C++ structs and the table's C types: figures
 // and records are made in C. Where an entry of the table is NULL the
 // override falls back to the base class, whose message names the
-// unsupported call. Compiled at run time against the running torch
-// (matepoint/_adapter.py), like oom_raise.cpp.
+// unsupported call. Built per torch, as oom_raise.cpp: matepoint/_units.py.
+#include "single_threaded.h"
 #include <c10/util/ApproximateClock.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/csrc/profiler/combined_traceback.h>
