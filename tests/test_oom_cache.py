@@ -336,9 +336,12 @@ def test_a_cache_dir_that_is_a_file_falls_back_with_a_warning(tmp_path: Path) ->
     assert str(blocker) in outcome["warnings"][0] and "cannot be used" in outcome["warnings"][0]
 
 
-@pytest.mark.parametrize("variable", ["MATEPOINT_CACHE_DIR", "XDG_CACHE_HOME"])
-def test_an_empty_cache_variable_never_builds_into_the_working_directory(tmp_path: Path,
-                                                                        variable: str) -> None:
+@pytest.mark.parametrize("variable, value", [("MATEPOINT_CACHE_DIR", ""),
+                                             ("XDG_CACHE_HOME", ""),
+                                             ("XDG_CACHE_HOME", "relative-cache")])
+def test_an_empty_or_relative_cache_variable_never_builds_into_the_working_directory(
+        tmp_path: Path, variable: str, value: str) -> None:
+    # a relative XDG_CACHE_HOME is invalid (the XDG rule): it counts as unset
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir(mode=0o700)
     work.mkdir(mode=0o700)
@@ -347,6 +350,7 @@ def test_an_empty_cache_variable_never_builds_into_the_working_directory(tmp_pat
     env["MATEPOINT_CACHE_DIR"] = ""
     if variable == "XDG_CACHE_HOME":
         del env["MATEPOINT_CACHE_DIR"]
+    env[variable] = value
     result = subprocess.run([sys.executable, "-c", ATTACH_SCRIPT], env=env, cwd=work,
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
