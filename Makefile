@@ -3,6 +3,8 @@ VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
+# where `make units` puts the prebuilt C++ units (in the package, in place)
+UNITS   := matepoint/_prebuilt
 export MATEPOINT_WERROR ?= 1
 # a test build: the simulated GPU and _C's test controls (a plain
 # `pip install .` ships neither; tests/test_build.py checks that)
@@ -292,7 +294,6 @@ $(PY):
 # wheel does, and `make dist` puts them into the wheel. The headers they
 # compile against (torch's and CUDA's, from their PyPI wheels) are fetched
 # once into build/torch-headers.
-UNITS := matepoint/_prebuilt
 .PHONY: units
 units:
 	$(PYTHON) tools/prebuild_units.py $(UNITS)

@@ -8,27 +8,38 @@
   test build's code (matepoint/_build_layout.py's TEST_BUILD_SYMBOLS);
 - it is the one abi3 wheel (tagged cp310-abi3, its libraries named
   .abi3.so) that serves every CPython from 3.10;
-- it holds the C++ units compiled at run time (RUNTIME_UNIT_SOURCES) and the
-  license.
+- it holds the C++ units' sources (RUNTIME_UNIT_SOURCES, compiled at run time
+  for a torch it has no prebuilt unit for) and the license;
+- it carries every C++ unit prebuilt for every torch of PREBUILT_TORCH (its
+  matepoint/_prebuilt/units.json lists each with its key), each within
+  torch's own symbol ceilings (tools/prebuild_units.py), and prints them.
 
 Needs only the standard library and binutils' readelf (no torch).
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import zipfile
-from typing import List
+from typing import List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "_build_layout", os.path.join(ROOT, "matepoint", "_build_layout.py"))
-layout = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(layout)
+
+
+def _load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+layout = _load("_build_layout", "matepoint/_build_layout.py")
+prebuild = _load("prebuild_units", "tools/prebuild_units.py")
 
 # byte strings that would betray where or by whom the wheel was built
 BUILD_PATHS = (ROOT.encode(), b"/tmp/", b"/root/", b"/home/", b"build/dist-src",
@@ -78,6 +89,36 @@ def abi3_problems(wheel: str, archive: zipfile.ZipFile, libraries: List[str]) ->
     return problems
 
 
+def expected_units() -> List[str]:
+    """The key of every unit the wheel must carry prebuilt, by unit."""
+    keys = [(unit.name, layout.unit_key(unit, release, layout.PREBUILT_CUDA_MAJOR,
+                                        layout.PREBUILT_CXX11_ABI))
+            for release in layout.PREBUILT_TORCH.values() for unit in layout.CXX_UNITS.values()]
+    return sorted(f"{name}:{key}" for name, key in keys)
+
+
+def prebuilt_problems(names: List[str], folder: str) -> Tuple[List[str], List[str]]:
+    """(what is wrong with the prebuilt units of a wheel unpacked in
+    ``folder`` whose members are ``names``, the units it carries as lines)."""
+    listing = f"matepoint/{layout.PREBUILT_FOLDER}/{layout.PREBUILT_MANIFEST}"
+    if listing not in names:
+        return [f"{listing} is missing: no prebuilt C++ units"], []
+    with open(os.path.join(folder, listing)) as handle:
+        entries = json.load(handle)["units"]
+    problems, carried = [], []
+    for entry in entries:
+        member = f"matepoint/{layout.PREBUILT_FOLDER}/{entry['file']}"
+        if member not in names:
+            problems.append(f"{member}, listed in {listing}, is missing")
+            continue
+        problems += prebuild.symbol_problems(os.path.join(folder, member))
+        carried.append(f"{entry['unit']}:{entry['key']}")
+    missing = sorted(set(expected_units()) - set(carried))
+    problems += [f"no prebuilt {name.replace(':', ' for ')} (PREBUILT_TORCH names it)"
+                 for name in missing]
+    return problems, sorted(carried)
+
+
 def wheel_problems(wheel: str) -> List[str]:
     """Everything wrong with ``wheel`` (empty: it may ship)."""
     problems = []
@@ -85,13 +126,20 @@ def wheel_problems(wheel: str) -> List[str]:
         names = archive.namelist()
         archive.extractall(folder)
         libraries = [name for name in names if name.endswith(".so")]
-        problems += abi3_problems(wheel, archive, libraries)
+        # the prebuilt C++ units are torch's, not Python's: named by their key
+        prebuilt = f"matepoint/{layout.PREBUILT_FOLDER}/"
+        problems += abi3_problems(wheel, archive, [name for name in libraries
+                                                   if not name.startswith(prebuilt)])
         if not any(os.path.basename(name).startswith("_C.") for name in libraries):
             problems.append("no matepoint._C in the wheel")
         if not any(os.path.basename(name).startswith("_alloc.") for name in libraries):
             problems.append("no allocator library in the wheel")
         for name in libraries:
             problems += library_problems(os.path.join(folder, name))
+        unit_problems, carried = prebuilt_problems(names, folder)
+        problems += unit_problems
+        for line in carried:
+            print(f"{os.path.basename(wheel)}: carries {line}")
     for _, shipped in layout.runtime_unit_files():
         if f"matepoint/{shipped}" not in names:
             problems.append(f"matepoint/{shipped} (compiled at run time) is missing")
