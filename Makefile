@@ -52,7 +52,8 @@ UNIT_HEADERS := $(wildcard csrc/*/*.h tests/c/*.h)
 CTESTS  := $(addprefix build/ctest/,$(UNIT_TESTS))
 VALGRIND_TESTS := $(addprefix build/valgrind/,$(UNIT_TESTS))
 
-.PHONY: test test-parts pytest quick install-214 test-214 readme-test ctest abi-check fuzz valgrind \
+.PHONY: test test-parts pytest quick install-214 test-214 install-215 test-215 readme-test ctest \
+  abi-check fuzz valgrind \
   sanitize install demo bench gpu-check clean
 
 # Everything, its parts TEST_JOBS at a time. The three Python suites (plain,
@@ -65,7 +66,7 @@ test:
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target test-parts
 # the longest first: they start as soon as their environment is installed,
 # and the short parts fill the cores meanwhile
-test-parts: test-214 sanitize pytest readme-test dist-test ctest fuzz valgrind
+test-parts: test-214 sanitize pytest test-215 readme-test dist-test ctest fuzz valgrind
 
 # The Python suite on torch 2.13 (after the docs: its site checks read them)
 pytest: install docs
@@ -159,6 +160,33 @@ install-214:
 	echo "$(CURDIR)" > "$$($(VENV214)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/matepoint-checkout.pth"
 test-214: install install-214
 	$(VENV214)/bin/python -m pytest -q tests
+
+# torch 2.15.0, the newest release, on a reasoned part of the suite: the
+# quick subset (gradients, semantics and parity with torch, bad inputs,
+# offload on the simulated GPU, the patch) and every test of what touches
+# torch's C++ and Python internals (the adapter and its prebuilt unit,
+# torch's memory API, graph pools, OOM, torch.compile, torch's keywords and
+# lookups, the engine's torch runtime). Its CUDA build (cu132, ~5.5 GB)
+# comes from the package index: this machine's pip cap (2.14.1) is lifted
+# for this install alone.
+VENV215 ?= .venv-215
+TORCH215 ?= torch==2.15.0
+TESTS215 ?= $(QUICK_TESTS) tests/test_prebuilt_units.py tests/test_torch_memory_api.py \
+  tests/test_torch_graph_pools.py tests/test_install_allocator.py tests/test_adapter_compiles.py \
+  tests/test_oom.py tests/test_compile.py tests/test_torch_keywords.py tests/test_torch_lookups.py \
+  tests/test_runtime_torch.py
+install-215:
+	test -x $(VENV215)/bin/python || $(PYTHON) -m venv $(VENV215)
+	@mkdir -p build && : > build/no-constraint.txt
+	$(VENV215)/bin/python -c "import torch" 2>/dev/null || \
+	  PIP_CONSTRAINT=$(abspath build/no-constraint.txt) $(VENV215)/bin/python -m pip install -q "$(TORCH215)"
+	$(VENV215)/bin/python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
+	  > build/torch-215.txt
+	PIP_CONSTRAINT=$(abspath build/no-constraint.txt) $(VENV215)/bin/python -m pip install -q \
+	  -c build/torch-215.txt pytest numpy "setuptools>=77"
+	echo "$(CURDIR)" > "$$($(VENV215)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/matepoint-checkout.pth"
+test-215: install install-215
+	$(VENV215)/bin/python -m pytest -q $(TESTS215)
 
 # The whole Python suite once more against an ASan/UBSan build of the
 # extension (CPython and torch stay uninstrumented; leaks are left to ctest).
