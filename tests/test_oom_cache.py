@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import pytest
+import torch
 
 from matepoint import _oom
 
@@ -234,6 +235,36 @@ def test_hanging_compiler_is_killed_and_not_retried(tmp_path: Path) -> None:
     finally:
         stop_sleeper(child)
     assert calls.read_text().split() == ["run", "run"]
+
+    # the cause changed: a longer timeout than the one that ran out tries again
+    try:
+        longer = run_python(ATTACH_SCRIPT, dict(env, MATEPOINT_BUILD_TIMEOUT="2"))
+    finally:
+        stop_sleeper(child)
+    assert calls.read_text().split() == ["run", "run", "run"]
+    assert "longer than 2 s" in longer["warnings"][0], longer
+
+
+def test_a_compiler_killed_by_a_signal_is_not_recorded(tmp_path: Path) -> None:
+    """The kernel's OOM killer stopping cc1plus says nothing of the unit:
+    the next process compiles again."""
+    calls = tmp_path / "calls"
+    cxx = compiler_script(tmp_path / "cxx", f'echo run >> "{calls}"\nkill -9 $$\n')
+    env = environment(tmp_path, CXX=str(cxx))
+    first = run_python(ATTACH_SCRIPT, env)
+    assert not first["attached"] and "stopped by signal 9" in first["warnings"][0], first
+    assert list((tmp_path / "cache").glob("oom_raise-*.failed")) == []
+    run_python(ATTACH_SCRIPT, env)
+    assert calls.read_text().split() == ["run", "run"]
+
+
+def test_a_build_says_what_it_compiles_before_it_starts(tmp_path: Path) -> None:
+    script = "import logging\nlogging.basicConfig(level=logging.WARNING)\n" + ATTACH_SCRIPT
+    result = subprocess.run([sys.executable, "-c", script], env=environment(tmp_path),
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"compiling oom_raise.cpp against torch {torch.__version__} (about 10-30 s, once" \
+        in result.stderr, result.stderr[-2000:]
 
 
 def test_failed_build_records_the_compiler_output(tmp_path: Path) -> None:
