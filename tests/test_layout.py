@@ -281,15 +281,108 @@ def test_no_circle_of_calls_and_includes_crosses_folders() -> None:
     assert not crossing, "circles through more than one folder:\n" + "\n\n".join(crossing)
 
 
+# ---- floors inside csrc/offload -------------------------------------------
+# The offload engine's files in floors, bottom first: a file calls and
+# includes only files of its own floor or of the floors below, with no
+# circle of calls between files (inside a floor too). The two directions of
+# work sit on the policies, and those on the mechanisms. The one list:
+# offload_internal.h's sections follow it, and docs/architecture.md's table
+# of the offload floors is checked against it.
+OFFLOAD_LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("contract", ("offload.h", "offload_internal.h", "offload_types.h", "offload_runtime.h",
+                  "offload_sites.h")),
+    ("gpu", ("offload_runtime_torch.c", "streams.h", "streams.c")),
+    ("limits", ("offload_limits.c",)),
+    ("device", ("offload_device.c",)),
+    ("records", ("offload_records.c",)),
+    ("return", ("offload_return.c",)),
+    ("window", ("offload_window.c",)),
+    ("spill", ("offload_spill_fork.c", "offload_spill.c", "offload_spill_retire.c")),
+    ("copy", ("offload_copy.c",)),
+    ("inspect", ("offload_inspect.c",)),
+    ("directions", ("offload_save.c", "offload_restore.c")),
+    ("entry", ("offload_engine.c", "offload_sac.c")),
+)
+
+
+def _offload_floor() -> Dict[str, int]:
+    return {f"offload/{name}": floor for floor, (_, names) in enumerate(OFFLOAD_LAYERS)
+            for name in names}
+
+
+def _offload_edges() -> Dict[Tuple[str, str], Set[str]]:
+    """Calls and includes between two files of csrc/offload."""
+    edges: Dict[Tuple[str, str], Set[str]] = {}
+    for found in (_includes(), _calls()):
+        for (source, target), names in found.items():
+            if source != target and _folder(source) == _folder(target) == "offload":
+                edges.setdefault((source, target), set()).update(names)
+    return edges
+
+
+def _upward(edges: Dict[Tuple[str, str], Set[str]], floor: Dict[str, int]) -> List[str]:
+    """Each call or include from a file to a file of a floor above it (a
+    file on no floor is test_every_offload_file_is_on_one_floor's)."""
+    name = {index: layer for index, (layer, _) in enumerate(OFFLOAD_LAYERS)}
+    return [f"{source} ({name[floor[source]]}) -> {target} ({name[floor[target]]}): "
+            f"{', '.join(sorted(names))}"
+            for (source, target), names in sorted(edges.items())
+            if source in floor and target in floor and floor[target] > floor[source]]
+
+
+def test_every_offload_file_is_on_one_floor() -> None:
+    listed = [f"offload/{name}" for _, names in OFFLOAD_LAYERS for name in names]
+    present = sorted(os.path.relpath(path, CSRC) for path in _sources()
+                     if _folder(os.path.relpath(path, CSRC)) == "offload")
+    assert sorted(listed) == present, (sorted(set(listed) ^ set(present)), listed)
+    assert len(set(listed)) == len(listed)
+
+
+def test_the_floor_check_names_a_planted_upward_call() -> None:
+    # its premise: the check flags a call up and names both files and the
+    # floors, and the real edges it reads include a known downward call
+    floor = _offload_floor()
+    planted = {("offload/offload_device.c", "offload/offload_save.c"): {"start_d2h"}}
+    assert _upward(planted, floor) == [
+        "offload/offload_device.c (device) -> offload/offload_save.c (directions): start_d2h"]
+    edges = _offload_edges()
+    assert "offload_device_order" in edges["offload/offload_save.c", "offload/offload_device.c"]
+    assert ("offload/offload_window.c", "offload/offload_internal.h") in edges
+
+
+def test_no_offload_file_calls_or_includes_a_file_above_it() -> None:
+    upward = _upward(_offload_edges(), _offload_floor())
+    assert not upward, "calls and includes pointing up csrc/offload's floors:\n" + "\n".join(upward)
+
+
+def test_no_circle_of_calls_between_offload_files() -> None:
+    edges = _offload_edges()
+    circles = [" ".join(circle) + "\n" + "\n".join(
+        f"  {source} -> {target}: {', '.join(sorted(edges[source, target]))}"
+        for source in circle for target in circle if (source, target) in edges)
+        for circle in _circles(edges)]
+    assert not circles, "circles between files of csrc/offload:\n" + "\n\n".join(circles)
+
+
+def test_the_architecture_page_draws_the_offload_floors() -> None:
+    # its offload table, bottom floor first as its folder table: | floor | files | holds |
+    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as handle:
+        text = handle.read()
+    section = text.split("### The offload engine's floors", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([a-z]+)` \| ([^|]+) \|", section, re.MULTILINE)
+    drawn = [(layer, tuple(re.findall(r"`([^`]+)`", files))) for layer, files in rows]
+    assert drawn == list(OFFLOAD_LAYERS)
+
+
 # ---- a saved input's paths -------------------------------------------------
 # How far a reader goes following one saved input through the engine, as
 # the call reader sees it: `stops`, the functions of csrc/offload the path
 # reaches from its entry points, following calls inside csrc/offload (each
 # once); `files`, the files those are in; `climbs`, the calls among them
 # from one file into another that calls back into the first, directly or
-# through others (a climb back to a file already passed).
-# benchmarks/offload_paths.py prints them for any checkout, to compare with
-# earlier commits.
+# through others (a climb back to a file already passed: none when the
+# files are in floors). benchmarks/offload_paths.py prints them for any
+# checkout, to compare with earlier commits.
 
 # Where the two paths begin: the save direction's entry points
 # (checkpoint's forward) and the restore direction's (backward's unpack).
@@ -338,9 +431,10 @@ def offload_paths(csrc: str = CSRC) -> Dict[str, Dict[str, int]]:
     return figures
 
 
-def test_a_saved_inputs_paths_cross_the_engine() -> None:
+def test_a_saved_input_never_climbs_back_to_a_file_it_passed() -> None:
     # the reader's premise: it follows calls from function to function
     # across files, through both directions
     figures = offload_paths()
     assert figures["save"]["stops"] > 50 and figures["restore"]["stops"] > 50, figures
     assert figures["save"]["files"] > 5 and figures["restore"]["files"] > 5, figures
+    assert figures["save"]["climbs"] == figures["restore"]["climbs"] == 0, figures
