@@ -22,9 +22,9 @@ LAYERS = ("common", "cuda", "pool", "spill", "alloc", "torch_cxx", "planner", "b
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
-def _sources() -> list[str]:
+def _sources(csrc: str = CSRC) -> list[str]:
     found = []
-    for folder, _, names in os.walk(CSRC):
+    for folder, _, names in os.walk(csrc):
         found += [os.path.join(folder, name) for name in names
                   if name.endswith((".c", ".h", ".cpp"))]
     return sorted(found)
@@ -121,18 +121,22 @@ def _close(tokens: List[str], start: int) -> int:
 
 class _Parsed:
     """What one file defines (`exported`: seen from other files; static
-    functions of a .c file are its own), declares, and names in bodies."""
+    functions of a .c file are its own), declares, and names in bodies;
+    `bodies`: each function's names, in the order first named."""
 
     def __init__(self, text: str) -> None:
         self.exported: Set[str] = set()
         self.own: Set[str] = set()
         self.declared: Set[str] = set()
         self.named: Set[str] = set()
+        self.bodies: Dict[str, Dict[str, None]] = {}
+        body = None
         tokens = _tokens(text)
         depth = index = 0
         while index < len(tokens):
             token = tokens[index]
             depth += {"{": 1, "}": -1}.get(token, 0)
+            body = body if depth > 0 else None
             if not NAME.match(token) or token in NOT_FUNCTIONS:
                 index += 1
                 continue
@@ -144,6 +148,7 @@ class _Parsed:
                     while start > 0 and tokens[start - 1] not in (";", "}", "{"):
                         start -= 1
                     self.own.add(token)
+                    body = self.bodies.setdefault(token, {})
                     if "static" not in tokens[start:index]:
                         self.exported.add(token)
                 elif after == ";":
@@ -151,24 +156,26 @@ class _Parsed:
                 index = end
             elif depth > 0 and tokens[index - 1] not in (".", "->"):
                 self.named.add(token)
+                if body is not None:
+                    body[token] = None
             index += 1
 
 
 @functools.lru_cache(maxsize=None)
-def _parsed() -> Dict[str, _Parsed]:
+def _parsed(csrc: str = CSRC) -> Dict[str, _Parsed]:
     """Every csrc file by its path under csrc/."""
     found = {}
-    for source in _sources():
+    for source in _sources(csrc):
         with open(source, encoding="utf-8") as handle:
-            found[os.path.relpath(source, CSRC)] = _Parsed(handle.read())
+            found[os.path.relpath(source, csrc)] = _Parsed(handle.read())
     return found
 
 
-def _definers() -> Dict[str, List[str]]:
+def _definers(csrc: str = CSRC) -> Dict[str, List[str]]:
     """Function name -> the files defining it for the others: a .c file's
     non-static functions and a header's (static inline) ones."""
     definers: Dict[str, List[str]] = {}
-    for path, parsed in _parsed().items():
+    for path, parsed in _parsed(csrc).items():
         for name in parsed.own if path.endswith(".h") else parsed.exported:
             definers.setdefault(name, []).append(path)
     return definers
@@ -272,3 +279,162 @@ def test_no_circle_of_calls_and_includes_crosses_folders() -> None:
                       for source in circle for target in circle if (source, target) in edges]
             crossing.append(" ".join(circle) + "\n" + "\n".join(inside))
     assert not crossing, "circles through more than one folder:\n" + "\n\n".join(crossing)
+
+
+# ---- floors inside csrc/offload -------------------------------------------
+# The offload engine's files in floors, bottom first: a file calls and
+# includes only files of its own floor or of the floors below, with no
+# circle of calls between files (inside a floor too). The two directions of
+# work sit on the policies, and those on the mechanisms. The one list:
+# offload_internal.h's sections follow it, and docs/architecture.md's table
+# of the offload floors is checked against it.
+OFFLOAD_LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("contract", ("offload.h", "offload_internal.h", "offload_types.h", "offload_runtime.h",
+                  "offload_sites.h")),
+    ("gpu", ("offload_runtime_torch.c", "streams.h", "streams.c")),
+    ("limits", ("offload_limits.c",)),
+    ("device", ("offload_device.c",)),
+    ("records", ("offload_records.c",)),
+    ("return", ("offload_return.c",)),
+    ("window", ("offload_window.c",)),
+    ("spill", ("offload_spill_fork.c", "offload_spill.c", "offload_spill_retire.c")),
+    ("copy", ("offload_copy.c",)),
+    ("inspect", ("offload_inspect.c",)),
+    ("directions", ("offload_save.c", "offload_restore.c")),
+    ("entry", ("offload_engine.c", "offload_sac.c")),
+)
+
+
+def _offload_floor() -> Dict[str, int]:
+    return {f"offload/{name}": floor for floor, (_, names) in enumerate(OFFLOAD_LAYERS)
+            for name in names}
+
+
+def _offload_edges() -> Dict[Tuple[str, str], Set[str]]:
+    """Calls and includes between two files of csrc/offload."""
+    edges: Dict[Tuple[str, str], Set[str]] = {}
+    for found in (_includes(), _calls()):
+        for (source, target), names in found.items():
+            if source != target and _folder(source) == _folder(target) == "offload":
+                edges.setdefault((source, target), set()).update(names)
+    return edges
+
+
+def _upward(edges: Dict[Tuple[str, str], Set[str]], floor: Dict[str, int]) -> List[str]:
+    """Each call or include from a file to a file of a floor above it (a
+    file on no floor is test_every_offload_file_is_on_one_floor's)."""
+    name = {index: layer for index, (layer, _) in enumerate(OFFLOAD_LAYERS)}
+    return [f"{source} ({name[floor[source]]}) -> {target} ({name[floor[target]]}): "
+            f"{', '.join(sorted(names))}"
+            for (source, target), names in sorted(edges.items())
+            if source in floor and target in floor and floor[target] > floor[source]]
+
+
+def test_every_offload_file_is_on_one_floor() -> None:
+    listed = [f"offload/{name}" for _, names in OFFLOAD_LAYERS for name in names]
+    present = sorted(os.path.relpath(path, CSRC) for path in _sources()
+                     if _folder(os.path.relpath(path, CSRC)) == "offload")
+    assert sorted(listed) == present, (sorted(set(listed) ^ set(present)), listed)
+    assert len(set(listed)) == len(listed)
+
+
+def test_the_floor_check_names_a_planted_upward_call() -> None:
+    # its premise: the check flags a call up and names both files and the
+    # floors, and the real edges it reads include a known downward call
+    floor = _offload_floor()
+    planted = {("offload/offload_device.c", "offload/offload_save.c"): {"start_d2h"}}
+    assert _upward(planted, floor) == [
+        "offload/offload_device.c (device) -> offload/offload_save.c (directions): start_d2h"]
+    edges = _offload_edges()
+    assert "offload_device_order" in edges["offload/offload_save.c", "offload/offload_device.c"]
+    assert ("offload/offload_window.c", "offload/offload_internal.h") in edges
+
+
+def test_no_offload_file_calls_or_includes_a_file_above_it() -> None:
+    upward = _upward(_offload_edges(), _offload_floor())
+    assert not upward, "calls and includes pointing up csrc/offload's floors:\n" + "\n".join(upward)
+
+
+def test_no_circle_of_calls_between_offload_files() -> None:
+    edges = _offload_edges()
+    circles = [" ".join(circle) + "\n" + "\n".join(
+        f"  {source} -> {target}: {', '.join(sorted(edges[source, target]))}"
+        for source in circle for target in circle if (source, target) in edges)
+        for circle in _circles(edges)]
+    assert not circles, "circles between files of csrc/offload:\n" + "\n\n".join(circles)
+
+
+def test_the_architecture_page_draws_the_offload_floors() -> None:
+    # its offload table, bottom floor first as its folder table: | floor | files | holds |
+    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as handle:
+        text = handle.read()
+    section = text.split("### The offload engine's floors", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([a-z]+)` \| ([^|]+) \|", section, re.MULTILINE)
+    drawn = [(layer, tuple(re.findall(r"`([^`]+)`", files))) for layer, files in rows]
+    assert drawn == list(OFFLOAD_LAYERS)
+
+
+# ---- a saved input's paths -------------------------------------------------
+# How far a reader goes following one saved input through the engine, as
+# the call reader sees it: `stops`, the functions of csrc/offload the path
+# reaches from its entry points, following calls inside csrc/offload (each
+# once); `files`, the files those are in; `climbs`, the calls among them
+# from one file into another that calls back into the first, directly or
+# through others (a climb back to a file already passed: none when the
+# files are in floors). benchmarks/offload_paths.py prints them for any
+# checkout, to compare with earlier commits.
+
+# Where the two paths begin: the save direction's entry points
+# (checkpoint's forward) and the restore direction's (backward's unpack).
+OFFLOAD_PATHS = {
+    "save": ("offload_save_inputs", "offload_check_forward"),
+    "restore": ("offload_restore_group", "offload_unpack_hook"),
+}
+
+
+def _function_calls(csrc: str) -> Dict[Tuple[str, str], List[Tuple[str, str]]]:
+    """(file, function) -> the (file, function) it names, in order; a name
+    is the file's own function first, else the one other files see."""
+    definers = _definers(csrc)
+    calls = {}
+    for path, parsed in _parsed(csrc).items():
+        for function, names in parsed.bodies.items():
+            calls[path, function] = [
+                (path, name) if name in parsed.own else (definers[name][0], name)
+                for name in names if name != function and (name in parsed.own or name in definers)]
+    return calls
+
+
+def offload_paths(csrc: str = CSRC) -> Dict[str, Dict[str, int]]:
+    """Each path of OFFLOAD_PATHS measured in `csrc` (the section above)."""
+    calls = _function_calls(csrc)
+    definers = _definers(csrc)
+    figures = {}
+    for path, roots in OFFLOAD_PATHS.items():
+        reached: Dict[Tuple[str, str], None] = {}
+        pending = [(definers[root][0], root) for root in reversed(roots)]
+        while pending:
+            node = pending.pop()
+            if node not in reached and _folder(node[0]) == "offload":
+                reached[node] = None
+                pending += reversed(calls.get(node, []))
+        between: Dict[Tuple[str, str], Set[str]] = {}
+        for caller in reached:
+            for callee in calls.get(caller, []):
+                if callee in reached and callee[0] != caller[0]:
+                    between.setdefault((caller[0], callee[0]), set()).add(callee[1])
+        circles = _circles(between)
+        climbs = sum(len(names) for (source, target), names in between.items()
+                     if any(source in circle and target in circle for circle in circles))
+        figures[path] = {"stops": len(reached), "files": len({file for file, _ in reached}),
+                         "climbs": climbs}
+    return figures
+
+
+def test_a_saved_input_never_climbs_back_to_a_file_it_passed() -> None:
+    # the reader's premise: it follows calls from function to function
+    # across files, through both directions
+    figures = offload_paths()
+    assert figures["save"]["stops"] > 50 and figures["restore"]["stops"] > 50, figures
+    assert figures["save"]["files"] > 5 and figures["restore"]["files"] > 5, figures
+    assert figures["save"]["climbs"] == figures["restore"]["climbs"] == 0, figures

@@ -18,14 +18,24 @@
  *
  * Everything here runs with the GIL held, which guards the engine state;
  * the pool has its own lock. The private structs, who owns what and the
- * three kinds of "release" are in offload_internal.h. Where each part lives:
- *   offload_engine.c   per-device streams and events, the pool, counters
+ * three kinds of "release" are in offload_types.h; the private functions,
+ * floor by floor (which file may call which), in offload_internal.h. The
+ * directions, from the top down:
+ *   offload_engine.c   the engine's life, runtime and pool API (entry)
+ *   offload_sac.c      selective checkpointing's entry points (entry)
+ *   offload_save.c     copying inputs out, building the records
+ *   offload_restore.c  copying back, prefetch, views of the copies
+ * through the policies:
+ *   offload_inspect.c  which inputs are eligible, their storage spans
+ *   offload_copy.c     a StorageCopy's end: its host buffer handed back
+ *   offload_spill*.c   the disk tier under the pool
  *   offload_window.c   copies in flight and when their sources are retired
  *   offload_return.c   host buffers of dead copies back to the pool, in stream order
- *   offload_inspect.c  which inputs are eligible, their storage spans
- *   offload_types.c    the Python objects: copies, records, groups, packer
- *   offload_save.c     copying inputs out, building the records
- *   offload_restore.c  copying back, prefetch, views of the copies */
+ * down to the mechanisms:
+ *   offload_records.c  the Python objects autograd keeps: records, groups, packer
+ *   offload_device.c   the runtime's table, the pool, per-device streams and events
+ *   offload_limits.c   the pool's limits, the pageable-fallback warning
+ *   streams.c          checked stream and event calls over the runtime's table */
 #ifndef MATEPOINT_OFFLOAD_OFFLOAD_H
 #define MATEPOINT_OFFLOAD_OFFLOAD_H
 
@@ -44,7 +54,7 @@ typedef struct {
     char spill_dir[OFFLOAD_PATH_MAX];   /* the disk tier's directory; "": none */
 } offload_options;
 
-/* The disk tier (offload_spill.c): checks a spill directory for
+/* The disk tier (offload_spill_retire.c): checks a spill directory for
  * set_options (0, or -1 with an error naming the problem), and makes the
  * engine use `options`' tier settings from now on (refused, RuntimeError,
  * while spans of another directory are on disk): a tier to stop is taken

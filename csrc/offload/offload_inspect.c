@@ -1,3 +1,12 @@
+/* Which of a region's input tensors move: eligible ones (offload_internal.h,
+ * the inspect section), their storage's byte span, and which share a
+ * storage; and the planner's question, which tensors an offload would
+ * leave on the device.
+ *
+ * Owns the input_info it fills until input_info_clear. Floor `inspect`:
+ * called by the save direction, csrc/module (offload_left_on_device) and
+ * csrc/testing; calls nothing of csrc/offload (the runtime's table says
+ * where a tensor lives). GIL held. */
 #include "offload_internal.h"
 #include "base/pyvalue.h"
 

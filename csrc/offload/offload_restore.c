@@ -1,6 +1,21 @@
 /* The restore direction: copying offloaded spans back for a recompute,
  * prefetching the regions backward reaches next, and rebuilding each input
- * as a view of its span. */
+ * as a view of its span.
+ *
+ * Two entry points, read top-down from the end of the file: the region's
+ * restore (offload_restore_group: begin_restore tells the window backward
+ * began and the disk tier to read ahead, fetch_group copies the spans back
+ * on the current stream and prefetch_walk those of the regions next on the
+ * copy-in stream; then the caller unpacks, and discard_restored drops the
+ * copies back) and the unpack hook of one record (restore_record: a copy
+ * back if none was made, await_h2d orders the reading stream after it,
+ * view_of_copy rebuilds the input).
+ *
+ * Owns each copy's restored data while a recompute uses it (`fetched`, the
+ * h2d_* fields, `restoring`) and the engine's prefetch counters. Floor
+ * `directions`: called by csrc/checkpoint, csrc/module (the unpack hook)
+ * and the SAC entry points; calls window, spill, records, device and
+ * streams. GIL held; torch's ops and the waits release it. */
 #include "base/compat.h"
 #include "base/modified_input.h"
 #include "base/pyvalue.h"

@@ -8,20 +8,18 @@
  * is seen complete: when a span finds the pool's cache empty
  * (offload_return_poll), when the pool's counters are read or its cache
  * emptied, and, waiting for it, when the device goes away or the runtime
- * changes. GIL held. */
+ * changes.
+ *
+ * Owns each device's `returning` list (buffers with their last event).
+ * Floor `return`: called by the window, spill, copy, save and engine
+ * files; calls only device and streams. It never polls on its own: its
+ * callers above do, at the moments just named. GIL held. */
 #include "offload_internal.h"
 #include "streams.h"
 
 void
 offload_return_after(offload_engine *engine, offload_device *device, pool_block *block,
-                     void *event)
-{
-    offload_return_after_on(engine, device, block, event, NULL);
-}
-
-void
-offload_return_after_on(offload_engine *engine, offload_device *device, pool_block *block,
-                        void *event, void *stream)
+                     void *event, void *stream)
 {
     MP_ASSERT(block->ptr != NULL && event != NULL);
     if (device->returning_count == device->returning_capacity) {

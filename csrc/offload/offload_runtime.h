@@ -6,7 +6,9 @@
  * (offload_runtime_torch.c), and in test builds the simulated GPU
  * (csrc/testing/sim_runtime.c). The engine never learns which one it runs
  * on. Every function is called with the GIL held and returns 0 on success,
- * -1 with a Python error set. */
+ * -1 with a Python error set. Contract floor: any file of csrc/offload may
+ * call through the table; the engine's own runtime is engine->runtime
+ * (chosen by offload_engine.c). */
 #ifndef MATEPOINT_OFFLOAD_OFFLOAD_RUNTIME_H
 #define MATEPOINT_OFFLOAD_OFFLOAD_RUNTIME_H
 

@@ -1,5 +1,9 @@
 /* The offload runtime of a real GPU: libcudart for streams, events and
- * copies, torch's Python API for what only torch knows. */
+ * copies, torch's Python API for what only torch knows.
+ *
+ * Owns nothing (the table is constant). Floor `gpu`: reached by the
+ * engine through offload_runtime.h's table, and by csrc/testing's runtime
+ * for torch's answers; calls nothing of csrc/offload. */
 #include "offload_runtime.h"
 
 static const cudart *

@@ -4,8 +4,11 @@
  * window) and come back ahead of the recompute that asks for them: their
  * group is linked after the region's inputs and prefetched with them
  * (offload_restore.c), or when the recompute begins. The caching mode
- * around it is Python (matepoint/_sac_offload.py). */
-#include "offload.h"
+ * around it is Python (matepoint/_sac_offload.py).
+ *
+ * Owns nothing: its Python functions check their arguments and call the
+ * two directions. Floor `entry`: called by csrc/module; calls save,
+ * restore and nothing lower but the struct of a group. GIL held. */
 #include "offload_internal.h"
 
 PyObject *

@@ -1,58 +1,24 @@
 /* The save direction: copying a region's eligible inputs out to pool
- * buffers and building the records autograd keeps in their place. */
+ * buffers and building the records autograd keeps in their place.
+ *
+ * Read top-down from offload_save_inputs (at the end): save_tensors
+ * inspects each input (offload_inspect.c), offload_storages plans one span
+ * per storage and offload_span copies it out (start_d2h: a pool buffer,
+ * after the disk tier made room and returned buffers were polled; the
+ * copy-out stream ordered after the producer; the copy joins the window),
+ * make_records builds the records and the group, and end_regions lets the
+ * window retire what it no longer allows.
+ *
+ * Owns nothing past the call: the copies, records and group it makes are
+ * their owners' (offload_types.h). Floor `directions`: called by
+ * csrc/checkpoint and the SAC entry points; calls every floor below but
+ * restore. Raises the pageable-fallback warning of a copy out, where the
+ * copy is made. GIL held. */
 #include "base/hooks.h"
 #include "offload_internal.h"
 #include "streams.h"
 
-#include <string.h>
-
 #define SPAN_ALIGN 16   /* largest element size: keeps every view offset whole */
-
-/* The pool fell back to pageable memory for a span of `nbytes`: either a
- * limit left no room for it (pool_limit_bytes, or host_limit_bytes with a
- * disk tier that could not make room: the pool's limit is the smaller)
- * or pinning itself failed. The warning names which, and what to change. */
-const char *
-offload_limit_reached(offload_engine *engine, uint64_t nbytes)
-{
-    const char *option = offload_spill_limit_name(engine);
-    uint64_t limit = offload_spill_pool_limit(engine);
-    uint64_t reserved = pool_get_stats(engine->pool).bytes_reserved;
-    return option != NULL && reserved + pool_class_size(nbytes) > limit ? option : NULL;
-}
-
-void
-offload_warn_fallback(offload_engine *engine, uint64_t nbytes, int reading)
-{
-    int *warned = reading ? &engine->warned_read_fallback : &engine->warned_fallback;
-    if (*warned)
-        return;
-    *warned = 1;
-    const char *option = offload_limit_reached(engine, nbytes);
-    uint64_t limit = offload_spill_pool_limit(engine);
-    int at_limit = option != NULL;
-    char cause[96];
-    if (at_limit)
-        snprintf(cause, sizeof cause, "pinned host memory is at %s (%llu bytes)", option,
-                 (unsigned long long)limit);
-    else
-        snprintf(cause, sizeof cause,
-                 "pinning host memory failed (the system refused more page-locked memory)");
-    const char *advice = !at_limit ? ""
-                         : strcmp(option, "pool_limit_bytes") == 0
-                             ? "raise pool_limit_bytes, or set spill_dir and "
-                               "host_limit_bytes to send older inputs to disk; "
-                             : "raise host_limit_bytes: the disk tier in spill_dir could not "
-                               "make room (an input larger than the limit, or writes that "
-                               "failed: pool_stats()['spill_failures']); ";
-    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
-                         "matepoint: %s; %s pageable memory: each such copy waits "
-                         "for the GPU to reach it (a host synchronization) and copies more "
-                         "slowly; %spool_stats()['fallbacks'] counts them", cause,
-                         reading ? "reading spilled inputs back through" : "offloading into",
-                         advice) < 0)
-        PyErr_WriteUnraisable(NULL);
-}
 
 /* A pool buffer for the copy: a cached one with the GIL held, else one
  * pinned (milliseconds, and the pool may drop its cache: cudaFreeHost

@@ -6,7 +6,9 @@
  * chosen site's, so tests/test_waits_needed.py shows every site needed by
  * data, one site at a time. This table is the one list of sites: test
  * builds export it to Python (_C.OFFLOAD_SITES), so a site added here is
- * checked by that test the day it is added. Constant data only. */
+ * checked by that test the day it is added. Constant data only: contract
+ * floor, included by every file that waits or records (through streams.h
+ * and offload_runtime.h). */
 #ifndef MATEPOINT_OFFLOAD_OFFLOAD_SITES_H
 #define MATEPOINT_OFFLOAD_OFFLOAD_SITES_H
 

@@ -1,80 +1,23 @@
 /* The disk tier under the pool: spans backward needs last go to files when
  * pinned memory would pass host_limit_bytes, and come back ahead of their
- * recompute (the contract: offload_internal.h, "The disk tier"). */
+ * recompute (the contract: offload_internal.h, the spill section).
+ *
+ * Owns the engine's running tier (`spill`, started at the first spill),
+ * its orphans, its counters, and each copy's `spill` slot and
+ * `spill_phase`; the tier's settings and its stop are
+ * offload_spill_retire.c's, a forked child's leaving offload_spill_fork.c's.
+ * Floor `spill`: called by the save and restore directions (room for a
+ * span, readahead, a span ready), the copy file (forget) and the engine
+ * (poll); calls spill_fork, return, records, device, limits and streams.
+ * Raises its own warnings (a failed write, a read back through pageable
+ * memory), where it decides. GIL held; released around every wait. */
 #include "offload_internal.h"
 #include "streams.h"
 
 #include <errno.h>
 #include <string.h>
-#include <unistd.h>
 
 #define SPILL_WORKERS 2
-
-static int
-tier_wanted(const offload_options *options)
-{
-    return options->host_limit_bytes != 0 && options->spill_dir[0] != '\0';
-}
-
-uint64_t
-offload_spill_pool_limit(const offload_engine *engine)
-{
-    uint64_t pool = engine->options.pool_limit_bytes;
-    uint64_t host = tier_wanted(&engine->options) ? engine->options.host_limit_bytes : 0;
-    if (pool == 0 || host == 0)
-        return pool + host;
-    return pool < host ? pool : host;
-}
-
-const char *
-offload_spill_limit_name(const offload_engine *engine)
-{
-    uint64_t limit = offload_spill_pool_limit(engine);
-    if (limit == 0)
-        return NULL;
-    return limit == engine->options.pool_limit_bytes ? "pool_limit_bytes" : "host_limit_bytes";
-}
-
-int
-offload_spill_check_dir(const char *path)
-{
-    char why[512];
-    int fd = spill_dir_open(path, why, sizeof why);
-    if (fd < 0) {
-        PyErr_Format(PyExc_ValueError, "matepoint option spill_dir: %s", why);
-        return -1;
-    }
-    close(fd);
-    return 0;
-}
-
-static int
-tier_busy(offload_engine *engine)
-{
-    offload_spill_poll(engine);
-    return engine->orphan_count > 0 || spill_get_stats(engine->spill).slots > 0;
-}
-
-int
-offload_spill_configure(offload_engine *engine, const offload_options *options,
-                        offload_spill_retired *retired)
-{
-    memset(retired, 0, sizeof *retired);
-    offload_spill_leave_forked(engine);
-    if (engine->spill == NULL ||
-        (tier_wanted(options) && strcmp(options->spill_dir, engine->spill_dir) == 0))
-        return 0;
-    if (tier_busy(engine)) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "matepoint: spill_dir cannot change, nor the disk tier stop, while "
-                     "offloaded inputs are in %s (%llu bytes): change it between steps",
-                     engine->spill_dir,
-                     (unsigned long long)engine->spilled_bytes);
-        return -1;
-    }
-    offload_spill_detach(engine, retired);
-    return 0;
-}
 
 /* The tier, started at the first spill. */
 static int
@@ -90,23 +33,6 @@ ensure_tier(offload_engine *engine)
         return -1;
     }
     memcpy(engine->spill_dir, engine->options.spill_dir, sizeof engine->spill_dir);
-    return 0;
-}
-
-int
-offload_spill_walk(offload_engine *engine, int (*visit)(offload_engine *, StorageCopy *, void *),
-            void *ctx)
-{
-    for (int d = 0; d < MAX_CUDA_DEVICES; d++) {
-        offload_device *device = engine->cuda[d];
-        for (OffloadGroup *g = device ? device->first : NULL; g != NULL; g = g->next) {
-            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g->copies); i++) {
-                int stop = visit(engine, (StorageCopy *)PyTuple_GET_ITEM(g->copies, i), ctx);
-                if (stop != 0)
-                    return stop;
-            }
-        }
-    }
     return 0;
 }
 
@@ -199,7 +125,7 @@ offload_spill_poll(offload_engine *engine)
     offload_spill_leave_forked(engine);
     if (engine->spill == NULL)
         return;
-    offload_spill_walk(engine, poll_copy, NULL);
+    offload_walk_copies(engine, poll_copy, NULL);
     poll_orphans(engine);
     warn_failure_once(engine);
     spill_stats stats = spill_get_stats(engine->spill);
@@ -207,23 +133,6 @@ offload_spill_poll(offload_engine *engine)
     engine->peak_spilled_bytes = stats.peak_bytes_on_disk;
     engine->spill_writes = stats.writes;
     engine->spill_reads = stats.reads;
-}
-
-/* Has the copy's D2H completed? (the window's rule: a completed event goes
- * back to the spares) */
-static int
-d2h_completed(offload_engine *engine, StorageCopy *copy)
-{
-    if (copy->state == COPY_COMPLETED)
-        return 1;
-    if (copy->state != COPY_QUEUED || streams_event_done(engine->rt, copy->d2h_done) != 1) {
-        PyErr_Clear();
-        return 0;
-    }
-    offload_device_give_event(engine, copy->device, copy->d2h_done);
-    copy->d2h_done = NULL;
-    copy_advance(copy, COPY_COMPLETED);
-    return 1;
 }
 
 /* What start_spills stops at: bytes still to move off the pool. */
@@ -245,7 +154,11 @@ start_one(offload_engine *engine, StorageCopy *copy, void *ctx)
         copy->block.fallback || copy->fetched != NULL || copy->restoring > 0 ||
         copy->spill_pins > 0 || copy->h2d_done != NULL || copy->nbytes == 0)
         return 0;
-    if (!d2h_completed(engine, copy)) {
+    /* a failed query counts as not completed (the walk goes on later) */
+    int done = offload_device_d2h_done(engine, copy);
+    if (done < 0)
+        PyErr_Clear();
+    if (done <= 0) {
         goal->pending_d2h = 1;
         return 1;
     }
@@ -275,7 +188,7 @@ static int
 wait_for_room(offload_engine *engine, int pending_d2h)
 {
     StorageCopy *copy = NULL;
-    offload_spill_walk(engine, oldest_writing, &copy);
+    offload_walk_copies(engine, oldest_writing, &copy);
     if (copy != NULL) {
         /* another thread may free the slot (a copy of its own dying, a
          * failed write polled) or retire the tier while this one waits */
@@ -308,7 +221,7 @@ offload_spill_room(mp_state *st, uint64_t nbytes)
     for (;;) {
         /* every turn: while this thread waited, another may have changed
          * the options or retired the tier (set_options) */
-        if (!tier_wanted(&engine->options) || engine->pool == NULL)
+        if (!offload_tier_wanted(&engine->options) || engine->pool == NULL)
             return 0;
         if (ensure_tier(engine) < 0)
             return -1;
@@ -320,7 +233,7 @@ offload_spill_room(mp_state *st, uint64_t nbytes)
          * forward, and backward reads back into the other half */
         uint64_t after = in_use - engine->spill_writing_bytes + need;
         spill_goal goal = {after > limit / 2 ? after - limit / 2 : 0, 0};
-        offload_spill_walk(engine, start_one, &goal);
+        offload_walk_copies(engine, start_one, &goal);
         if (in_use + need <= limit || wait_for_room(engine, goal.pending_d2h && !synced) != 0)
             return 0;
         synced |= goal.pending_d2h;
@@ -337,7 +250,7 @@ acquire_for_read(offload_engine *engine, StorageCopy *copy, pool_block *block)
     /* pinned memory at the limit while buffers of inputs used in place
      * wait on their copies out: wait for those copies rather than read
      * into pageable memory */
-    uint64_t limit = offload_spill_pool_limit(engine);
+    uint64_t limit = offload_pool_limit(engine);
     while (limit != 0 &&
            pool_get_stats(engine->pool).bytes_reserved + pool_class_size(copy->nbytes) > limit &&
            offload_return_wait_stream(engine) > 0) {
@@ -503,7 +416,7 @@ offload_spill_ready(mp_state *st, StorageCopy *copy)
 {
     offload_engine *engine = st->engine;
     offload_spill_leave_forked(engine);
-    offload_spill_leave_copy(engine, copy);     /* one no walk reaches */
+    offload_spill_leave_copy(engine, copy, NULL);     /* one no walk reaches */
     if (copy->spill_phase == SPILL_RESIDENT || copy->spill_phase == SPILL_STAYS)
         return 0;
     Py_INCREF(copy);
@@ -544,7 +457,7 @@ offload_spill_forget(offload_engine *engine, StorageCopy *copy)
     if (copy->spill == NULL)
         return;
     offload_spill_leave_forked(engine);
-    offload_spill_leave_copy(engine, copy);     /* one no walk reaches */
+    offload_spill_leave_copy(engine, copy, NULL);     /* one no walk reaches */
     if (copy->spill == NULL)
         return;
     int busy = !spill_done(engine->spill, copy->spill);

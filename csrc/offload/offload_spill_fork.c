@@ -2,7 +2,12 @@
  * fork-started worker): the child has none of the tier's threads, so it
  * leaves the parent's tier and files alone (spill.h, "Fork"), keeps the
  * spans its own memory holds, and starts a tier of its own at its first
- * spill (the contract: offload_internal.h, "The disk tier"). */
+ * spill (the contract: offload_internal.h, the spill section).
+ *
+ * Owns nothing of its own: it lets go of the parent's tier (the engine's
+ * `spill` and orphans) and of each copy's slot of it. Floor `spill`, its
+ * bottom: called by offload_spill.c and offload_spill_retire.c; calls
+ * records (the walk over the groups). GIL held. */
 #include "offload_internal.h"
 
 /* A copy whose slot is a parent tier's: the span is in its block still
@@ -10,8 +15,8 @@
  * only in the parent's file (SPILL_FORKED; a read under way goes with its
  * block). The slot is freed without touching the parent's file. Runs no
  * Python code. */
-static int
-leave_copy(offload_engine *engine, StorageCopy *copy, void *ctx)
+int
+offload_spill_leave_copy(offload_engine *engine, StorageCopy *copy, void *ctx)
 {
     (void)ctx;
     if (copy->spill == NULL || !spill_slot_forked(copy->spill))
@@ -31,17 +36,11 @@ leave_copy(offload_engine *engine, StorageCopy *copy, void *ctx)
 }
 
 void
-offload_spill_leave_copy(offload_engine *engine, StorageCopy *copy)
-{
-    (void)leave_copy(engine, copy, NULL);
-}
-
-void
 offload_spill_leave_forked(offload_engine *engine)
 {
     if (engine->spill == NULL || !spill_in_forked_child(engine->spill))
         return;
-    offload_spill_walk(engine, leave_copy, NULL);
+    offload_walk_copies(engine, offload_spill_leave_copy, NULL);
     for (int i = 0; i < engine->orphan_count; i++) {
         struct spill_orphan *orphan = &engine->orphans[i];
         if (orphan->writing)

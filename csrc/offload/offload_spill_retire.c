@@ -1,13 +1,36 @@
-/* Stopping the disk tier (set_options changing spill_dir, the engine
- * going away): the tier is taken off the engine with the GIL held, so no
- * other thread reaches it any more, then stopped with the GIL released
- * (the contract: offload_internal.h, "The disk tier"). */
+/* The disk tier's settings and its stop: set_options checks spill_dir and
+ * changes or stops the tier, and the engine going away stops it. A tier to
+ * stop is taken off the engine with the GIL held, so no other thread
+ * reaches it any more, then stopped with the GIL released (the contract:
+ * offload_internal.h, the spill section).
+ *
+ * Owns a retired tier (offload_spill_retired) from its detach to its
+ * stop. Floor `spill`, its top: called by csrc/module (set_options) and
+ * the engine; calls offload_spill.c (a poll, before deciding the tier is
+ * idle), offload_spill_fork.c and limits. GIL held on entry. */
 #include "offload_internal.h"
 
 #include <string.h>
+#include <unistd.h>
 
-void
-offload_spill_detach(offload_engine *engine, offload_spill_retired *retired)
+int
+offload_spill_check_dir(const char *path)
+{
+    char why[512];
+    int fd = spill_dir_open(path, why, sizeof why);
+    if (fd < 0) {
+        PyErr_Format(PyExc_ValueError, "matepoint option spill_dir: %s", why);
+        return -1;
+    }
+    close(fd);
+    return 0;
+}
+
+/* Takes the tier and its orphans off the engine, GIL held: from here no
+ * other thread reaches them (spill_destroy's rule, spill.h); the caller
+ * stops them with offload_spill_retire(). */
+static void
+detach(offload_engine *engine, offload_spill_retired *retired)
 {
     retired->tier = engine->spill;
     retired->orphans = engine->orphans;
@@ -24,6 +47,34 @@ offload_spill_detach(offload_engine *engine, offload_spill_retired *retired)
      * one's until its first poll, and counts would seem to go back) */
     engine->spilled_bytes = engine->peak_spilled_bytes = 0;
     engine->spill_writes = engine->spill_reads = 0;
+}
+
+static int
+tier_busy(offload_engine *engine)
+{
+    offload_spill_poll(engine);
+    return engine->orphan_count > 0 || spill_get_stats(engine->spill).slots > 0;
+}
+
+int
+offload_spill_configure(offload_engine *engine, const offload_options *options,
+                        offload_spill_retired *retired)
+{
+    memset(retired, 0, sizeof *retired);
+    offload_spill_leave_forked(engine);
+    if (engine->spill == NULL ||
+        (offload_tier_wanted(options) && strcmp(options->spill_dir, engine->spill_dir) == 0))
+        return 0;
+    if (tier_busy(engine)) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "matepoint: spill_dir cannot change, nor the disk tier stop, while "
+                     "offloaded inputs are in %s (%llu bytes): change it between steps",
+                     engine->spill_dir,
+                     (unsigned long long)engine->spilled_bytes);
+        return -1;
+    }
+    detach(engine, retired);
+    return 0;
 }
 
 void
@@ -54,6 +105,6 @@ offload_spill_free(offload_engine *engine)
     if (engine->spill == NULL)
         return;
     offload_spill_retired retired;
-    offload_spill_detach(engine, &retired);
+    detach(engine, &retired);
     offload_spill_retire(engine, &retired);
 }

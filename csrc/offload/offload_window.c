@@ -1,3 +1,14 @@
+/* The in-flight window of each device: the sources of copies out still
+ * held, retired once their copy completed or, when the window no longer
+ * allows them, in stream order; and backward's use of a source still held
+ * in place (the contract and its invariant: offload_internal.h, the window
+ * section).
+ *
+ * Owns each device's `in_flight` list and `regions` count, each copy's
+ * `source`, `producer` and `region` while its window holds it, and the
+ * engine's device_bytes_in_flight and its peak. Floor `window`: called by
+ * the save and restore directions and the engine (polls, drains); calls
+ * return, device and streams. GIL held. */
 #include "offload_internal.h"
 #include "base/compat.h"
 #include "streams.h"
@@ -17,24 +28,6 @@ offload_window_add(offload_engine *engine, offload_device *device, StorageCopy *
     copy->region = device->regions;
     engine->device_bytes_in_flight += copy->nbytes;
     return 0;
-}
-
-/* Has the copy's D2H completed? 1, 0, or -1 with an error. A completed
- * event is destroyed: nothing needs to wait on it any more. */
-static int
-copy_completed(offload_engine *engine, StorageCopy *copy)
-{
-    if (copy->d2h_done == NULL) {
-        MP_ASSERT(copy->state == COPY_COMPLETED);
-        return 1;
-    }
-    int done = streams_event_done(engine->rt, copy->d2h_done);
-    if (done == 1) {
-        offload_device_give_event(engine, copy->device, copy->d2h_done);
-        copy->d2h_done = NULL;
-        copy_advance(copy, COPY_COMPLETED);
-    }
-    return done;
 }
 
 /* Orders the reuse of a source's memory after its copy out, using live
@@ -83,7 +76,7 @@ retire_source(mp_state *st, StorageCopy *copy, int force, int ask)
     offload_engine *engine = st->engine;
     if (copy->source == NULL)
         return 1;
-    int completed = ask ? copy_completed(engine, copy) : copy->d2h_done == NULL;
+    int completed = ask ? offload_device_d2h_done(engine, copy) : copy->d2h_done == NULL;
     if (completed < 0 || (!completed && !force))
         return completed;
     if (!completed && order_producer_after_copy(st, copy) < 0)
@@ -116,8 +109,8 @@ keep_in_place(offload_engine *engine, StorageCopy *copy)
     copy->source = NULL;
     copy->in_place = 1;
     if (copy->d2h_done != NULL)
-        offload_return_after_on(engine, copy->device, &copy->block, copy->d2h_done,
-                                copy->device->copy_out);
+        offload_return_after(engine, copy->device, &copy->block, copy->d2h_done,
+                             copy->device->copy_out);
     else
         pool_release(engine->pool, &copy->block);
     copy->d2h_done = NULL;
@@ -174,30 +167,56 @@ merge_held(PyObject *walked, PyObject *added)
     return merged;
 }
 
-/* Retires the sources of the window's copies that completed, and of those
- * of regions before `force_below_region` in stream order; with `keep`,
- * those `keep_thread` made of regions up to `keep_through_region` are used
- * in place instead (keep_in_place: its backward reaches them next).
- *
- * Retiring in stream order calls record_stream, which on a GPU runs
- * torch's Python code: another sweep of this window may run inside it
+/* A sweep takes the window's list off the device before it walks it:
+ * retiring in stream order calls record_stream, which on a GPU runs
+ * torch's Python code, and another sweep of this window may run inside it
  * (a second thread training on the device, a thread calling pool_stats(),
- * or this thread again). So the list is taken out of the window before it
- * is walked: the inner sweep sees only copies added since, no copy is
- * walked by two sweeps, and what is kept is merged back with whatever the
- * window holds by then. (Were the list walked in place, the same copy
- * would be retired twice and one sweep's list would overwrite the
- * other's, losing a copy from the window.) */
+ * or this thread again). The inner sweep then sees only copies added
+ * since, no copy is walked by two sweeps, and what is kept is merged back
+ * with whatever the window holds by then (put_back). (Were the list walked
+ * in place, the same copy would be retired twice and one sweep's list
+ * would overwrite the other's, losing a copy from the window.) */
+
+/* Gives the window back the copies of `walked` still held (the sweep's
+ * reference, taken), merged with those added meanwhile. An error stays
+ * pending: the merge runs no Python code. 0, or -1 out of memory: the
+ * walked list then goes back whole (retiring is idempotent), followed by
+ * the copies added meanwhile; should that fail too, those are lost from
+ * the window (their sources stay held until their copies die) and the
+ * first MemoryError is reported. */
 static int
-sweep(mp_state *st, offload_device *device, uint64_t force_below_region, int keep,
-      unsigned long keep_thread, uint64_t keep_through_region)
+put_back(offload_device *device, PyObject *walked)
+{
+    PyObject *merged = merge_held(walked, device->in_flight);
+    if (merged != NULL) {
+        Py_XSETREF(device->in_flight, merged);
+        Py_DECREF(walked);
+        return 0;
+    }
+    PyObject *added = device->in_flight;
+    device->in_flight = walked;
+    if (added != NULL) {
+        PyObject *pending = mp_take_exception();
+        if (PyList_SetSlice(walked, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, added) < 0)
+            PyErr_Clear();
+        if (pending != NULL)
+            mp_restore_exception(pending);
+        Py_DECREF(added);
+    }
+    return -1;
+}
+
+/* Retires the sources of the window's copies that completed, and of those
+ * of regions before `force_below_region` in stream order. */
+static int
+sweep(mp_state *st, offload_device *device, uint64_t force_below_region)
 {
     if (device->in_flight == NULL || PyList_GET_SIZE(device->in_flight) == 0)
         return 0;  /* every recompute sweeps: the common case costs nothing */
     PyObject *list = device->in_flight;     /* the window's reference, now ours */
     device->in_flight = NULL;               /* offload_window_add makes a new one */
     int result = 0, ask = 1;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list) && result == 0; i++) {
         StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(list, i);
         int forced = copy->region < force_below_region;
         /* the copy-out stream runs copies in the order of this list: once one
@@ -209,7 +228,46 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region, int kee
          * fails every time: 2 calls a span saved) */
         if (forced)
             ask = 0;
-        if (keep && result == 0 && keepable(copy, keep_thread, keep_through_region)) {
+        int released = retire_source(st, copy, forced, ask);
+        if (released == 0)          /* kept: its copy has not completed */
+            ask = 0;
+        if (released < 0)
+            result = -1;
+    }
+    return put_back(device, list) < 0 ? -1 : result;
+}
+
+int
+offload_window_end_region(mp_state *st, offload_device *device)
+{
+    offload_engine *engine = st->engine;
+    uint64_t ended = device->regions++;
+    uint64_t window = (uint64_t)engine->options.window;
+    /* regions ended - window + 1 .. ended stay in flight */
+    if (sweep(st, device, ended + 1 >= window ? ended + 1 - window : 0) < 0)
+        return -1;
+    /* the peak as the GPU sees it: what is held while a region's function runs */
+    if (engine->device_bytes_in_flight > engine->peak_device_bytes_in_flight)
+        engine->peak_device_bytes_in_flight = engine->device_bytes_in_flight;
+    return 0;
+}
+
+/* Backward's sweep: every source still held goes, the ones `thread` made
+ * of regions up to `last_region` used in place (keep_in_place: its
+ * backward reaches them next), the others retired in stream order (no copy
+ * is asked: each must go). */
+int
+offload_window_backward(mp_state *st, offload_device *device, unsigned long thread,
+                        uint64_t last_region)
+{
+    if (device->in_flight == NULL || PyList_GET_SIZE(device->in_flight) == 0)
+        return 0;
+    PyObject *list = device->in_flight;     /* the window's reference, now ours */
+    device->in_flight = NULL;
+    int result = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list) && result == 0; i++) {
+        StorageCopy *copy = (StorageCopy *)PyList_GET_ITEM(list, i);
+        if (keepable(copy, thread, last_region)) {
             /* backward now owns the source and drops it when it is done,
              * maybe before the copy out read it: the copy-out stream must
              * hold its memory (record_stream runs Python: ask again) */
@@ -220,68 +278,22 @@ sweep(mp_state *st, offload_device *device, uint64_t force_below_region, int kee
                 result = -1;        /* kept held: retired later */
                 continue;
             }
-            if (keepable(copy, keep_thread, keep_through_region)) {
+            if (keepable(copy, thread, last_region)) {
                 keep_in_place(st->engine, copy);
                 continue;
             }
         }
-        int released = result < 0 ? 0 : retire_source(st, copy, forced, ask);
-        if (released == 0)          /* kept: its copy has not completed */
-            ask = 0;
-        if (released < 0)
+        if (retire_source(st, copy, 1, 0) < 0)
             result = -1;
     }
-    /* an error stays pending: the merge runs no Python code */
-    PyObject *merged = merge_held(list, device->in_flight);
-    if (merged == NULL) {
-        /* out of memory: the walked list goes back whole (retiring is
-         * idempotent), followed by the copies added meanwhile; should that
-         * fail too, those are lost from the window (their sources stay held
-         * until their copies die) and the first MemoryError is reported */
-        PyObject *added = device->in_flight;
-        device->in_flight = list;
-        if (added != NULL) {
-            PyObject *pending = mp_take_exception();
-            if (PyList_SetSlice(list, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, added) < 0)
-                PyErr_Clear();
-            if (pending != NULL)
-                mp_restore_exception(pending);
-            Py_DECREF(added);
-        }
-        return -1;
-    }
-    Py_XSETREF(device->in_flight, merged);
-    Py_DECREF(list);
-    return result;
-}
-
-int
-offload_window_end_region(mp_state *st, offload_device *device)
-{
-    offload_engine *engine = st->engine;
-    uint64_t ended = device->regions++;
-    uint64_t window = (uint64_t)engine->options.window;
-    /* regions ended - window + 1 .. ended stay in flight */
-    if (sweep(st, device, ended + 1 >= window ? ended + 1 - window : 0, 0, 0, 0) < 0)
-        return -1;
-    /* the peak as the GPU sees it: what is held while a region's function runs */
-    if (engine->device_bytes_in_flight > engine->peak_device_bytes_in_flight)
-        engine->peak_device_bytes_in_flight = engine->device_bytes_in_flight;
-    return 0;
-}
-
-int
-offload_window_backward(mp_state *st, offload_device *device, unsigned long thread,
-                        uint64_t last_region)
-{
-    return sweep(st, device, UINT64_MAX, 1, thread, last_region);
+    return put_back(device, list) < 0 ? -1 : result;
 }
 
 int
 offload_window_poll_all(mp_state *st)
 {
     for (int i = 0; i < MAX_CUDA_DEVICES; i++) {
-        if (st->engine->cuda[i] != NULL && sweep(st, st->engine->cuda[i], 0, 0, 0, 0) < 0)
+        if (st->engine->cuda[i] != NULL && sweep(st, st->engine->cuda[i], 0) < 0)
             return -1;
     }
     return 0;

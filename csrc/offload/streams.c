@@ -1,3 +1,6 @@
+/* The offload engine's checked CUDA stream and event calls (the contract:
+ * streams.h). Owns nothing. Floor `gpu`: called by every floor above;
+ * calls the runtime table and the site table only. */
 #include "streams.h"
 
 int

@@ -6,7 +6,8 @@
  * last error (torch checks it after its kernel launches: a failure handled
  * here must not surface there as a second, unrelated error). They return 0
  * on success, -1 with the error set. Callers hold the GIL (for the error)
- * and have made the streams' device current. */
+ * and have made the streams' device current. Floor `gpu` (streams.c):
+ * included by every floor above; owns nothing. */
 #ifndef MATEPOINT_OFFLOAD_STREAMS_H
 #define MATEPOINT_OFFLOAD_STREAMS_H
 

@@ -1,68 +1,16 @@
+/* The records floor: the Python objects autograd keeps for an offloaded
+ * input (TensorRecord), a region's group of copies (OffloadGroup, linked
+ * into its device's list in creation order), and the pack hook that hands
+ * prepared records to SavedTensor (OffloadPacker); a new StorageCopy (its
+ * type and end are offload_copy.c's); and the walk over every device's
+ * groups.
+ *
+ * Owns a record's references (its copy, group, dtype, shape, the weak
+ * reference to its input) and a device's group list (first, last, the
+ * links). Floor `records`: called by the spill, save and restore files;
+ * calls nothing of csrc/offload. GIL held. */
 #include "offload_internal.h"
-#include "streams.h"
-
-static int
-storage_copy_traverse(StorageCopy *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->module);
-    Py_VISIT(self->device_obj);
-    Py_VISIT(self->source);
-    Py_VISIT(self->fetched);
-    return 0;
-}
-
-static void
-storage_copy_dealloc(StorageCopy *self)
-{
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    offload_engine *engine = self->module ? offload_engine_of(self->module) : NULL;
-    if (engine != NULL) {
-        /* the host buffer may still be read by a copy back or written by
-         * the copy out (a source released in stream order keeps its
-         * event): it goes back with the event of the last one, and the
-         * pool reuses it once that completed, without a host wait. A copy
-         * back was queued after the copy out, so its event covers both. */
-        /* a span the disk tier still writes or reads keeps its block there */
-        offload_spill_forget(engine, self);
-        void *last = self->h2d_done != NULL ? self->h2d_done : self->d2h_done;
-        int had_block = self->block.ptr != NULL;
-        if (self->h2d_done != NULL && self->d2h_done != NULL)
-            offload_device_give_event(engine, self->device, self->d2h_done);
-        self->h2d_done = self->d2h_done = NULL;
-        if (self->block.ptr != NULL && last != NULL)
-            offload_return_after(engine, self->device, &self->block, last);
-        else if (last != NULL)
-            offload_device_give_event(engine, self->device, last);
-        if (self->block.ptr != NULL)
-            pool_release(engine->pool, &self->block);   /* nothing copies it */
-        if (had_block)
-            copy_advance(self, COPY_RETURNED);
-    }
-    /* a window holds a reference to every copy whose source it holds */
-    MP_ASSERT(self->source == NULL);
-    Py_CLEAR(self->fetched);
-    Py_CLEAR(self->source);
-    Py_CLEAR(self->device_obj);
-    Py_CLEAR(self->module);
-    mp_type_free(tp, self);
-    Py_DECREF(tp);
-}
-
-static PyType_Slot storage_copy_slots[] = {
-    {Py_tp_dealloc, storage_copy_dealloc},
-    {Py_tp_traverse, storage_copy_traverse},
-    {0, NULL},
-};
-
-PyType_Spec storage_copy_spec = {
-    .name = "matepoint._C._StorageCopy",
-    .basicsize = sizeof(StorageCopy),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
-             Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = storage_copy_slots,
-};
+#include "base/compat.h"
 
 static int
 tensor_record_traverse(TensorRecord *self, visitproc visit, void *arg)
@@ -239,29 +187,6 @@ PyType_Spec offload_packer_spec = {
     .slots = offload_packer_slots,
 };
 
-/* The heap-type idiom: tp_alloc zero-fills, takes the reference to the type
- * that tp_dealloc gives back, and tracks the object for the GC. */
-static PyObject *
-alloc_instance(PyTypeObject *type)
-{
-    return mp_type_alloc(type);
-}
-
-StorageCopy *
-storage_copy_new(mp_state *st, PyObject *module, offload_device *device, PyObject *device_obj,
-                 uint64_t nbytes)
-{
-    StorageCopy *copy = (StorageCopy *)alloc_instance(st->storage_copy_type);
-    if (copy == NULL)
-        return NULL;
-    copy->module = Py_NewRef(module);
-    copy->device = device;
-    copy->device_obj = Py_NewRef(device_obj);
-    copy->nbytes = nbytes;
-    copy->thread = PyThread_get_thread_ident();     /* as its group's (group_new) */
-    return copy;
-}
-
 /* A weak reference to the tensor whose version tells an in-place change of
  * `tensor`: its view base when it is a view. A view shares its base's
  * version counter, and every view keeps its base alive (torch preserves the
@@ -280,11 +205,26 @@ watched_tensor(PyObject *tensor)
     return weak;
 }
 
+StorageCopy *
+storage_copy_new(mp_state *st, PyObject *module, offload_device *device, PyObject *device_obj,
+                 uint64_t nbytes)
+{
+    StorageCopy *copy = (StorageCopy *)mp_type_alloc(st->storage_copy_type);
+    if (copy == NULL)
+        return NULL;
+    copy->module = Py_NewRef(module);
+    copy->device = device;
+    copy->device_obj = Py_NewRef(device_obj);
+    copy->nbytes = nbytes;
+    copy->thread = PyThread_get_thread_ident();     /* as its group's (group_new) */
+    return copy;
+}
+
 TensorRecord *
 record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group, PyObject *tensor,
            Py_ssize_t input_index)
 {
-    TensorRecord *record = (TensorRecord *)alloc_instance(st->tensor_record_type);
+    TensorRecord *record = (TensorRecord *)mp_type_alloc(st->tensor_record_type);
     if (record == NULL)
         return NULL;
     record->copy = info->copy_index >= 0
@@ -314,7 +254,7 @@ record_new(mp_state *st, input_info *info, PyObject *copies, PyObject *group, Py
 PyObject *
 group_new(mp_state *st, PyObject *module, PyObject *copies)
 {
-    OffloadGroup *group = (OffloadGroup *)alloc_instance(st->offload_group_type);
+    OffloadGroup *group = (OffloadGroup *)mp_type_alloc(st->offload_group_type);
     if (group == NULL)
         return NULL;
     group->module = Py_NewRef(module);
@@ -335,7 +275,7 @@ group_new(mp_state *st, PyObject *module, PyObject *copies)
 PyObject *
 packer_new(mp_state *st, PyObject *records)
 {
-    OffloadPacker *packer = (OffloadPacker *)alloc_instance(st->offload_packer_type);
+    OffloadPacker *packer = (OffloadPacker *)mp_type_alloc(st->offload_packer_type);
     if (packer == NULL)
         return NULL;
     packer->records = Py_NewRef(records);
@@ -356,4 +296,21 @@ offload_source_changed(mp_state *st, TensorRecord *record)
     int same = PyObject_RichCompareBool(now, record->version, Py_EQ);
     Py_DECREF(now);
     return same < 0 ? -1 : !same;
+}
+
+int
+offload_walk_copies(offload_engine *engine,
+                    int (*visit)(offload_engine *, StorageCopy *, void *), void *ctx)
+{
+    for (int d = 0; d < MAX_CUDA_DEVICES; d++) {
+        offload_device *device = engine->cuda[d];
+        for (OffloadGroup *g = device ? device->first : NULL; g != NULL; g = g->next) {
+            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g->copies); i++) {
+                int stop = visit(engine, (StorageCopy *)PyTuple_GET_ITEM(g->copies, i), ctx);
+                if (stop != 0)
+                    return stop;
+            }
+        }
+    }
+    return 0;
 }
