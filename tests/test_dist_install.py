@@ -103,3 +103,31 @@ def test_gradients_match_torch_checkpoint_with_keywords_and_nesting() -> None:
         grads.append(torch.autograd.grad(out.pow(3).sum(), (a, w, b)))
     for mine, theirs in zip(*grads):
         assert torch.equal(mine, theirs)
+
+
+# what install_allocator() does with the units, on a machine whose compilers
+# matepoint cannot see (the OOM unit: a CPU build of torch has no CUDA
+# libraries for the adapter)
+UNIT_FROM_THE_WHEEL = """
+import ctypes, json, os, shutil, tempfile
+os.environ["PATH"] = tempfile.mkdtemp()
+os.environ.pop("CXX", None)
+from matepoint import _oom, _units
+from matepoint._allocator import allocator_path
+attached = _oom.attach_oom_handler(ctypes.CDLL(allocator_path()))
+print(json.dumps({"compiler": shutil.which("c++"), "attached": attached,
+                  "state": _units.state("oom_raise").as_dict(), "folder": _units.FOLDER}))
+"""
+
+
+def test_the_oom_unit_comes_prebuilt_from_the_wheel_without_a_compiler(tmp_path) -> None:
+    import json
+    env = dict(os.environ, MATEPOINT_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", UNIT_FROM_THE_WHEEL], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome["compiler"] is None and outcome["attached"] is True, outcome
+    assert outcome["state"]["origin"] == "prebuilt", outcome
+    assert outcome["state"]["path"].startswith(sys.prefix + os.sep), outcome   # the wheel's
+    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
