@@ -220,8 +220,12 @@ def find(name: str) -> Tuple[Optional[str], str]:
     matching = [entry for entry in entries if entry.get("key") == wanted]
     if not matching:
         return None, (f"no prebuilt {name} for torch {torch.__version__} ({wanted}): this "
-                      f"installation's serve {carried_torches()}")
-    path = os.path.join(FOLDER, matching[0]["file"])
+                      f"installation's units serve {carried_torches()}")
+    name_in_folder = str(matching[0].get("file", ""))
+    if not name_in_folder or os.path.basename(name_in_folder) != name_in_folder:
+        return None, f"the list of prebuilt units names {name_in_folder!r} for {name}, " \
+                     f"not a file of its folder"
+    path = os.path.join(FOLDER, name_in_folder)
     try:
         problem = _trust_problem(path)
     except OSError as error:

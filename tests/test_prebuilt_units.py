@@ -199,8 +199,9 @@ def test_a_unit_listed_for_another_torch_is_never_loaded(tmp_path: Path) -> None
     done = _find_in(copy, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
-    assert outcome["path"] is None and f"no prebuilt oom_raise for torch {torch.__version__} " \
-        f"({mine})" in outcome["why"], outcome
+    assert outcome["path"] is None and outcome["why"] == (
+        f"no prebuilt oom_raise for torch {torch.__version__} ({mine}): this installation's "
+        f"units serve {_units.carried_torches()}"), outcome
     assert outcome["loaded"].startswith("error: ") and outcome["mapped"] == [], outcome
     assert not canary.exists(), "a unit listed for another torch was loaded"
 
@@ -226,6 +227,19 @@ def test_a_prebuilt_unit_others_could_have_replaced_never_runs(tmp_path: Path,
     (copy / name if loosen == "file" else copy).chmod(0o755)
     assert json.loads(_find_in(copy, tmp_path).stdout.strip().splitlines()[-1])["mapped"]
     assert canary.read_text() == "planted code ran\n"
+
+
+def test_a_listed_file_outside_the_units_folder_is_refused(tmp_path: Path,
+                                                          monkeypatch) -> None:
+    _carried_here()
+    copy = _copy_of_prebuilt(tmp_path)
+    manifest = json.loads((copy / _build_layout.PREBUILT_MANIFEST).read_text())
+    entry = next(e for e in manifest["units"] if e["key"] == _units.key("oom_raise"))
+    entry["file"] = "../" + entry["file"]
+    (copy / _build_layout.PREBUILT_MANIFEST).write_text(json.dumps(manifest))
+    monkeypatch.setattr(_units, "FOLDER", str(copy))
+    path, why = _units.find("oom_raise")
+    assert path is None and "not a file of its folder" in why, why
 
 
 def test_cuda_headers_without_crt_name_the_wheel_that_supplies_it(tmp_path: Path,
