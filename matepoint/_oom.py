@@ -142,7 +142,7 @@ def build_timeout() -> float:
 def prebuilt_allowed() -> bool:
     """Whether units may come from the wheel (MATEPOINT_PREBUILT, default 1;
     0 compiles them here, as for a torch built from source)."""
-    text = os.environ.get("MATEPOINT_PREBUILT", "1").strip().lower()
+    text = os.environ.get("MATEPOINT_PREBUILT", "").strip().lower() or "1"
     if text not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
         raise ValueError(f"MATEPOINT_PREBUILT must be 1 or 0 (load the wheel's prebuilt C++ "
                          f"units, or compile them here), got {text!r}")

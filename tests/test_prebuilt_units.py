@@ -299,3 +299,12 @@ def test_the_cache_key_follows_torchs_allocator_headers_and_cudas_version(tmp_pa
     assert second != first
     (cuda / "cuda_runtime_api.h").write_text("#define CUDART_VERSION 12080\n")
     assert key() not in (first, second)
+
+
+@pytest.mark.parametrize("value", ["2", "maybe"])
+def test_a_bad_matepoint_prebuilt_is_refused_naming_it(value: str, monkeypatch) -> None:
+    monkeypatch.setenv("MATEPOINT_PREBUILT", value)
+    with pytest.raises(ValueError, match=r"MATEPOINT_PREBUILT must be 1 or 0 .*" + repr(value)):
+        _oom.load_unit("oom_raise")
+    monkeypatch.setenv("MATEPOINT_PREBUILT", "")   # empty: unset, as for every variable
+    assert _oom.prebuilt_allowed()
