@@ -51,9 +51,26 @@ def _run_cases(path: str, *selection: str, preload: Optional[str] = None) -> Non
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
 
+def device_shim(folder: str) -> str:
+    """The runtime calls torch makes before it allocates, answered as the
+    simulated GPU would (tests/c/cuda_device_shim.c), built into `folder`:
+    no GPU (nor driver) is here."""
+    shim = os.path.join(folder, "libcuda_device_shim.so")
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", shim,
+                    os.path.join(HERE, "c", "cuda_device_shim.c")], check=True, timeout=120)
+    return shim
+
+
 @needs_cuda_libraries
 def test_torch_memory_functions_answer_from_matepoint() -> None:
     _run_cases("torch_api_cases.py")
+
+
+@needs_cuda_libraries
+def test_torch_memory_api_answers_as_torchs_allocator(tmp_path) -> None:
+    """tests/torch_parity_cases.py: CUDA tensors over the simulated GPU,
+    torch's memory API called as users call it (issue 53)."""
+    _run_cases("torch_parity_cases.py", preload=device_shim(str(tmp_path)))
 
 
 HOST_FIGURES = textwrap.dedent("""

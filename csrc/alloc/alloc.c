@@ -51,7 +51,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
         dev->stats.cache_hits++;
     } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool)) == NULL) {
         stats_record_oom(a, dev, size);
-        history_record(dev, ALLOC_TRACE_OOM, 0, size, stream, tag, context);
+        history_record_oom(a, dev, rounded, stream, pool, tag, context);
         history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
@@ -60,7 +60,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
         if (!b->in_index)
             block_insert_free(b);
         stats_record_oom(a, dev, size);
-        history_record(dev, ALLOC_TRACE_OOM, 0, size, stream, tag, context);
+        history_record_oom(a, dev, rounded, stream, pool, tag, context);
         history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
@@ -68,7 +68,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     stats_account_malloc(dev, b, size, tag);
     /* the block keeps the stack for snapshots; the record only if asked */
     b->context = context;
-    history_record(dev, ALLOC_TRACE_ALLOC, b->ptr, b->size, stream, tag,
+    history_record(dev, ALLOC_TRACE_ALLOC, b->ptr, size, b->seg->owner, tag,
                    dev->history.when >= ALLOC_CONTEXT_ALLOC ? context : NULL);
     void *ptr = (void *)b->ptr;
     uint64_t bytes = b->size;
@@ -114,8 +114,8 @@ alloc_free(allocator *a, void *ptr, int device)
         return -1;
     }
     stats_account_free(dev, b);
-    history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->size, b->seg->owner->stream,
-                   b->tag, context);
+    history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->seg->owner, b->tag,
+                   context);
     history_drop(dev, context);
     if (b->n_extra > 0 && dev->active_pools != 0)
         block_defer(dev, b);

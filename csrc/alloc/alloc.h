@@ -56,6 +56,9 @@ typedef struct {
      * is being captured into a CUDA graph (no event recorded on it could be
      * waited for), 0 when not, ALLOC_ERROR when that could not be asked */
     int (*stream_capturing)(void *ctx, int device, void *stream);
+    /* optional, NULL: unknown. The device's free and total bytes (a trace
+     * record of out of memory carries the free ones): ALLOC_OK or ALLOC_ERROR */
+    int (*mem_info)(void *ctx, int device, uint64_t *free_bytes, uint64_t *total_bytes);
     /* optional, NULL: none. Told of each block alloc_malloc hands out,
      * after the lock was released: `bytes` is the block's size, the request
      * rounded up (more when a large block's small rest stayed attached) */

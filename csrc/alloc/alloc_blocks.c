@@ -196,8 +196,7 @@ segment_release(allocator *a, device_state *dev, segment *seg)
     }
     a->backend.device_free(a->backend.ctx, dev->index, (void *)seg->base, seg->size);
     stats_segment_released(dev, seg);
-    history_record(dev, ALLOC_TRACE_SEGMENT_FREE, seg->base, seg->size, seg->owner->stream, 0,
-                   NULL);
+    history_record(dev, ALLOC_TRACE_SEGMENT_FREE, seg->base, seg->size, seg->owner, 0, NULL);
     MP_ASSERT((seg->prev == NULL) == (dev->segments == seg));
     MP_ASSERT(seg->next == NULL || seg->next->prev == seg);
     if (seg->prev != NULL)
@@ -400,6 +399,6 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, pri
         pool->segments++;
     *b = (block){.ptr = (uintptr_t)ptr, .size = size, .seg = seg};
     stats_segment_added(dev, seg);
-    history_record(dev, ALLOC_TRACE_SEGMENT_ALLOC, seg->base, seg->size, stream, 0, NULL);
+    history_record(dev, ALLOC_TRACE_SEGMENT_ALLOC, seg->base, seg->size, owner, 0, NULL);
     return b;
 }

@@ -156,6 +156,25 @@ cuda_device_synchronize(void *ctx, int device)
 }
 
 static int
+cuda_mem_info(void *ctx, int device, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    const cudart *rt = ctx;
+    int previous = enter_device(rt, device);
+    if (previous < 0)
+        return ALLOC_ERROR;
+    size_t free_now = 0, total = 0;
+    int status = rt->mem_get_info(&free_now, &total);
+    cudart_leave_device(rt, device, previous);
+    if (status != CUDART_SUCCESS) {
+        report(rt, status, "cudaMemGetInfo");
+        return ALLOC_ERROR;
+    }
+    *free_bytes = free_now;
+    *total_bytes = total;
+    return ALLOC_OK;
+}
+
+static int
 cuda_stream_capturing(void *ctx, int device, void *stream)
 {
     const cudart *rt = ctx;
@@ -175,6 +194,7 @@ alloc_cuda_backend(const cudart *rt)
         .event_record = cuda_event_record, .event_query = cuda_event_query,
         .event_wait = cuda_event_wait, .event_free = cuda_event_free,
         .device_synchronize = cuda_device_synchronize,
-        .stream_capturing = cuda_stream_capturing, .ctx = (void *)rt,
+        .stream_capturing = cuda_stream_capturing, .mem_info = cuda_mem_info,
+        .ctx = (void *)rt,
     };
 }

@@ -134,6 +134,18 @@ host_stream_capturing(void *ctx, int device, void *stream)
     return s != NULL && atomic_load(&s->capturing);
 }
 
+/* The capacity and what is left of it (0 and 0 without a cap). */
+static int
+host_mem_info(void *ctx, int device, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    alloc_host_ctx *host = ctx;
+    (void)device;
+    uint64_t live = atomic_load(&host->live_bytes);
+    *total_bytes = host->capacity_bytes;
+    *free_bytes = host->capacity_bytes > live ? host->capacity_bytes - live : 0;
+    return ALLOC_OK;
+}
+
 alloc_backend
 alloc_host_backend(alloc_host_ctx *ctx)
 {
@@ -142,6 +154,6 @@ alloc_host_backend(alloc_host_ctx *ctx)
         .event_record = host_event_record, .event_query = host_event_query,
         .event_wait = host_event_wait, .event_free = host_event_free,
         .device_synchronize = host_synchronize, .stream_capturing = host_stream_capturing,
-        .ctx = ctx,
+        .mem_info = host_mem_info, .ctx = ctx,
     };
 }

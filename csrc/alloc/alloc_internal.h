@@ -241,9 +241,15 @@ history_gather(allocator *a, int at_least, uint64_t tag)
         return NULL;
     return history_gather_now(a, tag);
 }
-/* Adds a record to the ring of a recording device (history_record). */
+/* Adds a record to the ring of a recording device (history_record), of
+ * memory of `pool` (NULL: the ordinary cache); takes its own reference to
+ * `context`. */
 void history_append(device_state *dev, int action, uint64_t address, uint64_t size,
-                    void *stream, uint64_t tag, void *context);
+                    void *stream, const private_pool *pool, uint64_t tag, void *context);
+/* The record of a request of `rounded` bytes on `stream` into `pool` that
+ * got nothing: the device's free bytes as the backend tells them. */
+void history_record_oom(allocator *a, device_state *dev, uint64_t rounded, void *stream,
+                        const private_pool *pool, uint64_t tag, void *context);
 
 /* Gives up one reference to `context` (NULL: nothing). Inline: with
  * history off every malloc and free passes here with NULL. */
@@ -254,15 +260,14 @@ history_drop(device_state *dev, void *context)
         dev->history.release(context);
 }
 
-/* Adds a record (ALLOC_TRACE_*) when recording; takes its own reference
- * to `context`. Inline: one predictable branch when
- * history is off. */
+/* Adds a record (ALLOC_TRACE_*) of memory of `owner`'s segments when
+ * recording. Inline: one predictable branch when history is off. */
 static inline void
-history_record(device_state *dev, int action, uint64_t address, uint64_t size, void *stream,
-               uint64_t tag, void *context)
+history_record(device_state *dev, int action, uint64_t address, uint64_t size,
+               const stream_state *owner, uint64_t tag, void *context)
 {
     if (__builtin_expect(dev->history.enabled != 0, 0))
-        history_append(dev, action, address, size, stream, tag, context);
+        history_append(dev, action, address, size, owner->stream, owner->pool, tag, context);
 }
 
 /* ---- alloc_blocks.c ----------------------------------------------------- */

@@ -240,8 +240,8 @@ free_now(device_state *dev, uintptr_t ptr)
     block *b = map_take(dev, ptr);
     MP_ASSERT(b != NULL && b->seg->owner->pool != NULL);
     stats_account_free(dev, b);
-    history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->size, b->seg->owner->stream,
-                   b->tag, NULL);
+    history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->seg->owner, b->tag,
+                   NULL);
     block_forget_streams(b);
     stats_block_inactive(dev, b);
     block_insert_free(b);
@@ -266,7 +266,7 @@ lay_out_segment(device_state *dev, segment *seg, const alloc_pool_state *state,
         MP_ASSERT(inserted == 0);
         (void)inserted;
         stats_account_malloc(dev, b, want->requested, want->tag);
-        history_record(dev, ALLOC_TRACE_ALLOC, b->ptr, b->size, seg->owner->stream, want->tag,
+        history_record(dev, ALLOC_TRACE_ALLOC, b->ptr, want->requested, seg->owner, want->tag,
                        NULL);
         delta->allocated[delta->allocated_count++] =
             (alloc_restored_block){(void *)b->ptr, b->size, seg->owner->stream};

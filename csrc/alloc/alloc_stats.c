@@ -154,8 +154,8 @@ stats_block_inactive(device_state *dev, block *b)
     stat_sub(dev, ALLOC_STAT_ACTIVE, pool, 1);
     stat_sub(dev, ALLOC_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
     stat_sub(dev, ALLOC_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
-    history_record(dev, ALLOC_TRACE_FREE_COMPLETED, b->ptr, b->size, b->seg->owner->stream,
-                   b->tag, NULL);
+    history_record(dev, ALLOC_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->seg->owner, b->tag,
+                   NULL);
     history_drop(dev, b->context);
     b->context = NULL;
 }

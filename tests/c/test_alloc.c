@@ -865,7 +865,10 @@ test_history_records_and_snapshot(void)
         CHECK(snap.trace[i].action == actions[i]);
         CHECK(i == 0 || snap.trace[i].time > snap.trace[i - 1].time);
     }
-    CHECK(snap.trace[1].address == (uintptr_t)x && snap.trace[1].size == 1024);
+    /* a block's records carry the bytes requested, as torch's (1024 handed out) */
+    CHECK(snap.trace[1].address == (uintptr_t)x && snap.trace[1].size == 1000);
+    CHECK(snap.trace[4].size == 1000 && snap.trace[5].size == 1000);
+    CHECK(snap.trace[0].size == 2 * MiB && snap.trace[1].pool_a == 0 && snap.trace[1].pool_b == 0);
     CHECK(snap.trace[1].tag == alloc_region_tag(3, TAG_FORWARD) && snap.trace[1].context);
     CHECK(snap.trace[4].tag == alloc_region_tag(3, TAG_FORWARD) && !snap.trace[4].context);
     CHECK(snap.trace[3].stream == &s1 && snap.trace[3].size == 3 * MiB);
@@ -888,12 +891,18 @@ test_history_records_and_snapshot(void)
     CHECK(alloc_take_snapshot(a, 0, &snap) == 0);
     CHECK(snap.trace_count == 3 && snap.trace[2].action == ALLOC_TRACE_FREE_COMPLETED);
     alloc_snapshot_free(a, &snap);
-    /* off: nothing recorded, nothing gathered; what was kept stays */
+    /* off: nothing recorded, nothing gathered, and what was kept goes (torch
+     * clears its ring then): it does not come back at the next start */
+    CHECK(alloc_history_enabled(a));
     history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    CHECK(!alloc_history_enabled(a));
     int64_t gathered = atomic_load(&contexts_gathered);
     alloc_free(a, alloc_malloc(a, 512, 0, &s1, 0), 0);
     CHECK(atomic_load(&contexts_gathered) == gathered);
-    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 3);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 0);
+    alloc_snapshot_free(a, &snap);
+    history(a, 1, 10, ALLOC_CONTEXT_NEVER, 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 0);
     alloc_snapshot_free(a, &snap);
     /* clear: the records and their contexts go */
     history(a, 1, 10, ALLOC_CONTEXT_ALL, 1);
@@ -915,6 +924,64 @@ test_history_records_and_snapshot(void)
     alloc_snapshot_free(a, &snap);
     finish(a, &ctx);
     CHECK(atomic_load(&contexts_alive) == 0);  /* every reference given back */
+}
+
+/* torch's default bound is sys.maxsize: the ring grows as records come,
+ * nothing is reserved for the bound, and every record is kept; a bound of
+ * 0 keeps one record, as torch's. */
+static void
+test_history_ring_grows_to_its_bound(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    allocator *a = make(&ctx, 0, 1);
+    history(a, 1, UINT64_MAX, ALLOC_CONTEXT_NEVER, 1);
+    enum { PAIRS = 700 };       /* past the first ring's 64 records and several doublings */
+    for (int i = 0; i < PAIRS; i++)
+        alloc_free(a, alloc_malloc(a, 1000 + (uint64_t)i, 0, &s1, 0), 0);
+    alloc_snapshot snap;
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0);
+    CHECK(snap.trace_count == 1 + 3 * PAIRS);           /* a segment, then 3 a pair */
+    CHECK(snap.trace[0].action == ALLOC_TRACE_SEGMENT_ALLOC);
+    for (uint64_t i = 0; i < PAIRS && snap.trace_count == 1 + 3 * PAIRS; i++)
+        CHECK(snap.trace[1 + 3 * i].action == ALLOC_TRACE_ALLOC &&
+              snap.trace[1 + 3 * i].size == 1000 + i);
+    alloc_snapshot_free(a, &snap);
+    /* a smaller bound keeps the newest */
+    history(a, 1, 5, ALLOC_CONTEXT_NEVER, 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 5);
+    CHECK(snap.trace[4].action == ALLOC_TRACE_FREE_COMPLETED &&
+          snap.trace[4].size == 1000 + PAIRS - 1);
+    alloc_snapshot_free(a, &snap);
+    history(a, 1, 0, ALLOC_CONTEXT_NEVER, 1);
+    alloc_free(a, alloc_malloc(a, 77, 0, &s1, 0), 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 1);
+    CHECK(snap.trace[0].action == ALLOC_TRACE_FREE_COMPLETED && snap.trace[0].size == 77);
+    alloc_snapshot_free(a, &snap);
+    history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    finish(a, &ctx);
+}
+
+/* Out of memory is recorded as torch records it: the device's free bytes
+ * and the request rounded, of the pool asked. */
+static void
+test_history_records_out_of_memory(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    allocator *a = make(&ctx, 4 * MiB, 1);
+    history(a, 1, 100, ALLOC_CONTEXT_NEVER, 1);
+    void *held = alloc_malloc(a, 1000, 0, &s1, 0);     /* a 2 MiB segment: 2 MiB free */
+    CHECK(held != NULL && alloc_malloc(a, 3 * MiB - 100, 0, &s1, 0) == NULL);
+    alloc_snapshot snap;
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 3);
+    alloc_trace_record *oom = &snap.trace[2];
+    CHECK(oom->action == ALLOC_TRACE_OOM && oom->address == 2 * MiB);
+    CHECK(oom->size == 3 * MiB && oom->stream == &s1 && oom->pool_a == 0);
+    alloc_snapshot_free(a, &snap);
+    alloc_free(a, held, 0);
+    history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    finish(a, &ctx);
 }
 
 /* torch's skip_actions: the actions named are not recorded, the others are. */
@@ -967,6 +1034,8 @@ main(void)
     test_torch_figures();
     test_history_records_and_snapshot();
     test_history_skips_actions();
+    test_history_ring_grows_to_its_bound();
+    test_history_records_out_of_memory();
     test_randomized_operations_keep_invariants();
     test_threads_stress();
     test_broken_invariants_stop_a_debug_build();
