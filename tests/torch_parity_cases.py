@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import sys
+import time
 from typing import Any, Dict, Iterator, List
 
 import pytest
@@ -52,6 +52,7 @@ def cuda_up(library, monkeypatch) -> Iterator[ctypes.CDLL]:
     for module in (torch.cuda, torch.cuda.memory):
         monkeypatch.setattr(module, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     yield library
     gc.collect()
     sim.empty_device_cache()
@@ -106,3 +107,114 @@ def test_history_keeps_at_least_one_entry(cuda_up) -> None:
     finally:
         torch.cuda.memory._record_memory_history(None)
     assert [entry["action"] for entry in trace] == ["free_completed"]
+
+
+# ---- 2. trace times, sizes and pools ------------------------------------------------
+
+# torch converts its approximate clock into the wall clock's microseconds
+# when it takes a snapshot; the conversion is an estimate, a second is ample
+CLOCK_SLACK_US = 1_000_000
+
+
+def test_trace_times_are_epoch_microseconds_and_sizes_requested(cuda_up) -> None:
+    torch.cuda.memory._record_memory_history()
+    try:
+        before_us = time.time_ns() // 1000
+        first = torch.empty(1000, dtype=torch.uint8, device="cuda:0")
+        first_at = first.data_ptr()
+        del first
+        after_us = time.time_ns() // 1000
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    # torch records the bytes asked for (1000), not the block's (1024)
+    assert block_actions_at(trace, first_at) == [("alloc", 1000), ("free_requested", 1000),
+                                                 ("free_completed", 1000)], trace
+    times = [entry["time_us"] for entry in trace]
+    assert times == sorted(times) and len(times) >= 3
+    assert all(before_us - CLOCK_SLACK_US <= t <= after_us + CLOCK_SLACK_US for t in times), (
+        before_us, times, after_us)
+
+
+def test_trace_names_the_pool_of_the_memory(cuda_up) -> None:
+    pool = torch.cuda.MemPool()
+    torch.cuda.memory._record_memory_history()
+    try:
+        with torch.cuda.use_mem_pool(pool):
+            inside = torch.empty(1000, dtype=torch.uint8, device="cuda:0")
+        outside = torch.empty(1000, dtype=torch.uint8, device="cuda:0")
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    pools = {entry["addr"]: tuple(entry["pool_id"]) for entry in trace
+             if entry["action"] == "alloc"}
+    assert pools[inside.data_ptr()] == pool.id and pool.id != (0, 0)
+    assert pools[outside.data_ptr()] == (0, 0)
+    del inside, outside, pool
+
+
+# ---- 6. history calls that raised or answered nothing ---------------------------------
+
+
+def test_is_history_enabled_answers(cuda_up) -> None:
+    """torch._C._cuda_isHistoryEnabled(), which torch.compile's CUDA graph
+    trees ask (cudagraph_trees_history_recording)."""
+    assert torch._C._cuda_isHistoryEnabled() is False
+    torch.cuda.memory._record_memory_history()
+    try:
+        assert torch._C._cuda_isHistoryEnabled() is True
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    assert torch._C._cuda_isHistoryEnabled() is False
+
+
+def allocate_here() -> torch.Tensor:
+    return torch.empty(4096, dtype=torch.uint8, device="cuda:0")
+
+
+def test_allocation_traceback_of_a_recorded_block(cuda_up) -> None:
+    untraced = allocate_here()
+    torch.cuda.memory._record_memory_history()
+    try:
+        traced = allocate_here()
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    frames = torch.cuda.memory._allocation_traceback(traced.untyped_storage().data_ptr())
+    assert frames is not None and any(f["name"] == "allocate_here" for f in frames), frames
+    assert torch.cuda.memory._allocation_traceback(untraced.data_ptr()) is None
+    del traced, untraced
+
+
+def test_context_none_gathers_no_stack(cuda_up) -> None:
+    """context=None: torch keeps no stack for a block; the block still
+    names its checkpoint region and phase."""
+    torch.cuda.memory._record_memory_history(context=None)
+    try:
+        held = allocate_here()
+        snapshot = torch.cuda.memory._snapshot()
+        assert torch.cuda.memory._allocation_traceback(held.data_ptr()) is None
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    (block,) = [b for s in snapshot["segments"] for b in s["blocks"]
+                if b["address"] == held.data_ptr() and b["state"] == "active_allocated"]
+    assert block["frames"] == [], block["frames"]
+    assert block["forward_frames"] == ["matepoint region 0 other"]
+    del held
+
+
+def test_recording_off_drops_the_trace(cuda_up) -> None:
+    """Turning recording off drops what was recorded (torch clears its
+    ring): a later recording starts from nothing."""
+    torch.cuda.memory._record_memory_history()
+    before = allocate_here()
+    torch.cuda.memory._record_memory_history(None)
+    assert torch.cuda.memory._snapshot()["device_traces"][0] == []
+    torch.cuda.memory._record_memory_history()
+    try:
+        after = allocate_here()
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    assert block_actions_at(trace, after.data_ptr()) == [("alloc", 4096)]
+    assert block_actions_at(trace, before.data_ptr()) == []
+    del before, after

@@ -132,6 +132,24 @@ alloc_history_enabled(allocator *a)
     return enabled;
 }
 
+void *
+alloc_block_context(allocator *a, void *ptr)
+{
+    for (int d = 0; d < a->device_count; d++) {
+        device_state *dev = &a->devices[d];
+        pthread_mutex_lock(&dev->lock);
+        block *b = map_find(dev, (uintptr_t)ptr);
+        void *context = b != NULL && b->context != NULL && dev->history.retain != NULL
+                            ? b->context : NULL;
+        if (context != NULL)
+            dev->history.retain(context);
+        pthread_mutex_unlock(&dev->lock);
+        if (b != NULL)
+            return context;
+    }
+    return NULL;
+}
+
 /* ---- records ---------------------------------------------------------------- */
 
 void *

@@ -110,6 +110,10 @@ typedef struct {
 void alloc_history_configure(allocator *a, const alloc_history_config *config);
 /* 1 while recording (torch's isHistoryEnabled). */
 int alloc_history_enabled(allocator *a);
+/* The context the live block at `ptr` (its start) was allocated with,
+ * one reference the caller gives back with the history's release (torch's
+ * getContextForPointer); NULL for none, or no such block. */
+void *alloc_block_context(allocator *a, void *ptr);
 /* The segments, blocks and records of `device`, holding references to
  * their contexts; 0, or -1 without memory (then `out` is empty). The
  * caller frees it with alloc_snapshot_free. */

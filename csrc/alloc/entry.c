@@ -243,8 +243,8 @@ static pthread_mutex_t observer_lock = PTHREAD_MUTEX_INITIALIZER;
 static matepoint_oom_observer oom_observer;
 static void *oom_observer_ctx;
 
-static void
-set_oom_observer(matepoint_oom_observer observer, void *ctx)
+void
+entry_set_oom_observer(matepoint_oom_observer observer, void *ctx)
 {
     pthread_mutex_lock(&observer_lock);
     oom_observer = observer;
@@ -396,8 +396,8 @@ matepoint_set_memory_fraction(double fraction, int device)
     }
 }
 
-static double
-get_memory_fraction(int device)
+double
+entry_memory_fraction(int device)
 {
     uint64_t bits = device >= 0 && device < FRACTION_DEVICES ? atomic_load(&fractions[device]) : 0;
     double fraction = 1.0;
@@ -458,92 +458,4 @@ matepoint_alloc_reset_peaks(void)
     allocator *a = get_allocator();
     if (a != NULL)
         alloc_reset_peaks(a);
-}
-
-/* ---- the table of the C++ adapter (torch_bridge.h) ------------------------ */
-
-static int
-bridge_device_stats(int device, alloc_device_stats *out)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_get_device_stats(a, device, out) : -1;
-}
-
-static int
-bridge_reset_peaks(int device)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_reset_device_peaks(a, device) : -1;
-}
-
-static int
-bridge_reset_accumulated(int device)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_reset_accumulated(a, device) : -1;
-}
-
-static void
-bridge_configure_history(const alloc_history_config *config)
-{
-    allocator *a = get_allocator();
-    if (a != NULL)
-        alloc_history_configure(a, config);
-}
-
-static int
-bridge_take_snapshot(int device, uint64_t pool_a, uint64_t pool_b, alloc_snapshot *out)
-{
-    allocator *a = get_allocator();
-    if (a == NULL) {
-        memset(out, 0, sizeof(*out));
-        return 0;
-    }
-    return alloc_take_pool_snapshot(a, device, pool_a, pool_b, out);
-}
-
-static void
-bridge_free_snapshot(alloc_snapshot *snapshot)
-{
-    alloc_snapshot_free(get_allocator(), snapshot);
-}
-
-/* Constant: every entry is the library's for the process. */
-static const matepoint_torch_bridge bridge = {
-    .version = MATEPOINT_TORCH_BRIDGE_VERSION,
-    .size = sizeof(matepoint_torch_bridge),
-    .malloc = matepoint_malloc,
-    .free = matepoint_free,
-    .init = matepoint_init,
-    .empty_cache = matepoint_reset,
-    .record_stream = matepoint_record_stream,
-    .set_memory_fraction = matepoint_set_memory_fraction,
-    .get_memory_fraction = get_memory_fraction,
-    .device_stats = bridge_device_stats,
-    .reset_peaks = bridge_reset_peaks,
-    .reset_accumulated = bridge_reset_accumulated,
-    .device_count = matepoint_alloc_device_count,
-    .configure_history = bridge_configure_history,
-    .take_snapshot = bridge_take_snapshot,
-    .free_snapshot = bridge_free_snapshot,
-    .set_oom_observer = set_oom_observer,
-    .begin_pool = bridge_begin_pool,
-    .end_pool = bridge_end_pool,
-    .release_pool = bridge_release_pool,
-    .largest_free_block = bridge_largest_free_block,
-    .base_allocation = bridge_base_allocation,
-    .checkpoint_pool = bridge_checkpoint_pool,
-    .free_pool_state = alloc_pool_state_free,
-    .restore_pool = bridge_restore_pool,
-    .free_pool_delta = alloc_pool_delta_free,
-    .pool_live_is = bridge_pool_live_is,
-    .create_pool = bridge_create_pool,
-    .pool_use_count = bridge_pool_use_count,
-    .empty_pool = bridge_empty_pool,
-};
-
-EXPORT const matepoint_torch_bridge *
-matepoint_alloc_torch_bridge(void)
-{
-    return &bridge;
 }

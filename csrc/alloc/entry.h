@@ -1,12 +1,14 @@
 /* Private to the allocator library's entry files (entry.c: torch's entry
- * points, the C API and the C++ adapter's table; entry_pools.c: CUDA graph
- * pools, their states and MemPools, cacheInfo and IPC). Not a contract for
- * anything else. */
+ * points and the C API; entry_bridge.c: the C++ adapter's table;
+ * entry_pools.c: CUDA graph pools, their states and MemPools, cacheInfo and
+ * IPC). Not a contract for anything else. */
 #ifndef MATEPOINT_ALLOC_ENTRY_H
 #define MATEPOINT_ALLOC_ENTRY_H
 
 #include "alloc.h"
+#include "torch_bridge.h"
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define EXPORT __attribute__((visibility("default")))
@@ -14,6 +16,19 @@
 /* The process's one allocator, created on first use (thread-safe); NULL
  * when it could not be (no CUDA runtime). */
 allocator *entry_allocator(void);
+
+/* torch's pluggable entry points (entry.c), also the table's. */
+EXPORT void *matepoint_malloc(size_t size, int device, void *stream);
+EXPORT void matepoint_free(void *ptr, size_t size, int device, void *stream);
+EXPORT void matepoint_init(int device_count);
+EXPORT void matepoint_reset(void);
+EXPORT void matepoint_record_stream(void *ptr, void *stream);
+EXPORT void matepoint_set_memory_fraction(double fraction, int device);
+EXPORT int matepoint_alloc_device_count(void);
+/* The fraction set last on `device` (1.0: none set). */
+double entry_memory_fraction(int device);
+/* torch's out-of-memory observers: the adapter's trampoline. */
+void entry_set_oom_observer(matepoint_oom_observer observer, void *ctx);
 
 /* The adapter table's graph-pool, cacheInfo and IPC entries (torch_bridge.h). */
 int bridge_begin_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_filter use_pool,

@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped whenever an entry changes meaning or place; the adapter refuses
  * a table of another version (a stale cached build). */
-#define MATEPOINT_TORCH_BRIDGE_VERSION 5
+#define MATEPOINT_TORCH_BRIDGE_VERSION 6
 
 /* Called by the allocator after it released its locks, when a request
  * failed for lack of memory and before it raises torch's
@@ -72,6 +72,12 @@ typedef struct matepoint_torch_bridge {
     void (*configure_history)(const alloc_history_config *config);
     int (*take_snapshot)(int device, uint64_t pool_a, uint64_t pool_b, alloc_snapshot *out);
     void (*free_snapshot)(alloc_snapshot *snapshot);
+    /* isHistoryEnabled: 1 while recording */
+    int (*history_enabled)(void);
+    /* getContextForPointer: the context the live block at `ptr` was
+     * allocated with, one reference given back with the history's release;
+     * NULL for none */
+    void *(*block_context)(void *ptr);
 
     /* Out-of-memory observers: one observer, replaced by the next call
      * (the adapter keeps torch's list and passes its own trampoline). */

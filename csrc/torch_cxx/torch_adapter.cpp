@@ -34,30 +34,6 @@
 
 namespace {
 
-namespace cca = c10::cuda::CUDACachingAllocator;
-using c10::CachingDeviceAllocator::DeviceStats;
-using c10::CachingAllocator::Stat;
-using c10::CachingAllocator::StatArray;
-
-void
-copy_stat(const alloc_stat &from, Stat &to)
-{
-    to.current = from.current;
-    to.peak = from.peak;
-    to.allocated = from.allocated;
-    to.freed = from.freed;
-}
-
-void
-copy_array(const alloc_stat (&from)[ALLOC_POOLS], StatArray &to)
-{
-    // torch's StatType order: AGGREGATE, SMALL_POOL, LARGE_POOL, as ALLOC_POOL_*
-    static_assert(ALLOC_POOLS == static_cast<int>(c10::CachingAllocator::StatType::NUM_TYPES),
-                  "torch's pools are all, small and large");
-    for (int pool = 0; pool < ALLOC_POOLS; pool++)
-        copy_stat(from[pool], to[static_cast<size_t>(pool)]);
-}
-
 class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
   public:
     explicit Adapter(const matepoint_torch_bridge *bridge)
@@ -84,25 +60,7 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         alloc_device_stats from;
         TORCH_CHECK(bridge_->device_stats(device, &from) == 0,
                     "matepoint's allocator has no CUDA device ", static_cast<int>(device));
-        DeviceStats to;
-        copy_array(from.arrays[ALLOC_STAT_ALLOCATION], to.allocation);
-        copy_array(from.arrays[ALLOC_STAT_SEGMENT], to.segment);
-        copy_array(from.arrays[ALLOC_STAT_ACTIVE], to.active);
-        copy_array(from.arrays[ALLOC_STAT_INACTIVE_SPLIT], to.inactive_split);
-        copy_array(from.arrays[ALLOC_STAT_ALLOCATED_BYTES], to.allocated_bytes);
-        copy_array(from.arrays[ALLOC_STAT_RESERVED_BYTES], to.reserved_bytes);
-        copy_array(from.arrays[ALLOC_STAT_ACTIVE_BYTES], to.active_bytes);
-        copy_array(from.arrays[ALLOC_STAT_INACTIVE_SPLIT_BYTES], to.inactive_split_bytes);
-        copy_array(from.arrays[ALLOC_STAT_REQUESTED_BYTES], to.requested_bytes);
-        copy_stat(from.oversize_allocations, to.oversize_allocations);
-        copy_stat(from.oversize_segments, to.oversize_segments);
-        to.num_alloc_retries = from.num_alloc_retries;
-        to.num_ooms = from.num_ooms;
-        to.num_sync_all_streams = from.num_sync_all_streams;
-        to.num_device_alloc = from.num_device_alloc;
-        to.num_device_free = from.num_device_free;
-        to.max_split_size = from.max_split_size;
-        return to;
+        return device_stats_of(from);
     }
 
     void resetPeakStats(c10::DeviceIndex device) override
@@ -145,47 +103,34 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
             return CUDAPluggableAllocator::recordHistory(enabled, context_recorder,
                                                          alloc_trace_max_entries, when,
                                                          clear_history, skip_actions);
-        // a bad name refuses the call before anything changed
-        uint32_t skip = 0;
-        for (const std::string &name : skip_actions) {
-            int action = alloc_trace_action(name.c_str());
-            TORCH_CHECK(action >= 0, "matepoint's allocator: unknown memory history action '",
-                        name, "' in skip_actions (torch's actions: alloc, free_requested, "
-                        "free_completed, segment_alloc, segment_free, segment_map, "
-                        "segment_unmap, snapshot, oom, annotate)");
-            skip |= 1u << action;
-        }
-        recorder.store(enabled ? context_recorder : nullptr);
-        alloc_history_config config{};
-        config.skip = skip;
-        config.enabled = enabled;
-        config.max_entries = alloc_trace_max_entries;
-        config.when = static_cast<int>(when);
-        config.clear = clear_history;
-        config.gather = gather_context;
-        config.retain = retain_context;
-        config.release = release_context;
-        config.clock = approximate_time;
+        alloc_history_config config = history_config(
+            enabled, context_recorder, alloc_trace_max_entries, when, clear_history, skip_actions);
         bridge_->configure_history(&config);
     }
+
+    bool isHistoryEnabled() override
+    {
+        if (bridge_->history_enabled == nullptr)
+            return CUDAPluggableAllocator::isHistoryEnabled();
+        return bridge_->history_enabled() != 0;
+    }
+
+#if MATEPOINT_TORCH_AT_LEAST(2, 12)
+    // torch.cuda.memory._allocation_traceback: the stack the live block at
+    // `ptr` was allocated with, if torch's recorder gathered one
+    std::shared_ptr<c10::GatheredContext> getContextForPointer(const void *ptr) override
+    {
+        if (bridge_->block_context == nullptr)
+            return CUDAPluggableAllocator::getContextForPointer(ptr);
+        return take_gathered_stack(bridge_->block_context(const_cast<void *>(ptr)));
+    }
+#endif
 
     cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool, bool include_traces) override
     {
         if (bridge_->take_snapshot == nullptr || bridge_->device_count == nullptr)
             return CUDAPluggableAllocator::snapshot(mempool, include_traces);
-        cca::SnapshotInfo result;
-        int devices = bridge_->device_count();
-        for (int device = 0; device < devices; device++) {
-            DeviceSnapshot snap(bridge_, device, mempool);
-            const alloc_snapshot &data = snap.data;
-            for (uint64_t i = 0; i < data.segment_count; i++)
-                result.segments.push_back(segment_info(device, data, data.segments[i]));
-            result.device_traces.emplace_back();
-            for (uint64_t i = 0; include_traces && i < data.trace_count; i++)
-                result.device_traces.back().push_back(trace_entry(device, data.trace[i]));
-        }
-        result.config_metadata = config_info();
-        return result;
+        return snapshot_info(bridge_, mempool, include_traces, clock_);
     }
 
     // ---- CUDA graph pools: torch's filter is a std::function, which C
@@ -529,18 +474,6 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         }
     }
 
-    // what torch's snapshot reports of the allocator's settings: matepoint's
-    // rounding (512 bytes) and no split limit
-    static cca::AllocatorConfigInfo config_info()
-    {
-        cca::AllocatorConfigInfo info{};
-        info.garbage_collection_threshold = 0.0;
-        info.max_split_size = SIZE_MAX;
-        info.expandable_segments = false;
-        info.last_allocator_settings = "matepoint";
-        return info;
-    }
-
     // The library calls this after releasing its locks, before it throws
     // torch's OutOfMemoryError; the observers run in attach order, as
     // torch's allocator runs them.
@@ -558,6 +491,9 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
     }
 
     const matepoint_torch_bridge *bridge_;
+    // torch's approximate clock against the wall clock, taken at install as
+    // torch's allocator takes it: trace times become epoch microseconds
+    c10::ApproximateClockToUnixTimeConverter clock_;
     std::mutex observers_lock_;
     std::vector<cca::OutOfMemoryObserver> observers_;
     // the blocks restores allocated, until freed (guarded by the base
