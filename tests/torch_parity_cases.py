@@ -218,3 +218,29 @@ def test_recording_off_drops_the_trace(cuda_up) -> None:
     assert block_actions_at(trace, after.data_ptr()) == [("alloc", 4096)]
     assert block_actions_at(trace, before.data_ptr()) == []
     del before, after
+
+
+# ---- 8. zero-byte allocations ----------------------------------------------------------
+
+
+def test_zero_bytes_are_a_null_pointer_and_count_nothing(cuda_up) -> None:
+    """torch's allocator gives no memory for zero bytes: a null pointer,
+    nothing counted (cudagraph trees filter storages by data_ptr() != 0)."""
+    before = torch.cuda.memory_stats(0)
+    empty = torch.empty(0, device="cuda:0")
+    raw = torch.cuda.caching_allocator_alloc(0)
+    after = torch.cuda.memory_stats(0)
+    assert empty.data_ptr() == 0 and empty.untyped_storage().data_ptr() == 0
+    assert raw == 0
+    for key in ("allocation.all.allocated", "allocated_bytes.all.allocated",
+                "requested_bytes.all.allocated", "segment.all.allocated"):
+        assert after[key] == before[key], key
+    torch.cuda.caching_allocator_delete(raw)
+    del empty
+    gc.collect()
+    assert torch.cuda.memory_stats(0)["allocation.all.freed"] == before["allocation.all.freed"]
+    # premise: a non-empty allocation is counted the same way
+    held = torch.empty(1, device="cuda:0")
+    assert torch.cuda.memory_stats(0)["allocation.all.allocated"] == (
+        before["allocation.all.allocated"] + 1)
+    del held

@@ -315,9 +315,14 @@ refuse_capture(size_t size, int device)
     give_up(message);
 }
 
+/* Zero bytes get NULL and count nothing, as from torch's allocator
+ * (whose allocate() asks its device allocator for nothing then): torch
+ * and its CUDA graph trees take a null data pointer for "no memory". */
 EXPORT void *
 matepoint_malloc(size_t size, int device, void *stream)
 {
+    if (size == 0)
+        return NULL;
     allocator *a = get_allocator();
     /* `stream` is of the current device (`device`, as torch calls); a
      * failure to ask is taken as no. A graph's pool (begun before its
@@ -340,6 +345,8 @@ matepoint_free(void *ptr, size_t size, int device, void *stream)
     (void)size;
     (void)stream;
     allocator *a = get_allocator();
+    if (ptr == NULL)
+        return;     /* zero bytes (matepoint_malloc) */
     if (a != NULL && alloc_free(a, ptr, device) < 0)
         fprintf(stderr, "matepoint allocator: free of %p on device %d, which it did not "
                         "allocate (ignored)\n", ptr, device);

@@ -410,11 +410,37 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         return same == 1;
     }
 
+    // Zero bytes are no allocation, as in torch's allocator: a null pointer,
+    // nothing counted, nothing in torch's book (cudagraph trees tell
+    // storages apart by data_ptr() != 0)
+    c10::DataPtr allocate(size_t size) override
+    {
+        if (size != 0)
+            return CUDAPluggableAllocator::allocate(size);
+        c10::DeviceIndex device = 0;
+        C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+        return {nullptr, nullptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device)};
+    }
+
+    void *raw_alloc(size_t nbytes) override
+    {
+        return nbytes == 0 ? nullptr : CUDAPluggableAllocator::raw_alloc(nbytes);
+    }
+
+    void *raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override
+    {
+        return nbytes == 0 ? nullptr
+                           : CUDAPluggableAllocator::raw_alloc_with_stream(nbytes, stream);
+    }
+
     // A block a restore allocated goes back through the library like any
     // other; torch's book of allocations (allocation_metadata_) cannot take
-    // it (its entry type is not exported), so this one keeps it.
+    // it (its entry type is not exported), so this one keeps it. A null
+    // pointer (zero bytes) frees nothing.
     void raw_delete(void *ptr) override
     {
+        if (ptr == nullptr)
+            return;
         Restored block{};
         {
             std::lock_guard<std::mutex> guard(allocator_mutex_);
