@@ -244,3 +244,46 @@ def test_zero_bytes_are_a_null_pointer_and_count_nothing(cuda_up) -> None:
     assert torch.cuda.memory_stats(0)["allocation.all.allocated"] == (
         before["allocation.all.allocated"] + 1)
     del held
+
+
+# ---- 7. memory fraction ---------------------------------------------------------------
+
+# the simulated devices' memory (cudaMemGetInfo's total)
+DEVICE_TOTAL = 16 << 30
+
+
+def out_of_memory(nbytes: int) -> bool:
+    try:
+        held = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    except torch.OutOfMemoryError:
+        return True
+    del held
+    return False
+
+
+def test_memory_fraction_as_torchs(cuda_up) -> None:
+    """A fraction caps what the allocator reserves; 0.0 caps at nothing; a
+    NaN fraction is refused with an error naming matepoint's allocator and
+    leaves the cap; a device that does not exist raises, as every memory
+    function does."""
+    torch.cuda.empty_cache()
+    cap = 8 * MIB
+    try:
+        torch.cuda.set_per_process_memory_fraction(cap / DEVICE_TOTAL, 0)
+        assert torch.cuda.get_per_process_memory_fraction(0) == cap / DEVICE_TOTAL
+        assert out_of_memory(12 * MIB) and not out_of_memory(MIB)   # premise: the cap works
+        with pytest.raises(RuntimeError, match="matepoint's allocator: invalid memory fraction"):
+            torch.cuda.set_per_process_memory_fraction(float("nan"), 0)
+        assert torch.cuda.get_per_process_memory_fraction(0) == cap / DEVICE_TOTAL
+        assert out_of_memory(12 * MIB), "the NaN fraction removed the cap"
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(0.0, 0)
+        assert torch.cuda.get_per_process_memory_fraction(0) == 0.0
+        assert out_of_memory(MIB), "a fraction of 0 caps at nothing"
+        with pytest.raises(RuntimeError, match="matepoint's allocator has no CUDA device 7"):
+            torch.cuda.get_per_process_memory_fraction(7)
+        with pytest.raises(RuntimeError, match="matepoint's allocator has no CUDA device 7"):
+            torch.cuda.set_per_process_memory_fraction(0.5, 7)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    assert not out_of_memory(12 * MIB)

@@ -26,6 +26,8 @@ alloc_create(alloc_backend backend, int device_count)
     for (int i = 0; i < device_count; i++) {
         pthread_mutex_init(&a->devices[i].lock, NULL);
         a->devices[i].index = i;
+        a->devices[i].limit = UINT64_MAX;
+        a->devices[i].fraction = 1.0;
     }
     return a;
 }
@@ -191,6 +193,33 @@ alloc_set_limit(allocator *a, int device, uint64_t limit_bytes)
     pthread_mutex_lock(&dev->lock);
     dev->limit = limit_bytes;
     pthread_mutex_unlock(&dev->lock);
+}
+
+int
+alloc_set_fraction(allocator *a, int device, double fraction, uint64_t total_bytes)
+{
+    device_state *dev = device_of(a, device);
+    /* NaN fails both comparisons: (uint64_t)(NaN * total) is undefined */
+    if (dev == NULL || !(fraction >= 0.0 && fraction <= 1.0))
+        return -1;
+    pthread_mutex_lock(&dev->lock);
+    dev->fraction = fraction;
+    if (total_bytes != 0)
+        dev->limit = (uint64_t)(fraction * (double)total_bytes);
+    pthread_mutex_unlock(&dev->lock);
+    return 0;
+}
+
+double
+alloc_fraction(allocator *a, int device)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL)
+        return -1.0;
+    pthread_mutex_lock(&dev->lock);
+    double fraction = dev->fraction;
+    pthread_mutex_unlock(&dev->lock);
+    return fraction;
 }
 
 void

@@ -177,7 +177,7 @@ typedef struct {
     uint64_t requested;         /* bytes asked for by the failing call */
     int device;
     uint64_t reserved, allocated;
-    uint64_t limit;             /* the device's cap on reserved bytes, 0: none */
+    uint64_t limit;             /* the device's cap on reserved bytes, UINT64_MAX: none */
 } alloc_oom_info;
 
 typedef struct allocator allocator;
@@ -200,8 +200,16 @@ int alloc_free(allocator *a, void *ptr, int device);
 int alloc_record_stream(allocator *a, void *ptr, void *stream);
 /* Waits for pending frees and releases every segment with no live block. */
 void alloc_empty_cache(allocator *a);
-/* Caps reserved bytes of `device` (0: no cap). */
+/* Caps reserved bytes of `device` (UINT64_MAX: no cap, the default). */
 void alloc_set_limit(allocator *a, int device, uint64_t limit_bytes);
+/* torch's setMemoryFraction: caps reserved bytes of `device` at `fraction`
+ * of `total_bytes` (0: unknown, the cap stays) and keeps the fraction; 0,
+ * or -1 (nothing changed) for a device out of range or a fraction outside
+ * [0, 1] (NaN too). */
+int alloc_set_fraction(allocator *a, int device, double fraction, uint64_t total_bytes);
+/* The fraction set last on `device` (1.0: none set), -1.0 for a device out
+ * of range (torch's getMemoryFraction). */
+double alloc_fraction(allocator *a, int device);
 
 alloc_stats alloc_get_stats(allocator *a, int device);
 void alloc_reset_peaks(allocator *a);

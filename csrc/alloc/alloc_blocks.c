@@ -348,7 +348,7 @@ block_carve(block *b, uint64_t size)
 static int
 within_limit(const device_state *dev, uint64_t size)
 {
-    return dev->limit == 0 || (size <= dev->limit && dev->stats.reserved_bytes <= dev->limit - size);
+    return size <= dev->limit && dev->stats.reserved_bytes <= dev->limit - size;
 }
 
 static int

@@ -151,7 +151,8 @@ struct device_state {
     tag_slot *tag_last;
     alloc_stats stats;
     alloc_device_stats torch;       /* torch's figures (alloc.h), kept with `stats` */
-    uint64_t limit;
+    uint64_t limit;                 /* cap on reserved bytes, UINT64_MAX: none */
+    double fraction;                /* of the device's memory, torch's (1.0: none set) */
     uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
     pending_event *spare_events;    /* completed, ready to be recorded again */
     uint64_t spare_count;

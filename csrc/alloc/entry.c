@@ -208,7 +208,7 @@ oom_message(char *out, size_t n, allocator *a, size_t size, int device)
     format_bytes(reserved, sizeof(reserved), oom.reserved);
     format_bytes(free_text, sizeof(free_text), free_bytes);
     format_bytes(total, sizeof(total), total_bytes);
-    if (oom.limit != 0) {
+    if (oom.limit != UINT64_MAX) {
         char limit[32];
         format_bytes(limit, sizeof(limit), oom.limit);
         snprintf(cap, sizeof(cap), " (capped at %s by the memory fraction)", limit);
@@ -379,38 +379,27 @@ matepoint_record_stream(void *ptr, void *stream)
                 ptr);
 }
 
-/* The fraction set last per device (torch's getMemoryFraction), as
- * double bits: 0 stands for none set (1.0). Written by any thread. */
-#define FRACTION_DEVICES 64
-static _Atomic uint64_t fractions[FRACTION_DEVICES];
-
 /* torch.cuda.set_per_process_memory_fraction: caps what the allocator
- * reserves on `device` at that fraction of its total memory. */
+ * reserves on `device` at that fraction of its total memory (0.0: at
+ * nothing). torch's hook cannot fail: a fraction outside [0, 1] (NaN
+ * too) or a device the allocator does not serve changes nothing (the
+ * adapter refuses them first, with an error naming them). */
 EXPORT void
 matepoint_set_memory_fraction(double fraction, int device)
 {
     allocator *a = get_allocator();
     uint64_t free_bytes, total_bytes;
-    if (a == NULL || fraction <= 0.0 || fraction > 1.0)
+    if (a == NULL)
         return;
     device_memory(device, &free_bytes, &total_bytes);
-    if (total_bytes != 0)
-        alloc_set_limit(a, device, (uint64_t)(fraction * (double)total_bytes));
-    if (device >= 0 && device < FRACTION_DEVICES) {
-        uint64_t bits;
-        memcpy(&bits, &fraction, sizeof(bits));
-        atomic_store(&fractions[device], bits);
-    }
+    (void)alloc_set_fraction(a, device, fraction, total_bytes);
 }
 
 double
 entry_memory_fraction(int device)
 {
-    uint64_t bits = device >= 0 && device < FRACTION_DEVICES ? atomic_load(&fractions[device]) : 0;
-    double fraction = 1.0;
-    if (bits != 0)
-        memcpy(&fraction, &bits, sizeof(fraction));
-    return fraction;
+    allocator *a = get_allocator();
+    return a ? alloc_fraction(a, device) : -1.0;
 }
 
 /* install_allocator(): the function that raises torch.OutOfMemoryError. */

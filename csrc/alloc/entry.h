@@ -25,7 +25,7 @@ EXPORT void matepoint_reset(void);
 EXPORT void matepoint_record_stream(void *ptr, void *stream);
 EXPORT void matepoint_set_memory_fraction(double fraction, int device);
 EXPORT int matepoint_alloc_device_count(void);
-/* The fraction set last on `device` (1.0: none set). */
+/* The fraction set last on `device` (1.0: none set), -1.0: no such device. */
 double entry_memory_fraction(int device);
 /* torch's out-of-memory observers: the adapter's trampoline. */
 void entry_set_oom_observer(matepoint_oom_observer observer, void *ctx);

@@ -53,7 +53,8 @@ typedef struct matepoint_torch_bridge {
     void (*empty_cache)(void);
     void (*record_stream)(void *ptr, void *stream);
     void (*set_memory_fraction)(double fraction, int device);
-    /* the fraction set last on `device` (1.0: none set) */
+    /* the fraction set last on `device` (1.0: none set), -1.0 for a
+     * device the allocator does not serve */
     double (*get_memory_fraction)(int device);
 
     /* torch's figures of `device` (alloc.h); -1 when out of range */

@@ -79,11 +79,24 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
                     "matepoint's allocator has no CUDA device ", static_cast<int>(device));
     }
 
+    // torch's allocator refuses a fraction outside [0, 1] (NaN too) and a
+    // device it does not serve; torch's hook to the library cannot fail
+    void setMemoryFraction(double fraction, c10::DeviceIndex device) override
+    {
+        TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0,
+                    "matepoint's allocator: invalid memory fraction ", fraction,
+                    " (a fraction of the device's memory, from 0 to 1)");
+        TORCH_CHECK(bridge_->get_memory_fraction(device) >= 0.0,
+                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
+        CUDAPluggableAllocator::setMemoryFraction(fraction, device);
+    }
+
     double getMemoryFraction(c10::DeviceIndex device) override
     {
-        if (bridge_->get_memory_fraction == nullptr)
-            return CUDAPluggableAllocator::getMemoryFraction(device);
-        return bridge_->get_memory_fraction(device);
+        double fraction = bridge_->get_memory_fraction(device);
+        TORCH_CHECK(fraction >= 0.0,
+                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
+        return fraction;
     }
 
     void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override

@@ -9,6 +9,7 @@
 #include "cuda/cudart.h"
 #include "lock_probe.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -312,8 +313,41 @@ test_out_of_memory_releases_cache_then_fails_cleanly(void)
     alloc_set_limit(a, 0, 1 * MiB);
     alloc_empty_cache(a);
     CHECK(alloc_malloc(a, 600 * 1024, 0, NULL, 0) == NULL);   /* 2 MiB segment > limit */
-    alloc_set_limit(a, 0, 0);
+    alloc_set_limit(a, 0, UINT64_MAX);
     CHECK(alloc_check(a, 0) == 0);
+    finish(a, &ctx);
+}
+
+/* torch's memory fraction: a cap of that share of the device's memory,
+ * 0.0 a cap at nothing; NaN, a fraction outside [0, 1] or a device out of
+ * range change nothing. */
+static void
+test_memory_fraction(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 2);
+    CHECK(alloc_fraction(a, 0) == 1.0 && alloc_fraction(a, 2) == -1.0);
+    CHECK(alloc_set_fraction(a, 0, 0.25, 16 * MiB) == 0 && alloc_fraction(a, 0) == 0.25);
+    void *fits = alloc_malloc(a, 1000, 0, NULL, 0);            /* a 2 MiB segment of 4 */
+    CHECK(fits != NULL && alloc_malloc(a, 3 * MiB, 0, NULL, 0) == NULL);
+    double nan = NAN;
+    CHECK(alloc_set_fraction(a, 0, nan, 16 * MiB) == -1 && alloc_fraction(a, 0) == 0.25);
+    CHECK(alloc_set_fraction(a, 0, 1.5, 16 * MiB) == -1 && alloc_set_fraction(a, 0, -0.1, 0) == -1);
+    CHECK(alloc_set_fraction(a, 2, 0.5, 16 * MiB) == -1);
+    CHECK(alloc_malloc(a, 3 * MiB, 0, NULL, 0) == NULL);        /* the cap stayed */
+    CHECK(alloc_last_oom(a).limit == 4 * MiB);
+    alloc_free(a, fits, 0);
+    alloc_empty_cache(a);
+    CHECK(alloc_set_fraction(a, 0, 0.0, 16 * MiB) == 0 && alloc_fraction(a, 0) == 0.0);
+    CHECK(alloc_malloc(a, 512, 0, NULL, 0) == NULL && alloc_last_oom(a).limit == 0);
+    void *other = alloc_malloc(a, 512, 1, NULL, 0);              /* another device's own */
+    CHECK(other != NULL);
+    alloc_free(a, other, 1);
+    CHECK(alloc_set_fraction(a, 0, 1.0, 64 * MiB) == 0);
+    void *again = alloc_malloc(a, 3 * MiB, 0, NULL, 0);
+    CHECK(again != NULL);
+    alloc_free(a, again, 0);
+    alloc_empty_cache(a);
     finish(a, &ctx);
 }
 
@@ -1028,6 +1062,7 @@ main(void)
     test_events_are_reused_across_frees();
     test_out_of_memory_releases_cache_then_fails_cleanly();
     test_huge_requests_are_out_of_memory();
+    test_memory_fraction();
     test_on_handout_hook_runs_after_the_lock();
     test_cuda_backend_clears_recovered_errors();
     test_tags_are_exact();
