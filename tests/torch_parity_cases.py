@@ -287,3 +287,31 @@ def test_memory_fraction_as_torchs(cuda_up) -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
     assert not out_of_memory(12 * MIB)
+
+
+# ---- 5. out-of-memory observers ---------------------------------------------------------
+
+
+def test_out_of_memory_observers_get_torchs_figures(cuda_up) -> None:
+    """torch passes its observers the device allocation that failed (a
+    segment's size) and the device's total, or with a fraction set the
+    fraction's cap."""
+    seen: List[Any] = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *figures: seen.append(figures))
+    torch.cuda.empty_cache()
+    held = torch.empty(MIB, dtype=torch.uint8, device="cuda:0")
+    _C._sim_fail("cudaMalloc", 0, 1 << 40, 2)       # cudaErrorMemoryAllocation, every time
+    try:
+        for nbytes in (64 * MIB, 20 * MIB):
+            assert out_of_memory(nbytes)
+    finally:
+        _C._sim_fail("cudaMalloc", 0, 0, 0)
+    torch.cuda.set_per_process_memory_fraction(0.25, 0)
+    try:
+        assert out_of_memory(6 << 30)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    assert [figures[:3] for figures in seen] == [
+        (0, 64 * MIB, DEVICE_TOTAL), (0, 20 * MIB, DEVICE_TOTAL), (0, 6 << 30, 4 << 30)], seen
+    assert all(0 < figures[3] <= DEVICE_TOTAL for figures in seen)
+    del held

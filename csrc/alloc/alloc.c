@@ -52,7 +52,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
         (b = block_find_free(stream_list(dev, pool), rounded, small, stream)) != NULL) {
         dev->stats.cache_hits++;
     } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool)) == NULL) {
-        stats_record_oom(a, dev, size);
+        stats_record_oom(a, dev, size, rounded);
         history_record_oom(a, dev, rounded, stream, pool, tag, context);
         history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
@@ -61,7 +61,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     if (block_take(b, rounded) < 0 || map_insert(dev, b) < 0) {
         if (!b->in_index)
             block_insert_free(b);
-        stats_record_oom(a, dev, size);
+        stats_record_oom(a, dev, size, rounded);
         history_record_oom(a, dev, rounded, stream, pool, tag, context);
         history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);

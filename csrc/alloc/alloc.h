@@ -175,6 +175,7 @@ alloc_stat_field(const alloc_stat *stat, int field)
 
 typedef struct {
     uint64_t requested;         /* bytes asked for by the failing call */
+    uint64_t segment_bytes;     /* the device allocation it needed (torch's alloc_size) */
     int device;
     uint64_t reserved, allocated;
     uint64_t limit;             /* the device's cap on reserved bytes, UINT64_MAX: none */

@@ -15,8 +15,7 @@ alloc_round_size(uint64_t size)
     return (size + MIN_BLOCK - 1) & ~(uint64_t)(MIN_BLOCK - 1);
 }
 
-/* 0 when the segment size cannot be represented. */
-static uint64_t
+uint64_t
 segment_size_for(uint64_t rounded)
 {
     if (rounded <= SMALL_REQUEST)

@@ -289,6 +289,9 @@ int block_take(block *b, uint64_t size);
 int block_carve(block *b, uint64_t size);
 /* Keeps at least `count` spare block nodes on `dev`; 0, or -1 without memory. */
 int blocks_reserve_spares(device_state *dev, uint64_t count);
+/* The size of the segment a request of `rounded` bytes takes (0: none can
+ * be represented). */
+uint64_t segment_size_for(uint64_t rounded);
 /* A new segment of `stream` for a request of `rounded` bytes, in `pool`
  * (NULL: the ordinary cache), holding one free block (not indexed); on
  * out-of-memory it frees what it may (segment_release_cached) and retries
@@ -380,8 +383,9 @@ void stats_account_free(device_state *dev, block *b);
 /* Counts a segment of `size` bytes taken from, or given back to, the backend. */
 void stats_segment_added(device_state *dev, segment *seg);
 void stats_segment_released(device_state *dev, segment *seg);
-/* Counts a failed request and keeps its numbers for alloc_last_oom(). */
-void stats_record_oom(allocator *a, device_state *dev, uint64_t size);
+/* Counts a failed request of `size` bytes (`rounded`, 0: too large to
+ * round) and keeps its numbers for alloc_last_oom(). */
+void stats_record_oom(allocator *a, device_state *dev, uint64_t size, uint64_t rounded);
 /* A freed block stops being active: at its free, or once the events of the
  * other streams that used it completed. */
 void stats_block_inactive(device_state *dev, block *b);

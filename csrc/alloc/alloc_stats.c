@@ -169,12 +169,13 @@ stats_count_retry(device_state *dev)
 }
 
 void
-stats_record_oom(allocator *a, device_state *dev, uint64_t size)
+stats_record_oom(allocator *a, device_state *dev, uint64_t size, uint64_t rounded)
 {
     dev->stats.ooms++;
     dev->torch.num_ooms++;
     pthread_mutex_lock(&a->oom_lock);
     a->last_oom = (alloc_oom_info){.requested = size, .device = dev->index,
+                                   .segment_bytes = rounded ? segment_size_for(rounded) : 0,
                                    .reserved = dev->stats.reserved_bytes,
                                    .allocated = dev->stats.allocated_bytes,
                                    .limit = dev->limit};

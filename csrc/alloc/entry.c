@@ -263,9 +263,10 @@ notify_oom(allocator *a, int device)
     if (observer == NULL)
         return;
     uint64_t free_bytes, total_bytes;
-    alloc_stats stats = a ? alloc_get_stats(a, device) : (alloc_stats){0};
+    alloc_oom_info oom = a ? alloc_last_oom(a) : (alloc_oom_info){.limit = UINT64_MAX};
     device_memory(device, &free_bytes, &total_bytes);
-    observer(ctx, device, stats.allocated_bytes, total_bytes, free_bytes);
+    observer(ctx, device, oom.segment_bytes, oom.limit != UINT64_MAX ? oom.limit : total_bytes,
+             free_bytes);
 }
 
 static void

@@ -37,9 +37,11 @@ extern "C" {
 
 /* Called by the allocator after it released its locks, when a request
  * failed for lack of memory and before it raises torch's
- * OutOfMemoryError: torch's OutOfMemoryObserver arguments (bytes
- * allocated on the device, its total and free bytes). */
-typedef void (*matepoint_oom_observer)(void *ctx, int device, uint64_t allocated,
+ * OutOfMemoryError, with what torch's allocator passes its
+ * OutOfMemoryObservers: the device allocation that failed (a segment's
+ * size), the device's total bytes (the memory fraction's cap when one is
+ * set) and its free bytes. */
+typedef void (*matepoint_oom_observer)(void *ctx, int device, uint64_t alloc_size,
                                        uint64_t device_total, uint64_t device_free);
 
 typedef struct matepoint_torch_bridge {

@@ -514,9 +514,11 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
     }
 
     // The library calls this after releasing its locks, before it throws
-    // torch's OutOfMemoryError; the observers run in attach order, as
-    // torch's allocator runs them.
-    static void notify_oom(void *self, int device, uint64_t allocated, uint64_t total,
+    // torch's OutOfMemoryError, with torch's figures (the failed device
+    // allocation, the device's total or the fraction's cap, its free
+    // bytes); the observers run in attach order, as torch's allocator runs
+    // them.
+    static void notify_oom(void *self, int device, uint64_t alloc_size, uint64_t total,
                            uint64_t free_bytes)
     {
         auto *adapter = static_cast<Adapter *>(self);
@@ -526,7 +528,7 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
             observers = adapter->observers_;
         }
         for (auto &observer : observers)
-            observer(device, allocated, total, free_bytes);
+            observer(device, alloc_size, total, free_bytes);
     }
 
     const matepoint_torch_bridge *bridge_;

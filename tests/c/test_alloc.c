@@ -308,6 +308,7 @@ test_out_of_memory_releases_cache_then_fails_cleanly(void)
     CHECK(too_much == NULL);
     alloc_oom_info oom = alloc_last_oom(a);
     CHECK(oom.requested == 30 * MiB && oom.reserved == 20 * MiB && oom.allocated == 4 * MiB);
+    CHECK(oom.segment_bytes == 30 * MiB && oom.limit == UINT64_MAX);
     CHECK(alloc_get_stats(a, 0).ooms == 1);
     alloc_free(a, big, 0);
     alloc_set_limit(a, 0, 1 * MiB);
