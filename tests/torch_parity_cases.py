@@ -67,6 +67,12 @@ def view(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
 
+def read(address: int, nbytes: int) -> torch.Tensor:
+    """A copy of `nbytes` of simulated device memory at `address`."""
+    storage = torch._C._construct_storage_from_data_pointer(address, torch.device("cpu"), nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)).clone()
+
+
 def block_actions_at(trace: List[Dict[str, Any]], address: int) -> List[Any]:
     """(action, size) of the trace's records of the block at `address`."""
     return [(entry["action"], entry["size"]) for entry in trace
@@ -315,3 +321,45 @@ def test_out_of_memory_observers_get_torchs_figures(cuda_up) -> None:
         (0, 64 * MIB, DEVICE_TOTAL), (0, 20 * MIB, DEVICE_TOTAL), (0, 6 << 30, 4 << 30)], seen
     assert all(0 < figures[3] <= DEVICE_TOTAL for figures in seen)
     del held
+
+
+# ---- 3. record_stream with a stream of another device -----------------------------------
+
+
+def stream_of_device(handle: int, device: int) -> torch.cuda.Stream:
+    """torch's Stream for a simulated stream of `device` (made current first:
+    torch.cuda.device's exit would ask the driver, absent here, about the
+    previous device's context)."""
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(device)
+    try:
+        stream = torch.cuda.ExternalStream(handle)
+    finally:
+        torch.cuda.set_device(previous)
+    assert stream.device == torch.device("cuda", device)
+    return stream
+
+
+def test_record_stream_of_another_devices_stream(cuda_up) -> None:
+    """t_on_cuda0.record_stream(stream_on_cuda1): the block is not handed
+    out again until device 1's stream has done its work on it. A kernel of
+    device 1 still writing the freed tensor's memory (peer access) must not
+    land in the next tensor of device 0."""
+    other = _C._sim_stream_create(1)
+    try:
+        tensor = torch.empty(1 << 16, dtype=torch.uint8, device="cuda:0")
+        at, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
+        view(tensor).fill_(3)                  # what device 1's kernel writes, once it runs
+        _C._sim_kernel(1, other, [at, nbytes], [])
+        tensor.record_stream(stream_of_device(other, 1))
+        del tensor
+        after = torch.empty(1 << 16, dtype=torch.uint8, device="cuda:0")
+        view(after).fill_(7)
+        sim.finish()                           # device 1's kernel lands
+        assert torch.equal(view(after), torch.full((nbytes,), 7, dtype=torch.uint8)), (
+            "device 1's kernel wrote into memory handed out again")
+        assert torch.equal(read(at, nbytes), torch.full((nbytes,), 3, dtype=torch.uint8))
+        del after
+    finally:
+        _C._sim_stream_destroy(other)
+    assert _C._sim_peek_last_error() == 0

@@ -49,7 +49,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
         events_process(a, dev, 0);
     block *b = NULL;
     if (rounded != 0 &&
-        (b = block_find_free(stream_list(dev, pool), rounded, small, stream)) != NULL) {
+        (b = block_find_free(stream_list(dev, pool), rounded, small, stream, dev->index)) != NULL) {
         dev->stats.cache_hits++;
     } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool)) == NULL) {
         stats_record_oom(a, dev, size, rounded);
@@ -127,30 +127,50 @@ alloc_free(allocator *a, void *ptr, int device)
     return 0;
 }
 
-/* Adds `stream` to the streams `b` is used on: in the block while they fit
+/* Adds `use` to the streams `b` is used on: in the block while they fit
  * (no malloc for the common one or two), else in a grown array. 0, or -1
  * without memory. */
 static int
-remember_stream(block *b, void *stream)
+remember_stream(block *b, stream_use use)
 {
     if (b->n_extra < EXTRA_INLINE) {
         b->extra_streams = b->extra_inline;
     } else {
         int inline_now = b->extra_streams == b->extra_inline;
-        size_t bytes = sizeof(void *) * (size_t)(b->n_extra + 1);
-        void **grown = realloc(inline_now ? NULL : b->extra_streams, bytes);
+        size_t bytes = sizeof(stream_use) * (size_t)(b->n_extra + 1);
+        stream_use *grown = realloc(inline_now ? NULL : b->extra_streams, bytes);
         if (grown == NULL)
             return -1;
         if (inline_now)
             memcpy(grown, b->extra_inline, sizeof(b->extra_inline));
         b->extra_streams = grown;
     }
-    b->extra_streams[b->n_extra++] = stream;
+    b->extra_streams[b->n_extra++] = use;
+    return 0;
+}
+
+/* 1 when `b` is known to be used on `use` already: its own stream (whose
+ * uses it orders itself) or one recorded. */
+static int
+used_on(const block *b, stream_use use)
+{
+    if (b->seg->owner->stream == use.stream && b->seg->dev->index == use.device)
+        return 1;
+    for (int i = 0; i < b->n_extra; i++) {
+        if (b->extra_streams[i].stream == use.stream && b->extra_streams[i].device == use.device)
+            return 1;
+    }
     return 0;
 }
 
 int
 alloc_record_stream(allocator *a, void *ptr, void *stream)
+{
+    return alloc_record_stream_on(a, ptr, stream, -1);
+}
+
+int
+alloc_record_stream_on(allocator *a, void *ptr, void *stream, int stream_device)
 {
     for (int d = 0; d < a->device_count; d++) {
         device_state *dev = &a->devices[d];
@@ -158,13 +178,8 @@ alloc_record_stream(allocator *a, void *ptr, void *stream)
         block *b = map_find(dev, (uintptr_t)ptr);
         int result = -1;
         if (b != NULL) {
-            result = 0;
-            /* uses on its own stream are ordered by the stream already */
-            int known = b->seg->owner->stream == stream;
-            for (int i = 0; i < b->n_extra && !known; i++)
-                known = b->extra_streams[i] == stream;
-            if (!known)
-                result = remember_stream(b, stream);
+            stream_use use = {stream, stream_device < 0 ? dev->index : stream_device};
+            result = used_on(b, use) ? 0 : remember_stream(b, use);
         }
         pthread_mutex_unlock(&dev->lock);
         if (b != NULL)

@@ -197,8 +197,14 @@ void *alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64
 int alloc_free(allocator *a, void *ptr, int device);
 /* Marks a live block as used on `stream` too: 0; 1 when `ptr` is not a
  * live block of this allocator (memory from elsewhere: DLPack, IPC);
- * -1 when no memory was left to remember the stream. */
+ * -1 when no memory was left to remember the stream. `stream` is of the
+ * block's device (torch's record_stream hook passes no device). */
 int alloc_record_stream(allocator *a, void *ptr, void *stream);
+/* The same for `stream` of device `stream_device` (-1: the block's): the
+ * event of the free is made and recorded on that device (torch's
+ * insert_events), so a kernel of another GPU still using the block keeps
+ * it from reuse. */
+int alloc_record_stream_on(allocator *a, void *ptr, void *stream, int stream_device);
 /* Waits for pending frees and releases every segment with no live block. */
 void alloc_empty_cache(allocator *a);
 /* Caps reserved bytes of `device` (UINT64_MAX: no cap, the default). */

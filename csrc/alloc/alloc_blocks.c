@@ -267,9 +267,9 @@ segment_release_cached(allocator *a, device_state *dev)
 
 /* Best fit among the free blocks of `stream`'s segments. Lock held. */
 block *
-block_find_free(stream_state **list, uint64_t size, int small, void *stream)
+block_find_free(stream_state **list, uint64_t size, int small, void *stream, int device)
 {
-    stream_state *s = stream_find_in(list, stream);
+    stream_state *s = stream_find_in(list, stream, device);
     if (s == NULL)
         return NULL;
     for (unsigned bucket = bucket_of(size); bucket < BUCKETS; bucket++) {
@@ -377,7 +377,7 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, pri
     if (status != ALLOC_OK)
         return NULL;
     /* after the retry, which may have forgotten this stream */
-    stream_state *owner = stream_get(dev, pool, stream);
+    stream_state *owner = stream_get(dev, pool, stream, dev->index);
     segment *seg = owner ? calloc(1, sizeof(*seg)) : NULL;
     block *b = seg ? calloc(1, sizeof(*b)) : NULL;
     if (b == NULL) {

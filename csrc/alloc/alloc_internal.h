@@ -56,6 +56,14 @@ typedef struct pending_event pending_event;
 typedef struct private_pool private_pool;
 typedef struct device_state device_state;
 
+/* A stream a block is used on (alloc_record_stream): its handle and the
+ * device it belongs to, which may be another than the block's (a tensor of
+ * one GPU read by a kernel of another): its event is made there. */
+typedef struct {
+    void *stream;
+    int device;
+} stream_use;
+
 struct block {
     uintptr_t ptr;
     uint64_t size, requested;
@@ -64,9 +72,9 @@ struct block {
     block *list_prev, *list_next;   /* free bucket */
     block *map_next;                /* chain of the live-pointer table */
     uint64_t tag;
-    void **extra_streams;           /* streams from alloc_record_stream, recorded on at the free:
+    stream_use *extra_streams;      /* streams from alloc_record_stream, recorded on at the free:
                                        extra_inline, or malloc'ed past EXTRA_INLINE */
-    void *extra_inline[EXTRA_INLINE];
+    stream_use extra_inline[EXTRA_INLINE];
     int n_extra;
     int event_count;                /* events of its free not yet seen complete */
     void *context;                  /* the stack it was allocated with (history), or NULL */
@@ -94,9 +102,12 @@ struct segment {
 
 /* An event recorded at a free on a stream that used the block; once it
  * completed, the node and its event wait among the device's spares for
- * the next such free (torch's event pool), with `b` NULL. */
+ * the next such free (torch's event pool), with `b` NULL: events made on
+ * the block's device only, as an event records only on streams of the
+ * device it was made on. */
 struct pending_event {
     void *event;
+    int device;                     /* the one the event was made on */
     block *b;
     pending_event *next;
 };
@@ -105,11 +116,14 @@ struct pending_event {
  * device's list) or in a private pool (on the pool's list): the free
  * blocks of its segments, and the events frees recorded on it, oldest
  * first (ordinary ones only: events are queued on the stream that used a
- * block, whatever pool the block is in). `stream` is a key only: nothing
+ * block, whatever pool the block is in). A stream of another device
+ * that used a block of this one holds only events; `device` tells it
+ * apart (handle NULL names each device's own legacy stream). `stream` is a key only: nothing
  * is recorded on it after the call that named it returned, so a stream
  * destroyed since does no harm. Freed once it has neither. */
 struct stream_state {
     void *stream;
+    int device;                     /* the stream's: this device's, but for events */
     private_pool *pool;
     block *buckets[2][BUCKETS];     /* [small][floor(log2 size)] */
     uint64_t segments;
@@ -195,15 +209,15 @@ stream_list(device_state *dev, private_pool *pool)
     return pool != NULL ? &pool->streams : &dev->streams;
 }
 
-/* The state of `stream` in `list`, moved to the front: a device mostly
- * allocates on one or two streams. NULL when the list has none for it.
- * Inline: on every malloc. */
+/* The state of `stream` of `device` in `list`, moved to the front: a
+ * device mostly allocates on one or two streams. NULL when the list has
+ * none for it. Inline: on every malloc. */
 static inline stream_state *
-stream_find_in(stream_state **list, void *stream)
+stream_find_in(stream_state **list, void *stream, int device)
 {
     for (stream_state **link = list; *link != NULL; link = &(*link)->next) {
         stream_state *s = *link;
-        if (s->stream != stream)
+        if (s->stream != stream || s->device != device)
             continue;
         *link = s->next;
         s->next = *list;
@@ -213,11 +227,11 @@ stream_find_in(stream_state **list, void *stream)
     return NULL;
 }
 
-/* The state of `stream` in the device's ordinary cache, or NULL. */
+/* The state of `stream` of `device` in the ordinary cache of `dev`, or NULL. */
 static inline stream_state *
-stream_find(device_state *dev, void *stream)
+stream_find(device_state *dev, void *stream, int device)
 {
-    return stream_find_in(&dev->streams, stream);
+    return stream_find_in(&dev->streams, stream, device);
 }
 
 /* ---- alloc.c ------------------------------------------------------------ */
@@ -276,9 +290,9 @@ history_record(device_state *dev, int action, uint64_t address, uint64_t size,
 block **block_bucket(block *b);
 /* A block becomes free: merged with its free neighbours, indexed. */
 void block_insert_free(block *b);
-/* Best fit among the free blocks of `stream`'s segments in `list` (a
- * stream_list()); NULL if none. */
-block *block_find_free(stream_state **list, uint64_t size, int small, void *stream);
+/* Best fit among the free blocks of the segments of `stream` (of `device`)
+ * in `list` (a stream_list()); NULL if none. */
+block *block_find_free(stream_state **list, uint64_t size, int small, void *stream, int device);
 /* Takes `b` for `size` bytes, splitting the rest off as a free block;
  * 0, or -1 without memory (then `b` is indexed again). */
 int block_take(block *b, uint64_t size);
@@ -316,9 +330,9 @@ void segment_release_cached(allocator *a, device_state *dev);
 
 /* ---- alloc_streams.c ---------------------------------------------------- */
 
-/* The state of `stream` in `pool` (NULL: the ordinary cache), made when
- * missing; NULL without memory. */
-stream_state *stream_get(device_state *dev, private_pool *pool, void *stream);
+/* The state of `stream` of `device` in `pool` (NULL: the ordinary cache),
+ * made when missing; NULL without memory. */
+stream_state *stream_get(device_state *dev, private_pool *pool, void *stream, int device);
 /* Frees `s` when it has neither segments nor pending events. */
 void stream_drop_if_unused(device_state *dev, stream_state *s);
 /* Retires completed events of every stream (all of them, waiting, if

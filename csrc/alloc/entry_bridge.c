@@ -57,6 +57,13 @@ bridge_free_snapshot(alloc_snapshot *snapshot)
 }
 
 static int
+bridge_record_stream_on(void *ptr, void *stream, int device)
+{
+    allocator *a = entry_allocator();
+    return a ? alloc_record_stream_on(a, ptr, stream, device) : 1;
+}
+
+static int
 bridge_history_enabled(void)
 {
     allocator *a = entry_allocator();
@@ -79,6 +86,7 @@ static const matepoint_torch_bridge bridge = {
     .init = matepoint_init,
     .empty_cache = matepoint_reset,
     .record_stream = matepoint_record_stream,
+    .record_stream_on = bridge_record_stream_on,
     .set_memory_fraction = matepoint_set_memory_fraction,
     .get_memory_fraction = entry_memory_fraction,
     .device_stats = bridge_device_stats,

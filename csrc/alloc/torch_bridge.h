@@ -54,6 +54,9 @@ typedef struct matepoint_torch_bridge {
     void (*init)(int device_count);
     void (*empty_cache)(void);
     void (*record_stream)(void *ptr, void *stream);
+    /* record_stream with the stream's device (torch's hook passes none):
+     * 0, 1 for memory not the allocator's (skipped), -1 without memory */
+    int (*record_stream_on)(void *ptr, void *stream, int device);
     void (*set_memory_fraction)(double fraction, int device);
     /* the fraction set last on `device` (1.0: none set), -1.0 for a
      * device the allocator does not serve */

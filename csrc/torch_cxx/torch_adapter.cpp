@@ -79,6 +79,21 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
                     "matepoint's allocator has no CUDA device ", static_cast<int>(device));
     }
 
+    // A stream of another GPU than the block's (t_on_cuda0.record_stream(
+    // stream_on_cuda1)): torch's hook passes the stream alone, and an event
+    // made on the block's device cannot be recorded there; the library makes
+    // it on the stream's device, as torch's insert_events does.
+    void recordStream(const c10::DataPtr &ptr, c10::cuda::CUDAStream stream) override
+    {
+        if (bridge_->record_stream_on == nullptr)
+            return CUDAPluggableAllocator::recordStream(ptr, stream);
+        if (ptr.get() == nullptr)
+            return;     // an empty tensor's storage: no block
+        TORCH_CHECK(bridge_->record_stream_on(ptr.get(), stream.stream(),
+                                              static_cast<int>(stream.device_index())) >= 0,
+                    "matepoint's allocator: out of host memory recording a stream on ", ptr.get());
+    }
+
     // torch's allocator refuses a fraction outside [0, 1] (NaN too) and a
     // device it does not serve; torch's hook to the library cannot fail
     void setMemoryFraction(double fraction, c10::DeviceIndex device) override

@@ -319,6 +319,38 @@ test_out_of_memory_releases_cache_then_fails_cleanly(void)
     finish(a, &ctx);
 }
 
+/* A stream of another device that used a block (record_stream of a tensor
+ * of GPU 0 on a stream of GPU 1): the same handle on two devices is two
+ * streams, its event is made for it (never a spare of the block's device,
+ * made there) and is not kept as a spare after. */
+static void
+test_record_stream_of_another_device(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    allocator *a = make(&ctx, 0, 2);
+    void *p = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(alloc_record_stream_on(a, p, &s1, 0) == 0);     /* its own stream: nothing to do */
+    CHECK(alloc_record_stream_on(a, (void *)64, &s1, 1) == 1);
+    alloc_free(a, p, 0);
+    CHECK(atomic_load(&ctx.events_recorded) == 0);
+    void *q = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(q == p && alloc_record_stream_on(a, q, &s1, 1) == 0);
+    alloc_host_submit(&s1);
+    alloc_free(a, q, 0);
+    CHECK(atomic_load(&ctx.events_recorded) == 1 && atomic_load(&ctx.events_created) == 1);
+    void *r = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(r != q && alloc_check(a, 0) == 0);               /* pending on device 1's stream */
+    alloc_host_complete(&s1);
+    alloc_free(a, alloc_malloc(a, 8, 0, NULL, 0), 0);      /* retires the event */
+    CHECK(atomic_load(&ctx.live_events) == 0);             /* not kept: made for device 1 */
+    void *again = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(again == q);
+    alloc_free(a, again, 0);
+    alloc_free(a, r, 0);
+    finish(a, &ctx);
+}
+
 /* torch's memory fraction: a cap of that share of the device's memory,
  * 0.0 a cap at nothing; NaN, a fraction outside [0, 1] or a device out of
  * range change nothing. */
@@ -1064,6 +1096,7 @@ main(void)
     test_out_of_memory_releases_cache_then_fails_cleanly();
     test_huge_requests_are_out_of_memory();
     test_memory_fraction();
+    test_record_stream_of_another_device();
     test_on_handout_hook_runs_after_the_lock();
     test_cuda_backend_clears_recovered_errors();
     test_tags_are_exact();
