@@ -363,3 +363,32 @@ def test_record_stream_of_another_devices_stream(cuda_up) -> None:
     finally:
         _C._sim_stream_destroy(other)
     assert _C._sim_peek_last_error() == 0
+
+
+# ---- 4. capture marks: pools allocated to outside a capture ----------------------------
+
+
+def test_use_mem_pool_is_no_capture(cuda_up) -> None:
+    """torch 2.13+ marks real captures apart from pools allocated to outside
+    one (use_mem_pool, NCCL registration, cudagraph trees' warmup). A capped
+    device whose ordinary cache is full, a use_mem_pool scope, an
+    allocation that needs a new segment: the cache is released and the
+    allocation succeeds, as under torch 2.14's allocator."""
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(7 * MIB / DEVICE_TOTAL, 0)
+    pool = torch.cuda.MemPool()
+    try:
+        # six 1 MiB tensors: three 2 MiB segments of the ordinary cache
+        filling = [torch.empty(MIB, dtype=torch.uint8, device="cuda:0") for _ in range(6)]
+        del filling
+        assert torch.cuda.memory_reserved(0) == 6 * MIB
+        assert torch.cuda.memory_allocated(0) == 0
+        with torch.cuda.use_mem_pool(pool):
+            inside = torch.empty(MIB, dtype=torch.uint8, device="cuda:0")
+        (segment,) = pool.snapshot()
+        assert segment["address"] <= inside.data_ptr() < segment["address"] + 2 * MIB
+        assert torch.cuda.memory_reserved(0) == 2 * MIB       # the cache went
+        del inside
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    del pool

@@ -42,10 +42,10 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     int small = rounded <= SMALL_REQUEST;
     void *context = history_gather(a, ALLOC_CONTEXT_STATE, tag);
     pthread_mutex_lock(&dev->lock);
-    /* while a capture allocates to a pool, no event is queried (torch's
-     * rule: one recorded in the capture cannot be) */
+    /* while a capture is underway, no event is queried (torch's rule: one
+     * recorded in the capture cannot be) */
     private_pool *pool = dev->active_pools != 0 ? pool_for_stream(dev, stream) : NULL;
-    if (dev->events_pending != 0 && dev->active_pools == 0)
+    if (dev->events_pending != 0 && dev->captures == 0)
         events_process(a, dev, 0);
     block *b = NULL;
     if (rounded != 0 &&
@@ -119,7 +119,7 @@ alloc_free(allocator *a, void *ptr, int device)
     history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->seg->owner, b->tag,
                    context);
     history_drop(dev, context);
-    if (b->n_extra > 0 && dev->active_pools != 0)
+    if (b->n_extra > 0 && dev->captures != 0)
         block_defer(dev, b);
     else
         block_retire(a, dev, b);

@@ -252,10 +252,11 @@ int alloc_check(allocator *a, int device);
  * the backend as soon as no block in them is live: at the release, and at
  * the free (or completed cross-stream event) of the last live block.
  *
- * While a pool is being allocated to on a device, the allocator makes no
- * call a capture forbids for that device's ordinary cache: no event query
- * or wait, and out of memory releases only released pools' segments
- * (torch's rule: its captures_underway).
+ * While a capture is underway on a device (alloc_use_capture_marks says
+ * which: a marked one, or any pool being allocated to), the allocator
+ * makes no call a capture forbids for that device's ordinary cache: no
+ * event query or wait, and out of memory releases only released pools'
+ * segments (torch's rule: its captures_underway).
  *
  * `use_pool` is called with the device's lock held: it must not call the
  * allocator. `filter` stays the caller's and must stay valid until
@@ -296,6 +297,15 @@ int alloc_end_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
 /* Gives one use of the pool back; 0, or -1 when the device has no such
  * pool with a use left. */
 int alloc_release_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
+/* torch 2.13 and later mark real captures (markCaptureBegin/End) apart
+ * from pools being allocated to outside one (use_mem_pool, NCCL
+ * registration, cudagraph trees' warmup). Once told (before any pool is
+ * begun), only marked captures stop event queries, waits and frees of the
+ * cache; else every pool being allocated to does (older torches). */
+void alloc_use_capture_marks(allocator *a);
+/* A capture on `device` begins (`begin`) or ends; 0, or -1 for a device
+ * out of range, an end with none begun, or marks not in use. */
+int alloc_mark_capture(allocator *a, int device, int begin);
 /* 1 when a pool being allocated to takes `stream`'s requests on `device`
  * (alloc_malloc would serve them from it), else 0. */
 int alloc_pool_takes(allocator *a, int device, void *stream);

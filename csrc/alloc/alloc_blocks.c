@@ -255,7 +255,7 @@ segment_release_free(allocator *a, device_state *dev, release_scope scope)
 void
 segment_release_cached(allocator *a, device_state *dev)
 {
-    if (dev->active_pools != 0) {
+    if (dev->captures != 0) {
         segment_release_free(a, dev, RELEASE_RELEASED_POOLS);
         return;
     }

@@ -139,6 +139,7 @@ struct stream_state {
 struct private_pool {
     uint64_t id_a, id_b;
     uint64_t use_count;             /* begins not released yet */
+    int counted_as_capture;         /* being allocated to counts in dev->captures (no marks) */
     uint64_t segments;              /* segments it holds (torch's cudaMalloc_count) */
     stream_state *streams;          /* the free blocks of its segments, per stream */
     alloc_pool_filter use_pool;     /* non-NULL while being allocated to */
@@ -177,7 +178,12 @@ struct device_state {
     uint64_t spare_block_count;
     private_pool *pools;            /* the one begun last first (torch asks LIFO) */
     block *deferred;                /* deferred blocks, linked by list_next */
-    uint64_t active_pools;          /* pools being allocated to: captures underway */
+    uint64_t active_pools;          /* pools being allocated to */
+    /* captures underway, during which no event is queried or waited for
+     * and no memory freed: those torch marks (torch 2.13 and later tell a
+     * capture apart from pools being allocated to outside one, as under
+     * use_mem_pool), else every pool being allocated to */
+    uint64_t captures;
     alloc_history_config history;   /* a copy, made under this lock (alloc_history.c) */
     alloc_trace_record *ring;       /* the newest ring_count records from ring_head */
     uint64_t ring_capacity, ring_head, ring_count;
@@ -192,6 +198,7 @@ struct allocator {
     pthread_mutex_t history_lock;   /* guards history; taken after no device lock */
     alloc_history_config history;
     _Atomic int history_when;       /* ALLOC_CONTEXT_* of gathering, 0: none (no lock) */
+    _Atomic int capture_marks;      /* the caller marks captures (alloc_use_capture_marks) */
 };
 
 /* The device's state; NULL when `device` is out of range (no lock).
@@ -371,6 +378,9 @@ void pool_settle_segment(allocator *a, device_state *dev, segment *seg);
 void pools_forget_done(device_state *dev);
 /* Frees every pool's books (alloc_destroy; their segments are gone). */
 void pools_free_all(device_state *dev);
+/* One capture fewer on `dev`: once none is left, the deferred blocks
+ * record their events. */
+void captures_end_one(allocator *a, device_state *dev);
 /* A block used on other streams freed while a capture is underway: an
  * event recorded now on a capturing stream could never be queried, so
  * its events wait for the last capture's end (torch's deferred_blocks). */

@@ -111,6 +111,7 @@ pools_free_all(device_state *dev)
     }
     dev->pools = NULL;
     dev->active_pools = 0;
+    dev->captures = 0;
 }
 
 /* Gives back the all-free segments of a pool just released. */
@@ -159,6 +160,9 @@ alloc_begin_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
     pool->use_pool = use_pool;
     pool->filter = filter;
     dev->active_pools++;
+    /* without torch's capture marks, a pool being allocated to is a capture */
+    pool->counted_as_capture = !atomic_load(&a->capture_marks);
+    dev->captures += (uint64_t)pool->counted_as_capture;
     result = ALLOC_BEGIN_OK;
 done:
     pthread_mutex_unlock(&dev->lock);
@@ -212,7 +216,7 @@ block_defer(device_state *dev, block *b)
 void
 deferred_process(allocator *a, device_state *dev)
 {
-    MP_ASSERT(dev->active_pools == 0);
+    MP_ASSERT(dev->captures == 0);
     block *b = dev->deferred;
     dev->deferred = NULL;
     while (b != NULL) {
@@ -237,12 +241,45 @@ alloc_end_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b)
         pool->use_pool = NULL;
         pool->filter = NULL;
         mp_counter_sub(&dev->active_pools, 1);
-        if (dev->active_pools == 0)
-            deferred_process(a, dev);
+        if (pool->counted_as_capture)
+            captures_end_one(a, dev);
+        pool->counted_as_capture = 0;
         if (pool_released(pool))          /* released while still recorded to */
             pool_release_free(a, dev, pool);
         result = 0;
     }
+    pthread_mutex_unlock(&dev->lock);
+    return result;
+}
+
+void
+captures_end_one(allocator *a, device_state *dev)
+{
+    mp_counter_sub(&dev->captures, 1);
+    if (dev->captures == 0)
+        deferred_process(a, dev);
+}
+
+void
+alloc_use_capture_marks(allocator *a)
+{
+    atomic_store(&a->capture_marks, 1);
+}
+
+int
+alloc_mark_capture(allocator *a, int device, int begin)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL || !atomic_load(&a->capture_marks))
+        return -1;
+    pthread_mutex_lock(&dev->lock);
+    int result = 0;
+    if (begin)
+        dev->captures++;
+    else if (dev->captures > 0)
+        captures_end_one(a, dev);
+    else
+        result = -1;
     pthread_mutex_unlock(&dev->lock);
     return result;
 }

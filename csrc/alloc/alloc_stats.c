@@ -422,7 +422,7 @@ segments_owned_by(device_state *dev, const stream_state *s)
 static int
 check_pools(device_state *dev)
 {
-    uint64_t active = 0;
+    uint64_t active = 0, counted = 0;
     for (private_pool *p = dev->pools; p != NULL; p = p->next) {
         uint64_t segments = 0;
         for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
@@ -435,8 +435,11 @@ check_pools(device_state *dev)
                 return -14;
         }
         active += p->use_pool != NULL;
+        counted += (uint64_t)p->counted_as_capture;
+        if (p->counted_as_capture && p->use_pool == NULL)
+            return -15;
     }
-    if (active != dev->active_pools)
+    if (active != dev->active_pools || counted > dev->captures)
         return -15;
     /* deferred blocks wait on the list, and only while a capture is underway */
     uint64_t deferred = 0, listed = 0;
@@ -446,7 +449,7 @@ check_pools(device_state *dev)
     }
     for (block *b = dev->deferred; b != NULL; b = b->list_next)
         listed += b->deferred;
-    return deferred == listed && (active != 0 || deferred == 0) ? 0 : -16;
+    return deferred == listed && (dev->captures != 0 || deferred == 0) ? 0 : -16;
 }
 
 /* Segment counts per stream and queued events match the blocks'. */

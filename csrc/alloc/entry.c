@@ -33,10 +33,18 @@
 
 #define HOST_DEVICES 8
 
-/* Written once under `create_once`; the allocator locks itself. */
+/* Written once under `create_once`; the allocator locks itself.
+ * `published` is `instance` once made, for readers that must not make it
+ * (making it asks CUDA for its devices, which initializes CUDA). */
 static allocator *instance;
+static _Atomic(allocator *) published;
 static const cudart *runtime;
 static pthread_once_t create_once = PTHREAD_ONCE_INIT;
+
+/* The adapter's torch marks its captures (alloc_use_capture_marks): told
+ * at install, before torch's first allocation, whether or not the
+ * allocator is made yet. */
+static _Atomic int capture_marks_wanted;
 
 /* Tag of allocations made by this thread (checkpoint sets it). */
 static _Thread_local uint64_t current_tag;
@@ -144,11 +152,31 @@ create(void)
     instance = alloc_create(alloc_cuda_backend(runtime), count);
 }
 
+/* Both sides publish first, then look (sequentially consistent): of a
+ * creation and a late use_capture_marks, one sees the other. */
+static void
+create_and_publish(void)
+{
+    create();
+    atomic_store(&published, instance);
+    if (instance != NULL && atomic_load(&capture_marks_wanted))
+        alloc_use_capture_marks(instance);
+}
+
 static allocator *
 get_allocator(void)
 {
-    pthread_once(&create_once, create);
+    pthread_once(&create_once, create_and_publish);
     return instance;
+}
+
+void
+entry_use_capture_marks(void)
+{
+    atomic_store(&capture_marks_wanted, 1);
+    allocator *a = atomic_load(&published);
+    if (a != NULL)
+        alloc_use_capture_marks(a);
 }
 
 allocator *

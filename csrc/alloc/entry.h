@@ -29,12 +29,16 @@ EXPORT int matepoint_alloc_device_count(void);
 double entry_memory_fraction(int device);
 /* torch's out-of-memory observers: the adapter's trampoline. */
 void entry_set_oom_observer(matepoint_oom_observer observer, void *ctx);
+/* torch marks its captures: taken at the allocator's making, or at once
+ * when it is made already (never makes it: that initializes CUDA). */
+void entry_use_capture_marks(void);
 
 /* The adapter table's graph-pool, cacheInfo and IPC entries (torch_bridge.h). */
 int bridge_begin_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_filter use_pool,
                        void *filter);
 void bridge_end_pool(int device, uint64_t pool_a, uint64_t pool_b);
 void bridge_release_pool(int device, uint64_t pool_a, uint64_t pool_b);
+void bridge_mark_capture(int device, int begin);
 uint64_t bridge_largest_free_block(int device);
 void *bridge_base_allocation(void *ptr, uint64_t *size);
 /* The table's checkpointed pool states (alloc.h). */

@@ -99,6 +99,11 @@ typedef struct matepoint_torch_bridge {
                        int (*use_pool)(void *filter, void *stream), void *filter);
     void (*end_pool)(int device, uint64_t pool_a, uint64_t pool_b);
     void (*release_pool)(int device, uint64_t pool_a, uint64_t pool_b);
+    /* torch 2.13+'s markCaptureBegin/End (alloc.h): use_capture_marks
+     * once, before any pool is begun, by an adapter whose torch sends
+     * them; then mark_capture for each capture's begin and end */
+    void (*use_capture_marks)(void);
+    void (*mark_capture)(int device, int begin);
     /* cacheInfo: the largest free cached block of `device`, in bytes */
     uint64_t (*largest_free_block)(int device);
     /* IPC: the segment holding `ptr`, its base returned, its size in *size;

@@ -43,6 +43,9 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         set_reset_fn(bridge->empty_cache);
         set_record_stream_fn(bridge->record_stream);
         set_memory_fraction_fn(bridge->set_memory_fraction);
+#if MATEPOINT_TORCH_AT_LEAST(2, 13)
+        bridge->use_capture_marks();
+#endif
     }
 
     // torch drops an allocator it swapped out: the library forgets the
@@ -199,6 +202,22 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         std::lock_guard<std::mutex> guard(filters_lock_);   // the library dropped it
         filters_.erase(pool_key(device, mempool_id));
     }
+
+#if MATEPOINT_TORCH_AT_LEAST(2, 13)
+    // torch 2.13+ tells a real capture (CUDAGraph's capture_begin and
+    // capture_end) apart from pools allocated to outside one (use_mem_pool,
+    // NCCL registration, cudagraph trees' warmup): only a capture stops
+    // event queries and frees of the ordinary cache
+    void markCaptureBegin(c10::DeviceIndex device) override
+    {
+        bridge_->mark_capture(static_cast<int>(device), 1);
+    }
+
+    void markCaptureEnd(c10::DeviceIndex device) override
+    {
+        bridge_->mark_capture(static_cast<int>(device), 0);
+    }
+#endif
 
     void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override
     {

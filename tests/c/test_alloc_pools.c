@@ -241,6 +241,50 @@ test_cross_stream_free_during_a_capture_is_deferred(void)
     finish(a, &ctx);
 }
 
+/* torch 2.13+ marks captures apart from pools allocated to outside one
+ * (use_mem_pool, cudagraph trees' warmup): then a pool being allocated to
+ * stops nothing, and only a marked capture stops event queries and frees
+ * of the ordinary cache. */
+static void
+test_capture_marks_tell_routing_from_capture(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream side = {0}, s1 = {0}, s2 = {0};
+    allocator *a = make(&ctx, 5 * MiB);
+    capture cap = {.streams = {&side}};
+    CHECK(alloc_mark_capture(a, 0, 1) == -1);     /* no marks until told */
+    alloc_use_capture_marks(a);
+    void *used = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, used, &s2) == 0);
+    alloc_host_submit(&s2);
+    alloc_free(a, used, 0);                       /* an event to query */
+    alloc_free(a, alloc_malloc(a, 4096, 0, &s2, 0), 0);
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 4 * MiB);     /* the ordinary cache */
+    CHECK(alloc_begin_pool(a, 0, 8, 0, captures, &cap) == 0);
+    uint64_t queries = atomic_load(&ctx.event_queries);
+    void *beside = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(beside != NULL && atomic_load(&ctx.event_queries) > queries);
+    alloc_free(a, beside, 0);
+    alloc_host_complete(&s2);
+    /* the pool needs a segment the cap leaves no room for: the cache goes */
+    void *in_pool = alloc_malloc(a, 600 * 1024, 0, &side, 0);
+    alloc_stats s = alloc_get_stats(a, 0);
+    CHECK(in_pool != NULL && s.oom_retries == 1 && s.device_frees == 2 && s.ooms == 0);
+    /* a marked capture: nothing is queried or freed */
+    CHECK(alloc_free(a, in_pool, 0) == 0);
+    CHECK(alloc_mark_capture(a, 0, 1) == 0);
+    alloc_free(a, alloc_malloc(a, 4096, 0, &s1, 0), 0);     /* 2 MiB cached for s1 */
+    queries = atomic_load(&ctx.event_queries);
+    CHECK(alloc_malloc(a, 3 * MiB, 0, &side, 0) == NULL);   /* 20 MiB: never fits */
+    s = alloc_get_stats(a, 0);
+    CHECK(s.device_frees == 2 && s.reserved_bytes == 4 * MiB && s.ooms == 1);
+    CHECK(atomic_load(&ctx.event_queries) == queries);
+    CHECK(alloc_mark_capture(a, 0, 0) == 0 && alloc_mark_capture(a, 0, 0) == -1);
+    CHECK(alloc_end_pool(a, 0, 8, 0) == 0);
+    CHECK(alloc_release_pool(a, 0, 8, 0) == 0);
+    finish(a, &ctx);
+}
+
 /* Nested captures: the pool begun last that takes a stream serves it. */
 static void
 test_nested_pools_innermost_first(void)
@@ -382,6 +426,7 @@ main(void)
     test_capture_allocates_from_its_pool();
     test_pools_share_nothing_unless_asked();
     test_released_pool_keeps_live_blocks_until_freed();
+    test_capture_marks_tell_routing_from_capture();
     test_pool_block_used_on_another_stream();
     test_no_forbidden_calls_during_a_capture();
     test_cross_stream_free_during_a_capture_is_deferred();
