@@ -81,8 +81,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
 }
 
 /* A freed block: queued behind events of the streams it was used on, or
- * free at once (and its segment back to the backend if its pool was
- * released). Lock held. */
+ * free at once. Lock held. */
 void
 block_retire(allocator *a, device_state *dev, block *b)
 {
@@ -93,10 +92,8 @@ block_retire(allocator *a, device_state *dev, block *b)
     }
     block_forget_streams(b);
     if (b->event_count == 0) {
-        segment *seg = b->seg;
         stats_block_inactive(dev, b);
         block_insert_free(b);
-        pool_settle_segment(a, dev, seg);
     }
 }
 

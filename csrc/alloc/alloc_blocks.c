@@ -227,11 +227,7 @@ segment_all_free(const segment *seg)
 static int
 in_scope(const private_pool *pool, release_scope scope)
 {
-    if (scope == RELEASE_ALL)
-        return 1;
-    if (pool != NULL)
-        return pool_released(pool);
-    return scope == RELEASE_CACHE;
+    return scope == RELEASE_ALL || pool == NULL || pool_released(pool);
 }
 
 /* Releases the segments with no live or pending block that `scope` lets
@@ -249,16 +245,14 @@ segment_release_free(allocator *a, device_state *dev, release_scope scope)
     pools_forget_done(dev);
 }
 
-/* While a capture allocates to a pool, a wait on an event or a cudaFree of
- * the ordinary cache could break it (torch skips both then): only
- * released pools give their memory back. Lock held. */
+/* While a capture is underway, a wait on an event or a cudaFree could
+ * break it (torch's allocator skips its release of cached blocks then):
+ * nothing goes. Lock held. */
 void
 segment_release_cached(allocator *a, device_state *dev)
 {
-    if (dev->captures != 0) {
-        segment_release_free(a, dev, RELEASE_RELEASED_POOLS);
+    if (dev->captures != 0)
         return;
-    }
     events_process(a, dev, 1);
     events_free_spares(a, dev);
     blocks_free_spares(dev);

@@ -325,14 +325,14 @@ int segment_all_free(const segment *seg);
 void segment_release(allocator *a, device_state *dev, segment *seg);
 
 /* Which segments with no live or pending block segment_release_free gives
- * back: those of released pools only (while a capture is underway),
- * those of the ordinary cache too, or every one (alloc_destroy). */
-typedef enum { RELEASE_RELEASED_POOLS, RELEASE_CACHE, RELEASE_ALL } release_scope;
+ * back: those of the ordinary cache and of released pools, or every one
+ * (alloc_destroy). */
+typedef enum { RELEASE_CACHE, RELEASE_ALL } release_scope;
 void segment_release_free(allocator *a, device_state *dev, release_scope scope);
-/* Frees what the cache may without a call a capture forbids while pools
- * are being allocated to (then released pools' segments only), else
- * waits for pending frees and releases every cached segment: emptyCache,
- * and the retry after out of memory. */
+/* Waits for pending frees and releases every cached segment of the
+ * ordinary cache and of released pools (emptyCache, and the retry after
+ * out of memory); while a capture is underway nothing, as torch (a wait or
+ * a cudaFree would break it). */
 void segment_release_cached(allocator *a, device_state *dev);
 
 /* ---- alloc_streams.c ---------------------------------------------------- */
@@ -371,9 +371,6 @@ private_pool *pool_for_stream(device_state *dev, void *stream);
 /* 1 when the segments of `pool` may go back to the backend once free: no
  * use is left and nothing allocates to it. */
 int pool_released(const private_pool *pool);
-/* After a block of `seg` became free: gives the segment back when it is
- * all free and its pool released. */
-void pool_settle_segment(allocator *a, device_state *dev, segment *seg);
 /* Forgets released pools left without segments. */
 void pools_forget_done(device_state *dev);
 /* Frees every pool's books (alloc_destroy; their segments are gone). */

@@ -73,16 +73,6 @@ pool_for_stream(device_state *dev, void *stream)
 }
 
 void
-pool_settle_segment(allocator *a, device_state *dev, segment *seg)
-{
-    private_pool *pool = seg->owner->pool;
-    if (pool == NULL || !pool_released(pool) || !segment_all_free(seg))
-        return;
-    segment_release(a, dev, seg);
-    pools_forget_done(dev);
-}
-
-void
 pools_forget_done(device_state *dev)
 {
     private_pool **link = &dev->pools;
@@ -114,7 +104,8 @@ pools_free_all(device_state *dev)
     dev->captures = 0;
 }
 
-/* Gives back the all-free segments of a pool just released. */
+/* Gives back the all-free segments of a released pool (torch's
+ * emptyCache(mempool_id) at a MemPool's end). */
 static void
 pool_release_free(allocator *a, device_state *dev, private_pool *pool)
 {
@@ -198,7 +189,7 @@ alloc_empty_pool(allocator *a, uint64_t pool_a, uint64_t pool_b)
         device_state *dev = &a->devices[d];
         pthread_mutex_lock(&dev->lock);
         private_pool *pool = pool_find(dev, pool_a, pool_b);
-        if (pool != NULL && pool_released(pool))
+        if (pool != NULL && pool_released(pool) && dev->captures == 0)
             pool_release_free(a, dev, pool);
         pthread_mutex_unlock(&dev->lock);
     }
@@ -244,8 +235,7 @@ alloc_end_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b)
         if (pool->counted_as_capture)
             captures_end_one(a, dev);
         pool->counted_as_capture = 0;
-        if (pool_released(pool))          /* released while still recorded to */
-            pool_release_free(a, dev, pool);
+        pools_forget_done(dev);           /* released while allocated to, and empty */
         result = 0;
     }
     pthread_mutex_unlock(&dev->lock);
@@ -294,9 +284,12 @@ alloc_release_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b)
     private_pool *pool = pool_find(dev, pool_a, pool_b);
     int result = -1;
     if (pool != NULL && pool->use_count > 0) {
+        /* torch marks the pool freeable: its memory goes at the next
+         * empty_cache or out-of-memory retry (or the MemPool's end), never
+         * at a release or a tensor's free, where a cudaFree would
+         * synchronize the device, maybe during another thread's capture */
         pool->use_count--;
-        if (pool_released(pool))
-            pool_release_free(a, dev, pool);
+        pools_forget_done(dev);
         result = 0;
     }
     pthread_mutex_unlock(&dev->lock);

@@ -116,10 +116,8 @@ retire_head(allocator *a, device_state *dev, stream_state *s)
     block *b = e->b;
     event_give_spare(a, dev, e);
     if (--b->event_count == 0) {
-        segment *seg = b->seg;
         stats_block_inactive(dev, b);
         block_insert_free(b);
-        pool_settle_segment(a, dev, seg);
     }
 }
 
