@@ -392,3 +392,42 @@ def test_use_mem_pool_is_no_capture(cuda_up) -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
     del pool
+
+
+# ---- 9. calls around captures -----------------------------------------------------------
+
+CAPTURE_INVALIDATED = 901     # cudaErrorStreamCaptureInvalidated
+
+
+def test_a_failed_event_record_never_synchronizes_the_device(cuda_up) -> None:
+    """A block used on another stream whose free cannot record its event
+    (here an injected cudaEventRecord failure) waits for a record that
+    works; it is never returned after a device-wide synchronize, which
+    would break a capture another thread runs on the device (one the
+    allocator knows nothing of), nor handed out while the other stream
+    still uses it."""
+    reader, side = _C._sim_stream_create(0), _C._sim_stream_create(0)
+    try:
+        tensor = torch.empty(1 << 16, dtype=torch.uint8, device="cuda:0")
+        at, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
+        view(tensor).fill_(3)                  # what the reader's kernel writes, once it runs
+        _C._sim_kernel(0, reader, [at, nbytes], [])
+        tensor.record_stream(stream_of_device(reader, 0))
+        _C._sim_capture(0, side, True)         # another thread's capture, in global mode
+        try:
+            _C._sim_fail("cudaEventRecord", 0, 1, 700)
+            del tensor
+        finally:
+            status = _C._sim_capture(0, side, False)
+            _C._sim_fail("cudaEventRecord", 0, 0, 0)
+        assert status == 0 and status != CAPTURE_INVALIDATED
+        assert _C._sim_take_last_error() == 0, "the failed record was left as the last error"
+        after = torch.empty(1 << 16, dtype=torch.uint8, device="cuda:0")
+        view(after).fill_(7)
+        sim.finish()                           # the reader's kernel lands
+        assert torch.equal(view(after), torch.full((nbytes,), 7, dtype=torch.uint8)), (
+            "memory the reader still used was handed out again")
+        del after
+    finally:
+        _C._sim_stream_destroy(reader)
+        _C._sim_stream_destroy(side)

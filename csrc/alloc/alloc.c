@@ -45,7 +45,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     /* while a capture is underway, no event is queried (torch's rule: one
      * recorded in the capture cannot be) */
     private_pool *pool = dev->active_pools != 0 ? pool_for_stream(dev, stream) : NULL;
-    if (dev->events_pending != 0 && dev->captures == 0)
+    if ((dev->events_pending != 0 || dev->deferred != NULL) && dev->captures == 0)
         events_process(a, dev, 0);
     block *b = NULL;
     if (rounded != 0 &&
@@ -81,14 +81,17 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
 }
 
 /* A freed block: queued behind events of the streams it was used on, or
- * free at once. Lock held. */
+ * free at once. When an event could not be made or recorded (the failure
+ * was reported), it waits among the deferred blocks and records again at
+ * the next processing of events: a device-wide wait instead would break a
+ * capture another thread runs on the device, which the allocator may not
+ * know of. Lock held. */
 void
 block_retire(allocator *a, device_state *dev, block *b)
 {
     if (b->n_extra > 0 && events_insert(a, dev, b) < 0) {
-        /* no event for some stream: only a device-wide wait is safe (its
-         * failure was reported; torch's fallback goes on alike) */
-        (void)a->backend.device_synchronize(a->backend.ctx, dev->index);
+        block_defer(dev, b);
+        return;
     }
     block_forget_streams(b);
     if (b->event_count == 0) {

@@ -49,9 +49,6 @@ typedef struct {
      * it stands for may still run) */
     int (*event_wait)(void *ctx, void *event);
     void (*event_free)(void *ctx, void *event);
-    /* waits for all work on the device (a fallback when no event can be
-     * made): ALLOC_OK, or ALLOC_ERROR as event_wait */
-    int (*device_synchronize)(void *ctx, int device);
     /* optional, NULL: no stream ever captures. 1 when `stream` of `device`
      * is being captured into a CUDA graph (no event recorded on it could be
      * waited for), 0 when not, ALLOC_ERROR when that could not be asked */

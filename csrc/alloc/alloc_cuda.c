@@ -139,23 +139,6 @@ cuda_event_free(void *ctx, void *event)
 }
 
 static int
-cuda_device_synchronize(void *ctx, int device)
-{
-    const cudart *rt = ctx;
-    int previous = enter_device(rt, device);
-    if (previous < 0)
-        return ALLOC_ERROR;
-    int mode = cudart_relax_capture(rt);
-    int status = rt->device_synchronize();
-    cudart_restore_capture(rt, mode);
-    cudart_leave_device(rt, device, previous);
-    if (status == CUDART_SUCCESS)
-        return ALLOC_OK;
-    report(rt, status, "cudaDeviceSynchronize");
-    return ALLOC_ERROR;
-}
-
-static int
 cuda_mem_info(void *ctx, int device, uint64_t *free_bytes, uint64_t *total_bytes)
 {
     const cudart *rt = ctx;
@@ -193,7 +176,6 @@ alloc_cuda_backend(const cudart *rt)
         .device_malloc = cuda_device_malloc, .device_free = cuda_device_free,
         .event_record = cuda_event_record, .event_query = cuda_event_query,
         .event_wait = cuda_event_wait, .event_free = cuda_event_free,
-        .device_synchronize = cuda_device_synchronize,
         .stream_capturing = cuda_stream_capturing, .mem_info = cuda_mem_info,
         .ctx = (void *)rt,
     };

@@ -22,8 +22,9 @@
  *
  * A block is in exactly one state: allocated (in the live-pointer table),
  * pending (freed, waiting for `event_count` events of other streams),
- * deferred (freed during a capture after use on other streams: its events
- * are recorded once no capture is underway), or free (in its stream's
+ * deferred (freed after use on other streams during a capture, or when
+ * an event could not be recorded: its events are recorded at the next
+ * processing of events with no capture underway), or free (in its stream's
  * bucket, `in_index`). Free neighbours inside a segment are always
  * merged. */
 #ifndef MATEPOINT_ALLOC_INTERNAL_H
@@ -342,8 +343,9 @@ void segment_release_cached(allocator *a, device_state *dev);
 stream_state *stream_get(device_state *dev, private_pool *pool, void *stream, int device);
 /* Frees `s` when it has neither segments nor pending events. */
 void stream_drop_if_unused(device_state *dev, stream_state *s);
-/* Retires completed events of every stream (all of them, waiting, if
- * `wait`) and forgets the streams left with nothing. */
+/* Records the deferred blocks' events, then retires completed events of
+ * every stream (all of them, waiting, if `wait`) and forgets the streams
+ * left with nothing. No capture may be underway. */
 void events_process(allocator *a, device_state *dev, int wait);
 /* Retires the events of `s` from its oldest through `last`, known
  * complete (`last` waited for: the events of one stream complete in the
@@ -378,12 +380,14 @@ void pools_free_all(device_state *dev);
 /* One capture fewer on `dev`: once none is left, the deferred blocks
  * record their events. */
 void captures_end_one(allocator *a, device_state *dev);
-/* A block used on other streams freed while a capture is underway: an
- * event recorded now on a capturing stream could never be queried, so
- * its events wait for the last capture's end (torch's deferred_blocks). */
+/* A block used on other streams freed while a capture is underway (an
+ * event recorded now on a capturing stream could never be queried), or
+ * whose event could not be recorded: its events wait for the next
+ * processing of events with no capture underway (torch's
+ * needs_events_deferred_until_no_capture). */
 void block_defer(device_state *dev, block *b);
-/* Records the deferred blocks' events (or frees them) once no pool is
- * being allocated to. */
+/* Records the deferred blocks' events (or frees them); no capture may be
+ * underway. A block whose record fails again is deferred again. */
 void deferred_process(allocator *a, device_state *dev);
 /* Frees the spare block nodes of `dev` (empty_cache, destroy). */
 void blocks_free_spares(device_state *dev);

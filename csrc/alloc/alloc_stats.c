@@ -441,7 +441,7 @@ check_pools(device_state *dev)
     }
     if (active != dev->active_pools || counted > dev->captures)
         return -15;
-    /* deferred blocks wait on the list, and only while a capture is underway */
+    /* deferred blocks wait on the list */
     uint64_t deferred = 0, listed = 0;
     for (segment *seg = dev->segments; seg != NULL; seg = seg->next) {
         for (block *b = seg->first; b != NULL; b = b->next)
@@ -449,7 +449,7 @@ check_pools(device_state *dev)
     }
     for (block *b = dev->deferred; b != NULL; b = b->list_next)
         listed += b->deferred;
-    return deferred == listed && (dev->captures != 0 || deferred == 0) ? 0 : -16;
+    return deferred == listed ? 0 : -16;
 }
 
 /* Segment counts per stream and queued events match the blocks'. */

@@ -153,6 +153,9 @@ events_retire_through(allocator *a, device_state *dev, stream_state *s, const pe
 void
 events_process(allocator *a, device_state *dev, int wait)
 {
+    /* torch's process_events records the deferred blocks' events first */
+    if (dev->deferred != NULL)
+        deferred_process(a, dev);
     stream_state **link = &dev->streams;
     while (*link != NULL) {
         stream_state *s = *link;
