@@ -431,3 +431,29 @@ def test_a_failed_event_record_never_synchronizes_the_device(cuda_up) -> None:
     finally:
         _C._sim_stream_destroy(reader)
         _C._sim_stream_destroy(side)
+
+
+def test_memory_stats_count_a_mem_pools_reserved_bytes(cuda_up) -> None:
+    """torch 2.13+'s reserved_bytes_by_private_pools: a MemPool's segments,
+    per pool kind, under the pool's id; kept (current 0) after it is gone."""
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        inside = torch.empty(2 * MIB, dtype=torch.uint8, device="cuda:0")
+    key = "reserved_bytes_by_private_pools." + "_".join(str(part) for part in pool.id)
+    stats = torch.cuda.memory_stats(0)
+    assert stats[key + ".all.current"] == 20 * MIB, sorted(k for k in stats if "private" in k)
+    assert stats[key + ".large_pool.current"] == 20 * MIB
+    assert stats[key + ".small_pool.current"] == 0
+    del inside, pool
+    gc.collect()
+    stats = torch.cuda.memory_stats(0)
+    assert stats[key + ".all.current"] == 0 and stats[key + ".all.peak"] == 20 * MIB
+
+
+def test_num_sync_all_streams_counts_each_wait_for_every_stream(cuda_up) -> None:
+    """torch counts num_sync_all_streams where its allocator waits for every
+    stream's pending frees: each empty_cache (and out-of-memory retry)."""
+    before = torch.cuda.memory_stats(0)["num_sync_all_streams"]
+    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_stats(0)["num_sync_all_streams"] == before + 2

@@ -270,6 +270,7 @@ alloc_destroy(allocator *a)
         blocks_free_spares(dev);
         free(dev->map);
         free(dev->tags);
+        free(dev->pool_figures);
         for (uint64_t i = 0; i < dev->ring_count; i++)
             history_drop(dev, dev->ring[(dev->ring_head + i) % dev->ring_capacity].context);
         free(dev->ring);

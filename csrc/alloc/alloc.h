@@ -170,6 +170,15 @@ alloc_stat_field(const alloc_stat *stat, int field)
     }
 }
 
+/* torch's DeviceStats::reserved_bytes_by_private_pools: the bytes reserved
+ * in one private pool (named by torch's MempoolId_t), per pool kind. Kept
+ * after the pool is gone (current 0), with its peak and counts, until
+ * torch's accumulated statistics are reset. */
+typedef struct {
+    uint64_t pool_a, pool_b;
+    alloc_stat reserved[ALLOC_POOLS];
+} alloc_pool_figures;
+
 typedef struct {
     uint64_t requested;         /* bytes asked for by the failing call */
     uint64_t segment_bytes;     /* the device allocation it needed (torch's alloc_size) */
@@ -225,6 +234,9 @@ int alloc_reset_device_peaks(allocator *a, int device);
 /* torch.cuda.reset_accumulated_memory_stats(device): the allocated and
  * freed counts of torch's figures and its num_* counters restart from 0. */
 int alloc_reset_accumulated(allocator *a, int device);
+/* Copies up to `max` of the private pools' figures of `device` into `out`;
+ * returns how many there are in all, -1 for a device out of range. */
+int alloc_get_pool_figures(allocator *a, int device, alloc_pool_figures *out, int max);
 /* Copies up to `max` tag entries of `device` with live or peak bytes into
  * `out`; returns how many there are in all. */
 int alloc_get_tag_stats(allocator *a, int device, alloc_tag_stats *out, int max);

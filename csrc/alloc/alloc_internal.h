@@ -14,8 +14,9 @@
  *                    (torch's PrivatePoolState, for CUDA graph trees)
  * - alloc_history.c  the trace ring and the snapshot's enumeration
  *                    (alloc_history.h)
- * - alloc_stats.c    the live-pointer table, per-tag and device statistics,
- *                    the last out-of-memory report, alloc_check()
+ * - alloc_stats.c    the live-pointer table, per-tag, device and per-pool
+ *                    statistics, the last out-of-memory report
+ * - alloc_check.c    the invariants the tests check (alloc_check())
  *
  * Locking: every function here runs with the device's mutex held (its
  * `dev->lock`), except where it says otherwise.
@@ -167,6 +168,8 @@ struct device_state {
     tag_slot *tag_last;
     alloc_stats stats;
     alloc_device_stats torch;       /* torch's figures (alloc.h), kept with `stats` */
+    alloc_pool_figures *pool_figures;   /* torch's reserved bytes per private pool */
+    uint64_t pool_figure_count, pool_figure_capacity;
     uint64_t limit;                 /* cap on reserved bytes, UINT64_MAX: none */
     double fraction;                /* of the device's memory, torch's (1.0: none set) */
     uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
@@ -414,8 +417,7 @@ void stats_record_oom(allocator *a, device_state *dev, uint64_t size, uint64_t r
 /* A freed block stops being active: at its free, or once the events of the
  * other streams that used it completed. */
 void stats_block_inactive(device_state *dev, block *b);
-/* A retry after releasing the cache (torch's num_alloc_retries and
- * num_sync_all_streams: the release waits for every stream's events). */
+/* A retry after releasing the cache (torch's num_alloc_retries). */
 void stats_count_retry(device_state *dev);
 
 /* torch's figures change on every malloc, free, split and merge: the

@@ -484,3 +484,10 @@ matepoint_alloc_reset_peaks(void)
     if (a != NULL)
         alloc_reset_peaks(a);
 }
+
+/* The C++ adapter's table (torch_bridge.h, made in entry_bridge.c). */
+EXPORT const matepoint_torch_bridge *
+matepoint_alloc_torch_bridge(void)
+{
+    return entry_bridge();
+}

@@ -32,6 +32,8 @@ void entry_set_oom_observer(matepoint_oom_observer observer, void *ctx);
 /* torch marks its captures: taken at the allocator's making, or at once
  * when it is made already (never makes it: that initializes CUDA). */
 void entry_use_capture_marks(void);
+/* The C++ adapter's table (entry_bridge.c). */
+const matepoint_torch_bridge *entry_bridge(void);
 
 /* The adapter table's graph-pool, cacheInfo and IPC entries (torch_bridge.h). */
 int bridge_begin_pool(int device, uint64_t pool_a, uint64_t pool_b, alloc_pool_filter use_pool,

@@ -18,6 +18,13 @@ bridge_device_stats(int device, alloc_device_stats *out)
 }
 
 static int
+bridge_pool_figures(int device, alloc_pool_figures *out, int max)
+{
+    allocator *a = entry_allocator();
+    return a ? alloc_get_pool_figures(a, device, out, max) : -1;
+}
+
+static int
 bridge_reset_peaks(int device)
 {
     allocator *a = entry_allocator();
@@ -90,6 +97,7 @@ static const matepoint_torch_bridge bridge = {
     .set_memory_fraction = matepoint_set_memory_fraction,
     .get_memory_fraction = entry_memory_fraction,
     .device_stats = bridge_device_stats,
+    .pool_figures = bridge_pool_figures,
     .reset_peaks = bridge_reset_peaks,
     .reset_accumulated = bridge_reset_accumulated,
     .device_count = matepoint_alloc_device_count,
@@ -116,8 +124,8 @@ static const matepoint_torch_bridge bridge = {
     .empty_pool = bridge_empty_pool,
 };
 
-EXPORT const matepoint_torch_bridge *
-matepoint_alloc_torch_bridge(void)
+const matepoint_torch_bridge *
+entry_bridge(void)
 {
     return &bridge;
 }

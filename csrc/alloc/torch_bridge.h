@@ -64,6 +64,9 @@ typedef struct matepoint_torch_bridge {
 
     /* torch's figures of `device` (alloc.h); -1 when out of range */
     int (*device_stats)(int device, alloc_device_stats *out);
+    /* its private pools' reserved bytes (alloc_get_pool_figures): up to
+     * `max` copied, how many there are returned; -1 when out of range */
+    int (*pool_figures)(int device, alloc_pool_figures *out, int max);
     int (*reset_peaks)(int device);
     int (*reset_accumulated)(int device);
 

@@ -34,10 +34,9 @@
 
 namespace {
 
-class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+class Adapter final : public TorchRecords {
   public:
-    explicit Adapter(const matepoint_torch_bridge *bridge)
-        : CUDAPluggableAllocator(bridge->malloc, bridge->free), bridge_(bridge)
+    explicit Adapter(const matepoint_torch_bridge *bridge) : TorchRecords(bridge)
     {
         set_init_fn(bridge->init);
         set_reset_fn(bridge->empty_cache);
@@ -54,32 +53,6 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
     {
         if (bridge_->set_oom_observer != nullptr)
             bridge_->set_oom_observer(nullptr, nullptr);
-    }
-
-    DeviceStats getDeviceStats(c10::DeviceIndex device) override
-    {
-        if (bridge_->device_stats == nullptr)
-            return CUDAPluggableAllocator::getDeviceStats(device);
-        alloc_device_stats from;
-        TORCH_CHECK(bridge_->device_stats(device, &from) == 0,
-                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
-        return device_stats_of(from);
-    }
-
-    void resetPeakStats(c10::DeviceIndex device) override
-    {
-        if (bridge_->reset_peaks == nullptr)
-            return CUDAPluggableAllocator::resetPeakStats(device);
-        TORCH_CHECK(bridge_->reset_peaks(device) == 0,
-                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
-    }
-
-    void resetAccumulatedStats(c10::DeviceIndex device) override
-    {
-        if (bridge_->reset_accumulated == nullptr)
-            return CUDAPluggableAllocator::resetAccumulatedStats(device);
-        TORCH_CHECK(bridge_->reset_accumulated(device) == 0,
-                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
     }
 
     // A stream of another GPU than the block's (t_on_cuda0.record_stream(
@@ -124,44 +97,6 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         std::lock_guard<std::mutex> guard(observers_lock_);
         observers_.push_back(std::move(observer));
         bridge_->set_oom_observer(&Adapter::notify_oom, this);
-    }
-
-    void recordHistory(bool enabled, cca::CreateContextFn context_recorder,
-                       size_t alloc_trace_max_entries, cca::RecordContext when,
-                       bool clear_history, const std::vector<std::string> &skip_actions) override
-    {
-        if (bridge_->configure_history == nullptr)
-            return CUDAPluggableAllocator::recordHistory(enabled, context_recorder,
-                                                         alloc_trace_max_entries, when,
-                                                         clear_history, skip_actions);
-        alloc_history_config config = history_config(
-            enabled, context_recorder, alloc_trace_max_entries, when, clear_history, skip_actions);
-        bridge_->configure_history(&config);
-    }
-
-    bool isHistoryEnabled() override
-    {
-        if (bridge_->history_enabled == nullptr)
-            return CUDAPluggableAllocator::isHistoryEnabled();
-        return bridge_->history_enabled() != 0;
-    }
-
-#if MATEPOINT_TORCH_AT_LEAST(2, 12)
-    // torch.cuda.memory._allocation_traceback: the stack the live block at
-    // `ptr` was allocated with, if torch's recorder gathered one
-    std::shared_ptr<c10::GatheredContext> getContextForPointer(const void *ptr) override
-    {
-        if (bridge_->block_context == nullptr)
-            return CUDAPluggableAllocator::getContextForPointer(ptr);
-        return take_gathered_stack(bridge_->block_context(const_cast<void *>(ptr)));
-    }
-#endif
-
-    cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool, bool include_traces) override
-    {
-        if (bridge_->take_snapshot == nullptr || bridge_->device_count == nullptr)
-            return CUDAPluggableAllocator::snapshot(mempool, include_traces);
-        return snapshot_info(bridge_, mempool, include_traces, clock_);
     }
 
     // ---- CUDA graph pools: torch's filter is a std::function, which C
@@ -565,10 +500,6 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
             observer(device, alloc_size, total, free_bytes);
     }
 
-    const matepoint_torch_bridge *bridge_;
-    // torch's approximate clock against the wall clock, taken at install as
-    // torch's allocator takes it: trace times become epoch microseconds
-    c10::ApproximateClockToUnixTimeConverter clock_;
     std::mutex observers_lock_;
     std::vector<cca::OutOfMemoryObserver> observers_;
     // the blocks restores allocated, until freed (guarded by the base

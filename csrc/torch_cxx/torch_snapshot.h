@@ -2,8 +2,9 @@
 // (alloc_history.h, alloc.h): the stacks torch gathers, held as the C side's
 // opaque contexts; the history's configuration; segments with their
 // blocks; trace entries annotated with checkpoint region and phase, their
-// times in torch's clock; torch's DeviceStats. Only converts: the records
-// and figures are made in C. Included by torch_adapter.cpp alone (one
+// times in torch's clock; torch's DeviceStats; and TorchRecords, the
+// adapter's overrides that answer them. Only converts: the records and
+// figures are made in C. Included by torch_adapter.cpp alone (one
 // translation unit, compiled at run time).
 #ifndef MATEPOINT_ALLOC_TORCH_SNAPSHOT_H
 #define MATEPOINT_ALLOC_TORCH_SNAPSHOT_H
@@ -295,6 +296,106 @@ device_stats_of(const alloc_device_stats &from)
     to.max_split_size = from.max_split_size;
     return to;
 }
+
+// ---- the adapter's overrides of torch's figures and memory history -----------
+
+// The part of the adapter (torch_adapter.cpp) that answers torch's memory
+// statistics, memory history and snapshots from the library's table. Where
+// an entry of the table is NULL it keeps the base class's answer.
+class TorchRecords : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+  public:
+    explicit TorchRecords(const matepoint_torch_bridge *bridge)
+        : CUDAPluggableAllocator(bridge->malloc, bridge->free), bridge_(bridge)
+    {
+    }
+
+    DeviceStats getDeviceStats(c10::DeviceIndex device) override
+    {
+        if (bridge_->device_stats == nullptr)
+            return CUDAPluggableAllocator::getDeviceStats(device);
+        alloc_device_stats from;
+        TORCH_CHECK(bridge_->device_stats(device, &from) == 0,
+                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
+        DeviceStats to = device_stats_of(from);
+#if MATEPOINT_TORCH_AT_LEAST(2, 13)
+        std::vector<alloc_pool_figures> pools(16);
+        int count = bridge_->pool_figures(device, pools.data(), static_cast<int>(pools.size()));
+        if (count > static_cast<int>(pools.size())) {      // more pools: ask again
+            pools.resize(static_cast<size_t>(count));
+            count = bridge_->pool_figures(device, pools.data(), count);
+        }
+        for (int i = 0; i < count && i < static_cast<int>(pools.size()); i++)
+            copy_array(pools[i].reserved, to.reserved_bytes_by_private_pools[pool_id(pools[i])]);
+#endif
+        return to;
+    }
+
+    void resetPeakStats(c10::DeviceIndex device) override
+    {
+        if (bridge_->reset_peaks == nullptr)
+            return CUDAPluggableAllocator::resetPeakStats(device);
+        TORCH_CHECK(bridge_->reset_peaks(device) == 0,
+                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
+    }
+
+    void resetAccumulatedStats(c10::DeviceIndex device) override
+    {
+        if (bridge_->reset_accumulated == nullptr)
+            return CUDAPluggableAllocator::resetAccumulatedStats(device);
+        TORCH_CHECK(bridge_->reset_accumulated(device) == 0,
+                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
+    }
+
+    void recordHistory(bool enabled, cca::CreateContextFn context_recorder,
+                       size_t alloc_trace_max_entries, cca::RecordContext when,
+                       bool clear_history, const std::vector<std::string> &skip_actions) override
+    {
+        if (bridge_->configure_history == nullptr)
+            return CUDAPluggableAllocator::recordHistory(enabled, context_recorder,
+                                                         alloc_trace_max_entries, when,
+                                                         clear_history, skip_actions);
+        alloc_history_config config = history_config(
+            enabled, context_recorder, alloc_trace_max_entries, when, clear_history, skip_actions);
+        bridge_->configure_history(&config);
+    }
+
+    bool isHistoryEnabled() override
+    {
+        if (bridge_->history_enabled == nullptr)
+            return CUDAPluggableAllocator::isHistoryEnabled();
+        return bridge_->history_enabled() != 0;
+    }
+
+#if MATEPOINT_TORCH_AT_LEAST(2, 12)
+    // torch.cuda.memory._allocation_traceback: the stack the live block at
+    // `ptr` was allocated with, if torch's recorder gathered one
+    std::shared_ptr<c10::GatheredContext> getContextForPointer(const void *ptr) override
+    {
+        if (bridge_->block_context == nullptr)
+            return CUDAPluggableAllocator::getContextForPointer(ptr);
+        return take_gathered_stack(bridge_->block_context(const_cast<void *>(ptr)));
+    }
+#endif
+
+    cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool, bool include_traces) override
+    {
+        if (bridge_->take_snapshot == nullptr || bridge_->device_count == nullptr)
+            return CUDAPluggableAllocator::snapshot(mempool, include_traces);
+        return snapshot_info(bridge_, mempool, include_traces, clock_);
+    }
+
+  protected:
+    static c10::cuda::MempoolId_t pool_id(const alloc_pool_figures &pool)
+    {
+        return {static_cast<c10::CaptureId_t>(pool.pool_a),
+                static_cast<c10::CaptureId_t>(pool.pool_b)};
+    }
+
+    const matepoint_torch_bridge *bridge_;
+    // torch's approximate clock against the wall clock, taken at install as
+    // torch's allocator takes it: trace times become epoch microseconds
+    c10::ApproximateClockToUnixTimeConverter clock_;
+};
 
 }  // namespace
 

@@ -829,7 +829,11 @@ test_torch_figures(void)
     CHECK(t.arrays[ALLOC_STAT_SEGMENT][ALLOC_POOL_ALL].current == 2 && t.num_device_alloc == 2);
     CHECK(t.arrays[ALLOC_STAT_INACTIVE_SPLIT][ALLOC_POOL_ALL].current == 2);
     CHECK(t.arrays[ALLOC_STAT_INACTIVE_SPLIT_BYTES][ALLOC_POOL_LARGE].current == 17 * MiB);
-    CHECK(t.max_split_size == -1);
+    CHECK(t.max_split_size == -1 && t.num_sync_all_streams == 0);
+    /* torch counts each wait for every stream's pending frees: empty_cache
+     * makes one per device */
+    alloc_empty_cache(a);
+    CHECK(alloc_get_device_stats(a, 1, &t) == 0 && t.num_sync_all_streams == 1);
     /* a free that another stream still reads: not allocated, still active */
     CHECK(alloc_record_stream(a, large, &s2) == 0);
     alloc_host_submit(&s2);

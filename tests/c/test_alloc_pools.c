@@ -301,6 +301,41 @@ test_capture_marks_tell_routing_from_capture(void)
     finish(a, &ctx);
 }
 
+/* torch's reserved_bytes_by_private_pools: per pool, its segments' bytes
+ * per kind; after the pool is gone its figures stay (current 0) until the
+ * accumulated counts are reset. */
+static void
+test_pool_figures(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream side = {0};
+    allocator *a = make(&ctx, 0);
+    capture cap = {.streams = {&side}};
+    alloc_pool_figures f[4];
+    CHECK(alloc_get_pool_figures(a, 0, f, 4) == 0 && alloc_get_pool_figures(a, 9, f, 4) == -1);
+    CHECK(alloc_begin_pool(a, 0, 0, 7, captures, &cap) == 0);
+    void *small = alloc_malloc(a, 4096, 0, &side, 0);
+    void *large = alloc_malloc(a, 3 * MiB, 0, &side, 0);
+    CHECK(alloc_end_pool(a, 0, 0, 7) == 0);
+    alloc_free(a, alloc_malloc(a, 4096, 0, NULL, 0), 0);      /* the ordinary cache: none */
+    CHECK(alloc_get_pool_figures(a, 0, f, 4) == 1 && f[0].pool_a == 0 && f[0].pool_b == 7);
+    CHECK(f[0].reserved[ALLOC_POOL_ALL].current == 22 * MiB);
+    CHECK(f[0].reserved[ALLOC_POOL_SMALL].current == 2 * MiB);
+    CHECK(f[0].reserved[ALLOC_POOL_LARGE].current == 20 * MiB);
+    alloc_free(a, small, 0);
+    alloc_free(a, large, 0);
+    CHECK(alloc_release_pool(a, 0, 0, 7) == 0);
+    alloc_empty_cache(a);
+    CHECK(alloc_pool_use_count(a, 0, 0, 7) == -1);                /* the pool is gone */
+    CHECK(alloc_get_pool_figures(a, 0, f, 4) == 1);
+    CHECK(f[0].reserved[ALLOC_POOL_ALL].current == 0 && f[0].reserved[ALLOC_POOL_ALL].peak ==
+          22 * MiB && f[0].reserved[ALLOC_POOL_ALL].freed == 22 * MiB);
+    CHECK(alloc_reset_device_peaks(a, 0) == 0 && alloc_get_pool_figures(a, 0, f, 4) == 1);
+    CHECK(f[0].reserved[ALLOC_POOL_ALL].peak == 0);
+    CHECK(alloc_reset_accumulated(a, 0) == 0 && alloc_get_pool_figures(a, 0, f, 4) == 0);
+    finish(a, &ctx);
+}
+
 /* Nested captures: the pool begun last that takes a stream serves it. */
 static void
 test_nested_pools_innermost_first(void)
@@ -445,6 +480,7 @@ main(void)
     test_pools_share_nothing_unless_asked();
     test_released_pool_keeps_live_blocks_until_freed();
     test_capture_marks_tell_routing_from_capture();
+    test_pool_figures();
     test_pool_block_used_on_another_stream();
     test_no_forbidden_calls_during_a_capture();
     test_cross_stream_free_during_a_capture_is_deferred();
