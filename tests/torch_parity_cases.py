@@ -457,3 +457,40 @@ def test_num_sync_all_streams_counts_each_wait_for_every_stream(cuda_up) -> None
     torch.cuda.empty_cache()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_stats(0)["num_sync_all_streams"] == before + 2
+
+
+def test_a_refused_capture_allocation_is_no_out_of_memory(cuda_up) -> None:
+    """An allocation on a capturing stream no pool takes (a capture begun
+    outside torch.cuda.graph) is refused with an error naming the capture:
+    a RuntimeError, not a torch.OutOfMemoryError, which retry-smaller code
+    (batch-size finders) would take for a request too large."""
+    side = _C._sim_stream_create(0)
+    torch.cuda.set_stream(stream_of_device(side, 0))
+    _C._sim_capture(0, side, True)
+    try:
+        with pytest.raises(RuntimeError, match="cannot allocate during this CUDA graph capture") \
+                as refused:
+            torch.empty(1024, dtype=torch.uint8, device="cuda:0")
+    finally:
+        status = _C._sim_capture(0, side, False)
+        torch.cuda.set_stream(torch.cuda.default_stream(0))
+        _C._sim_stream_destroy(side)
+    assert not isinstance(refused.value, torch.OutOfMemoryError)
+    assert status == 0
+
+
+def test_a_cuda_error_in_cudamalloc_is_no_out_of_memory(cuda_up) -> None:
+    """A sticky CUDA error (a faulting kernel's 700) fails cudaMalloc:
+    raised as torch's allocator raises it, a RuntimeError naming the error,
+    not a torch.OutOfMemoryError."""
+    torch.cuda.empty_cache()
+    mallocs = _C._sim_stats()["calls"]["cudaMalloc"]
+    _C._sim_fail("cudaMalloc", 0, 1, 700)
+    try:
+        with pytest.raises(RuntimeError, match="CUDA error 700") as raised:
+            torch.empty(64 * MIB, dtype=torch.uint8, device="cuda:0")   # a segment of its own
+    finally:
+        _C._sim_fail("cudaMalloc", 0, 0, 0)
+    assert _C._sim_stats()["calls"]["cudaMalloc"] == mallocs + 1     # premise: it was asked
+    assert not isinstance(raised.value, torch.OutOfMemoryError)
+    assert _C._sim_take_last_error() == 0

@@ -50,9 +50,12 @@ static _Atomic int capture_marks_wanted;
 static _Thread_local uint64_t current_tag;
 
 /* Set by install_allocator() before torch's first allocation, read by any
- * thread that runs out of memory; atomic, so no lock is needed. */
+ * thread that runs out of memory; atomic, so no lock is needed. The error
+ * handler (the C++ adapter's) raises the failures that are no lack of
+ * memory as torch's RuntimeError. */
 typedef void (*oom_handler)(const char *message);
 static _Atomic(oom_handler) raise_oom;
+static _Atomic(oom_handler) raise_error;
 
 #ifdef MATEPOINT_TESTING
 /* Test builds: the host backend's context (written once under
@@ -264,6 +267,25 @@ give_up(const char *message)
     abort();
 }
 
+/* A request refused for another reason than memory (a capture no pool
+ * takes, a CUDA error): raised as torch's RuntimeError where the adapter
+ * set its handler, for code that retries smaller on torch.OutOfMemoryError
+ * would misread it; else as give_up does. */
+static void
+refuse(const char *message)
+{
+    oom_handler handler = atomic_load(&raise_error);
+    if (handler != NULL)
+        handler(message);  /* throws through this frame; does not return */
+    give_up(message);
+}
+
+void
+entry_set_error_handler(void (*handler)(const char *message))
+{
+    atomic_store(&raise_error, handler);
+}
+
 /* torch's out-of-memory observers, through the adapter's trampoline:
  * written by set_oom_observer, read by any thread that runs out of memory
  * (copied under the lock, called after it). */
@@ -317,7 +339,7 @@ cuda_failure(size_t size, int device, const char *failure)
              "error, not out of memory: CUDA errors of a failed kernel are sticky, every later "
              "call fails with them (CUDA_LAUNCH_BLOCKING=1 shows which kernel failed).",
              size, device, failure);
-    give_up(message);
+    refuse(message);
 }
 
 /* An allocation during a CUDA graph capture that no private pool takes.
@@ -341,7 +363,7 @@ refuse_capture(size_t size, int device)
              "it could not); a capture begun otherwise (cudaStreamBeginCapture directly) gets "
              "none: capture it in a process without matepoint.install_allocator().",
              size, device);
-    give_up(message);
+    refuse(message);
 }
 
 /* Zero bytes get NULL and count nothing, as from torch's allocator

@@ -32,6 +32,8 @@ void entry_set_oom_observer(matepoint_oom_observer observer, void *ctx);
 /* torch marks its captures: taken at the allocator's making, or at once
  * when it is made already (never makes it: that initializes CUDA). */
 void entry_use_capture_marks(void);
+/* The adapter's handler raising torch's RuntimeError (NULL: none). */
+void entry_set_error_handler(void (*handler)(const char *message));
 /* The C++ adapter's table (entry_bridge.c). */
 const matepoint_torch_bridge *entry_bridge(void);
 

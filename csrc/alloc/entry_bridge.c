@@ -107,6 +107,7 @@ static const matepoint_torch_bridge bridge = {
     .history_enabled = bridge_history_enabled,
     .block_context = bridge_block_context,
     .set_oom_observer = entry_set_oom_observer,
+    .set_error_handler = entry_set_error_handler,
     .begin_pool = bridge_begin_pool,
     .end_pool = bridge_end_pool,
     .release_pool = bridge_release_pool,

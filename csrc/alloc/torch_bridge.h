@@ -91,6 +91,11 @@ typedef struct matepoint_torch_bridge {
     /* Out-of-memory observers: one observer, replaced by the next call
      * (the adapter keeps torch's list and passes its own trampoline). */
     void (*set_oom_observer)(matepoint_oom_observer observer, void *ctx);
+    /* The function that raises torch's RuntimeError with `message` (it
+     * throws through the library's malloc and does not return), for the
+     * requests refused for another reason than memory (a capture no pool
+     * takes, a CUDA error); NULL: none (raised as out of memory). */
+    void (*set_error_handler)(void (*raise)(const char *message));
 
     /* CUDA graph private pools (pool_a, pool_b: torch's MempoolId_t).
      * begin_pool: until end_pool, allocations on `device` whose stream

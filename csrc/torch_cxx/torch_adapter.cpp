@@ -45,14 +45,15 @@ class Adapter final : public TorchRecords {
 #if MATEPOINT_TORCH_AT_LEAST(2, 13)
         bridge->use_capture_marks();
 #endif
+        bridge->set_error_handler(&raise_runtime_error);
     }
 
     // torch drops an allocator it swapped out: the library forgets the
-    // trampoline that points here
+    // trampoline and the handler that point here
     ~Adapter() override
     {
-        if (bridge_->set_oom_observer != nullptr)
-            bridge_->set_oom_observer(nullptr, nullptr);
+        bridge_->set_oom_observer(nullptr, nullptr);
+        bridge_->set_error_handler(nullptr);
     }
 
     // A stream of another GPU than the block's (t_on_cuda0.record_stream(
@@ -469,6 +470,15 @@ class Adapter final : public TorchRecords {
     {
         if (bridge_->release_pool != nullptr)
             bridge_->release_pool(device, id.first, id.second);
+    }
+
+    // The library's refusals that are no lack of memory (a capture no pool
+    // takes, a CUDA error) reach Python as RuntimeError, not as
+    // torch.OutOfMemoryError, which retry-smaller code would take for one
+    [[noreturn]] static void raise_runtime_error(const char *message)
+    {
+        TORCH_CHECK(false, message);
+        std::abort();   // not reached: TORCH_CHECK(false) throws
     }
 
     // Called by the library with its lock held: torch's filters only ask
