@@ -494,3 +494,22 @@ def test_a_cuda_error_in_cudamalloc_is_no_out_of_memory(cuda_up) -> None:
     assert _C._sim_stats()["calls"]["cudaMalloc"] == mallocs + 1     # premise: it was asked
     assert not isinstance(raised.value, torch.OutOfMemoryError)
     assert _C._sim_take_last_error() == 0
+
+
+def test_what_the_history_does_not_keep_is_said(cuda_up, capfd) -> None:
+    """record_function annotations, torch.compile's context and user
+    metadata are not recorded (docs/guides/allocator.md says why): each is
+    said once (on stderr, as torch says such things from C++), naming
+    matepoint's allocator, where torch would record it."""
+    torch.cuda.memory._record_memory_history(global_record_annotations=True)
+    try:
+        with torch.profiler.record_function("a step"):
+            held = torch.empty(1024, dtype=torch.uint8, device="cuda:0")
+        torch.cuda.memory._set_memory_metadata("a note")
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    said = capfd.readouterr().err
+    assert "matepoint's allocator does not record record_function annotations" in said, said
+    assert "matepoint does not support user metadata" in said, said
+    assert torch._C._cuda_memoryMetadataSupported() is False
+    del held

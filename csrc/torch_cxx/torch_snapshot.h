@@ -384,6 +384,33 @@ class TorchRecords : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAl
         return snapshot_info(bridge_, mempool, include_traces, clock_);
     }
 
+    // What the history does not keep (docs/guides/allocator.md says why):
+    // said once, where torch would record it, as torch's allocators say it
+    // of what they do not support; a raise would stop the user's code
+    void recordAnnotation(const std::vector<std::pair<std::string, std::string>> &) override
+    {
+        TORCH_WARN_ONCE("matepoint's allocator does not record record_function annotations "
+                        "(_record_memory_history(global_record_annotations=True)): they will "
+                        "not appear in memory snapshots");
+    }
+
+    void pushCompileContext(std::string &) override
+    {
+        TORCH_WARN_ONCE("matepoint's allocator does not record torch.compile's context in the "
+                        "memory history (_record_memory_history(compile_context=True)): it will "
+                        "not appear in memory snapshots");
+    }
+
+#if !MATEPOINT_TORCH_AT_LEAST(2, 14)
+    // torch 2.14 warns so itself (its base class names the allocator)
+    void setUserMetadata(const std::string &) override
+    {
+        TORCH_WARN_ONCE("matepoint's allocator does not record user metadata "
+                        "(torch.cuda.memory._set_memory_metadata): its trace entries carry each "
+                        "allocation's checkpoint region and phase there instead");
+    }
+#endif
+
   protected:
     static c10::cuda::MempoolId_t pool_id(const alloc_pool_figures &pool)
     {
