@@ -27,22 +27,16 @@ import matepoint
 from matepoint import _C
 from matepoint._allocator import allocator_path
 import sim
+from torch_parity_cases import library, stand_for_cuda_up  # noqa: F401 (a fixture)
 
 ELEMENTS = 1 << 14
 MIB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def library() -> ctypes.CDLL:
-    return sim.install_adapter()
-
-
 @pytest.fixture
 def cuda_up(library, monkeypatch) -> Iterator[ctypes.CDLL]:
-    # stands for "CUDA is up": there is no GPU here
-    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    stand_for_cuda_up(monkeypatch)
     monkeypatch.setattr(torch.cuda, "current_device", _C._sim_get_device)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with sim.device_memory():
         yield library
     gc.collect()

@@ -44,15 +44,20 @@ def library() -> ctypes.CDLL:
     return sim.install_adapter()
 
 
-@pytest.fixture
-def cuda_up(library, monkeypatch) -> Iterator[ctypes.CDLL]:
-    # stands for "CUDA is up": torch.cuda's functions check it before asking
-    # the allocator, and there is no GPU (nor driver) here
+def stand_for_cuda_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda's Python checks answer "CUDA is up" (they run before torch
+    asks the allocator; lazy initialization would load the driver, absent
+    here), and no capture is underway."""
     monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
     for module in (torch.cuda, torch.cuda.memory):
         monkeypatch.setattr(module, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+@pytest.fixture
+def cuda_up(library, monkeypatch) -> Iterator[ctypes.CDLL]:
+    stand_for_cuda_up(monkeypatch)
     yield library
     gc.collect()
     sim.empty_device_cache()
