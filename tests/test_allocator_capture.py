@@ -157,8 +157,8 @@ def test_a_capture_allocates_from_its_graphs_pool(offload):
     stream is served from the graph's private pool (no refusal, the capture
     survives); memory freed during the capture is reused inside it; the
     ordinary cache never hands the pool's memory out, the pool never the
-    cache's; the pool's memory stays until the graph is released and goes
-    back then."""
+    cache's; the pool's memory stays until the graph is released, and goes
+    back at the next empty_cache, as torch's."""
     side, _ = sim.side_streams()
     with sim.stream(0, side):
         cached = torch.ones(ELEMENTS)
@@ -187,6 +187,7 @@ def test_a_capture_allocates_from_its_graphs_pool(offload):
     assert device_bytes() >= pool_bytes
     kept = device_bytes()
     graph.release()
+    sim.empty_device_cache()
     assert graph.use_count() == -1, "a released pool with nothing live is forgotten"
     assert kept - device_bytes() == pool_bytes, "the pool's memory went back at release"
 
@@ -195,7 +196,8 @@ def test_pools_of_two_graphs_share_nothing_and_outputs_outlive_release(offload):
     """Two graphs captured one after the other on the same stream get
     distinct memory; a graph sharing a pool (torch.cuda.graph(pool=...))
     reuses it. A graph's output still held keeps its segment past the
-    graph's release; its free gives the segment back."""
+    graph's release; once freed, the next empty_cache gives the segment back
+    (as torch's: no cudaFree at a tensor's free)."""
     side, _ = sim.side_streams()
     first, second = GraphPool((2, 0), side), GraphPool((0, 3), side)
     with first.capture():
@@ -210,12 +212,15 @@ def test_pools_of_two_graphs_share_nothing_and_outputs_outlive_release(offload):
     del other, shared
     held = device_bytes()
     second.release()
+    sim.empty_device_cache()
     assert device_bytes() < held and second.use_count() == -1
     first.release()
     first.release()                             # both graphs of the first pool are gone
     assert first.use_count() == 0, "its output is still live"
     held = device_bytes()
     del output
+    assert device_bytes() == held, "a cudaFree at a tensor's free"
+    sim.empty_device_cache()
     assert device_bytes() < held and first.use_count() == -1
 
 
@@ -260,4 +265,5 @@ def test_a_checkpointed_step_captured_into_a_pool_keeps_its_inputs(offload):
     del out, grads
     model.zero_grad(set_to_none=True)
     gc.collect()
+    sim.empty_device_cache()
     assert graph.use_count() == -1

@@ -5,10 +5,7 @@ the C++ adapter, each in a subprocess: it needs a CUDA build of torch,
 which runs on the CPU here; a CPU build skips, saying so."""
 from __future__ import annotations
 
-import os
-import subprocess
-
-from test_torch_memory_api import HERE, _run_cases, needs_cuda_libraries
+from test_torch_memory_api import _run_cases, device_shim, needs_cuda_libraries
 
 
 @needs_cuda_libraries
@@ -20,7 +17,4 @@ def test_graph_pools_cache_info_and_base_allocation_through_torch() -> None:
 def test_mem_pools_through_torch(tmp_path) -> None:
     """MemPool asks the CUDA runtime for the current device: a preloaded
     cudaGetDevice answers (tests/c/cuda_device_shim.c), as no GPU is here."""
-    shim = str(tmp_path / "libcuda_device_shim.so")
-    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", shim,
-                    os.path.join(HERE, "c", "cuda_device_shim.c")], check=True, timeout=120)
-    _run_cases("torch_mempool_cases.py", preload=shim)
+    _run_cases("torch_mempool_cases.py", preload=device_shim(str(tmp_path)))

@@ -51,9 +51,26 @@ def _run_cases(path: str, *selection: str, preload: Optional[str] = None) -> Non
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
 
+def device_shim(folder: str) -> str:
+    """The runtime calls torch makes before it allocates, answered as the
+    simulated GPU would (tests/c/cuda_device_shim.c), built into `folder`:
+    no GPU (nor driver) is here."""
+    shim = os.path.join(folder, "libcuda_device_shim.so")
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", shim,
+                    os.path.join(HERE, "c", "cuda_device_shim.c")], check=True, timeout=120)
+    return shim
+
+
 @needs_cuda_libraries
 def test_torch_memory_functions_answer_from_matepoint() -> None:
     _run_cases("torch_api_cases.py")
+
+
+@needs_cuda_libraries
+def test_torch_memory_api_answers_as_torchs_allocator(tmp_path) -> None:
+    """tests/torch_parity_cases.py: CUDA tensors over the simulated GPU,
+    torch's memory API called as users call it (issue 53)."""
+    _run_cases("torch_parity_cases.py", preload=device_shim(str(tmp_path)))
 
 
 HOST_FIGURES = textwrap.dedent("""
@@ -66,6 +83,10 @@ HOST_FIGURES = textwrap.dedent("""
     lib.matepoint_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     _C._attach_allocator(allocator_path())
     MIB = 1 << 20
+    # zero bytes: a null pointer and nothing counted, as torch's allocator
+    assert lib.matepoint_malloc(0, 1, None) is None
+    lib.matepoint_free(None, 0, 1, None)
+    assert matepoint.memory_stats(1)["allocation.all.allocated"] == 0
     small = [lib.matepoint_malloc(1000, 1, None) for _ in range(3)]   # 1024 bytes each
     large = lib.matepoint_malloc(3 * MIB + 5, 1, None)
     s = matepoint.memory_stats(1)
@@ -109,7 +130,7 @@ def test_torch_figures_in_matepoint_memory_stats_on_the_host_backend() -> None:
     result = subprocess.run([sys.executable, "-c", HOST_FIGURES], env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "figures ok" in result.stdout
+    assert "figures ok" in result.stdout and "did not allocate" not in result.stderr
 
 
 @needs_cuda_libraries

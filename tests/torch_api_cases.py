@@ -209,8 +209,9 @@ def test_out_of_memory_observers_fire(cuda_up) -> None:
         finally:
             _C._sim_fail("cudaMalloc", 0, 0, 0)
     assert order == ["first", "second"]
-    ((device, allocated, total, free),) = seen
-    assert device == 1 and allocated == mine(1)["allocated_bytes"] >= MIB
+    # torch's figures: the device allocation that failed, the device's total
+    ((device, alloc_size, total, free),) = seen
+    assert device == 1 and alloc_size == 64 * MIB
     assert total > 0 and free <= total
     assert mine(1)["num_ooms"] == 1
     del held
@@ -288,8 +289,9 @@ def test_history_off_records_nothing_and_keeps_stacks_out(cuda_up) -> None:
     assert [e["action"] for e in snapshot["device_traces"][0]][-1] == "alloc"
     with sim.device(0):
         torch.empty(MIB, dtype=torch.uint8)
-    after = torch.cuda.memory._snapshot()["device_traces"][0]
-    assert len(after) == len(snapshot["device_traces"][0])   # off: nothing more recorded
+    # off: nothing more recorded, and what was recorded went (torch clears
+    # its ring when recording stops)
+    assert torch.cuda.memory._snapshot()["device_traces"][0] == []
     del held
 
 

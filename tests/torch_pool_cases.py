@@ -14,6 +14,7 @@ entries call torch's c10::cuda::CUDACachingAllocator functions.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 from typing import Iterator, List, Tuple
@@ -47,23 +48,46 @@ def device_bytes() -> int:
     return _C._sim_stats()["device_bytes_live"][0]
 
 
+def mark_capture(adapter: ctypes.CDLL, device: int, begin: bool) -> None:
+    """torch 2.13+'s markCaptureBegin/End (CUDAGraph's capture_begin and
+    capture_end mark a capture; torch exposes them to no Python caller)."""
+    function = adapter.matepoint_torch_adapter_mark_capture
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    error = ctypes.create_string_buffer(512)
+    assert function(device, int(begin), error, 512) == 0, error.value
+
+
+@contextlib.contextmanager
+def captured(adapter: ctypes.CDLL, pool: Tuple[int, int], stream: int) -> Iterator[List[int]]:
+    """A CUDA graph capture on `stream` of device 0 as torch.cuda.graph
+    makes it: beginAllocateToPool, the stream's capture (simulated), marked
+    begun; then its end, marked ended, endAllocateToPool. Yields a list
+    that holds the capture's end status (0: it stayed valid) after."""
+    status: List[int] = []
+    torch._C._cuda_beginAllocateToPool(0, pool)
+    _C._sim_capture(0, stream, True)
+    mark_capture(adapter, 0, True)
+    try:
+        with sim.stream(0, stream):
+            yield status
+    finally:
+        status.append(_C._sim_capture(0, stream, False))
+        mark_capture(adapter, 0, False)
+        torch._C._cuda_endAllocateToPool(0, pool)
+
+
 def test_a_pool_begun_through_torch_serves_a_capture_and_goes_at_release(memory) -> None:
     side, _ = sim.side_streams()
     with sim.stream(0, side):
         cached_at = torch.ones(ELEMENTS).data_ptr()     # freed: side's ordinary cache
     pool: Tuple[int, int] = (0, 4242)
     held = device_bytes()
-    torch._C._cuda_beginAllocateToPool(0, pool)
-    _C._sim_capture(0, side, True)
-    try:
-        with sim.stream(0, side):
-            scratch = torch.ones(ELEMENTS)
-            scratch_at = scratch.data_ptr()
-            del scratch
-            output = torch.full((ELEMENTS,), 3.0)
-    finally:
-        status = _C._sim_capture(0, side, False)
-        torch._C._cuda_endAllocateToPool(0, pool)
+    with captured(memory, pool, side) as ended:
+        scratch = torch.ones(ELEMENTS)
+        scratch_at = scratch.data_ptr()
+        del scratch
+        output = torch.full((ELEMENTS,), 3.0)
+    (status,) = ended
     assert status == 0 and status != CAPTURE_INVALIDATED
     assert scratch_at != cached_at and output.data_ptr() == scratch_at
     pool_bytes = device_bytes() - held
@@ -75,6 +99,10 @@ def test_a_pool_begun_through_torch_serves_a_capture_and_goes_at_release(memory)
     sim.empty_device_cache()
     assert device_bytes() == pool_bytes, "the pool, still in use, kept its memory"
     torch._C._cuda_releasePool(0, pool)
+    # freeable now: it goes at the next empty_cache (or out-of-memory
+    # retry), as torch's, not at the release
+    assert device_bytes() == pool_bytes
+    sim.empty_device_cache()
     assert device_bytes() == 0
 
 
@@ -213,6 +241,7 @@ def test_graph_trees_switch_between_two_recordings_of_one_pool(memory) -> None:
     assert allocated_bytes() == 0
     for _ in range(4):                                  # A, B, C, D recorded into it
         torch._C._cuda_releasePool(0, pool)
+    sim.empty_device_cache()
     assert device_bytes() == 0
     assert matepoint.memory_stats(0)["active_bytes.all.current"] == 0
 
@@ -229,4 +258,5 @@ def test_a_restore_of_a_released_pool_is_refused_clearly(memory) -> None:
         torch._C._cuda_setCheckpointPoolState(0, state, [], [])
     with pytest.raises(RuntimeError, match="matepoint's allocator cannot checkpoint"):
         torch._C._cuda_getCheckpointState(0, pool)
+    sim.empty_device_cache()
     assert device_bytes() == 0

@@ -26,6 +26,8 @@ alloc_create(alloc_backend backend, int device_count)
     for (int i = 0; i < device_count; i++) {
         pthread_mutex_init(&a->devices[i].lock, NULL);
         a->devices[i].index = i;
+        a->devices[i].limit = UINT64_MAX;
+        a->devices[i].fraction = 1.0;
     }
     return a;
 }
@@ -40,18 +42,18 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     int small = rounded <= SMALL_REQUEST;
     void *context = history_gather(a, ALLOC_CONTEXT_STATE, tag);
     pthread_mutex_lock(&dev->lock);
-    /* while a capture allocates to a pool, no event is queried (torch's
-     * rule: one recorded in the capture cannot be) */
+    /* while a capture is underway, no event is queried (torch's rule: one
+     * recorded in the capture cannot be) */
     private_pool *pool = dev->active_pools != 0 ? pool_for_stream(dev, stream) : NULL;
-    if (dev->events_pending != 0 && dev->active_pools == 0)
+    if ((dev->events_pending != 0 || dev->deferred != NULL) && dev->captures == 0)
         events_process(a, dev, 0);
     block *b = NULL;
     if (rounded != 0 &&
-        (b = block_find_free(stream_list(dev, pool), rounded, small, stream)) != NULL) {
+        (b = block_find_free(stream_list(dev, pool), rounded, small, stream, dev->index)) != NULL) {
         dev->stats.cache_hits++;
     } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool)) == NULL) {
-        stats_record_oom(a, dev, size);
-        history_record(dev, ALLOC_TRACE_OOM, 0, size, stream, tag, context);
+        stats_record_oom(a, dev, size, rounded);
+        history_record_oom(a, dev, rounded, stream, pool, tag, context);
         history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
@@ -59,8 +61,8 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     if (block_take(b, rounded) < 0 || map_insert(dev, b) < 0) {
         if (!b->in_index)
             block_insert_free(b);
-        stats_record_oom(a, dev, size);
-        history_record(dev, ALLOC_TRACE_OOM, 0, size, stream, tag, context);
+        stats_record_oom(a, dev, size, rounded);
+        history_record_oom(a, dev, rounded, stream, pool, tag, context);
         history_drop(dev, context);
         pthread_mutex_unlock(&dev->lock);
         return NULL;
@@ -68,7 +70,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     stats_account_malloc(dev, b, size, tag);
     /* the block keeps the stack for snapshots; the record only if asked */
     b->context = context;
-    history_record(dev, ALLOC_TRACE_ALLOC, b->ptr, b->size, stream, tag,
+    history_record(dev, ALLOC_TRACE_ALLOC, b->ptr, size, b->seg->owner, tag,
                    dev->history.when >= ALLOC_CONTEXT_ALLOC ? context : NULL);
     void *ptr = (void *)b->ptr;
     uint64_t bytes = b->size;
@@ -79,22 +81,22 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
 }
 
 /* A freed block: queued behind events of the streams it was used on, or
- * free at once (and its segment back to the backend if its pool was
- * released). Lock held. */
+ * free at once. When an event could not be made or recorded (the failure
+ * was reported), it waits among the deferred blocks and records again at
+ * the next processing of events: a device-wide wait instead would break a
+ * capture another thread runs on the device, which the allocator may not
+ * know of. Lock held. */
 void
 block_retire(allocator *a, device_state *dev, block *b)
 {
     if (b->n_extra > 0 && events_insert(a, dev, b) < 0) {
-        /* no event for some stream: only a device-wide wait is safe (its
-         * failure was reported; torch's fallback goes on alike) */
-        (void)a->backend.device_synchronize(a->backend.ctx, dev->index);
+        block_defer(dev, b);
+        return;
     }
     block_forget_streams(b);
     if (b->event_count == 0) {
-        segment *seg = b->seg;
         stats_block_inactive(dev, b);
         block_insert_free(b);
-        pool_settle_segment(a, dev, seg);
     }
 }
 
@@ -114,10 +116,10 @@ alloc_free(allocator *a, void *ptr, int device)
         return -1;
     }
     stats_account_free(dev, b);
-    history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->size, b->seg->owner->stream,
-                   b->tag, context);
+    history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->seg->owner, b->tag,
+                   context);
     history_drop(dev, context);
-    if (b->n_extra > 0 && dev->active_pools != 0)
+    if (b->n_extra > 0 && dev->captures != 0)
         block_defer(dev, b);
     else
         block_retire(a, dev, b);
@@ -125,30 +127,50 @@ alloc_free(allocator *a, void *ptr, int device)
     return 0;
 }
 
-/* Adds `stream` to the streams `b` is used on: in the block while they fit
+/* Adds `use` to the streams `b` is used on: in the block while they fit
  * (no malloc for the common one or two), else in a grown array. 0, or -1
  * without memory. */
 static int
-remember_stream(block *b, void *stream)
+remember_stream(block *b, stream_use use)
 {
     if (b->n_extra < EXTRA_INLINE) {
         b->extra_streams = b->extra_inline;
     } else {
         int inline_now = b->extra_streams == b->extra_inline;
-        size_t bytes = sizeof(void *) * (size_t)(b->n_extra + 1);
-        void **grown = realloc(inline_now ? NULL : b->extra_streams, bytes);
+        size_t bytes = sizeof(stream_use) * (size_t)(b->n_extra + 1);
+        stream_use *grown = realloc(inline_now ? NULL : b->extra_streams, bytes);
         if (grown == NULL)
             return -1;
         if (inline_now)
             memcpy(grown, b->extra_inline, sizeof(b->extra_inline));
         b->extra_streams = grown;
     }
-    b->extra_streams[b->n_extra++] = stream;
+    b->extra_streams[b->n_extra++] = use;
+    return 0;
+}
+
+/* 1 when `b` is known to be used on `use` already: its own stream (whose
+ * uses it orders itself) or one recorded. */
+static int
+used_on(const block *b, stream_use use)
+{
+    if (b->seg->owner->stream == use.stream && b->seg->dev->index == use.device)
+        return 1;
+    for (int i = 0; i < b->n_extra; i++) {
+        if (b->extra_streams[i].stream == use.stream && b->extra_streams[i].device == use.device)
+            return 1;
+    }
     return 0;
 }
 
 int
 alloc_record_stream(allocator *a, void *ptr, void *stream)
+{
+    return alloc_record_stream_on(a, ptr, stream, -1);
+}
+
+int
+alloc_record_stream_on(allocator *a, void *ptr, void *stream, int stream_device)
 {
     for (int d = 0; d < a->device_count; d++) {
         device_state *dev = &a->devices[d];
@@ -156,13 +178,8 @@ alloc_record_stream(allocator *a, void *ptr, void *stream)
         block *b = map_find(dev, (uintptr_t)ptr);
         int result = -1;
         if (b != NULL) {
-            result = 0;
-            /* uses on its own stream are ordered by the stream already */
-            int known = b->seg->owner->stream == stream;
-            for (int i = 0; i < b->n_extra && !known; i++)
-                known = b->extra_streams[i] == stream;
-            if (!known)
-                result = remember_stream(b, stream);
+            stream_use use = {stream, stream_device < 0 ? dev->index : stream_device};
+            result = used_on(b, use) ? 0 : remember_stream(b, use);
         }
         pthread_mutex_unlock(&dev->lock);
         if (b != NULL)
@@ -191,6 +208,33 @@ alloc_set_limit(allocator *a, int device, uint64_t limit_bytes)
     pthread_mutex_lock(&dev->lock);
     dev->limit = limit_bytes;
     pthread_mutex_unlock(&dev->lock);
+}
+
+int
+alloc_set_fraction(allocator *a, int device, double fraction, uint64_t total_bytes)
+{
+    device_state *dev = device_of(a, device);
+    /* NaN fails both comparisons: (uint64_t)(NaN * total) is undefined */
+    if (dev == NULL || !(fraction >= 0.0 && fraction <= 1.0))
+        return -1;
+    pthread_mutex_lock(&dev->lock);
+    dev->fraction = fraction;
+    if (total_bytes != 0)
+        dev->limit = (uint64_t)(fraction * (double)total_bytes);
+    pthread_mutex_unlock(&dev->lock);
+    return 0;
+}
+
+double
+alloc_fraction(allocator *a, int device)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL)
+        return -1.0;
+    pthread_mutex_lock(&dev->lock);
+    double fraction = dev->fraction;
+    pthread_mutex_unlock(&dev->lock);
+    return fraction;
 }
 
 void
@@ -226,6 +270,7 @@ alloc_destroy(allocator *a)
         blocks_free_spares(dev);
         free(dev->map);
         free(dev->tags);
+        free(dev->pool_figures);
         for (uint64_t i = 0; i < dev->ring_count; i++)
             history_drop(dev, dev->ring[(dev->ring_head + i) % dev->ring_capacity].context);
         free(dev->ring);

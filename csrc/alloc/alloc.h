@@ -49,13 +49,13 @@ typedef struct {
      * it stands for may still run) */
     int (*event_wait)(void *ctx, void *event);
     void (*event_free)(void *ctx, void *event);
-    /* waits for all work on the device (a fallback when no event can be
-     * made): ALLOC_OK, or ALLOC_ERROR as event_wait */
-    int (*device_synchronize)(void *ctx, int device);
     /* optional, NULL: no stream ever captures. 1 when `stream` of `device`
      * is being captured into a CUDA graph (no event recorded on it could be
      * waited for), 0 when not, ALLOC_ERROR when that could not be asked */
     int (*stream_capturing)(void *ctx, int device, void *stream);
+    /* optional, NULL: unknown. The device's free and total bytes (a trace
+     * record of out of memory carries the free ones): ALLOC_OK or ALLOC_ERROR */
+    int (*mem_info)(void *ctx, int device, uint64_t *free_bytes, uint64_t *total_bytes);
     /* optional, NULL: none. Told of each block alloc_malloc hands out,
      * after the lock was released: `bytes` is the block's size, the request
      * rounded up (more when a large block's small rest stayed attached) */
@@ -170,11 +170,21 @@ alloc_stat_field(const alloc_stat *stat, int field)
     }
 }
 
+/* torch's DeviceStats::reserved_bytes_by_private_pools: the bytes reserved
+ * in one private pool (named by torch's MempoolId_t), per pool kind. Kept
+ * after the pool is gone (current 0), with its peak and counts, until
+ * torch's accumulated statistics are reset. */
+typedef struct {
+    uint64_t pool_a, pool_b;
+    alloc_stat reserved[ALLOC_POOLS];
+} alloc_pool_figures;
+
 typedef struct {
     uint64_t requested;         /* bytes asked for by the failing call */
+    uint64_t segment_bytes;     /* the device allocation it needed (torch's alloc_size) */
     int device;
     uint64_t reserved, allocated;
-    uint64_t limit;             /* the device's cap on reserved bytes, 0: none */
+    uint64_t limit;             /* the device's cap on reserved bytes, UINT64_MAX: none */
 } alloc_oom_info;
 
 typedef struct allocator allocator;
@@ -184,19 +194,35 @@ allocator *alloc_create(alloc_backend backend, int device_count);
 void alloc_destroy(allocator *a);
 
 /* NULL when out of memory (then alloc_last_oom() tells the numbers) or on a
- * backend error. Size 0 is valid and gives a distinct pointer; a size too
+ * backend error. Size 0 is valid and gives a distinct 512-byte block, as
+ * torch's device allocator would (torch's entry, matepoint_malloc, asks
+ * for none: zero bytes are a null pointer there); a size too
  * large to round (alloc_round_size() == 0) is out of memory. */
 void *alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag);
 /* -1 when `ptr` is not a live allocation of `device`. */
 int alloc_free(allocator *a, void *ptr, int device);
 /* Marks a live block as used on `stream` too: 0; 1 when `ptr` is not a
  * live block of this allocator (memory from elsewhere: DLPack, IPC);
- * -1 when no memory was left to remember the stream. */
+ * -1 when no memory was left to remember the stream. `stream` is of the
+ * block's device (torch's record_stream hook passes no device). */
 int alloc_record_stream(allocator *a, void *ptr, void *stream);
+/* The same for `stream` of device `stream_device` (-1: the block's): the
+ * event of the free is made and recorded on that device (torch's
+ * insert_events), so a kernel of another GPU still using the block keeps
+ * it from reuse. */
+int alloc_record_stream_on(allocator *a, void *ptr, void *stream, int stream_device);
 /* Waits for pending frees and releases every segment with no live block. */
 void alloc_empty_cache(allocator *a);
-/* Caps reserved bytes of `device` (0: no cap). */
+/* Caps reserved bytes of `device` (UINT64_MAX: no cap, the default). */
 void alloc_set_limit(allocator *a, int device, uint64_t limit_bytes);
+/* torch's setMemoryFraction: caps reserved bytes of `device` at `fraction`
+ * of `total_bytes` (0: unknown, the cap stays) and keeps the fraction; 0,
+ * or -1 (nothing changed) for a device out of range or a fraction outside
+ * [0, 1] (NaN too). */
+int alloc_set_fraction(allocator *a, int device, double fraction, uint64_t total_bytes);
+/* The fraction set last on `device` (1.0: none set), -1.0 for a device out
+ * of range (torch's getMemoryFraction). */
+double alloc_fraction(allocator *a, int device);
 
 alloc_stats alloc_get_stats(allocator *a, int device);
 void alloc_reset_peaks(allocator *a);
@@ -208,6 +234,9 @@ int alloc_reset_device_peaks(allocator *a, int device);
 /* torch.cuda.reset_accumulated_memory_stats(device): the allocated and
  * freed counts of torch's figures and its num_* counters restart from 0. */
 int alloc_reset_accumulated(allocator *a, int device);
+/* Copies up to `max` of the private pools' figures of `device` into `out`;
+ * returns how many there are in all, -1 for a device out of range. */
+int alloc_get_pool_figures(allocator *a, int device, alloc_pool_figures *out, int max);
 /* Copies up to `max` tag entries of `device` with live or peak bytes into
  * `out`; returns how many there are in all. */
 int alloc_get_tag_stats(allocator *a, int device, alloc_tag_stats *out, int max);
@@ -232,10 +261,11 @@ int alloc_check(allocator *a, int device);
  * the backend as soon as no block in them is live: at the release, and at
  * the free (or completed cross-stream event) of the last live block.
  *
- * While a pool is being allocated to on a device, the allocator makes no
- * call a capture forbids for that device's ordinary cache: no event query
- * or wait, and out of memory releases only released pools' segments
- * (torch's rule: its captures_underway).
+ * While a capture is underway on a device (alloc_use_capture_marks says
+ * which: a marked one, or any pool being allocated to), the allocator
+ * makes no call a capture forbids for that device's ordinary cache: no
+ * event query or wait, and out of memory releases only released pools'
+ * segments (torch's rule: its captures_underway).
  *
  * `use_pool` is called with the device's lock held: it must not call the
  * allocator. `filter` stays the caller's and must stay valid until
@@ -276,6 +306,15 @@ int alloc_end_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
 /* Gives one use of the pool back; 0, or -1 when the device has no such
  * pool with a use left. */
 int alloc_release_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b);
+/* torch 2.13 and later mark real captures (markCaptureBegin/End) apart
+ * from pools being allocated to outside one (use_mem_pool, NCCL
+ * registration, cudagraph trees' warmup). Once told (before any pool is
+ * begun), only marked captures stop event queries, waits and frees of the
+ * cache; else every pool being allocated to does (older torches). */
+void alloc_use_capture_marks(allocator *a);
+/* A capture on `device` begins (`begin`) or ends; 0, or -1 for a device
+ * out of range, an end with none begun, or marks not in use. */
+int alloc_mark_capture(allocator *a, int device, int begin);
 /* 1 when a pool being allocated to takes `stream`'s requests on `device`
  * (alloc_malloc would serve them from it), else 0. */
 int alloc_pool_takes(allocator *a, int device, void *stream);

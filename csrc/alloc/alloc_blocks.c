@@ -15,8 +15,7 @@ alloc_round_size(uint64_t size)
     return (size + MIN_BLOCK - 1) & ~(uint64_t)(MIN_BLOCK - 1);
 }
 
-/* 0 when the segment size cannot be represented. */
-static uint64_t
+uint64_t
 segment_size_for(uint64_t rounded)
 {
     if (rounded <= SMALL_REQUEST)
@@ -196,8 +195,7 @@ segment_release(allocator *a, device_state *dev, segment *seg)
     }
     a->backend.device_free(a->backend.ctx, dev->index, (void *)seg->base, seg->size);
     stats_segment_released(dev, seg);
-    history_record(dev, ALLOC_TRACE_SEGMENT_FREE, seg->base, seg->size, seg->owner->stream, 0,
-                   NULL);
+    history_record(dev, ALLOC_TRACE_SEGMENT_FREE, seg->base, seg->size, seg->owner, 0, NULL);
     MP_ASSERT((seg->prev == NULL) == (dev->segments == seg));
     MP_ASSERT(seg->next == NULL || seg->next->prev == seg);
     if (seg->prev != NULL)
@@ -229,11 +227,7 @@ segment_all_free(const segment *seg)
 static int
 in_scope(const private_pool *pool, release_scope scope)
 {
-    if (scope == RELEASE_ALL)
-        return 1;
-    if (pool != NULL)
-        return pool_released(pool);
-    return scope == RELEASE_CACHE;
+    return scope == RELEASE_ALL || pool == NULL || pool_released(pool);
 }
 
 /* Releases the segments with no live or pending block that `scope` lets
@@ -251,16 +245,15 @@ segment_release_free(allocator *a, device_state *dev, release_scope scope)
     pools_forget_done(dev);
 }
 
-/* While a capture allocates to a pool, a wait on an event or a cudaFree of
- * the ordinary cache could break it (torch skips both then): only
- * released pools give their memory back. Lock held. */
+/* While a capture is underway, a wait on an event or a cudaFree could
+ * break it (torch's allocator skips its release of cached blocks then):
+ * nothing goes. Lock held. */
 void
 segment_release_cached(allocator *a, device_state *dev)
 {
-    if (dev->active_pools != 0) {
-        segment_release_free(a, dev, RELEASE_RELEASED_POOLS);
+    if (dev->captures != 0)
         return;
-    }
+    dev->torch.num_sync_all_streams++;      /* torch's synchronize_and_free_events */
     events_process(a, dev, 1);
     events_free_spares(a, dev);
     blocks_free_spares(dev);
@@ -269,9 +262,9 @@ segment_release_cached(allocator *a, device_state *dev)
 
 /* Best fit among the free blocks of `stream`'s segments. Lock held. */
 block *
-block_find_free(stream_state **list, uint64_t size, int small, void *stream)
+block_find_free(stream_state **list, uint64_t size, int small, void *stream, int device)
 {
-    stream_state *s = stream_find_in(list, stream);
+    stream_state *s = stream_find_in(list, stream, device);
     if (s == NULL)
         return NULL;
     for (unsigned bucket = bucket_of(size); bucket < BUCKETS; bucket++) {
@@ -349,7 +342,7 @@ block_carve(block *b, uint64_t size)
 static int
 within_limit(const device_state *dev, uint64_t size)
 {
-    return dev->limit == 0 || (size <= dev->limit && dev->stats.reserved_bytes <= dev->limit - size);
+    return size <= dev->limit && dev->stats.reserved_bytes <= dev->limit - size;
 }
 
 static int
@@ -379,7 +372,7 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, pri
     if (status != ALLOC_OK)
         return NULL;
     /* after the retry, which may have forgotten this stream */
-    stream_state *owner = stream_get(dev, pool, stream);
+    stream_state *owner = stream_get(dev, pool, stream, dev->index);
     segment *seg = owner ? calloc(1, sizeof(*seg)) : NULL;
     block *b = seg ? calloc(1, sizeof(*b)) : NULL;
     if (b == NULL) {
@@ -400,6 +393,6 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, pri
         pool->segments++;
     *b = (block){.ptr = (uintptr_t)ptr, .size = size, .seg = seg};
     stats_segment_added(dev, seg);
-    history_record(dev, ALLOC_TRACE_SEGMENT_ALLOC, seg->base, seg->size, stream, 0, NULL);
+    history_record(dev, ALLOC_TRACE_SEGMENT_ALLOC, seg->base, seg->size, owner, 0, NULL);
     return b;
 }

@@ -139,20 +139,22 @@ cuda_event_free(void *ctx, void *event)
 }
 
 static int
-cuda_device_synchronize(void *ctx, int device)
+cuda_mem_info(void *ctx, int device, uint64_t *free_bytes, uint64_t *total_bytes)
 {
     const cudart *rt = ctx;
     int previous = enter_device(rt, device);
     if (previous < 0)
         return ALLOC_ERROR;
-    int mode = cudart_relax_capture(rt);
-    int status = rt->device_synchronize();
-    cudart_restore_capture(rt, mode);
+    size_t free_now = 0, total = 0;
+    int status = rt->mem_get_info(&free_now, &total);
     cudart_leave_device(rt, device, previous);
-    if (status == CUDART_SUCCESS)
-        return ALLOC_OK;
-    report(rt, status, "cudaDeviceSynchronize");
-    return ALLOC_ERROR;
+    if (status != CUDART_SUCCESS) {
+        report(rt, status, "cudaMemGetInfo");
+        return ALLOC_ERROR;
+    }
+    *free_bytes = free_now;
+    *total_bytes = total;
+    return ALLOC_OK;
 }
 
 static int
@@ -174,7 +176,7 @@ alloc_cuda_backend(const cudart *rt)
         .device_malloc = cuda_device_malloc, .device_free = cuda_device_free,
         .event_record = cuda_event_record, .event_query = cuda_event_query,
         .event_wait = cuda_event_wait, .event_free = cuda_event_free,
-        .device_synchronize = cuda_device_synchronize,
-        .stream_capturing = cuda_stream_capturing, .ctx = (void *)rt,
+        .stream_capturing = cuda_stream_capturing, .mem_info = cuda_mem_info,
+        .ctx = (void *)rt,
     };
 }

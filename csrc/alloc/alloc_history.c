@@ -8,45 +8,88 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- configuration --------------------------------------------------------- */
+/* The first ring of a device holds this many records; it doubles as
+ * records come, up to the device's bound. */
+#define RING_FIRST 64u
 
-/* Drops the device's records and their contexts. Lock held. */
+/* ---- the ring ----------------------------------------------------------------- */
+
+/* Records kept at most: torch keeps at least one (its ring's
+ * setMaxEntries). */
+static uint64_t
+ring_bound(const alloc_history_config *config)
+{
+    return config->max_entries > 0 ? config->max_entries : 1;
+}
+
+/* The oldest record goes, its context with it. Lock held. */
+static void
+ring_drop_oldest(device_state *dev)
+{
+    MP_ASSERT(dev->ring_count > 0);
+    history_drop(dev, dev->ring[dev->ring_head].context);
+    if (++dev->ring_head == dev->ring_capacity)
+        dev->ring_head = 0;
+    dev->ring_count--;
+}
+
+/* Drops the device's records and their contexts, and the ring's memory.
+ * Lock held. */
 static void
 ring_clear(device_state *dev)
 {
-    for (uint64_t i = 0; i < dev->ring_count; i++) {
-        alloc_trace_record *r = &dev->ring[(dev->ring_head + i) % dev->ring_capacity];
-        if (r->context != NULL && dev->history.release != NULL)
-            dev->history.release(r->context);
-    }
-    dev->ring_head = dev->ring_count = 0;
+    while (dev->ring_count > 0)
+        ring_drop_oldest(dev);
+    free(dev->ring);
+    dev->ring = NULL;
+    dev->ring_capacity = dev->ring_head = 0;
 }
 
-/* The ring holds the newest `capacity` records: a smaller one keeps the
- * newest of those it had. Lock held; 0, or -1 without memory (unchanged). */
+/* Moves the records into a ring of `capacity` (at least their count),
+ * oldest first. Lock held; 0, or -1 without memory (unchanged). */
 static int
-ring_resize(device_state *dev, uint64_t capacity)
+ring_move(device_state *dev, uint64_t capacity)
 {
-    if (capacity == dev->ring_capacity)
-        return 0;
-    alloc_trace_record *ring = capacity ? calloc(capacity, sizeof(*ring)) : NULL;
-    if (capacity != 0 && ring == NULL)
+    MP_ASSERT(capacity >= dev->ring_count && capacity > 0);
+    if (capacity > SIZE_MAX / sizeof(alloc_trace_record))
         return -1;
-    uint64_t keep = dev->ring_count < capacity ? dev->ring_count : capacity;
-    for (uint64_t i = 0; i < dev->ring_count; i++) {
-        alloc_trace_record *r = &dev->ring[(dev->ring_head + i) % dev->ring_capacity];
-        if (i + keep >= dev->ring_count)
-            ring[i + keep - dev->ring_count] = *r;
-        else if (r->context != NULL && dev->history.release != NULL)
-            dev->history.release(r->context);
-    }
+    alloc_trace_record *ring = malloc((size_t)capacity * sizeof(*ring));
+    if (ring == NULL)
+        return -1;
+    for (uint64_t i = 0; i < dev->ring_count; i++)
+        ring[i] = dev->ring[(dev->ring_head + i) % dev->ring_capacity];
     free(dev->ring);
     dev->ring = ring;
     dev->ring_capacity = capacity;
     dev->ring_head = 0;
-    dev->ring_count = keep;
     return 0;
 }
+
+/* Room for one more record: the ring grows (doubling, up to the bound)
+ * while it may, else the oldest record goes. torch's ring is a vector
+ * growing to max_entries, whose default is sys.maxsize: nothing may be
+ * reserved up front. Lock held; 0, or -1 when no record fits (no memory
+ * for a first ring). */
+static int
+ring_make_room(device_state *dev)
+{
+    uint64_t bound = ring_bound(&dev->history);
+    while (dev->ring_count >= bound)
+        ring_drop_oldest(dev);
+    if (dev->ring_count < dev->ring_capacity)
+        return 0;
+    uint64_t grown = dev->ring_capacity ? dev->ring_capacity * 2 : RING_FIRST;
+    if (grown > bound || grown < dev->ring_capacity)
+        grown = bound;
+    if (grown > dev->ring_capacity && ring_move(dev, grown) == 0)
+        return 0;
+    if (dev->ring_count == 0)
+        return -1;
+    ring_drop_oldest(dev);
+    return 0;
+}
+
+/* ---- configuration --------------------------------------------------------- */
 
 void
 alloc_history_configure(allocator *a, const alloc_history_config *config)
@@ -62,15 +105,49 @@ alloc_history_configure(allocator *a, const alloc_history_config *config)
     for (int d = 0; d < a->device_count; d++) {
         device_state *dev = &a->devices[d];
         pthread_mutex_lock(&dev->lock);
-        if (config->clear)
+        /* torch's recordHistory: turning it off, or clear_history, drops
+         * what was recorded */
+        if (config->clear || !config->enabled)
             ring_clear(dev);
-        /* without memory for a new ring the old one stays: records go on */
-        (void)ring_resize(dev, config->enabled ? config->max_entries : dev->ring_capacity);
         /* the release of records made before stays the one they were made with
          * only while it is the same callback: torch passes one for the process */
         dev->history = *config;
+        /* a smaller bound keeps the newest records; the ring's memory
+         * shrinks with it when it can */
+        uint64_t bound = ring_bound(config);
+        while (dev->ring_count > bound)
+            ring_drop_oldest(dev);
+        if (dev->ring_capacity > bound)
+            (void)ring_move(dev, bound);
         pthread_mutex_unlock(&dev->lock);
     }
+}
+
+int
+alloc_history_enabled(allocator *a)
+{
+    pthread_mutex_lock(&a->history_lock);
+    int enabled = a->history.enabled;
+    pthread_mutex_unlock(&a->history_lock);
+    return enabled;
+}
+
+void *
+alloc_block_context(allocator *a, void *ptr)
+{
+    for (int d = 0; d < a->device_count; d++) {
+        device_state *dev = &a->devices[d];
+        pthread_mutex_lock(&dev->lock);
+        block *b = map_find(dev, (uintptr_t)ptr);
+        void *context = b != NULL && b->context != NULL && dev->history.retain != NULL
+                            ? b->context : NULL;
+        if (context != NULL)
+            dev->history.retain(context);
+        pthread_mutex_unlock(&dev->lock);
+        if (b != NULL)
+            return context;
+    }
+    return NULL;
 }
 
 /* ---- records ---------------------------------------------------------------- */
@@ -86,29 +163,35 @@ history_gather_now(allocator *a, uint64_t tag)
 
 void
 history_append(device_state *dev, int action, uint64_t address, uint64_t size, void *stream,
-               uint64_t tag, void *context)
+               const private_pool *pool, uint64_t tag, void *context)
 {
-    if (!dev->history.enabled || dev->ring_capacity == 0 || (dev->history.skip >> action & 1u))
+    if (!dev->history.enabled || (dev->history.skip >> action & 1u) || ring_make_room(dev) < 0)
         return;
     if (context != NULL && dev->history.retain != NULL)
         dev->history.retain(context);
     else
         context = NULL;
-    alloc_trace_record *slot;
-    /* head < capacity and count <= capacity: a subtraction wraps, no modulo */
-    if (dev->ring_count == dev->ring_capacity) {
-        slot = &dev->ring[dev->ring_head];          /* the oldest goes */
-        history_drop(dev, slot->context);
-        if (++dev->ring_head == dev->ring_capacity)
-            dev->ring_head = 0;
-    } else {
-        uint64_t at = dev->ring_head + dev->ring_count;
-        slot = &dev->ring[at >= dev->ring_capacity ? at - dev->ring_capacity : at];
-        dev->ring_count++;
-    }
+    uint64_t at = dev->ring_head + dev->ring_count;
+    alloc_trace_record *slot = &dev->ring[at >= dev->ring_capacity ? at - dev->ring_capacity : at];
+    dev->ring_count++;
     *slot = (alloc_trace_record){.action = action, .address = address, .size = size,
-                                 .stream = stream, .tag = tag, .context = context,
+                                 .stream = stream, .pool_a = pool ? pool->id_a : 0,
+                                 .pool_b = pool ? pool->id_b : 0, .tag = tag,
+                                 .context = context,
                                  .time = dev->history.clock ? dev->history.clock() : 0};
+}
+
+void
+history_record_oom(allocator *a, device_state *dev, uint64_t rounded, void *stream,
+                   const private_pool *pool, uint64_t tag, void *context)
+{
+    uint64_t free_bytes = 0, total = 0;
+    if (!dev->history.enabled)
+        return;
+    if (a->backend.mem_info != NULL &&
+        a->backend.mem_info(a->backend.ctx, dev->index, &free_bytes, &total) != ALLOC_OK)
+        free_bytes = 0;
+    history_append(dev, ALLOC_TRACE_OOM, free_bytes, rounded, stream, pool, tag, context);
 }
 
 /* ---- snapshot ----------------------------------------------------------------- */

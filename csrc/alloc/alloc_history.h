@@ -52,8 +52,9 @@ alloc_trace_action(const char *name)
 enum { ALLOC_CONTEXT_NEVER, ALLOC_CONTEXT_STATE, ALLOC_CONTEXT_ALLOC, ALLOC_CONTEXT_ALL };
 
 typedef struct {
-    int enabled;                /* 0: no records are made (and none kept if clear) */
-    uint64_t max_entries;       /* records kept per device, the oldest dropped */
+    int enabled;                /* 0: no records are made, and those made are dropped */
+    uint64_t max_entries;       /* records kept per device (at least 1), the oldest
+                                 * dropped; the ring grows as records come */
     int when;                   /* ALLOC_CONTEXT_*: which events gather a context */
     int clear;                  /* drop the records made so far */
     uint32_t skip;              /* actions not recorded: bit (1 << ALLOC_TRACE_*) each */
@@ -69,8 +70,10 @@ typedef struct {
 typedef struct {
     int action;                 /* ALLOC_TRACE_* */
     uint64_t address;           /* OOM: the device's free bytes */
-    uint64_t size;
+    uint64_t size;              /* a block's: the bytes requested (torch's orig_size);
+                                 * OOM: the request rounded; a segment's: its size */
     void *stream;
+    uint64_t pool_a, pool_b;    /* the private pool of the memory; (0, 0): the ordinary cache */
     uint64_t tag;
     void *context;              /* NULL or one reference */
     int64_t time;
@@ -105,6 +108,12 @@ typedef struct {
 
 /* Starts, changes or stops recording (torch's recordHistory). */
 void alloc_history_configure(allocator *a, const alloc_history_config *config);
+/* 1 while recording (torch's isHistoryEnabled). */
+int alloc_history_enabled(allocator *a);
+/* The context the live block at `ptr` (its start) was allocated with,
+ * one reference the caller gives back with the history's release (torch's
+ * getContextForPointer); NULL for none, or no such block. */
+void *alloc_block_context(allocator *a, void *ptr);
 /* The segments, blocks and records of `device`, holding references to
  * their contexts; 0, or -1 without memory (then `out` is empty). The
  * caller frees it with alloc_snapshot_free. */

@@ -19,7 +19,6 @@ alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes)
     atomic_store(&ctx->events_created, 0);
     atomic_store(&ctx->event_queries, 0);
     atomic_store(&ctx->event_waits, 0);
-    atomic_store(&ctx->synchronizes, 0);
     atomic_store(&ctx->fail_wait_at, 0);
 }
 
@@ -27,8 +26,7 @@ alloc_host_init(alloc_host_ctx *ctx, uint64_t capacity_bytes)
 static int
 wait_fails(alloc_host_ctx *host)
 {
-    uint64_t count = atomic_load(&host->event_waits) + atomic_load(&host->synchronizes);
-    return count == atomic_load(&host->fail_wait_at);
+    return atomic_load(&host->event_waits) == atomic_load(&host->fail_wait_at);
 }
 
 void
@@ -114,17 +112,6 @@ host_event_free(void *ctx, void *event)
     free(event);
 }
 
-/* Counted only: a test's streams are completed by the test itself
- * (alloc_host_complete), so the allocator cannot wait for them. */
-static int
-host_synchronize(void *ctx, int device)
-{
-    alloc_host_ctx *host = ctx;
-    (void)device;
-    atomic_fetch_add(&host->synchronizes, 1);
-    return wait_fails(host) ? ALLOC_ERROR : ALLOC_OK;
-}
-
 static int
 host_stream_capturing(void *ctx, int device, void *stream)
 {
@@ -134,6 +121,18 @@ host_stream_capturing(void *ctx, int device, void *stream)
     return s != NULL && atomic_load(&s->capturing);
 }
 
+/* The capacity and what is left of it (0 and 0 without a cap). */
+static int
+host_mem_info(void *ctx, int device, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    alloc_host_ctx *host = ctx;
+    (void)device;
+    uint64_t live = atomic_load(&host->live_bytes);
+    *total_bytes = host->capacity_bytes;
+    *free_bytes = host->capacity_bytes > live ? host->capacity_bytes - live : 0;
+    return ALLOC_OK;
+}
+
 alloc_backend
 alloc_host_backend(alloc_host_ctx *ctx)
 {
@@ -141,7 +140,7 @@ alloc_host_backend(alloc_host_ctx *ctx)
         .device_malloc = host_malloc, .device_free = host_free,
         .event_record = host_event_record, .event_query = host_event_query,
         .event_wait = host_event_wait, .event_free = host_event_free,
-        .device_synchronize = host_synchronize, .stream_capturing = host_stream_capturing,
-        .ctx = ctx,
+        .stream_capturing = host_stream_capturing,
+        .mem_info = host_mem_info, .ctx = ctx,
     };
 }

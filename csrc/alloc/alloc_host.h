@@ -23,10 +23,9 @@ typedef struct {
     _Atomic int64_t live_events;
     _Atomic uint64_t events_recorded, event_queries;    /* calls, for tests and benchmarks */
     _Atomic uint64_t events_created;                    /* records that made a new event */
-    _Atomic uint64_t event_waits, synchronizes;         /* calls, for tests */
-    /* the event_wait or device_synchronize call that makes their count
-     * this number fails (ALLOC_ERROR, nothing waited for); 0: none. Tests
-     * set it */
+    _Atomic uint64_t event_waits;                       /* calls, for tests */
+    /* the event_wait call that makes their count this number fails
+     * (ALLOC_ERROR, nothing waited for); 0: none. Tests set it */
     _Atomic uint64_t fail_wait_at;
 } alloc_host_ctx;
 

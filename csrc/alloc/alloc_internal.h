@@ -14,16 +14,18 @@
  *                    (torch's PrivatePoolState, for CUDA graph trees)
  * - alloc_history.c  the trace ring and the snapshot's enumeration
  *                    (alloc_history.h)
- * - alloc_stats.c    the live-pointer table, per-tag and device statistics,
- *                    the last out-of-memory report, alloc_check()
+ * - alloc_stats.c    the live-pointer table, per-tag, device and per-pool
+ *                    statistics, the last out-of-memory report
+ * - alloc_check.c    the invariants the tests check (alloc_check())
  *
  * Locking: every function here runs with the device's mutex held (its
  * `dev->lock`), except where it says otherwise.
  *
  * A block is in exactly one state: allocated (in the live-pointer table),
  * pending (freed, waiting for `event_count` events of other streams),
- * deferred (freed during a capture after use on other streams: its events
- * are recorded once no capture is underway), or free (in its stream's
+ * deferred (freed after use on other streams during a capture, or when
+ * an event could not be recorded: its events are recorded at the next
+ * processing of events with no capture underway), or free (in its stream's
  * bucket, `in_index`). Free neighbours inside a segment are always
  * merged. */
 #ifndef MATEPOINT_ALLOC_INTERNAL_H
@@ -56,6 +58,14 @@ typedef struct pending_event pending_event;
 typedef struct private_pool private_pool;
 typedef struct device_state device_state;
 
+/* A stream a block is used on (alloc_record_stream): its handle and the
+ * device it belongs to, which may be another than the block's (a tensor of
+ * one GPU read by a kernel of another): its event is made there. */
+typedef struct {
+    void *stream;
+    int device;
+} stream_use;
+
 struct block {
     uintptr_t ptr;
     uint64_t size, requested;
@@ -64,9 +74,9 @@ struct block {
     block *list_prev, *list_next;   /* free bucket */
     block *map_next;                /* chain of the live-pointer table */
     uint64_t tag;
-    void **extra_streams;           /* streams from alloc_record_stream, recorded on at the free:
+    stream_use *extra_streams;      /* streams from alloc_record_stream, recorded on at the free:
                                        extra_inline, or malloc'ed past EXTRA_INLINE */
-    void *extra_inline[EXTRA_INLINE];
+    stream_use extra_inline[EXTRA_INLINE];
     int n_extra;
     int event_count;                /* events of its free not yet seen complete */
     void *context;                  /* the stack it was allocated with (history), or NULL */
@@ -94,9 +104,12 @@ struct segment {
 
 /* An event recorded at a free on a stream that used the block; once it
  * completed, the node and its event wait among the device's spares for
- * the next such free (torch's event pool), with `b` NULL. */
+ * the next such free (torch's event pool), with `b` NULL: events made on
+ * the block's device only, as an event records only on streams of the
+ * device it was made on. */
 struct pending_event {
     void *event;
+    int device;                     /* the one the event was made on */
     block *b;
     pending_event *next;
 };
@@ -105,11 +118,14 @@ struct pending_event {
  * device's list) or in a private pool (on the pool's list): the free
  * blocks of its segments, and the events frees recorded on it, oldest
  * first (ordinary ones only: events are queued on the stream that used a
- * block, whatever pool the block is in). `stream` is a key only: nothing
+ * block, whatever pool the block is in). A stream of another device
+ * that used a block of this one holds only events; `device` tells it
+ * apart (handle NULL names each device's own legacy stream). `stream` is a key only: nothing
  * is recorded on it after the call that named it returned, so a stream
  * destroyed since does no harm. Freed once it has neither. */
 struct stream_state {
     void *stream;
+    int device;                     /* the stream's: this device's, but for events */
     private_pool *pool;
     block *buckets[2][BUCKETS];     /* [small][floor(log2 size)] */
     uint64_t segments;
@@ -125,6 +141,7 @@ struct stream_state {
 struct private_pool {
     uint64_t id_a, id_b;
     uint64_t use_count;             /* begins not released yet */
+    int counted_as_capture;         /* being allocated to counts in dev->captures (no marks) */
     uint64_t segments;              /* segments it holds (torch's cudaMalloc_count) */
     stream_state *streams;          /* the free blocks of its segments, per stream */
     alloc_pool_filter use_pool;     /* non-NULL while being allocated to */
@@ -151,7 +168,10 @@ struct device_state {
     tag_slot *tag_last;
     alloc_stats stats;
     alloc_device_stats torch;       /* torch's figures (alloc.h), kept with `stats` */
-    uint64_t limit;
+    alloc_pool_figures *pool_figures;   /* torch's reserved bytes per private pool */
+    uint64_t pool_figure_count, pool_figure_capacity;
+    uint64_t limit;                 /* cap on reserved bytes, UINT64_MAX: none */
+    double fraction;                /* of the device's memory, torch's (1.0: none set) */
     uint64_t events_pending;        /* queued on its streams: 0 lets a malloc skip them */
     pending_event *spare_events;    /* completed, ready to be recorded again */
     uint64_t spare_count;
@@ -162,7 +182,12 @@ struct device_state {
     uint64_t spare_block_count;
     private_pool *pools;            /* the one begun last first (torch asks LIFO) */
     block *deferred;                /* deferred blocks, linked by list_next */
-    uint64_t active_pools;          /* pools being allocated to: captures underway */
+    uint64_t active_pools;          /* pools being allocated to */
+    /* captures underway, during which no event is queried or waited for
+     * and no memory freed: those torch marks (torch 2.13 and later tell a
+     * capture apart from pools being allocated to outside one, as under
+     * use_mem_pool), else every pool being allocated to */
+    uint64_t captures;
     alloc_history_config history;   /* a copy, made under this lock (alloc_history.c) */
     alloc_trace_record *ring;       /* the newest ring_count records from ring_head */
     uint64_t ring_capacity, ring_head, ring_count;
@@ -177,6 +202,7 @@ struct allocator {
     pthread_mutex_t history_lock;   /* guards history; taken after no device lock */
     alloc_history_config history;
     _Atomic int history_when;       /* ALLOC_CONTEXT_* of gathering, 0: none (no lock) */
+    _Atomic int capture_marks;      /* the caller marks captures (alloc_use_capture_marks) */
 };
 
 /* The device's state; NULL when `device` is out of range (no lock).
@@ -194,15 +220,15 @@ stream_list(device_state *dev, private_pool *pool)
     return pool != NULL ? &pool->streams : &dev->streams;
 }
 
-/* The state of `stream` in `list`, moved to the front: a device mostly
- * allocates on one or two streams. NULL when the list has none for it.
- * Inline: on every malloc. */
+/* The state of `stream` of `device` in `list`, moved to the front: a
+ * device mostly allocates on one or two streams. NULL when the list has
+ * none for it. Inline: on every malloc. */
 static inline stream_state *
-stream_find_in(stream_state **list, void *stream)
+stream_find_in(stream_state **list, void *stream, int device)
 {
     for (stream_state **link = list; *link != NULL; link = &(*link)->next) {
         stream_state *s = *link;
-        if (s->stream != stream)
+        if (s->stream != stream || s->device != device)
             continue;
         *link = s->next;
         s->next = *list;
@@ -212,11 +238,11 @@ stream_find_in(stream_state **list, void *stream)
     return NULL;
 }
 
-/* The state of `stream` in the device's ordinary cache, or NULL. */
+/* The state of `stream` of `device` in the ordinary cache of `dev`, or NULL. */
 static inline stream_state *
-stream_find(device_state *dev, void *stream)
+stream_find(device_state *dev, void *stream, int device)
 {
-    return stream_find_in(&dev->streams, stream);
+    return stream_find_in(&dev->streams, stream, device);
 }
 
 /* ---- alloc.c ------------------------------------------------------------ */
@@ -241,9 +267,15 @@ history_gather(allocator *a, int at_least, uint64_t tag)
         return NULL;
     return history_gather_now(a, tag);
 }
-/* Adds a record to the ring of a recording device (history_record). */
+/* Adds a record to the ring of a recording device (history_record), of
+ * memory of `pool` (NULL: the ordinary cache); takes its own reference to
+ * `context`. */
 void history_append(device_state *dev, int action, uint64_t address, uint64_t size,
-                    void *stream, uint64_t tag, void *context);
+                    void *stream, const private_pool *pool, uint64_t tag, void *context);
+/* The record of a request of `rounded` bytes on `stream` into `pool` that
+ * got nothing: the device's free bytes as the backend tells them. */
+void history_record_oom(allocator *a, device_state *dev, uint64_t rounded, void *stream,
+                        const private_pool *pool, uint64_t tag, void *context);
 
 /* Gives up one reference to `context` (NULL: nothing). Inline: with
  * history off every malloc and free passes here with NULL. */
@@ -254,15 +286,14 @@ history_drop(device_state *dev, void *context)
         dev->history.release(context);
 }
 
-/* Adds a record (ALLOC_TRACE_*) when recording; takes its own reference
- * to `context`. Inline: one predictable branch when
- * history is off. */
+/* Adds a record (ALLOC_TRACE_*) of memory of `owner`'s segments when
+ * recording. Inline: one predictable branch when history is off. */
 static inline void
-history_record(device_state *dev, int action, uint64_t address, uint64_t size, void *stream,
-               uint64_t tag, void *context)
+history_record(device_state *dev, int action, uint64_t address, uint64_t size,
+               const stream_state *owner, uint64_t tag, void *context)
 {
     if (__builtin_expect(dev->history.enabled != 0, 0))
-        history_append(dev, action, address, size, stream, tag, context);
+        history_append(dev, action, address, size, owner->stream, owner->pool, tag, context);
 }
 
 /* ---- alloc_blocks.c ----------------------------------------------------- */
@@ -270,9 +301,9 @@ history_record(device_state *dev, int action, uint64_t address, uint64_t size, v
 block **block_bucket(block *b);
 /* A block becomes free: merged with its free neighbours, indexed. */
 void block_insert_free(block *b);
-/* Best fit among the free blocks of `stream`'s segments in `list` (a
- * stream_list()); NULL if none. */
-block *block_find_free(stream_state **list, uint64_t size, int small, void *stream);
+/* Best fit among the free blocks of the segments of `stream` (of `device`)
+ * in `list` (a stream_list()); NULL if none. */
+block *block_find_free(stream_state **list, uint64_t size, int small, void *stream, int device);
 /* Takes `b` for `size` bytes, splitting the rest off as a free block;
  * 0, or -1 without memory (then `b` is indexed again). */
 int block_take(block *b, uint64_t size);
@@ -283,6 +314,9 @@ int block_take(block *b, uint64_t size);
 int block_carve(block *b, uint64_t size);
 /* Keeps at least `count` spare block nodes on `dev`; 0, or -1 without memory. */
 int blocks_reserve_spares(device_state *dev, uint64_t count);
+/* The size of the segment a request of `rounded` bytes takes (0: none can
+ * be represented). */
+uint64_t segment_size_for(uint64_t rounded);
 /* A new segment of `stream` for a request of `rounded` bytes, in `pool`
  * (NULL: the ordinary cache), holding one free block (not indexed); on
  * out-of-memory it frees what it may (segment_release_cached) and retries
@@ -295,25 +329,26 @@ int segment_all_free(const segment *seg);
 void segment_release(allocator *a, device_state *dev, segment *seg);
 
 /* Which segments with no live or pending block segment_release_free gives
- * back: those of released pools only (while a capture is underway),
- * those of the ordinary cache too, or every one (alloc_destroy). */
-typedef enum { RELEASE_RELEASED_POOLS, RELEASE_CACHE, RELEASE_ALL } release_scope;
+ * back: those of the ordinary cache and of released pools, or every one
+ * (alloc_destroy). */
+typedef enum { RELEASE_CACHE, RELEASE_ALL } release_scope;
 void segment_release_free(allocator *a, device_state *dev, release_scope scope);
-/* Frees what the cache may without a call a capture forbids while pools
- * are being allocated to (then released pools' segments only), else
- * waits for pending frees and releases every cached segment: emptyCache,
- * and the retry after out of memory. */
+/* Waits for pending frees and releases every cached segment of the
+ * ordinary cache and of released pools (emptyCache, and the retry after
+ * out of memory); while a capture is underway nothing, as torch (a wait or
+ * a cudaFree would break it). */
 void segment_release_cached(allocator *a, device_state *dev);
 
 /* ---- alloc_streams.c ---------------------------------------------------- */
 
-/* The state of `stream` in `pool` (NULL: the ordinary cache), made when
- * missing; NULL without memory. */
-stream_state *stream_get(device_state *dev, private_pool *pool, void *stream);
+/* The state of `stream` of `device` in `pool` (NULL: the ordinary cache),
+ * made when missing; NULL without memory. */
+stream_state *stream_get(device_state *dev, private_pool *pool, void *stream, int device);
 /* Frees `s` when it has neither segments nor pending events. */
 void stream_drop_if_unused(device_state *dev, stream_state *s);
-/* Retires completed events of every stream (all of them, waiting, if
- * `wait`) and forgets the streams left with nothing. */
+/* Records the deferred blocks' events, then retires completed events of
+ * every stream (all of them, waiting, if `wait`) and forgets the streams
+ * left with nothing. No capture may be underway. */
 void events_process(allocator *a, device_state *dev, int wait);
 /* Retires the events of `s` from its oldest through `last`, known
  * complete (`last` waited for: the events of one stream complete in the
@@ -341,19 +376,21 @@ private_pool *pool_for_stream(device_state *dev, void *stream);
 /* 1 when the segments of `pool` may go back to the backend once free: no
  * use is left and nothing allocates to it. */
 int pool_released(const private_pool *pool);
-/* After a block of `seg` became free: gives the segment back when it is
- * all free and its pool released. */
-void pool_settle_segment(allocator *a, device_state *dev, segment *seg);
 /* Forgets released pools left without segments. */
 void pools_forget_done(device_state *dev);
 /* Frees every pool's books (alloc_destroy; their segments are gone). */
 void pools_free_all(device_state *dev);
-/* A block used on other streams freed while a capture is underway: an
- * event recorded now on a capturing stream could never be queried, so
- * its events wait for the last capture's end (torch's deferred_blocks). */
+/* One capture fewer on `dev`: once none is left, the deferred blocks
+ * record their events. */
+void captures_end_one(allocator *a, device_state *dev);
+/* A block used on other streams freed while a capture is underway (an
+ * event recorded now on a capturing stream could never be queried), or
+ * whose event could not be recorded: its events wait for the next
+ * processing of events with no capture underway (torch's
+ * needs_events_deferred_until_no_capture). */
 void block_defer(device_state *dev, block *b);
-/* Records the deferred blocks' events (or frees them) once no pool is
- * being allocated to. */
+/* Records the deferred blocks' events (or frees them); no capture may be
+ * underway. A block whose record fails again is deferred again. */
 void deferred_process(allocator *a, device_state *dev);
 /* Frees the spare block nodes of `dev` (empty_cache, destroy). */
 void blocks_free_spares(device_state *dev);
@@ -374,13 +411,13 @@ void stats_account_free(device_state *dev, block *b);
 /* Counts a segment of `size` bytes taken from, or given back to, the backend. */
 void stats_segment_added(device_state *dev, segment *seg);
 void stats_segment_released(device_state *dev, segment *seg);
-/* Counts a failed request and keeps its numbers for alloc_last_oom(). */
-void stats_record_oom(allocator *a, device_state *dev, uint64_t size);
+/* Counts a failed request of `size` bytes (`rounded`, 0: too large to
+ * round) and keeps its numbers for alloc_last_oom(). */
+void stats_record_oom(allocator *a, device_state *dev, uint64_t size, uint64_t rounded);
 /* A freed block stops being active: at its free, or once the events of the
  * other streams that used it completed. */
 void stats_block_inactive(device_state *dev, block *b);
-/* A retry after releasing the cache (torch's num_alloc_retries and
- * num_sync_all_streams: the release waits for every stream's events). */
+/* A retry after releasing the cache (torch's num_alloc_retries). */
 void stats_count_retry(device_state *dev);
 
 /* torch's figures change on every malloc, free, split and merge: the

@@ -129,15 +129,15 @@ segment_state_whole(const alloc_pool_state *state, const alloc_segment_state *s)
     return at == s->base + s->size;
 }
 
-/* 1 when the work of `stream` may be waited for now: it is not being
+/* 1 when the work of `use` may be waited for now: its stream is not being
  * captured (an event recorded on it would join the capture and could not
  * be waited for). */
 static int
-stream_waitable(allocator *a, device_state *dev, void *stream)
+stream_waitable(allocator *a, const stream_use *use)
 {
     if (a->backend.stream_capturing == NULL)
         return 1;
-    return a->backend.stream_capturing(a->backend.ctx, dev->index, stream) == 0;
+    return a->backend.stream_capturing(a->backend.ctx, use->device, use->stream) == 0;
 }
 
 /* What a restore needs, checked before anything changes. Lock held.
@@ -166,7 +166,7 @@ restore_check(allocator *a, device_state *dev, private_pool *pool, const alloc_p
             if (b->deferred)
                 return ALLOC_RESTORE_BUSY;
             for (int i = 0; b->allocated && i < b->n_extra; i++) {
-                if (!stream_waitable(a, dev, b->extra_streams[i]))
+                if (!stream_waitable(a, &b->extra_streams[i]))
                     return ALLOC_RESTORE_BUSY;
             }
         }
@@ -174,13 +174,13 @@ restore_check(allocator *a, device_state *dev, private_pool *pool, const alloc_p
     return ALLOC_RESTORE_OK;
 }
 
-/* Waits for `stream`'s work so far: an event recorded there now. Lock
- * held. */
+/* Waits for the work of `use`'s stream so far: an event recorded there
+ * now. Lock held. */
 static int
-wait_stream(allocator *a, device_state *dev, void *stream)
+wait_stream(allocator *a, const stream_use *use)
 {
     void *event = NULL;
-    if (a->backend.event_record(a->backend.ctx, dev->index, stream, &event) != ALLOC_OK)
+    if (a->backend.event_record(a->backend.ctx, use->device, use->stream, &event) != ALLOC_OK)
         return -1;
     int status = a->backend.event_wait(a->backend.ctx, event);
     a->backend.event_free(a->backend.ctx, event);
@@ -211,7 +211,7 @@ restore_wait(allocator *a, device_state *dev, private_pool *pool)
     for (const segment *seg = dev->segments; seg != NULL; seg = seg->next) {
         for (const block *b = seg->first; b != NULL && seg->owner->pool == pool; b = b->next) {
             for (int i = 0; b->allocated && i < b->n_extra; i++) {
-                if (wait_stream(a, dev, b->extra_streams[i]) < 0)
+                if (wait_stream(a, &b->extra_streams[i]) < 0)
                     return -1;
             }
         }
@@ -240,8 +240,8 @@ free_now(device_state *dev, uintptr_t ptr)
     block *b = map_take(dev, ptr);
     MP_ASSERT(b != NULL && b->seg->owner->pool != NULL);
     stats_account_free(dev, b);
-    history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->size, b->seg->owner->stream,
-                   b->tag, NULL);
+    history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->seg->owner, b->tag,
+                   NULL);
     block_forget_streams(b);
     stats_block_inactive(dev, b);
     block_insert_free(b);
@@ -266,7 +266,7 @@ lay_out_segment(device_state *dev, segment *seg, const alloc_pool_state *state,
         MP_ASSERT(inserted == 0);
         (void)inserted;
         stats_account_malloc(dev, b, want->requested, want->tag);
-        history_record(dev, ALLOC_TRACE_ALLOC, b->ptr, b->size, seg->owner->stream, want->tag,
+        history_record(dev, ALLOC_TRACE_ALLOC, b->ptr, want->requested, seg->owner, want->tag,
                        NULL);
         delta->allocated[delta->allocated_count++] =
             (alloc_restored_block){(void *)b->ptr, b->size, seg->owner->stream};

@@ -73,16 +73,6 @@ pool_for_stream(device_state *dev, void *stream)
 }
 
 void
-pool_settle_segment(allocator *a, device_state *dev, segment *seg)
-{
-    private_pool *pool = seg->owner->pool;
-    if (pool == NULL || !pool_released(pool) || !segment_all_free(seg))
-        return;
-    segment_release(a, dev, seg);
-    pools_forget_done(dev);
-}
-
-void
 pools_forget_done(device_state *dev)
 {
     private_pool **link = &dev->pools;
@@ -111,9 +101,11 @@ pools_free_all(device_state *dev)
     }
     dev->pools = NULL;
     dev->active_pools = 0;
+    dev->captures = 0;
 }
 
-/* Gives back the all-free segments of a pool just released. */
+/* Gives back the all-free segments of a released pool (torch's
+ * emptyCache(mempool_id) at a MemPool's end). */
 static void
 pool_release_free(allocator *a, device_state *dev, private_pool *pool)
 {
@@ -159,6 +151,9 @@ alloc_begin_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b,
     pool->use_pool = use_pool;
     pool->filter = filter;
     dev->active_pools++;
+    /* without torch's capture marks, a pool being allocated to is a capture */
+    pool->counted_as_capture = !atomic_load(&a->capture_marks);
+    dev->captures += (uint64_t)pool->counted_as_capture;
     result = ALLOC_BEGIN_OK;
 done:
     pthread_mutex_unlock(&dev->lock);
@@ -194,7 +189,7 @@ alloc_empty_pool(allocator *a, uint64_t pool_a, uint64_t pool_b)
         device_state *dev = &a->devices[d];
         pthread_mutex_lock(&dev->lock);
         private_pool *pool = pool_find(dev, pool_a, pool_b);
-        if (pool != NULL && pool_released(pool))
+        if (pool != NULL && pool_released(pool) && dev->captures == 0)
             pool_release_free(a, dev, pool);
         pthread_mutex_unlock(&dev->lock);
     }
@@ -212,7 +207,7 @@ block_defer(device_state *dev, block *b)
 void
 deferred_process(allocator *a, device_state *dev)
 {
-    MP_ASSERT(dev->active_pools == 0);
+    MP_ASSERT(dev->captures == 0);
     block *b = dev->deferred;
     dev->deferred = NULL;
     while (b != NULL) {
@@ -237,12 +232,44 @@ alloc_end_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b)
         pool->use_pool = NULL;
         pool->filter = NULL;
         mp_counter_sub(&dev->active_pools, 1);
-        if (dev->active_pools == 0)
-            deferred_process(a, dev);
-        if (pool_released(pool))          /* released while still recorded to */
-            pool_release_free(a, dev, pool);
+        if (pool->counted_as_capture)
+            captures_end_one(a, dev);
+        pool->counted_as_capture = 0;
+        pools_forget_done(dev);           /* released while allocated to, and empty */
         result = 0;
     }
+    pthread_mutex_unlock(&dev->lock);
+    return result;
+}
+
+void
+captures_end_one(allocator *a, device_state *dev)
+{
+    mp_counter_sub(&dev->captures, 1);
+    if (dev->captures == 0)
+        deferred_process(a, dev);
+}
+
+void
+alloc_use_capture_marks(allocator *a)
+{
+    atomic_store(&a->capture_marks, 1);
+}
+
+int
+alloc_mark_capture(allocator *a, int device, int begin)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL || !atomic_load(&a->capture_marks))
+        return -1;
+    pthread_mutex_lock(&dev->lock);
+    int result = 0;
+    if (begin)
+        dev->captures++;
+    else if (dev->captures > 0)
+        captures_end_one(a, dev);
+    else
+        result = -1;
     pthread_mutex_unlock(&dev->lock);
     return result;
 }
@@ -257,9 +284,12 @@ alloc_release_pool(allocator *a, int device, uint64_t pool_a, uint64_t pool_b)
     private_pool *pool = pool_find(dev, pool_a, pool_b);
     int result = -1;
     if (pool != NULL && pool->use_count > 0) {
+        /* torch marks the pool freeable: its memory goes at the next
+         * empty_cache or out-of-memory retry (or the MemPool's end), never
+         * at a release or a tensor's free, where a cudaFree would
+         * synchronize the device, maybe during another thread's capture */
         pool->use_count--;
-        if (pool_released(pool))
-            pool_release_free(a, dev, pool);
+        pools_forget_done(dev);
         result = 0;
     }
     pthread_mutex_unlock(&dev->lock);

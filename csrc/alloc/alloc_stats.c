@@ -1,6 +1,5 @@
-/* The live-pointer table, device and per-tag statistics, the last
- * out-of-memory report and the invariant check of the tests. Contract:
- * alloc_internal.h. */
+/* The live-pointer table, device, per-tag and per-pool statistics and the
+ * last out-of-memory report. Contract: alloc_internal.h. */
 #include "alloc_internal.h"
 
 #include <stdlib.h>
@@ -154,8 +153,8 @@ stats_block_inactive(device_state *dev, block *b)
     stat_sub(dev, ALLOC_STAT_ACTIVE, pool, 1);
     stat_sub(dev, ALLOC_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
     stat_sub(dev, ALLOC_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
-    history_record(dev, ALLOC_TRACE_FREE_COMPLETED, b->ptr, b->size, b->seg->owner->stream,
-                   b->tag, NULL);
+    history_record(dev, ALLOC_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->seg->owner, b->tag,
+                   NULL);
     history_drop(dev, b->context);
     b->context = NULL;
 }
@@ -165,16 +164,16 @@ stats_count_retry(device_state *dev)
 {
     dev->stats.oom_retries++;
     dev->torch.num_alloc_retries++;
-    dev->torch.num_sync_all_streams++;
 }
 
 void
-stats_record_oom(allocator *a, device_state *dev, uint64_t size)
+stats_record_oom(allocator *a, device_state *dev, uint64_t size, uint64_t rounded)
 {
     dev->stats.ooms++;
     dev->torch.num_ooms++;
     pthread_mutex_lock(&a->oom_lock);
     a->last_oom = (alloc_oom_info){.requested = size, .device = dev->index,
+                                   .segment_bytes = rounded ? segment_size_for(rounded) : 0,
                                    .reserved = dev->stats.reserved_bytes,
                                    .allocated = dev->stats.allocated_bytes,
                                    .limit = dev->limit};
@@ -220,10 +219,55 @@ stats_account_free(device_state *dev, block *b)
     b->allocated = 0;
 }
 
+/* The figures of private pool `pool`, made (zero) when missing and
+ * `make`; NULL when missing, or without memory: counting them is best
+ * effort, as the tags'. Lock held. */
+static alloc_pool_figures *
+pool_figures_of(device_state *dev, const private_pool *pool, int make)
+{
+    for (uint64_t i = 0; i < dev->pool_figure_count; i++) {
+        alloc_pool_figures *f = &dev->pool_figures[i];
+        if (f->pool_a == pool->id_a && f->pool_b == pool->id_b)
+            return f;
+    }
+    if (!make)
+        return NULL;
+    if (dev->pool_figure_count == dev->pool_figure_capacity) {
+        uint64_t capacity = dev->pool_figure_capacity ? dev->pool_figure_capacity * 2 : 8;
+        alloc_pool_figures *grown = realloc(dev->pool_figures, capacity * sizeof(*grown));
+        if (grown == NULL)
+            return NULL;
+        dev->pool_figures = grown;
+        dev->pool_figure_capacity = capacity;
+    }
+    alloc_pool_figures *f = &dev->pool_figures[dev->pool_figure_count++];
+    *f = (alloc_pool_figures){.pool_a = pool->id_a, .pool_b = pool->id_b};
+    return f;
+}
+
+/* A segment of a private pool was added (`size` > 0) or released. */
+static void
+pool_figures_count(device_state *dev, const segment *seg, int added)
+{
+    const private_pool *pool = seg->owner->pool;
+    alloc_pool_figures *f = pool ? pool_figures_of(dev, pool, added) : NULL;
+    if (f == NULL)
+        return;
+    alloc_stat *all = &f->reserved[ALLOC_POOL_ALL], *kind = &f->reserved[stat_pool(seg)];
+    if (added) {
+        stat_increase(all, (int64_t)seg->size);
+        stat_increase(kind, (int64_t)seg->size);
+    } else if (all->current >= (int64_t)seg->size) {   /* counted when added */
+        stat_decrease(all, (int64_t)seg->size);
+        stat_decrease(kind, (int64_t)seg->size);
+    }
+}
+
 void
 stats_segment_added(device_state *dev, segment *seg)
 {
     uint64_t size = seg->size;
+    pool_figures_count(dev, seg, 1);
     stat_add(dev, ALLOC_STAT_SEGMENT, stat_pool(seg), 1);
     stat_add(dev, ALLOC_STAT_RESERVED_BYTES, stat_pool(seg), (int64_t)size);
     dev->torch.num_device_alloc++;
@@ -237,6 +281,7 @@ void
 stats_segment_released(device_state *dev, segment *seg)
 {
     uint64_t size = seg->size;
+    pool_figures_count(dev, seg, 0);
     stat_sub(dev, ALLOC_STAT_SEGMENT, stat_pool(seg), 1);
     stat_sub(dev, ALLOC_STAT_RESERVED_BYTES, stat_pool(seg), (int64_t)size);
     dev->torch.num_device_free++;
@@ -273,6 +318,29 @@ reset_peaks_locked(device_state *dev)
     }
     dev->torch.oversize_allocations.peak = dev->torch.oversize_allocations.current;
     dev->torch.oversize_segments.peak = dev->torch.oversize_segments.current;
+    for (uint64_t i = 0; i < dev->pool_figure_count; i++) {
+        for (int pool = 0; pool < ALLOC_POOLS; pool++) {
+            alloc_stat *stat = &dev->pool_figures[i].reserved[pool];
+            stat->peak = stat->current;
+        }
+    }
+}
+
+/* torch's reset of accumulated figures: a pool gone (nothing reserved)
+ * leaves its figures then. Lock held. */
+static void
+reset_pool_figures(device_state *dev)
+{
+    uint64_t kept = 0;
+    for (uint64_t i = 0; i < dev->pool_figure_count; i++) {
+        alloc_pool_figures f = dev->pool_figures[i];
+        if (f.reserved[ALLOC_POOL_ALL].current == 0 && pool_find(dev, f.pool_a, f.pool_b) == NULL)
+            continue;
+        for (int pool = 0; pool < ALLOC_POOLS; pool++)
+            f.reserved[pool].allocated = f.reserved[pool].freed = 0;
+        dev->pool_figures[kept++] = f;
+    }
+    dev->pool_figure_count = kept;
 }
 
 void
@@ -310,6 +378,7 @@ alloc_reset_accumulated(allocator *a, int device)
     t->oversize_segments.allocated = t->oversize_segments.freed = 0;
     t->num_alloc_retries = t->num_ooms = t->num_sync_all_streams = 0;
     t->num_device_alloc = t->num_device_free = 0;
+    reset_pool_figures(dev);
     pthread_mutex_unlock(&dev->lock);
     return 0;
 }
@@ -325,6 +394,20 @@ alloc_get_device_stats(allocator *a, int device, alloc_device_stats *out)
     pthread_mutex_unlock(&dev->lock);
     out->max_split_size = -1;
     return 0;
+}
+
+int
+alloc_get_pool_figures(allocator *a, int device, alloc_pool_figures *out, int max)
+{
+    device_state *dev = device_of(a, device);
+    if (dev == NULL)
+        return -1;
+    pthread_mutex_lock(&dev->lock);
+    uint64_t count = dev->pool_figure_count;
+    for (uint64_t i = 0; i < count && i < (uint64_t)(max > 0 ? max : 0); i++)
+        out[i] = dev->pool_figures[i];
+    pthread_mutex_unlock(&dev->lock);
+    return (int)count;
 }
 
 int
@@ -356,181 +439,4 @@ alloc_last_oom(allocator *a)
     alloc_oom_info info = a->last_oom;
     pthread_mutex_unlock(&a->oom_lock);
     return info;
-}
-
-/* ---- invariants (tests) ------------------------------------------------------- */
-
-/* `s` is on the list it belongs to: its pool's, or the device's. */
-static int
-stream_known(device_state *dev, const stream_state *s)
-{
-    for (const stream_state *t = *stream_list(dev, s->pool); t != NULL; t = t->next) {
-        if (t == s)
-            return 1;
-    }
-    return 0;
-}
-
-static int
-check_segment(device_state *dev, segment *seg, uint64_t *allocated, uint64_t *live,
-              uint64_t *events)
-{
-    uintptr_t expected = seg->base;
-    uint64_t total = 0;
-    if (!stream_known(dev, seg->owner))
-        return -8;
-    for (block *b = seg->first; b != NULL; b = b->next) {
-        if (b->ptr != expected || b->seg != seg || (b->next && b->next->prev != b))
-            return -1;
-        if (b->allocated + (b->event_count > 0) + b->in_index + b->deferred != 1 ||
-            b->event_count < 0)
-            return -2;   /* exactly one state */
-        *events += (uint64_t)b->event_count;
-        if (b->allocated) {
-            *allocated += b->size;
-            (*live)++;
-            if (map_find(dev, b->ptr) != b)
-                return -3;
-        }
-        if (b->in_index && b->next && b->next->in_index)
-            return -4;   /* missed coalescing */
-        if (b->in_index) {
-            block *found = *block_bucket(b);
-            while (found != NULL && found != b)
-                found = found->list_next;
-            if (found == NULL)
-                return -5;
-        }
-        expected += b->size;
-        total += b->size;
-    }
-    return total == seg->size ? 0 : -6;
-}
-
-static uint64_t
-segments_owned_by(device_state *dev, const stream_state *s)
-{
-    uint64_t segments = 0;
-    for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
-        segments += seg->owner == s;
-    return segments;
-}
-
-/* A pool's books match its segments: counts, its streams' counts, and
- * the number of pools being allocated to. */
-static int
-check_pools(device_state *dev)
-{
-    uint64_t active = 0;
-    for (private_pool *p = dev->pools; p != NULL; p = p->next) {
-        uint64_t segments = 0;
-        for (segment *seg = dev->segments; seg != NULL; seg = seg->next)
-            segments += seg->owner->pool == p;
-        if (segments != p->segments || (pool_released(p) && segments == 0))
-            return -13;     /* a released, empty pool is forgotten */
-        for (stream_state *s = p->streams; s != NULL; s = s->next) {
-            if (s->pool != p || s->head != NULL || s->segments == 0 ||
-                segments_owned_by(dev, s) != s->segments)
-                return -14;
-        }
-        active += p->use_pool != NULL;
-    }
-    if (active != dev->active_pools)
-        return -15;
-    /* deferred blocks wait on the list, and only while a capture is underway */
-    uint64_t deferred = 0, listed = 0;
-    for (segment *seg = dev->segments; seg != NULL; seg = seg->next) {
-        for (block *b = seg->first; b != NULL; b = b->next)
-            deferred += b->deferred;
-    }
-    for (block *b = dev->deferred; b != NULL; b = b->list_next)
-        listed += b->deferred;
-    return deferred == listed && (active != 0 || deferred == 0) ? 0 : -16;
-}
-
-/* Segment counts per stream and queued events match the blocks'. */
-static int
-check_streams(device_state *dev, uint64_t events)
-{
-    for (stream_state *s = dev->streams; s != NULL; s = s->next) {
-        if (s->pool != NULL || segments_owned_by(dev, s) != s->segments)
-            return -9;
-        for (pending_event *e = s->head; e != NULL; e = e->next) {
-            if (e->b->event_count <= 0 || (e->next == NULL && e != s->tail))
-                return -10;
-            events--;
-        }
-    }
-    return events == 0 ? 0 : -11;
-}
-
-/* torch's figures agree with the blocks: allocated, reserved and inactive
- * split (free blocks of segments of more than one block), per pool. */
-static int
-check_torch_figures(device_state *dev)
-{
-    int64_t split[ALLOC_POOLS][2] = {{0}}, reserved[ALLOC_POOLS] = {0};
-    int64_t allocated[ALLOC_POOLS] = {0};
-    for (segment *seg = dev->segments; seg != NULL; seg = seg->next) {
-        int pool = seg->small ? ALLOC_POOL_SMALL : ALLOC_POOL_LARGE;
-        int64_t blocks = 0;
-        reserved[pool] += (int64_t)seg->size;
-        for (block *b = seg->first; b != NULL; b = b->next) {
-            blocks++;
-            allocated[pool] += b->allocated ? (int64_t)b->size : 0;
-        }
-        if (blocks != seg->n_blocks)
-            return -13;
-        for (block *b = seg->first; b != NULL && blocks > 1; b = b->next) {
-            split[pool][0] += b->in_index;
-            split[pool][1] += b->in_index ? (int64_t)b->size : 0;
-        }
-    }
-    const alloc_device_stats *t = &dev->torch;
-    for (int pool = ALLOC_POOL_SMALL; pool <= ALLOC_POOL_LARGE; pool++) {
-        if (t->arrays[ALLOC_STAT_RESERVED_BYTES][pool].current != reserved[pool] ||
-            t->arrays[ALLOC_STAT_ALLOCATED_BYTES][pool].current != allocated[pool] ||
-            t->arrays[ALLOC_STAT_INACTIVE_SPLIT][pool].current != split[pool][0] ||
-            t->arrays[ALLOC_STAT_INACTIVE_SPLIT_BYTES][pool].current != split[pool][1])
-            return -14;
-    }
-    for (int kind = 0; kind < ALLOC_STAT_ARRAYS; kind++) {
-        const alloc_stat *p = t->arrays[kind];
-        if (p[ALLOC_POOL_ALL].current != p[ALLOC_POOL_SMALL].current + p[ALLOC_POOL_LARGE].current)
-            return -15;
-    }
-    if (t->arrays[ALLOC_STAT_ALLOCATED_BYTES][ALLOC_POOL_ALL].current !=
-            (int64_t)dev->stats.allocated_bytes ||
-        t->arrays[ALLOC_STAT_ALLOCATION][ALLOC_POOL_ALL].current != (int64_t)dev->stats.live_blocks)
-        return -16;
-    return 0;
-}
-
-int
-alloc_check(allocator *a, int device)
-{
-    device_state *dev = device_of(a, device);
-    if (dev == NULL)
-        return -1;
-    pthread_mutex_lock(&dev->lock);
-    uint64_t allocated = 0, live = 0, reserved = 0, events = 0;
-    int result = 0;
-    for (segment *seg = dev->segments; seg != NULL && result == 0; seg = seg->next) {
-        reserved += seg->size;
-        result = check_segment(dev, seg, &allocated, &live, &events);
-    }
-    if (result == 0 && (allocated != dev->stats.allocated_bytes ||
-                        reserved != dev->stats.reserved_bytes || live != dev->map_count ||
-                        live != dev->stats.live_blocks))
-        result = -7;
-    if (result == 0 && events != dev->events_pending)
-        result = -12;
-    if (result == 0)
-        result = check_streams(dev, events);
-    if (result == 0)
-        result = check_pools(dev);
-    if (result == 0)
-        result = check_torch_figures(dev);
-    pthread_mutex_unlock(&dev->lock);
-    return result;
 }

@@ -6,15 +6,14 @@
 
 /* ---- streams --------------------------------------------------------------- */
 
-/* The state of `stream` in `pool` (NULL: the ordinary cache), made when
- * missing; NULL without memory. */
 stream_state *
-stream_get(device_state *dev, private_pool *pool, void *stream)
+stream_get(device_state *dev, private_pool *pool, void *stream, int device)
 {
     stream_state **list = stream_list(dev, pool);
-    stream_state *s = stream_find_in(list, stream);
+    stream_state *s = stream_find_in(list, stream, device);
     if (s == NULL && (s = calloc(1, sizeof(*s))) != NULL) {
         s->stream = stream;
+        s->device = device;
         s->pool = pool;
         s->next = *list;
         *list = s;
@@ -59,7 +58,7 @@ queue_consistent(const stream_state *s)
 static void
 event_give_spare(allocator *a, device_state *dev, pending_event *e)
 {
-    if (dev->spare_count >= SPARE_EVENTS_MAX) {
+    if (dev->spare_count >= SPARE_EVENTS_MAX || e->device != dev->index) {
         a->backend.event_free(a->backend.ctx, e->event);
         free(e);
         return;
@@ -70,13 +69,18 @@ event_give_spare(allocator *a, device_state *dev, pending_event *e)
     dev->spare_count++;
 }
 
-/* A spare node with its completed event, or a new node with none. */
+/* A node for an event of a stream of `device`: a spare with its
+ * completed event (the block's device only), or a new node with none. */
 static pending_event *
-event_take_spare(device_state *dev)
+event_take_spare(device_state *dev, int device)
 {
-    pending_event *e = dev->spare_events;
-    if (e == NULL)
-        return calloc(1, sizeof(*e));
+    pending_event *e = device == dev->index ? dev->spare_events : NULL;
+    if (e == NULL) {
+        e = calloc(1, sizeof(*e));
+        if (e != NULL)
+            e->device = device;
+        return e;
+    }
     dev->spare_events = e->next;
     mp_counter_sub(&dev->spare_count, 1);
     e->next = NULL;
@@ -112,10 +116,8 @@ retire_head(allocator *a, device_state *dev, stream_state *s)
     block *b = e->b;
     event_give_spare(a, dev, e);
     if (--b->event_count == 0) {
-        segment *seg = b->seg;
         stats_block_inactive(dev, b);
         block_insert_free(b);
-        pool_settle_segment(a, dev, seg);
     }
 }
 
@@ -151,6 +153,9 @@ events_retire_through(allocator *a, device_state *dev, stream_state *s, const pe
 void
 events_process(allocator *a, device_state *dev, int wait)
 {
+    /* torch's process_events records the deferred blocks' events first */
+    if (dev->deferred != NULL)
+        deferred_process(a, dev);
     stream_state **link = &dev->streams;
     while (*link != NULL) {
         stream_state *s = *link;
@@ -186,15 +191,17 @@ events_insert(allocator *a, device_state *dev, block *b)
 {
     pending_event *made = NULL;
     for (int i = 0; i < b->n_extra; i++) {
-        pending_event *e = event_take_spare(dev);
+        const stream_use *use = &b->extra_streams[i];
+        pending_event *e = event_take_spare(dev, use->device);
         if (e == NULL)
             goto error;
         e->b = b;
         e->next = made;
         made = e;
-        /* a spare's event is recorded again; a new node gets a new one */
-        if (stream_get(dev, NULL, b->extra_streams[i]) == NULL ||
-            a->backend.event_record(a->backend.ctx, dev->index, b->extra_streams[i],
+        /* a spare's event is recorded again; a new node gets a new one, made
+         * on the stream's device (torch's insert_events enters it) */
+        if (stream_get(dev, NULL, use->stream, use->device) == NULL ||
+            a->backend.event_record(a->backend.ctx, use->device, use->stream,
                                     &e->event) != ALLOC_OK)
             goto error;
     }
@@ -203,7 +210,8 @@ events_insert(allocator *a, device_state *dev, block *b)
         pending_event *e = made;
         made = e->next;
         e->next = NULL;
-        stream_state *s = stream_find(dev, b->extra_streams[i]);
+        const stream_use *use = &b->extra_streams[i];
+        stream_state *s = stream_find(dev, use->stream, use->device);
         MP_ASSERT(s != NULL && queue_consistent(s));
         if (s->tail != NULL)
             s->tail->next = e;

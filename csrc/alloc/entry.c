@@ -33,18 +33,29 @@
 
 #define HOST_DEVICES 8
 
-/* Written once under `create_once`; the allocator locks itself. */
+/* Written once under `create_once`; the allocator locks itself.
+ * `published` is `instance` once made, for readers that must not make it
+ * (making it asks CUDA for its devices, which initializes CUDA). */
 static allocator *instance;
+static _Atomic(allocator *) published;
 static const cudart *runtime;
 static pthread_once_t create_once = PTHREAD_ONCE_INIT;
+
+/* The adapter's torch marks its captures (alloc_use_capture_marks): told
+ * at install, before torch's first allocation, whether or not the
+ * allocator is made yet. */
+static _Atomic int capture_marks_wanted;
 
 /* Tag of allocations made by this thread (checkpoint sets it). */
 static _Thread_local uint64_t current_tag;
 
 /* Set by install_allocator() before torch's first allocation, read by any
- * thread that runs out of memory; atomic, so no lock is needed. */
+ * thread that runs out of memory; atomic, so no lock is needed. The error
+ * handler (the C++ adapter's) raises the failures that are no lack of
+ * memory as torch's RuntimeError. */
 typedef void (*oom_handler)(const char *message);
 static _Atomic(oom_handler) raise_oom;
+static _Atomic(oom_handler) raise_error;
 
 #ifdef MATEPOINT_TESTING
 /* Test builds: the host backend's context (written once under
@@ -144,11 +155,31 @@ create(void)
     instance = alloc_create(alloc_cuda_backend(runtime), count);
 }
 
+/* Both sides publish first, then look (sequentially consistent): of a
+ * creation and a late use_capture_marks, one sees the other. */
+static void
+create_and_publish(void)
+{
+    create();
+    atomic_store(&published, instance);
+    if (instance != NULL && atomic_load(&capture_marks_wanted))
+        alloc_use_capture_marks(instance);
+}
+
 static allocator *
 get_allocator(void)
 {
-    pthread_once(&create_once, create);
+    pthread_once(&create_once, create_and_publish);
     return instance;
+}
+
+void
+entry_use_capture_marks(void)
+{
+    atomic_store(&capture_marks_wanted, 1);
+    allocator *a = atomic_load(&published);
+    if (a != NULL)
+        alloc_use_capture_marks(a);
 }
 
 allocator *
@@ -208,7 +239,7 @@ oom_message(char *out, size_t n, allocator *a, size_t size, int device)
     format_bytes(reserved, sizeof(reserved), oom.reserved);
     format_bytes(free_text, sizeof(free_text), free_bytes);
     format_bytes(total, sizeof(total), total_bytes);
-    if (oom.limit != 0) {
+    if (oom.limit != UINT64_MAX) {
         char limit[32];
         format_bytes(limit, sizeof(limit), oom.limit);
         snprintf(cap, sizeof(cap), " (capped at %s by the memory fraction)", limit);
@@ -236,6 +267,25 @@ give_up(const char *message)
     abort();
 }
 
+/* A request refused for another reason than memory (a capture no pool
+ * takes, a CUDA error): raised as torch's RuntimeError where the adapter
+ * set its handler, for code that retries smaller on torch.OutOfMemoryError
+ * would misread it; else as give_up does. */
+static void
+refuse(const char *message)
+{
+    oom_handler handler = atomic_load(&raise_error);
+    if (handler != NULL)
+        handler(message);  /* throws through this frame; does not return */
+    give_up(message);
+}
+
+void
+entry_set_error_handler(void (*handler)(const char *message))
+{
+    atomic_store(&raise_error, handler);
+}
+
 /* torch's out-of-memory observers, through the adapter's trampoline:
  * written by set_oom_observer, read by any thread that runs out of memory
  * (copied under the lock, called after it). */
@@ -243,8 +293,8 @@ static pthread_mutex_t observer_lock = PTHREAD_MUTEX_INITIALIZER;
 static matepoint_oom_observer oom_observer;
 static void *oom_observer_ctx;
 
-static void
-set_oom_observer(matepoint_oom_observer observer, void *ctx)
+void
+entry_set_oom_observer(matepoint_oom_observer observer, void *ctx)
 {
     pthread_mutex_lock(&observer_lock);
     oom_observer = observer;
@@ -263,9 +313,10 @@ notify_oom(allocator *a, int device)
     if (observer == NULL)
         return;
     uint64_t free_bytes, total_bytes;
-    alloc_stats stats = a ? alloc_get_stats(a, device) : (alloc_stats){0};
+    alloc_oom_info oom = a ? alloc_last_oom(a) : (alloc_oom_info){.limit = UINT64_MAX};
     device_memory(device, &free_bytes, &total_bytes);
-    observer(ctx, device, stats.allocated_bytes, total_bytes, free_bytes);
+    observer(ctx, device, oom.segment_bytes, oom.limit != UINT64_MAX ? oom.limit : total_bytes,
+             free_bytes);
 }
 
 static void
@@ -288,7 +339,7 @@ cuda_failure(size_t size, int device, const char *failure)
              "error, not out of memory: CUDA errors of a failed kernel are sticky, every later "
              "call fails with them (CUDA_LAUNCH_BLOCKING=1 shows which kernel failed).",
              size, device, failure);
-    give_up(message);
+    refuse(message);
 }
 
 /* An allocation during a CUDA graph capture that no private pool takes.
@@ -312,12 +363,17 @@ refuse_capture(size_t size, int device)
              "it could not); a capture begun otherwise (cudaStreamBeginCapture directly) gets "
              "none: capture it in a process without matepoint.install_allocator().",
              size, device);
-    give_up(message);
+    refuse(message);
 }
 
+/* Zero bytes get NULL and count nothing, as from torch's allocator
+ * (whose allocate() asks its device allocator for nothing then): torch
+ * and its CUDA graph trees take a null data pointer for "no memory". */
 EXPORT void *
 matepoint_malloc(size_t size, int device, void *stream)
 {
+    if (size == 0)
+        return NULL;
     allocator *a = get_allocator();
     /* `stream` is of the current device (`device`, as torch calls); a
      * failure to ask is taken as no. A graph's pool (begun before its
@@ -340,6 +396,8 @@ matepoint_free(void *ptr, size_t size, int device, void *stream)
     (void)size;
     (void)stream;
     allocator *a = get_allocator();
+    if (ptr == NULL)
+        return;     /* zero bytes (matepoint_malloc) */
     if (a != NULL && alloc_free(a, ptr, device) < 0)
         fprintf(stderr, "matepoint allocator: free of %p on device %d, which it did not "
                         "allocate (ignored)\n", ptr, device);
@@ -372,38 +430,27 @@ matepoint_record_stream(void *ptr, void *stream)
                 ptr);
 }
 
-/* The fraction set last per device (torch's getMemoryFraction), as
- * double bits: 0 stands for none set (1.0). Written by any thread. */
-#define FRACTION_DEVICES 64
-static _Atomic uint64_t fractions[FRACTION_DEVICES];
-
 /* torch.cuda.set_per_process_memory_fraction: caps what the allocator
- * reserves on `device` at that fraction of its total memory. */
+ * reserves on `device` at that fraction of its total memory (0.0: at
+ * nothing). torch's hook cannot fail: a fraction outside [0, 1] (NaN
+ * too) or a device the allocator does not serve changes nothing (the
+ * adapter refuses them first, with an error naming them). */
 EXPORT void
 matepoint_set_memory_fraction(double fraction, int device)
 {
     allocator *a = get_allocator();
     uint64_t free_bytes, total_bytes;
-    if (a == NULL || fraction <= 0.0 || fraction > 1.0)
+    if (a == NULL)
         return;
     device_memory(device, &free_bytes, &total_bytes);
-    if (total_bytes != 0)
-        alloc_set_limit(a, device, (uint64_t)(fraction * (double)total_bytes));
-    if (device >= 0 && device < FRACTION_DEVICES) {
-        uint64_t bits;
-        memcpy(&bits, &fraction, sizeof(bits));
-        atomic_store(&fractions[device], bits);
-    }
+    (void)alloc_set_fraction(a, device, fraction, total_bytes);
 }
 
-static double
-get_memory_fraction(int device)
+double
+entry_memory_fraction(int device)
 {
-    uint64_t bits = device >= 0 && device < FRACTION_DEVICES ? atomic_load(&fractions[device]) : 0;
-    double fraction = 1.0;
-    if (bits != 0)
-        memcpy(&fraction, &bits, sizeof(fraction));
-    return fraction;
+    allocator *a = get_allocator();
+    return a ? alloc_fraction(a, device) : -1.0;
 }
 
 /* install_allocator(): the function that raises torch.OutOfMemoryError. */
@@ -460,90 +507,9 @@ matepoint_alloc_reset_peaks(void)
         alloc_reset_peaks(a);
 }
 
-/* ---- the table of the C++ adapter (torch_bridge.h) ------------------------ */
-
-static int
-bridge_device_stats(int device, alloc_device_stats *out)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_get_device_stats(a, device, out) : -1;
-}
-
-static int
-bridge_reset_peaks(int device)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_reset_device_peaks(a, device) : -1;
-}
-
-static int
-bridge_reset_accumulated(int device)
-{
-    allocator *a = get_allocator();
-    return a ? alloc_reset_accumulated(a, device) : -1;
-}
-
-static void
-bridge_configure_history(const alloc_history_config *config)
-{
-    allocator *a = get_allocator();
-    if (a != NULL)
-        alloc_history_configure(a, config);
-}
-
-static int
-bridge_take_snapshot(int device, uint64_t pool_a, uint64_t pool_b, alloc_snapshot *out)
-{
-    allocator *a = get_allocator();
-    if (a == NULL) {
-        memset(out, 0, sizeof(*out));
-        return 0;
-    }
-    return alloc_take_pool_snapshot(a, device, pool_a, pool_b, out);
-}
-
-static void
-bridge_free_snapshot(alloc_snapshot *snapshot)
-{
-    alloc_snapshot_free(get_allocator(), snapshot);
-}
-
-/* Constant: every entry is the library's for the process. */
-static const matepoint_torch_bridge bridge = {
-    .version = MATEPOINT_TORCH_BRIDGE_VERSION,
-    .size = sizeof(matepoint_torch_bridge),
-    .malloc = matepoint_malloc,
-    .free = matepoint_free,
-    .init = matepoint_init,
-    .empty_cache = matepoint_reset,
-    .record_stream = matepoint_record_stream,
-    .set_memory_fraction = matepoint_set_memory_fraction,
-    .get_memory_fraction = get_memory_fraction,
-    .device_stats = bridge_device_stats,
-    .reset_peaks = bridge_reset_peaks,
-    .reset_accumulated = bridge_reset_accumulated,
-    .device_count = matepoint_alloc_device_count,
-    .configure_history = bridge_configure_history,
-    .take_snapshot = bridge_take_snapshot,
-    .free_snapshot = bridge_free_snapshot,
-    .set_oom_observer = set_oom_observer,
-    .begin_pool = bridge_begin_pool,
-    .end_pool = bridge_end_pool,
-    .release_pool = bridge_release_pool,
-    .largest_free_block = bridge_largest_free_block,
-    .base_allocation = bridge_base_allocation,
-    .checkpoint_pool = bridge_checkpoint_pool,
-    .free_pool_state = alloc_pool_state_free,
-    .restore_pool = bridge_restore_pool,
-    .free_pool_delta = alloc_pool_delta_free,
-    .pool_live_is = bridge_pool_live_is,
-    .create_pool = bridge_create_pool,
-    .pool_use_count = bridge_pool_use_count,
-    .empty_pool = bridge_empty_pool,
-};
-
+/* The C++ adapter's table (torch_bridge.h, made in entry_bridge.c). */
 EXPORT const matepoint_torch_bridge *
 matepoint_alloc_torch_bridge(void)
 {
-    return &bridge;
+    return entry_bridge();
 }

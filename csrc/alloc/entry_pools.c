@@ -108,6 +108,16 @@ bridge_release_pool(int device, uint64_t pool_a, uint64_t pool_b)
         (void)alloc_release_pool(a, device, pool_a, pool_b);
 }
 
+/* torch marks every capture it begins and ends: one it did not begin
+ * cannot end here */
+void
+bridge_mark_capture(int device, int begin)
+{
+    allocator *a = entry_allocator();
+    if (a != NULL)
+        (void)alloc_mark_capture(a, device, begin);
+}
+
 uint64_t
 bridge_largest_free_block(int device)
 {

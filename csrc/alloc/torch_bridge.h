@@ -33,13 +33,15 @@ extern "C" {
 
 /* Bumped whenever an entry changes meaning or place; the adapter refuses
  * a table of another version (a stale cached build). */
-#define MATEPOINT_TORCH_BRIDGE_VERSION 5
+#define MATEPOINT_TORCH_BRIDGE_VERSION 6
 
 /* Called by the allocator after it released its locks, when a request
  * failed for lack of memory and before it raises torch's
- * OutOfMemoryError: torch's OutOfMemoryObserver arguments (bytes
- * allocated on the device, its total and free bytes). */
-typedef void (*matepoint_oom_observer)(void *ctx, int device, uint64_t allocated,
+ * OutOfMemoryError, with what torch's allocator passes its
+ * OutOfMemoryObservers: the device allocation that failed (a segment's
+ * size), the device's total bytes (the memory fraction's cap when one is
+ * set) and its free bytes. */
+typedef void (*matepoint_oom_observer)(void *ctx, int device, uint64_t alloc_size,
                                        uint64_t device_total, uint64_t device_free);
 
 typedef struct matepoint_torch_bridge {
@@ -52,12 +54,19 @@ typedef struct matepoint_torch_bridge {
     void (*init)(int device_count);
     void (*empty_cache)(void);
     void (*record_stream)(void *ptr, void *stream);
+    /* record_stream with the stream's device (torch's hook passes none):
+     * 0, 1 for memory not the allocator's (skipped), -1 without memory */
+    int (*record_stream_on)(void *ptr, void *stream, int device);
     void (*set_memory_fraction)(double fraction, int device);
-    /* the fraction set last on `device` (1.0: none set) */
+    /* the fraction set last on `device` (1.0: none set), -1.0 for a
+     * device the allocator does not serve */
     double (*get_memory_fraction)(int device);
 
     /* torch's figures of `device` (alloc.h); -1 when out of range */
     int (*device_stats)(int device, alloc_device_stats *out);
+    /* its private pools' reserved bytes (alloc_get_pool_figures): up to
+     * `max` copied, how many there are returned; -1 when out of range */
+    int (*pool_figures)(int device, alloc_pool_figures *out, int max);
     int (*reset_peaks)(int device);
     int (*reset_accumulated)(int device);
 
@@ -72,10 +81,21 @@ typedef struct matepoint_torch_bridge {
     void (*configure_history)(const alloc_history_config *config);
     int (*take_snapshot)(int device, uint64_t pool_a, uint64_t pool_b, alloc_snapshot *out);
     void (*free_snapshot)(alloc_snapshot *snapshot);
+    /* isHistoryEnabled: 1 while recording */
+    int (*history_enabled)(void);
+    /* getContextForPointer: the context the live block at `ptr` was
+     * allocated with, one reference given back with the history's release;
+     * NULL for none */
+    void *(*block_context)(void *ptr);
 
     /* Out-of-memory observers: one observer, replaced by the next call
      * (the adapter keeps torch's list and passes its own trampoline). */
     void (*set_oom_observer)(matepoint_oom_observer observer, void *ctx);
+    /* The function that raises torch's RuntimeError with `message` (it
+     * throws through the library's malloc and does not return), for the
+     * requests refused for another reason than memory (a capture no pool
+     * takes, a CUDA error); NULL: none (raised as out of memory). */
+    void (*set_error_handler)(void (*raise)(const char *message));
 
     /* CUDA graph private pools (pool_a, pool_b: torch's MempoolId_t).
      * begin_pool: until end_pool, allocations on `device` whose stream
@@ -87,6 +107,11 @@ typedef struct matepoint_torch_bridge {
                        int (*use_pool)(void *filter, void *stream), void *filter);
     void (*end_pool)(int device, uint64_t pool_a, uint64_t pool_b);
     void (*release_pool)(int device, uint64_t pool_a, uint64_t pool_b);
+    /* torch 2.13+'s markCaptureBegin/End (alloc.h): use_capture_marks
+     * once, before any pool is begun, by an adapter whose torch sends
+     * them; then mark_capture for each capture's begin and end */
+    void (*use_capture_marks)(void);
+    void (*mark_capture)(int device, int begin);
     /* cacheInfo: the largest free cached block of `device`, in bytes */
     uint64_t (*largest_free_block)(int device);
     /* IPC: the segment holding `ptr`, its base returned, its size in *size;

@@ -288,6 +288,19 @@ sim_capture_forbids_locked(void)
     return CUDART_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 }
 
+int
+sim_device_sync_forbidden_locked(int device)
+{
+    int capturing = 0;
+    for (sim_stream *s = sim_gpu.streams; s != NULL; s = s->next) {
+        if (s->device == device && s->capture != 0) {
+            s->capture = 2;
+            capturing = 1;
+        }
+    }
+    return capturing ? CUDART_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDART_SUCCESS;
+}
+
 void
 cudart_sim_forget_contexts(void)
 {

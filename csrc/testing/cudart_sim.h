@@ -47,7 +47,9 @@
  *   cudaHostAlloc, cudaFreeHost (which still frees), cudaEventQuery, cudaEventSynchronize, cudaStreamSynchronize,
  *   cudaDeviceSynchronize) fail with cudaErrorStreamCaptureUnsupported and
  *   invalidate every capture underway, unless the calling thread's mode
- *   (cudaThreadExchangeStreamCaptureMode) is relaxed; a thread-local mode
+ *   (cudaThreadExchangeStreamCaptureMode) is relaxed (but synchronizing a
+ *   device one of whose streams captures fails and invalidates its
+ *   captures in every mode, as CUDA's); a thread-local mode
  *   counts as global here (stricter); cudaStreamIsCapturing answers
  *   (none for a legacy stream: the streams are non-blocking). Work queued
  *   meanwhile runs as usual (no graph is built).

@@ -340,6 +340,8 @@ sim_device_synchronize(void)
     int status = sim_enter(SIM_DEVICE_SYNCHRONIZE);
     if (status == CUDART_SUCCESS)
         status = sim_capture_forbids_locked();
+    if (status == CUDART_SUCCESS)
+        status = sim_device_sync_forbidden_locked(sim_current_device);
     if (status == CUDART_SUCCESS) {
         sim_note_sync_locked(SIM_DEVICE_SYNCHRONIZE);
         status = sim_drain_locked(&sim_gpu.legacy[sim_current_device]);

@@ -213,6 +213,11 @@ void sim_log_wait_locked(const sim_stream *waiter, const sim_event *event);
  * one underway, every capture is invalidated and the call fails
  * (cudaErrorStreamCaptureUnsupported); else CUDART_SUCCESS. */
 int sim_capture_forbids_locked(void);
+/* cudaDeviceSynchronize while a stream of `device` captures: invalid in
+ * every capture mode, relaxed too (the captured work never runs; CUDA's
+ * programming guide, "Prohibited and Unhandled Operations"), and the
+ * device's captures are invalidated; else CUDART_SUCCESS. */
+int sim_device_sync_forbidden_locked(int device);
 /* Releases the lock; a failing status becomes the thread's last error. */
 int sim_leave(int status);
 

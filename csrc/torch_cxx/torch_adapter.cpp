@@ -34,98 +34,61 @@
 
 namespace {
 
-namespace cca = c10::cuda::CUDACachingAllocator;
-using c10::CachingDeviceAllocator::DeviceStats;
-using c10::CachingAllocator::Stat;
-using c10::CachingAllocator::StatArray;
-
-void
-copy_stat(const alloc_stat &from, Stat &to)
-{
-    to.current = from.current;
-    to.peak = from.peak;
-    to.allocated = from.allocated;
-    to.freed = from.freed;
-}
-
-void
-copy_array(const alloc_stat (&from)[ALLOC_POOLS], StatArray &to)
-{
-    // torch's StatType order: AGGREGATE, SMALL_POOL, LARGE_POOL, as ALLOC_POOL_*
-    static_assert(ALLOC_POOLS == static_cast<int>(c10::CachingAllocator::StatType::NUM_TYPES),
-                  "torch's pools are all, small and large");
-    for (int pool = 0; pool < ALLOC_POOLS; pool++)
-        copy_stat(from[pool], to[static_cast<size_t>(pool)]);
-}
-
-class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+class Adapter final : public TorchRecords {
   public:
-    explicit Adapter(const matepoint_torch_bridge *bridge)
-        : CUDAPluggableAllocator(bridge->malloc, bridge->free), bridge_(bridge)
+    explicit Adapter(const matepoint_torch_bridge *bridge) : TorchRecords(bridge)
     {
         set_init_fn(bridge->init);
         set_reset_fn(bridge->empty_cache);
         set_record_stream_fn(bridge->record_stream);
         set_memory_fraction_fn(bridge->set_memory_fraction);
+#if MATEPOINT_TORCH_AT_LEAST(2, 13)
+        bridge->use_capture_marks();
+#endif
+        bridge->set_error_handler(&raise_runtime_error);
     }
 
     // torch drops an allocator it swapped out: the library forgets the
-    // trampoline that points here
+    // trampoline and the handler that point here
     ~Adapter() override
     {
-        if (bridge_->set_oom_observer != nullptr)
-            bridge_->set_oom_observer(nullptr, nullptr);
+        bridge_->set_oom_observer(nullptr, nullptr);
+        bridge_->set_error_handler(nullptr);
     }
 
-    DeviceStats getDeviceStats(c10::DeviceIndex device) override
+    // A stream of another GPU than the block's (t_on_cuda0.record_stream(
+    // stream_on_cuda1)): torch's hook passes the stream alone, and an event
+    // made on the block's device cannot be recorded there; the library makes
+    // it on the stream's device, as torch's insert_events does.
+    void recordStream(const c10::DataPtr &ptr, c10::cuda::CUDAStream stream) override
     {
-        if (bridge_->device_stats == nullptr)
-            return CUDAPluggableAllocator::getDeviceStats(device);
-        alloc_device_stats from;
-        TORCH_CHECK(bridge_->device_stats(device, &from) == 0,
-                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
-        DeviceStats to;
-        copy_array(from.arrays[ALLOC_STAT_ALLOCATION], to.allocation);
-        copy_array(from.arrays[ALLOC_STAT_SEGMENT], to.segment);
-        copy_array(from.arrays[ALLOC_STAT_ACTIVE], to.active);
-        copy_array(from.arrays[ALLOC_STAT_INACTIVE_SPLIT], to.inactive_split);
-        copy_array(from.arrays[ALLOC_STAT_ALLOCATED_BYTES], to.allocated_bytes);
-        copy_array(from.arrays[ALLOC_STAT_RESERVED_BYTES], to.reserved_bytes);
-        copy_array(from.arrays[ALLOC_STAT_ACTIVE_BYTES], to.active_bytes);
-        copy_array(from.arrays[ALLOC_STAT_INACTIVE_SPLIT_BYTES], to.inactive_split_bytes);
-        copy_array(from.arrays[ALLOC_STAT_REQUESTED_BYTES], to.requested_bytes);
-        copy_stat(from.oversize_allocations, to.oversize_allocations);
-        copy_stat(from.oversize_segments, to.oversize_segments);
-        to.num_alloc_retries = from.num_alloc_retries;
-        to.num_ooms = from.num_ooms;
-        to.num_sync_all_streams = from.num_sync_all_streams;
-        to.num_device_alloc = from.num_device_alloc;
-        to.num_device_free = from.num_device_free;
-        to.max_split_size = from.max_split_size;
-        return to;
+        if (bridge_->record_stream_on == nullptr)
+            return CUDAPluggableAllocator::recordStream(ptr, stream);
+        if (ptr.get() == nullptr)
+            return;     // an empty tensor's storage: no block
+        TORCH_CHECK(bridge_->record_stream_on(ptr.get(), stream.stream(),
+                                              static_cast<int>(stream.device_index())) >= 0,
+                    "matepoint's allocator: out of host memory recording a stream on ", ptr.get());
     }
 
-    void resetPeakStats(c10::DeviceIndex device) override
+    // torch's allocator refuses a fraction outside [0, 1] (NaN too) and a
+    // device it does not serve; torch's hook to the library cannot fail
+    void setMemoryFraction(double fraction, c10::DeviceIndex device) override
     {
-        if (bridge_->reset_peaks == nullptr)
-            return CUDAPluggableAllocator::resetPeakStats(device);
-        TORCH_CHECK(bridge_->reset_peaks(device) == 0,
+        TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0,
+                    "matepoint's allocator: invalid memory fraction ", fraction,
+                    " (a fraction of the device's memory, from 0 to 1)");
+        TORCH_CHECK(bridge_->get_memory_fraction(device) >= 0.0,
                     "matepoint's allocator has no CUDA device ", static_cast<int>(device));
-    }
-
-    void resetAccumulatedStats(c10::DeviceIndex device) override
-    {
-        if (bridge_->reset_accumulated == nullptr)
-            return CUDAPluggableAllocator::resetAccumulatedStats(device);
-        TORCH_CHECK(bridge_->reset_accumulated(device) == 0,
-                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
+        CUDAPluggableAllocator::setMemoryFraction(fraction, device);
     }
 
     double getMemoryFraction(c10::DeviceIndex device) override
     {
-        if (bridge_->get_memory_fraction == nullptr)
-            return CUDAPluggableAllocator::getMemoryFraction(device);
-        return bridge_->get_memory_fraction(device);
+        double fraction = bridge_->get_memory_fraction(device);
+        TORCH_CHECK(fraction >= 0.0,
+                    "matepoint's allocator has no CUDA device ", static_cast<int>(device));
+        return fraction;
     }
 
     void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override
@@ -135,57 +98,6 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         std::lock_guard<std::mutex> guard(observers_lock_);
         observers_.push_back(std::move(observer));
         bridge_->set_oom_observer(&Adapter::notify_oom, this);
-    }
-
-    void recordHistory(bool enabled, cca::CreateContextFn context_recorder,
-                       size_t alloc_trace_max_entries, cca::RecordContext when,
-                       bool clear_history, const std::vector<std::string> &skip_actions) override
-    {
-        if (bridge_->configure_history == nullptr)
-            return CUDAPluggableAllocator::recordHistory(enabled, context_recorder,
-                                                         alloc_trace_max_entries, when,
-                                                         clear_history, skip_actions);
-        // a bad name refuses the call before anything changed
-        uint32_t skip = 0;
-        for (const std::string &name : skip_actions) {
-            int action = alloc_trace_action(name.c_str());
-            TORCH_CHECK(action >= 0, "matepoint's allocator: unknown memory history action '",
-                        name, "' in skip_actions (torch's actions: alloc, free_requested, "
-                        "free_completed, segment_alloc, segment_free, segment_map, "
-                        "segment_unmap, snapshot, oom, annotate)");
-            skip |= 1u << action;
-        }
-        recorder.store(enabled ? context_recorder : nullptr);
-        alloc_history_config config{};
-        config.skip = skip;
-        config.enabled = enabled;
-        config.max_entries = alloc_trace_max_entries;
-        config.when = static_cast<int>(when);
-        config.clear = clear_history;
-        config.gather = gather_context;
-        config.retain = retain_context;
-        config.release = release_context;
-        config.clock = approximate_time;
-        bridge_->configure_history(&config);
-    }
-
-    cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool, bool include_traces) override
-    {
-        if (bridge_->take_snapshot == nullptr || bridge_->device_count == nullptr)
-            return CUDAPluggableAllocator::snapshot(mempool, include_traces);
-        cca::SnapshotInfo result;
-        int devices = bridge_->device_count();
-        for (int device = 0; device < devices; device++) {
-            DeviceSnapshot snap(bridge_, device, mempool);
-            const alloc_snapshot &data = snap.data;
-            for (uint64_t i = 0; i < data.segment_count; i++)
-                result.segments.push_back(segment_info(device, data, data.segments[i]));
-            result.device_traces.emplace_back();
-            for (uint64_t i = 0; include_traces && i < data.trace_count; i++)
-                result.device_traces.back().push_back(trace_entry(device, data.trace[i]));
-        }
-        result.config_metadata = config_info();
-        return result;
     }
 
     // ---- CUDA graph pools: torch's filter is a std::function, which C
@@ -226,6 +138,22 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         std::lock_guard<std::mutex> guard(filters_lock_);   // the library dropped it
         filters_.erase(pool_key(device, mempool_id));
     }
+
+#if MATEPOINT_TORCH_AT_LEAST(2, 13)
+    // torch 2.13+ tells a real capture (CUDAGraph's capture_begin and
+    // capture_end) apart from pools allocated to outside one (use_mem_pool,
+    // NCCL registration, cudagraph trees' warmup): only a capture stops
+    // event queries and frees of the ordinary cache
+    void markCaptureBegin(c10::DeviceIndex device) override
+    {
+        bridge_->mark_capture(static_cast<int>(device), 1);
+    }
+
+    void markCaptureEnd(c10::DeviceIndex device) override
+    {
+        bridge_->mark_capture(static_cast<int>(device), 0);
+    }
+#endif
 
     void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override
     {
@@ -465,11 +393,37 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         return same == 1;
     }
 
+    // Zero bytes are no allocation, as in torch's allocator: a null pointer,
+    // nothing counted, nothing in torch's book (cudagraph trees tell
+    // storages apart by data_ptr() != 0)
+    c10::DataPtr allocate(size_t size) override
+    {
+        if (size != 0)
+            return CUDAPluggableAllocator::allocate(size);
+        c10::DeviceIndex device = 0;
+        C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+        return {nullptr, nullptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device)};
+    }
+
+    void *raw_alloc(size_t nbytes) override
+    {
+        return nbytes == 0 ? nullptr : CUDAPluggableAllocator::raw_alloc(nbytes);
+    }
+
+    void *raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override
+    {
+        return nbytes == 0 ? nullptr
+                           : CUDAPluggableAllocator::raw_alloc_with_stream(nbytes, stream);
+    }
+
     // A block a restore allocated goes back through the library like any
     // other; torch's book of allocations (allocation_metadata_) cannot take
-    // it (its entry type is not exported), so this one keeps it.
+    // it (its entry type is not exported), so this one keeps it. A null
+    // pointer (zero bytes) frees nothing.
     void raw_delete(void *ptr) override
     {
+        if (ptr == nullptr)
+            return;
         Restored block{};
         {
             std::lock_guard<std::mutex> guard(allocator_mutex_);
@@ -518,6 +472,15 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
             bridge_->release_pool(device, id.first, id.second);
     }
 
+    // The library's refusals that are no lack of memory (a capture no pool
+    // takes, a CUDA error) reach Python as RuntimeError, not as
+    // torch.OutOfMemoryError, which retry-smaller code would take for one
+    [[noreturn]] static void raise_runtime_error(const char *message)
+    {
+        TORCH_CHECK(false, message);
+        std::abort();   // not reached: TORCH_CHECK(false) throws
+    }
+
     // Called by the library with its lock held: torch's filters only ask
     // CUDA whether the stream captures; an exception cannot cross C.
     static int use_pool(void *filter, void *stream)
@@ -529,22 +492,12 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
         }
     }
 
-    // what torch's snapshot reports of the allocator's settings: matepoint's
-    // rounding (512 bytes) and no split limit
-    static cca::AllocatorConfigInfo config_info()
-    {
-        cca::AllocatorConfigInfo info{};
-        info.garbage_collection_threshold = 0.0;
-        info.max_split_size = SIZE_MAX;
-        info.expandable_segments = false;
-        info.last_allocator_settings = "matepoint";
-        return info;
-    }
-
     // The library calls this after releasing its locks, before it throws
-    // torch's OutOfMemoryError; the observers run in attach order, as
-    // torch's allocator runs them.
-    static void notify_oom(void *self, int device, uint64_t allocated, uint64_t total,
+    // torch's OutOfMemoryError, with torch's figures (the failed device
+    // allocation, the device's total or the fraction's cap, its free
+    // bytes); the observers run in attach order, as torch's allocator runs
+    // them.
+    static void notify_oom(void *self, int device, uint64_t alloc_size, uint64_t total,
                            uint64_t free_bytes)
     {
         auto *adapter = static_cast<Adapter *>(self);
@@ -554,10 +507,9 @@ class Adapter final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableA
             observers = adapter->observers_;
         }
         for (auto &observer : observers)
-            observer(device, allocated, total, free_bytes);
+            observer(device, alloc_size, total, free_bytes);
     }
 
-    const matepoint_torch_bridge *bridge_;
     std::mutex observers_lock_;
     std::vector<cca::OutOfMemoryObserver> observers_;
     // the blocks restores allocated, until freed (guarded by the base

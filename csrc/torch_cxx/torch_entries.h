@@ -99,6 +99,33 @@ matepoint_torch_adapter_cache_info(int device, size_t *largest, char *error, siz
     return 0;
 }
 
+// torch 2.13+'s marks of a capture's begin and end (CUDAGraph's
+// capture_begin after cudaStreamBeginCapture, capture_end after
+// cudaStreamEndCapture), which torch exposes to no Python caller: the
+// tests' captures of the simulated GPU mark themselves through this. -1
+// with the reason in `error` on an older torch.
+extern "C" __attribute__((visibility("default"))) int
+matepoint_torch_adapter_mark_capture(int device, int begin, char *error, size_t error_size)
+{
+#if MATEPOINT_TORCH_AT_LEAST(2, 13)
+    try {
+        if (begin)
+            cca::markCaptureBegin(static_cast<c10::DeviceIndex>(device));
+        else
+            cca::markCaptureEnd(static_cast<c10::DeviceIndex>(device));
+    } catch (const std::exception &failure) {
+        write_error(error, error_size, failure.what());
+        return -1;
+    }
+    return 0;
+#else
+    (void)device;
+    (void)begin;
+    write_error(error, error_size, "torch before 2.13 marks no capture");
+    return -1;
+#endif
+}
+
 extern "C" __attribute__((visibility("default"))) int
 matepoint_torch_adapter_base_allocation(void *ptr, void **base, size_t *size, char *error,
                                         size_t error_size)

@@ -9,6 +9,7 @@
 #include "cuda/cudart.h"
 #include "lock_probe.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -307,13 +308,79 @@ test_out_of_memory_releases_cache_then_fails_cleanly(void)
     CHECK(too_much == NULL);
     alloc_oom_info oom = alloc_last_oom(a);
     CHECK(oom.requested == 30 * MiB && oom.reserved == 20 * MiB && oom.allocated == 4 * MiB);
+    CHECK(oom.segment_bytes == 30 * MiB && oom.limit == UINT64_MAX);
     CHECK(alloc_get_stats(a, 0).ooms == 1);
     alloc_free(a, big, 0);
     alloc_set_limit(a, 0, 1 * MiB);
     alloc_empty_cache(a);
     CHECK(alloc_malloc(a, 600 * 1024, 0, NULL, 0) == NULL);   /* 2 MiB segment > limit */
-    alloc_set_limit(a, 0, 0);
+    alloc_set_limit(a, 0, UINT64_MAX);
     CHECK(alloc_check(a, 0) == 0);
+    finish(a, &ctx);
+}
+
+/* A stream of another device that used a block (record_stream of a tensor
+ * of GPU 0 on a stream of GPU 1): the same handle on two devices is two
+ * streams, its event is made for it (never a spare of the block's device,
+ * made there) and is not kept as a spare after. */
+static void
+test_record_stream_of_another_device(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    allocator *a = make(&ctx, 0, 2);
+    void *p = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(alloc_record_stream_on(a, p, &s1, 0) == 0);     /* its own stream: nothing to do */
+    CHECK(alloc_record_stream_on(a, (void *)64, &s1, 1) == 1);
+    alloc_free(a, p, 0);
+    CHECK(atomic_load(&ctx.events_recorded) == 0);
+    void *q = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(q == p && alloc_record_stream_on(a, q, &s1, 1) == 0);
+    alloc_host_submit(&s1);
+    alloc_free(a, q, 0);
+    CHECK(atomic_load(&ctx.events_recorded) == 1 && atomic_load(&ctx.events_created) == 1);
+    void *r = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(r != q && alloc_check(a, 0) == 0);               /* pending on device 1's stream */
+    alloc_host_complete(&s1);
+    alloc_free(a, alloc_malloc(a, 8, 0, NULL, 0), 0);      /* retires the event */
+    CHECK(atomic_load(&ctx.live_events) == 0);             /* not kept: made for device 1 */
+    void *again = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(again == q);
+    alloc_free(a, again, 0);
+    alloc_free(a, r, 0);
+    finish(a, &ctx);
+}
+
+/* torch's memory fraction: a cap of that share of the device's memory,
+ * 0.0 a cap at nothing; NaN, a fraction outside [0, 1] or a device out of
+ * range change nothing. */
+static void
+test_memory_fraction(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 0, 2);
+    CHECK(alloc_fraction(a, 0) == 1.0 && alloc_fraction(a, 2) == -1.0);
+    CHECK(alloc_set_fraction(a, 0, 0.25, 16 * MiB) == 0 && alloc_fraction(a, 0) == 0.25);
+    void *fits = alloc_malloc(a, 1000, 0, NULL, 0);            /* a 2 MiB segment of 4 */
+    CHECK(fits != NULL && alloc_malloc(a, 3 * MiB, 0, NULL, 0) == NULL);
+    double nan = NAN;
+    CHECK(alloc_set_fraction(a, 0, nan, 16 * MiB) == -1 && alloc_fraction(a, 0) == 0.25);
+    CHECK(alloc_set_fraction(a, 0, 1.5, 16 * MiB) == -1 && alloc_set_fraction(a, 0, -0.1, 0) == -1);
+    CHECK(alloc_set_fraction(a, 2, 0.5, 16 * MiB) == -1);
+    CHECK(alloc_malloc(a, 3 * MiB, 0, NULL, 0) == NULL);        /* the cap stayed */
+    CHECK(alloc_last_oom(a).limit == 4 * MiB);
+    alloc_free(a, fits, 0);
+    alloc_empty_cache(a);
+    CHECK(alloc_set_fraction(a, 0, 0.0, 16 * MiB) == 0 && alloc_fraction(a, 0) == 0.0);
+    CHECK(alloc_malloc(a, 512, 0, NULL, 0) == NULL && alloc_last_oom(a).limit == 0);
+    void *other = alloc_malloc(a, 512, 1, NULL, 0);              /* another device's own */
+    CHECK(other != NULL);
+    alloc_free(a, other, 1);
+    CHECK(alloc_set_fraction(a, 0, 1.0, 64 * MiB) == 0);
+    void *again = alloc_malloc(a, 3 * MiB, 0, NULL, 0);
+    CHECK(again != NULL);
+    alloc_free(a, again, 0);
+    alloc_empty_cache(a);
     finish(a, &ctx);
 }
 
@@ -401,7 +468,7 @@ test_on_handout_hook_runs_after_the_lock(void)
 static _Thread_local int fake_last_error;
 static int fake_events_pending, fake_fail_record;
 static char fake_memory[4][2 << 20];
-static int fake_segments, fake_events_live;
+static int fake_segments, fake_events_live, fake_device_syncs;
 
 static int
 fake_fail(int status)
@@ -413,7 +480,13 @@ fake_fail(int status)
 static int fake_get_device(int *device) { *device = 0; return CUDART_SUCCESS; }
 static int fake_set_device(int device) { (void)device; return CUDART_SUCCESS; }
 static int fake_free(void *ptr) { (void)ptr; fake_segments--; return CUDART_SUCCESS; }
-static int fake_synchronize(void) { fake_events_pending = 0; return CUDART_SUCCESS; }
+static int
+fake_synchronize(void)
+{
+    fake_device_syncs++;
+    fake_events_pending = 0;
+    return CUDART_SUCCESS;
+}
 static int fake_get_last_error(void) { int e = fake_last_error; fake_last_error = 0; return e; }
 static const char *fake_error_string(int status) { (void)status; return "fake error"; }
 
@@ -495,8 +568,17 @@ test_cuda_backend_clears_recovered_errors(void)
     fake_fail_record = 1;                           /* cudaEventRecord fails at the free */
     CHECK(alloc_record_stream(a, q, &s2) == 0);
     alloc_free(a, q, 0);
-    CHECK(fake_last_error == 0 && fake_events_live == 1);
+    /* no device-wide wait instead (it would break a capture another thread
+     * runs): q waits, deferred, for a record that works */
+    CHECK(fake_last_error == 0 && fake_events_live == 1 && fake_device_syncs == 0);
+    void *r = alloc_malloc(a, 4096, 0, &s1, 0);     /* q's record fails again */
+    CHECK(r != NULL && r != q && fake_last_error == 0);
     fake_fail_record = 0;
+    alloc_free(a, r, 0);
+    void *again = alloc_malloc(a, 4096, 0, &s1, 0); /* q recorded now, not complete yet */
+    CHECK(again == r && fake_last_error == 0);
+    alloc_free(a, again, 0);
+    fake_events_pending = 0;
     void *half[9];
     for (int i = 0; i < 9; i++)                     /* 4 segments: cudaMalloc fails for the last */
         half[i] = alloc_malloc(a, MiB, 0, &s1, 0);
@@ -747,7 +829,11 @@ test_torch_figures(void)
     CHECK(t.arrays[ALLOC_STAT_SEGMENT][ALLOC_POOL_ALL].current == 2 && t.num_device_alloc == 2);
     CHECK(t.arrays[ALLOC_STAT_INACTIVE_SPLIT][ALLOC_POOL_ALL].current == 2);
     CHECK(t.arrays[ALLOC_STAT_INACTIVE_SPLIT_BYTES][ALLOC_POOL_LARGE].current == 17 * MiB);
-    CHECK(t.max_split_size == -1);
+    CHECK(t.max_split_size == -1 && t.num_sync_all_streams == 0);
+    /* torch counts each wait for every stream's pending frees: empty_cache
+     * makes one per device */
+    alloc_empty_cache(a);
+    CHECK(alloc_get_device_stats(a, 1, &t) == 0 && t.num_sync_all_streams == 1);
     /* a free that another stream still reads: not allocated, still active */
     CHECK(alloc_record_stream(a, large, &s2) == 0);
     alloc_host_submit(&s2);
@@ -865,7 +951,10 @@ test_history_records_and_snapshot(void)
         CHECK(snap.trace[i].action == actions[i]);
         CHECK(i == 0 || snap.trace[i].time > snap.trace[i - 1].time);
     }
-    CHECK(snap.trace[1].address == (uintptr_t)x && snap.trace[1].size == 1024);
+    /* a block's records carry the bytes requested, as torch's (1024 handed out) */
+    CHECK(snap.trace[1].address == (uintptr_t)x && snap.trace[1].size == 1000);
+    CHECK(snap.trace[4].size == 1000 && snap.trace[5].size == 1000);
+    CHECK(snap.trace[0].size == 2 * MiB && snap.trace[1].pool_a == 0 && snap.trace[1].pool_b == 0);
     CHECK(snap.trace[1].tag == alloc_region_tag(3, TAG_FORWARD) && snap.trace[1].context);
     CHECK(snap.trace[4].tag == alloc_region_tag(3, TAG_FORWARD) && !snap.trace[4].context);
     CHECK(snap.trace[3].stream == &s1 && snap.trace[3].size == 3 * MiB);
@@ -888,12 +977,18 @@ test_history_records_and_snapshot(void)
     CHECK(alloc_take_snapshot(a, 0, &snap) == 0);
     CHECK(snap.trace_count == 3 && snap.trace[2].action == ALLOC_TRACE_FREE_COMPLETED);
     alloc_snapshot_free(a, &snap);
-    /* off: nothing recorded, nothing gathered; what was kept stays */
+    /* off: nothing recorded, nothing gathered, and what was kept goes (torch
+     * clears its ring then): it does not come back at the next start */
+    CHECK(alloc_history_enabled(a));
     history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    CHECK(!alloc_history_enabled(a));
     int64_t gathered = atomic_load(&contexts_gathered);
     alloc_free(a, alloc_malloc(a, 512, 0, &s1, 0), 0);
     CHECK(atomic_load(&contexts_gathered) == gathered);
-    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 3);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 0);
+    alloc_snapshot_free(a, &snap);
+    history(a, 1, 10, ALLOC_CONTEXT_NEVER, 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 0);
     alloc_snapshot_free(a, &snap);
     /* clear: the records and their contexts go */
     history(a, 1, 10, ALLOC_CONTEXT_ALL, 1);
@@ -915,6 +1010,64 @@ test_history_records_and_snapshot(void)
     alloc_snapshot_free(a, &snap);
     finish(a, &ctx);
     CHECK(atomic_load(&contexts_alive) == 0);  /* every reference given back */
+}
+
+/* torch's default bound is sys.maxsize: the ring grows as records come,
+ * nothing is reserved for the bound, and every record is kept; a bound of
+ * 0 keeps one record, as torch's. */
+static void
+test_history_ring_grows_to_its_bound(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    allocator *a = make(&ctx, 0, 1);
+    history(a, 1, UINT64_MAX, ALLOC_CONTEXT_NEVER, 1);
+    enum { PAIRS = 700 };       /* past the first ring's 64 records and several doublings */
+    for (int i = 0; i < PAIRS; i++)
+        alloc_free(a, alloc_malloc(a, 1000 + (uint64_t)i, 0, &s1, 0), 0);
+    alloc_snapshot snap;
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0);
+    CHECK(snap.trace_count == 1 + 3 * PAIRS);           /* a segment, then 3 a pair */
+    CHECK(snap.trace[0].action == ALLOC_TRACE_SEGMENT_ALLOC);
+    for (uint64_t i = 0; i < PAIRS && snap.trace_count == 1 + 3 * PAIRS; i++)
+        CHECK(snap.trace[1 + 3 * i].action == ALLOC_TRACE_ALLOC &&
+              snap.trace[1 + 3 * i].size == 1000 + i);
+    alloc_snapshot_free(a, &snap);
+    /* a smaller bound keeps the newest */
+    history(a, 1, 5, ALLOC_CONTEXT_NEVER, 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 5);
+    CHECK(snap.trace[4].action == ALLOC_TRACE_FREE_COMPLETED &&
+          snap.trace[4].size == 1000 + PAIRS - 1);
+    alloc_snapshot_free(a, &snap);
+    history(a, 1, 0, ALLOC_CONTEXT_NEVER, 1);
+    alloc_free(a, alloc_malloc(a, 77, 0, &s1, 0), 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 1);
+    CHECK(snap.trace[0].action == ALLOC_TRACE_FREE_COMPLETED && snap.trace[0].size == 77);
+    alloc_snapshot_free(a, &snap);
+    history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    finish(a, &ctx);
+}
+
+/* Out of memory is recorded as torch records it: the device's free bytes
+ * and the request rounded, of the pool asked. */
+static void
+test_history_records_out_of_memory(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    allocator *a = make(&ctx, 4 * MiB, 1);
+    history(a, 1, 100, ALLOC_CONTEXT_NEVER, 1);
+    void *held = alloc_malloc(a, 1000, 0, &s1, 0);     /* a 2 MiB segment: 2 MiB free */
+    CHECK(held != NULL && alloc_malloc(a, 3 * MiB - 100, 0, &s1, 0) == NULL);
+    alloc_snapshot snap;
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 3);
+    alloc_trace_record *oom = &snap.trace[2];
+    CHECK(oom->action == ALLOC_TRACE_OOM && oom->address == 2 * MiB);
+    CHECK(oom->size == 3 * MiB && oom->stream == &s1 && oom->pool_a == 0);
+    alloc_snapshot_free(a, &snap);
+    alloc_free(a, held, 0);
+    history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    finish(a, &ctx);
 }
 
 /* torch's skip_actions: the actions named are not recorded, the others are. */
@@ -961,12 +1114,16 @@ main(void)
     test_events_are_reused_across_frees();
     test_out_of_memory_releases_cache_then_fails_cleanly();
     test_huge_requests_are_out_of_memory();
+    test_memory_fraction();
+    test_record_stream_of_another_device();
     test_on_handout_hook_runs_after_the_lock();
     test_cuda_backend_clears_recovered_errors();
     test_tags_are_exact();
     test_torch_figures();
     test_history_records_and_snapshot();
     test_history_skips_actions();
+    test_history_ring_grows_to_its_bound();
+    test_history_records_out_of_memory();
     test_randomized_operations_keep_invariants();
     test_threads_stress();
     test_broken_invariants_stop_a_debug_build();

@@ -82,7 +82,9 @@ test_capture_allocates_from_its_pool(void)
     CHECK(cap.calls == calls);                  /* no filter asked once the capture ended */
     alloc_empty_cache(a);                       /* the pool is in use: its segment stays */
     CHECK(alloc_get_stats(a, 0).reserved_bytes == 2 * MiB);
-    CHECK(alloc_release_pool(a, 0, 1, 0) == 0); /* the graph goes: so does its memory */
+    CHECK(alloc_release_pool(a, 0, 1, 0) == 0); /* the graph goes: its memory is freeable */
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 2 * MiB && alloc_pool_use_count(a, 0, 1, 0) == 0);
+    alloc_empty_cache(a);                       /* and goes here, as torch's */
     CHECK(alloc_get_stats(a, 0).reserved_bytes == 0 && ctx.live_bytes == 0);
     CHECK(alloc_pool_use_count(a, 0, 1, 0) == -1);
     finish(a, &ctx);
@@ -115,12 +117,15 @@ test_pools_share_nothing_unless_asked(void)
     CHECK(alloc_release_pool(a, 0, 1, 0) == 0);   /* one graph of two released */
     CHECK(alloc_get_stats(a, 0).reserved_bytes == 4 * MiB);
     CHECK(alloc_release_pool(a, 0, 1, 0) == 0 && alloc_release_pool(a, 0, 2, 0) == 0);
+    alloc_empty_cache(a);
     CHECK(alloc_get_stats(a, 0).reserved_bytes == 0);
     finish(a, &ctx);
 }
 
-/* A pool's memory stays while a block of it is live (a graph's output the
- * caller still holds), and goes with that block's free. */
+/* A released pool's memory goes at the next empty_cache (or retry after
+ * out of memory), as torch's: never at the release nor at a tensor's free,
+ * where a cudaFree would synchronize the device; a segment still holding a
+ * live block (a graph's output the caller holds) stays then. */
 static void
 test_released_pool_keeps_live_blocks_until_freed(void)
 {
@@ -135,11 +140,16 @@ test_released_pool_keeps_live_blocks_until_freed(void)
     alloc_free(a, scratch, 1);
     CHECK(alloc_release_pool(a, 1, 7, 0) == 0);
     alloc_stats s = alloc_get_stats(a, 1);
+    CHECK(s.reserved_bytes == 22 * MiB && s.device_frees == 0);   /* nothing freed yet */
+    alloc_empty_cache(a);
+    s = alloc_get_stats(a, 1);
     CHECK(s.reserved_bytes == 20 * MiB && s.device_frees == 1);   /* the small segment went */
     CHECK(alloc_pool_use_count(a, 1, 7, 0) == 0);
     CHECK(alloc_begin_pool(a, 1, 7, 0, captures, &cap) == ALLOC_BEGIN_RELEASED);  /* torch refuses */
     CHECK(alloc_check(a, 1) == 0);
     alloc_free(a, output, 1);
+    CHECK(alloc_get_stats(a, 1).reserved_bytes == 20 * MiB);    /* no cudaFree at a free */
+    alloc_empty_cache(a);
     CHECK(alloc_get_stats(a, 1).reserved_bytes == 0 && ctx.live_bytes == 0);
     CHECK(alloc_pool_use_count(a, 1, 7, 0) == -1);
     CHECK(alloc_get_stats(a, 0).device_allocs == 0);              /* device 0 untouched */
@@ -147,7 +157,7 @@ test_released_pool_keeps_live_blocks_until_freed(void)
 }
 
 /* A block of a pool freed after a record_stream waits for its event as
- * any other, then returns to the pool (and, released, to the backend). */
+ * any other, then returns to the pool (released: freeable). */
 static void
 test_pool_block_used_on_another_stream(void)
 {
@@ -166,22 +176,27 @@ test_pool_block_used_on_another_stream(void)
     alloc_host_complete(&reader);
     void *q = alloc_malloc(a, 8192, 0, &reader, 0);               /* retires the event */
     CHECK(q != p && alloc_check(a, 0) == 0);
+    alloc_empty_cache(a);
     CHECK(alloc_pool_use_count(a, 0, 3, 0) == -1);                /* its segment went back */
     alloc_free(a, q, 0);
     finish(a, &ctx);
 }
 
-/* While a pool is allocated to, no event is queried (one recorded during
- * the capture cannot be) and out of memory frees no ordinary cache (the
- * wait and cudaFree would break the capture); released pools still give
- * their memory back. */
+/* While a pool is allocated to (a capture, without torch's marks), no
+ * event is queried (one recorded during the capture cannot be) and out of
+ * memory frees nothing, neither the ordinary cache nor a released pool's
+ * (the wait and cudaFree would break the capture), as torch's allocator
+ * skips its release then. */
 static void
 test_no_forbidden_calls_during_a_capture(void)
 {
     alloc_host_ctx ctx;
     alloc_host_stream side = {0}, s1 = {0}, s2 = {0};
-    allocator *a = make(&ctx, 4 * MiB);
+    allocator *a = make(&ctx, 6 * MiB);
     capture cap = {.streams = {&side}};
+    CHECK(alloc_begin_pool(a, 0, 3, 0, captures, &cap) == 0);  /* a graph, released */
+    alloc_free(a, alloc_malloc(a, 4096, 0, &side, 0), 0);
+    CHECK(alloc_end_pool(a, 0, 3, 0) == 0 && alloc_release_pool(a, 0, 3, 0) == 0);
     void *p = alloc_malloc(a, 4096, 0, &s1, 0);
     CHECK(alloc_record_stream(a, p, &s2) == 0);
     alloc_host_submit(&s2);
@@ -192,9 +207,9 @@ test_no_forbidden_calls_during_a_capture(void)
     CHECK(alloc_begin_pool(a, 0, 4, 0, captures, &cap) == 0);
     void *beside = alloc_malloc(a, 4096, 0, &s1, 0);
     CHECK(beside != NULL && atomic_load(&ctx.event_queries) == queries);
-    void *none = alloc_malloc(a, 3 * MiB, 0, &side, 0);    /* only 0 MiB left */
+    void *none = alloc_malloc(a, 3 * MiB, 0, &side, 0);    /* 20 MiB: never fits */
     alloc_stats s = alloc_get_stats(a, 0);
-    CHECK(none == NULL && s.ooms == 1 && s.device_frees == 0);
+    CHECK(none == NULL && s.ooms == 1 && s.device_frees == 0 && s.reserved_bytes == 6 * MiB);
     CHECK(atomic_load(&ctx.event_queries) == queries);
     CHECK(alloc_end_pool(a, 0, 4, 0) == 0);
     alloc_host_complete(&s2);
@@ -237,7 +252,87 @@ test_cross_stream_free_during_a_capture_is_deferred(void)
     alloc_free(a, r, 0);
     for (int i = 0; i < 3; i++)
         CHECK(alloc_release_pool(a, 0, 5, 0) == 0);
+    alloc_empty_cache(a);
     CHECK(alloc_pool_use_count(a, 0, 5, 0) == -1);
+    finish(a, &ctx);
+}
+
+/* torch 2.13+ marks captures apart from pools allocated to outside one
+ * (use_mem_pool, cudagraph trees' warmup): then a pool being allocated to
+ * stops nothing, and only a marked capture stops event queries and frees
+ * of the ordinary cache. */
+static void
+test_capture_marks_tell_routing_from_capture(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream side = {0}, s1 = {0}, s2 = {0};
+    allocator *a = make(&ctx, 5 * MiB);
+    capture cap = {.streams = {&side}};
+    CHECK(alloc_mark_capture(a, 0, 1) == -1);     /* no marks until told */
+    alloc_use_capture_marks(a);
+    void *used = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, used, &s2) == 0);
+    alloc_host_submit(&s2);
+    alloc_free(a, used, 0);                       /* an event to query */
+    alloc_free(a, alloc_malloc(a, 4096, 0, &s2, 0), 0);
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 4 * MiB);     /* the ordinary cache */
+    CHECK(alloc_begin_pool(a, 0, 8, 0, captures, &cap) == 0);
+    uint64_t queries = atomic_load(&ctx.event_queries);
+    void *beside = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(beside != NULL && atomic_load(&ctx.event_queries) > queries);
+    alloc_free(a, beside, 0);
+    alloc_host_complete(&s2);
+    /* the pool needs a segment the cap leaves no room for: the cache goes */
+    void *in_pool = alloc_malloc(a, 600 * 1024, 0, &side, 0);
+    alloc_stats s = alloc_get_stats(a, 0);
+    CHECK(in_pool != NULL && s.oom_retries == 1 && s.device_frees == 2 && s.ooms == 0);
+    /* a marked capture: nothing is queried or freed */
+    CHECK(alloc_free(a, in_pool, 0) == 0);
+    CHECK(alloc_mark_capture(a, 0, 1) == 0);
+    alloc_free(a, alloc_malloc(a, 4096, 0, &s1, 0), 0);     /* 2 MiB cached for s1 */
+    queries = atomic_load(&ctx.event_queries);
+    CHECK(alloc_malloc(a, 3 * MiB, 0, &side, 0) == NULL);   /* 20 MiB: never fits */
+    s = alloc_get_stats(a, 0);
+    CHECK(s.device_frees == 2 && s.reserved_bytes == 4 * MiB && s.ooms == 1);
+    CHECK(atomic_load(&ctx.event_queries) == queries);
+    CHECK(alloc_mark_capture(a, 0, 0) == 0 && alloc_mark_capture(a, 0, 0) == -1);
+    CHECK(alloc_end_pool(a, 0, 8, 0) == 0);
+    CHECK(alloc_release_pool(a, 0, 8, 0) == 0);
+    finish(a, &ctx);
+}
+
+/* torch's reserved_bytes_by_private_pools: per pool, its segments' bytes
+ * per kind; after the pool is gone its figures stay (current 0) until the
+ * accumulated counts are reset. */
+static void
+test_pool_figures(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream side = {0};
+    allocator *a = make(&ctx, 0);
+    capture cap = {.streams = {&side}};
+    alloc_pool_figures f[4];
+    CHECK(alloc_get_pool_figures(a, 0, f, 4) == 0 && alloc_get_pool_figures(a, 9, f, 4) == -1);
+    CHECK(alloc_begin_pool(a, 0, 0, 7, captures, &cap) == 0);
+    void *small = alloc_malloc(a, 4096, 0, &side, 0);
+    void *large = alloc_malloc(a, 3 * MiB, 0, &side, 0);
+    CHECK(alloc_end_pool(a, 0, 0, 7) == 0);
+    alloc_free(a, alloc_malloc(a, 4096, 0, NULL, 0), 0);      /* the ordinary cache: none */
+    CHECK(alloc_get_pool_figures(a, 0, f, 4) == 1 && f[0].pool_a == 0 && f[0].pool_b == 7);
+    CHECK(f[0].reserved[ALLOC_POOL_ALL].current == 22 * MiB);
+    CHECK(f[0].reserved[ALLOC_POOL_SMALL].current == 2 * MiB);
+    CHECK(f[0].reserved[ALLOC_POOL_LARGE].current == 20 * MiB);
+    alloc_free(a, small, 0);
+    alloc_free(a, large, 0);
+    CHECK(alloc_release_pool(a, 0, 0, 7) == 0);
+    alloc_empty_cache(a);
+    CHECK(alloc_pool_use_count(a, 0, 0, 7) == -1);                /* the pool is gone */
+    CHECK(alloc_get_pool_figures(a, 0, f, 4) == 1);
+    CHECK(f[0].reserved[ALLOC_POOL_ALL].current == 0 && f[0].reserved[ALLOC_POOL_ALL].peak ==
+          22 * MiB && f[0].reserved[ALLOC_POOL_ALL].freed == 22 * MiB);
+    CHECK(alloc_reset_device_peaks(a, 0) == 0 && alloc_get_pool_figures(a, 0, f, 4) == 1);
+    CHECK(f[0].reserved[ALLOC_POOL_ALL].peak == 0);
+    CHECK(alloc_reset_accumulated(a, 0) == 0 && alloc_get_pool_figures(a, 0, f, 4) == 0);
     finish(a, &ctx);
 }
 
@@ -262,13 +357,15 @@ test_nested_pools_innermost_first(void)
     alloc_free(a, y, 0);
     alloc_free(a, z, 0);
     CHECK(alloc_get_stats(a, 0).device_allocs == 3);  /* a pool's segments are per stream too */
-    CHECK(alloc_release_pool(a, 0, 0, 11) == 0);    /* x's segment goes, the outer's stay */
+    CHECK(alloc_release_pool(a, 0, 0, 11) == 0);
+    alloc_empty_cache(a);                           /* x's segment goes, the outer's stay */
     CHECK(alloc_get_stats(a, 0).reserved_bytes == 4 * MiB);
     CHECK(alloc_release_pool(a, 0, 10, 0) == 0);
     CHECK(alloc_release_pool(a, 0, 10, 0) == -1);
     CHECK(alloc_release_pool(a, 0, 99, 0) == -1 && alloc_end_pool(a, 0, 99, 0) == -1);
     CHECK(alloc_begin_pool(a, 5, 1, 0, captures, &outer) == ALLOC_BEGIN_NO_DEVICE);
     CHECK(alloc_begin_pool(a, 0, 1, 0, NULL, &outer) == ALLOC_BEGIN_NO_FILTER);
+    alloc_empty_cache(a);
     CHECK(alloc_get_stats(a, 0).reserved_bytes == 0);
     finish(a, &ctx);
 }
@@ -309,7 +406,7 @@ test_largest_free_block(void)
     alloc_free(a, mid, 0);
     alloc_free(a, small, 0);
     CHECK(alloc_release_pool(a, 0, 1, 0) == 0);
-    CHECK(alloc_largest_free_block(a, 0) == 20 * MiB);
+    CHECK(alloc_largest_free_block(a, 0) == 24 * MiB);          /* released: still cached */
     alloc_empty_cache(a);
     CHECK(alloc_largest_free_block(a, 0) == 0);
     finish(a, &ctx);
@@ -382,6 +479,8 @@ main(void)
     test_capture_allocates_from_its_pool();
     test_pools_share_nothing_unless_asked();
     test_released_pool_keeps_live_blocks_until_freed();
+    test_capture_marks_tell_routing_from_capture();
+    test_pool_figures();
     test_pool_block_used_on_another_stream();
     test_no_forbidden_calls_during_a_capture();
     test_cross_stream_free_during_a_capture_is_deferred();
