@@ -137,9 +137,9 @@ PHASES = [
     Phase("completion record fails", lambda: MLP(WIDTH, REGIONS),
           action=completion_record_fails, kinds=frozenset({"cudaStreamSynchronize"})),
 ]
-# the one call only the allocator makes, and only when it cannot make an
-# event for a freed block: its failure is run in tests/c/test_alloc.c
-# (test_cuda_backend_clears_recovered_errors)
+# in the runtime table, but called by neither the engine nor the allocator
+# since a block whose event cannot be recorded is deferred instead of the
+# whole device waited for (csrc/alloc; tests/c/test_alloc.c)
 SWEPT_IN_C = {"cudaDeviceSynchronize"}
 
 
