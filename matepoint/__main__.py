@@ -1,7 +1,8 @@
 """``python -m matepoint``: what this machine gets from matepoint (the
 report, matepoint/bench/machine; ``--json`` for a bug report);
-``--version``: matepoint's version, the torch it runs with, and the torch
-releases its tests run on."""
+``python -m matepoint check``: the claims checked on this machine's GPU
+(matepoint/bench/selfcheck); ``--version``: matepoint's version, the torch
+it runs with, and the torch releases its tests run on."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m matepoint",
         description="What this machine gets from matepoint: its build, torch, the GPUs, the "
                     "allocator's state (and the fix where it falls back), pinned memory, the "
-                    "disk tier and the options in force. The benchmark is "
+                    "disk tier and the options in force. `python -m matepoint check` runs "
+                    "matepoint's claims on this GPU. The benchmark is "
                     "`python -m matepoint.bench`, the demo `python -m matepoint.demo`.")
     parser.add_argument("--version", action="store_true",
                         help="print matepoint's version and the torch it runs with")
@@ -32,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["check"]:
+        from matepoint.bench.selfcheck.cli import main as check
+        return check(argv[1:])
     args = _parser().parse_args(argv)
     import torch  # only here: --help stays fast
 
