@@ -15,7 +15,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, List
 
 import pytest
 import torch

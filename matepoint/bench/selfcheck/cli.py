@@ -20,13 +20,13 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from matepoint import __version__, _C
 from matepoint.bench.selfcheck.outcome import FAIL, PASS, SKIP, Result, run_check
-from matepoint.bench.selfcheck.registry import ALLOCATOR, CHECKS, GROUPS, HOST, Check
+from matepoint.bench.selfcheck.registry import ALLOCATOR, BY_NAME, CHECKS, GROUPS, HOST, Check
 from matepoint.bench.selfcheck.target import Target, default_target, load_target
 
 log = logging.getLogger("matepoint.check")
@@ -67,7 +67,7 @@ def selected(args: argparse.Namespace) -> List[Check]:
               if (wanted is None or check.name in wanted or check.group in wanted)
               and (check.quick or not args.quick)]
     if any(check.group == ALLOCATOR for check in chosen):
-        first = CHECKS[[check.name for check in CHECKS].index("allocator_install")]
+        first = BY_NAME["allocator_install"]
         chosen = [check for check in CHECKS if check in chosen or check is first]
     return chosen
 
@@ -113,20 +113,32 @@ def _allocator_process(checks: List[Check], args: argparse.Namespace) -> List[Re
 
 
 def _run_here(checks: List[Check], target: Optional[Target], no_gpu: str,
-              record: Optional[str] = None) -> List[Result]:
-    """``checks`` in this process, in order (each result also appended to
-    ``record`` as a JSON line, as the allocator's process reports)."""
+              done: Callable[[Result], None]) -> List[Result]:
+    """``checks`` in this process, in order, ``done`` told of each result
+    as it comes."""
     results = []
     for check in checks:
         if check.group == HOST:
             result = run_check(check, None)
         else:
             result = run_check(check, target, None if target is not None else no_gpu)
-        if record is not None:
-            with open(record, "a") as handle:
-                handle.write(json.dumps(result.as_dict()) + "\n")
+        done(result)
         results.append(result)
     return results
+
+
+def _appender(path: str) -> Callable[[Result], None]:
+    """Appends each result to ``path`` as a JSON line, at once: what the
+    allocator's process reported survives its crash."""
+    def append(result: Result) -> None:
+        with open(path, "a") as handle:
+            handle.write(json.dumps(result.as_dict()) + "\n")
+    return append
+
+
+def _print(result: Result) -> None:
+    for line in _lines(result):
+        log.info("%s", line)
 
 
 def _describe(target: Optional[Target]) -> Optional[Dict[str, Any]]:
@@ -170,8 +182,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         target, no_gpu = default_target()
     checks = selected(args)
-    if args.allocator_process:
-        _run_here(checks, target, no_gpu, record=args.json)
+    if args.allocator_process:      # its --json is the file of JSON lines the parent reads
+        _run_here(checks, target, no_gpu, _appender(args.json))
         return 0
     log.info("matepoint %s, torch %s: %d checks on %s", __version__, torch.__version__,
              len(checks), target.name if target is not None else f"no GPU ({no_gpu})")
@@ -179,12 +191,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     for group in GROUPS:
         batch = [check for check in checks if check.group == group]
         if group == ALLOCATOR and batch and target is not None:
+            log.info("(the allocator's checks, in a process of their own: up to a minute)")
             done = _allocator_process(batch, args)
+            for result in done:
+                _print(result)
         else:
-            done = _run_here(batch, target, no_gpu)
-        for result in done:
-            for line in _lines(result):
-                log.info("%s", line)
+            done = _run_here(batch, target, no_gpu, _print)
         results += done
     counts = {status: sum(r.status == status for r in results) for status in (PASS, FAIL, SKIP)}
     log.info("%d passed, %d failed, %d skipped", counts[PASS], counts[FAIL], counts[SKIP])

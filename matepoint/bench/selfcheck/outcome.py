@@ -131,6 +131,8 @@ def first_difference(got: Sequence[torch.Tensor], expected: Sequence[torch.Tenso
                      names: Sequence[str]) -> Optional[str]:
     """Where two lists of tensors first differ bit for bit ('the gradient
     of 3.0.weight differs: 12 of 1024 elements, by up to 0.5'), or None."""
+    if len(got) != len(expected):
+        return f"{len(got)} gradients, torch's checkpoint gave {len(expected)}"
     for name, mine, theirs in zip(names, got, expected):
         if mine is None or theirs is None:
             if mine is not theirs:
@@ -139,11 +141,12 @@ def first_difference(got: Sequence[torch.Tensor], expected: Sequence[torch.Tenso
         if torch.equal(mine, theirs):
             continue
         if mine.shape != theirs.shape:
-            return f"the gradient of {name} has shape {tuple(mine.shape)}, not {tuple(theirs.shape)}"
-        differ = mine.ne(theirs)
-        gap = (mine.double() - theirs.double()).abs().nan_to_num(float("inf"))
+            return (f"the gradient of {name} has shape {tuple(mine.shape)}, "
+                    f"not {tuple(theirs.shape)}")
+        differ = int(mine.ne(theirs).sum())
+        gap = float((mine.double() - theirs.double()).abs().nan_to_num(float("inf")).max())
         return (f"the gradient of {name} differs from torch's checkpoint's: "
-                f"{int(differ.sum())} of {differ.numel()} elements, by up to {float(gap.max()):.3g}")
+                f"{differ} of {mine.numel()} elements, by up to {gap:.3g}")
     return None
 
 
