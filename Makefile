@@ -351,8 +351,8 @@ bench: install
 	$(PY) -m matepoint.bench
 
 # On a GPU machine with torch installed and no network, one command under
-# 8 minutes on one H100/H200: the build, the CUDA tests, torch's API under
-# install_allocator() (benchmarks/allocator_probe.py), the deep-latent
+# 8 minutes on one H100/H200: the build, the CUDA tests, `python -m matepoint
+# check --json $(OUT)/check.json` (every claim on this GPU), the deep-latent
 # bench; each step time-limited and logged to $(OUT) (benchmarks/gpu_check.sh).
 SYSTEM_PY ?= python3
 OUT ?= build/gpu-check

@@ -5,12 +5,15 @@
 # (default build/gpu-check); steps.txt says how each ended. Steps:
 #   build       the test build, installed in place (pip -e, no download)
 #   cuda-tests  the tests marked cuda (pytest -m cuda)
-#   probe       benchmarks/allocator_probe.py: torch's API under
-#               install_allocator() (allocator_probe.json)
+#   check       python -m matepoint check: every claim on this GPU, each PASS,
+#               FAIL or SKIP with its reason (check.json: every figure, the
+#               GPU, driver, versions and date)
 #   bench       the deep-latent case (bf16, 200 MiB latent) at LATENT_DEPTH
 #               blocks: torch's checkpoint, torch's checkpoint inside
 #               save_on_cpu (what transformers' offload=True runs), matepoint
 #               and matepoint with its allocator: peak and step in one run
+# $OUT holds at most 8 files (steps.txt, four logs, check.json, bench/):
+# the C++ units compiled here are cached beside it, not in it.
 # Exit status: 0 when every step passed.
 set -u
 OUT=${OUT:-build/gpu-check}
@@ -19,7 +22,7 @@ LATENT_DEPTH=${LATENT_DEPTH:-48}
 mkdir -p "$OUT"
 : > "$OUT/steps.txt"
 # the C++ units install_allocator() compiles, built once for every step
-export MATEPOINT_CACHE_DIR="${MATEPOINT_CACHE_DIR:-$OUT/cache}"
+export MATEPOINT_CACHE_DIR="${MATEPOINT_CACHE_DIR:-$OUT-cache}"
 failed=""
 
 step() {
@@ -48,14 +51,15 @@ if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/de
 fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0))" \
     | tee -a "$OUT/steps.txt"
-step build 120 "$PY" -m pip install -q --no-build-isolation --no-deps -e . || {
+step build 100 "$PY" -m pip install -q --no-build-isolation --no-deps -e . || {
     echo "gpu-check: the build failed; nothing else run" | tee -a "$OUT/steps.txt"
     exit 1
 }
 step cuda-tests 110 "$PY" -m pytest -q -rA -p no:cacheprovider -m cuda tests
-step probe 150 "$PY" benchmarks/allocator_probe.py --out "$OUT"
+step check 170 "$PY" -m matepoint check --json "$OUT/check.json"
 step bench 100 "$PY" -m matepoint.bench --gpu-check --cases latent \
     --latent-depth "$LATENT_DEPTH" --modes torch,torch+save_on_cpu,matepoint,matepoint+alloc --out "$OUT/bench"
+tail -n 30 "$OUT/check.log" 2>/dev/null
 tail -n 40 "$OUT/bench.log" 2>/dev/null
 if [ -n "$failed" ]; then
     echo "gpu-check: failed:$failed" | tee -a "$OUT/steps.txt"

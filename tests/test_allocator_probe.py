@@ -1,7 +1,9 @@
 """`make gpu-check`'s pieces without a GPU: benchmarks/allocator_probe.py
-imports, parses and writes its report with every probe skipped (never a
-number), and benchmarks/gpu_check.sh refuses a Python without a CUDA GPU
-before running anything."""
+(the allocator checks of `python -m matepoint check`, alone) imports,
+parses and writes its report with every probe skipped (never a number),
+and benchmarks/gpu_check.sh refuses a Python without a CUDA GPU before
+running anything. A failing check is reported, not raised:
+tests/test_selfcheck.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,25 +32,22 @@ def test_dry_run_skips_every_probe_and_says_why(tmp_path) -> None:
     with open(tmp_path / "allocator_probe.json") as file:
         report = json.load(file)
     assert set(report["probes"]) == set(probe.PROBES) == set(probe.LIMITS_S)
-    assert all(p == {"status": "SKIPPED", "reason": "--dry-run"}
+    assert all(p == {"status": "SKIP", "reason": "--dry-run"}
                for p in report["probes"].values())
     assert report["torch"] == torch.__version__
 
 
+def test_the_probes_are_the_checks_allocator_group() -> None:
+    """One copy: the script runs `python -m matepoint check`'s allocator checks."""
+    from matepoint.bench.selfcheck import registry
+    probe = _probe_module()
+    assert probe.PROBES == tuple(c.name for c in registry.CHECKS if c.group == registry.ALLOCATOR)
+    assert probe.PROBES[0] == "allocator_install" and "memory_snapshot" in probe.PROBES
+
+
 def test_unknown_probe_is_refused() -> None:
     with pytest.raises(SystemExit):
-        _probe_module().parse_args(["--probes", "train,nope"])
-
-
-def test_a_failing_probe_is_reported_not_raised() -> None:
-    probe = _probe_module()
-
-    def broken():
-        raise ValueError("broken on purpose")
-
-    result = probe.run_probe("broken", broken, 5)
-    assert result["status"] == "FAIL" and "ValueError: broken on purpose" in result["error"]
-    assert probe.run_probe("fine", lambda: {"x": 1}, 5)["status"] == "PASS"
+        _probe_module().parse_args(["--probes", "memory_api,nope"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")

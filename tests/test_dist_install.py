@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import json
 import os
 import re
 import subprocess
@@ -43,6 +44,37 @@ def test_python_m_matepoint_version() -> None:
     shown = subprocess.run([sys.executable, "-m", "matepoint", "--version"], capture_output=True,
                            text=True, timeout=120, check=True).stdout
     assert shown.startswith(f"matepoint {matepoint.__version__} (torch {torch.__version__}")
+
+
+def test_the_report_and_the_self_check_say_what_they_could_not_check(tmp_path) -> None:
+    """Both commands on the release build without a GPU: the report says
+    what this machine gets (no CUDA here), in the documented shape; the
+    self-check runs what needs no GPU and skips the rest, saying why."""
+    import matepoint
+    from matepoint.bench.machine import report as machine_report
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MATEPOINT_")}
+    text = subprocess.run([sys.executable, "-m", "matepoint"], capture_output=True, text=True,
+                          timeout=120, check=True, env=env).stdout
+    assert text.startswith(f"matepoint {matepoint.__version__} (release build, C API abi3) in "
+                           f"{os.path.dirname(matepoint.__file__)}")
+    report = json.loads(subprocess.run([sys.executable, "-m", "matepoint", "--json"],
+                                       capture_output=True, text=True, timeout=120, check=True,
+                                       env=env).stdout)
+    assert machine_report.shape_problems(report) == []
+    assert report["matepoint"]["build"] == "release"
+    if torch.version.cuda is None:
+        assert report["allocator"]["state"] == "no CUDA"
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, "-m", "matepoint", "check", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    checks = {row["name"]: row for row in json.loads(out.read_text())["checks"]}
+    assert checks["checkpoint_cpu"]["status"] == "PASS"
+    if not torch.cuda.is_available():
+        skipped = [row for row in checks.values() if row["group"] not in ("host",)]
+        assert skipped and all(row["status"] == "SKIP" and "needs a CUDA GPU" in row["reason"]
+                               for row in skipped), skipped
+        assert "needs a CUDA GPU" in done.stdout
 
 
 def readme_example() -> str:

@@ -86,7 +86,8 @@ def unexplained_warnings(output: str) -> List[str]:
 
 
 def test_the_readme_commands_run_in_order_in_a_fresh_clone(tmp_path) -> None:
-    assert install_block() == ["pip install .", "python -m matepoint.bench", "make test"]
+    assert install_block() == ["pip install .", "python -m matepoint", "python -m matepoint.bench",
+                               "make test"]
     clone = tmp_path / "matepoint"
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=str(ROOT), capture_output=True,
                             text=True, check=True).stdout.strip()
@@ -102,6 +103,12 @@ def test_the_readme_commands_run_in_order_in_a_fresh_clone(tmp_path) -> None:
     assert "Successfully installed matepoint" in output
     assert unexplained_warnings(output) == []
     assert not list((clone / "matepoint").glob("*.so")), "pip install . built in place"
+
+    # python -m matepoint: the report of what this machine gets, from the installed build
+    output = run([python, "-m", "matepoint"], clone, env)
+    assert unexplained_warnings(output) == []
+    assert output.startswith("matepoint ") and "\nallocator: " in output, output
+    assert str(tmp_path / "venv") in output.splitlines()[0], output
 
     # python -m matepoint.bench, from the checkout: the installed build is used
     output = run([python, "-m", "matepoint.bench", "--cases", "latent", "--repeats", "2",
