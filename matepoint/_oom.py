@@ -354,59 +354,87 @@ def _private_build_folder() -> str:
     return folder
 
 
-def _cache_folder() -> Tuple[str, Optional[str]]:
-    """(the cache folder resolved and created, why it may not be used or None)."""
+def _cache_folder(create: bool) -> Tuple[str, Optional[str]]:
+    """(the cache folder resolved, and created when ``create``; why it may
+    not be used or None)."""
     folder = os.path.realpath(cache_dir())
     try:
-        _units.make_private_folders(folder)
+        if create:
+            _units.make_private_folders(folder)
+        elif not os.path.lexists(folder):
+            return folder, None   # made private at the first build
         return folder, _units.folder_problem(folder, "the cache folder", (os.geteuid(),))
     except OSError as error:   # a file in the way, an unwritable home, ...
         return folder, f"the cache folder {folder} cannot be used ({error.strerror or error})"
+
+
+@dataclass(frozen=True)
+class _CachePlan:
+    """What building a unit here would do: reuse ``target`` (``cached``),
+    build into a private temporary folder because the cache may not be used
+    (``problem``), refuse for a failure recorded in ``marker`` that still
+    holds (``recorded``), or compile into the cache."""
+    folder: str
+    target: str
+    marker: str
+    cached: bool
+    problem: Optional[str]
+    recorded: Optional[str]
+
+
+def _cache_plan(source: str, name: str, extras: UnitExtras, compiler: List[str],
+                create: bool) -> _CachePlan:
+    """The build's plan, decided without compiling (see _CachePlan)."""
+    key = cache_key(source, compiler, extras)
+    folder, problem = _cache_folder(create)
+    target = os.path.join(folder, f"{name}-{key}.so")
+    marker = os.path.join(folder, f"{name}-{key}.failed")
+    if problem is None and os.path.lexists(target):
+        problem = _units.file_problem(target, "the cached library", (os.geteuid(),))
+        if problem is None:
+            return _CachePlan(folder, target, marker, True, None, None)
+    recorded = None if problem is not None else _recorded_failure(marker)
+    return _CachePlan(folder, target, marker, False, problem, recorded)
 
 
 def _build(source: str, name: str,
            extras: UnitExtras = UnitExtras()) -> Tuple[str, Optional[str]]:
     """(library path, private folder to remove after loading or None)."""
     compiler = _compiler()
-    key = cache_key(source, compiler, extras)
-    folder, problem = _cache_folder()
-    target = os.path.join(folder, f"{name}-{key}.so")
-    if problem is None and os.path.lexists(target):
-        problem = _units.file_problem(target, "the cached library", (os.geteuid(),))
-        if problem is None:
-            return target, None
-    if problem is not None:
+    plan = _cache_plan(source, name, extras, compiler, create=True)
+    if plan.cached:
+        return plan.target, None
+    if plan.problem is not None:
         private = _private_build_folder()
-        _warn(f"matepoint: not loading or caching {name} in {folder}: {problem}; building it "
-              f"in the private folder {private} instead (set MATEPOINT_CACHE_DIR to a folder "
-              f"only you can write to keep the build)")
+        _warn(f"matepoint: not loading or caching {name} in {plan.folder}: {plan.problem}; "
+              f"building it in the private folder {private} instead (set MATEPOINT_CACHE_DIR "
+              f"to a folder only you can write to keep the build)")
         try:
             _compile(source, compiler, private, os.path.join(private, f"{name}.so"), extras)
         except BaseException:
             shutil.rmtree(private, ignore_errors=True)
             raise
         return os.path.join(private, f"{name}.so"), private
-    marker = os.path.join(folder, f"{name}-{key}.failed")
-    recorded = _recorded_failure(marker)
-    if recorded is not None:
-        raise BuildError(f"an earlier build failed, recorded in {marker} (delete it or set "
-                         f"MATEPOINT_BUILD_RETRY=1 to try again): {recorded[-2000:]}")
+    if plan.recorded is not None:
+        raise BuildError(f"an earlier build failed, recorded in {plan.marker} (delete it or set "
+                         f"MATEPOINT_BUILD_RETRY=1 to try again): {plan.recorded[-2000:]}")
     try:
-        _compile(source, compiler, folder, target, extras)
+        _compile(source, compiler, plan.folder, plan.target, extras)
     except _Killed:
         raise   # not the unit's fault: the next process tries again
     except BuildError as error:
         timeout = build_timeout() if isinstance(error, _TimedOut) else None
         try:
-            _write_atomically(folder, marker, json.dumps({"failure": str(error),
-                                                          "timeout_s": timeout}))
+            _write_atomically(plan.folder, plan.marker,
+                              json.dumps({"failure": str(error), "timeout_s": timeout}))
         except OSError as failure:
-            raise BuildError(f"{error}\n(could not record it in {marker}: {failure})") from None
+            raise BuildError(f"{error}\n(could not record it in {plan.marker}: {failure})") \
+                from None
         again = "set a longer MATEPOINT_BUILD_TIMEOUT, " if timeout is not None else ""
-        raise BuildError(f"{error}\n(recorded in {marker}, so other processes do not retry it: "
-                         f"{again}delete it or set MATEPOINT_BUILD_RETRY=1 to try again)") \
-            from None
-    return target, None
+        raise BuildError(f"{error}\n(recorded in {plan.marker}, so other processes do not "
+                         f"retry it: {again}delete it or set MATEPOINT_BUILD_RETRY=1 to try "
+                         f"again)") from None
+    return plan.target, None
 
 
 def build_library(source: str, name: str, extras: UnitExtras = UnitExtras()) -> str:
@@ -463,6 +491,49 @@ def unit_build_inputs(name: str, extras: Callable[[], UnitExtras] = UnitExtras
                                     needed.depends + depends)
 
 
+def _prebuilt_choice(name: str) -> Tuple[Optional[str], str]:
+    """(the wheel's unit ``name`` for the running torch, or None; why not)."""
+    if not prebuilt_allowed():
+        return None, "MATEPOINT_PREBUILT=0 asks to compile it here"
+    return _units.find(name)
+
+
+def outlook(name: str, extras: Callable[[], UnitExtras] = UnitExtras) -> _units.UnitState:
+    """What load_unit(name, extras) would do in this process, decided as it
+    decides but loading and compiling nothing (``python -m matepoint``):
+    origin PREBUILT, COMPILED (a build of an earlier run in the cache),
+    TO_COMPILE (at the first install_allocator(); the reason says where,
+    and why not prebuilt) or MISSING (the reason and the fix)."""
+    key = _units.key(name)
+    path, why_not_prebuilt = _prebuilt_choice(name)
+    if path is not None:
+        return _units.UnitState(name, _units.PREBUILT, key, path)
+    try:
+        source, _, needed = unit_build_inputs(name, extras)
+        plan = _cache_plan(source, name, needed, _compiler(), create=False)
+    except (BuildError, OSError, ValueError) as error:
+        return _units.UnitState(name, _units.MISSING, key, None,
+                                f"{why_not_prebuilt}; and compiling it here would fail: {error}",
+                                getattr(error, "fix", ""))
+    if plan.cached:
+        return _units.UnitState(name, _units.COMPILED, key, plan.target, why_not_prebuilt)
+    if plan.problem is not None:
+        return _units.UnitState(
+            name, _units.TO_COMPILE, key, None,
+            f"{why_not_prebuilt}; it is compiled at every start, in a private temporary "
+            f"folder, because {plan.problem}", "set MATEPOINT_CACHE_DIR to a folder only you "
+            f"can write")
+    if plan.recorded is not None:
+        return _units.UnitState(
+            name, _units.MISSING, key, None,
+            f"{why_not_prebuilt}; and an earlier build failed, recorded in {plan.marker}",
+            f"read {plan.marker}, fix what it says, then delete it (or set "
+            f"MATEPOINT_BUILD_RETRY=1)")
+    return _units.UnitState(name, _units.TO_COMPILE, key, None,
+                            f"{why_not_prebuilt}; the first install_allocator() compiles it "
+                            f"(about 10-30 s, once) into {plan.folder}")
+
+
 def load_unit(name: str,
               extras: Callable[[], UnitExtras] = UnitExtras) -> ctypes.CDLL:
     """Unit ``name`` of _build_layout.CXX_UNITS loaded: the wheel's prebuilt
@@ -471,19 +542,17 @@ def load_unit(name: str,
     Its state, with the reason and the fix when it cannot be had, is
     recorded (_units.state); raises BuildError then."""
     key = _units.key(name)
-    why_not_prebuilt = "MATEPOINT_PREBUILT=0 asks to compile it here"
-    if prebuilt_allowed():
-        path, why_not_prebuilt = _units.find(name)
-        if path is not None:
-            try:
-                library = ctypes.CDLL(path)
-            except OSError as error:   # a libstdc++ or torch it does not fit after all
-                why_not_prebuilt = f"the prebuilt {name} does not load here ({error})"
-                log.warning("matepoint: %s; compiling it here instead", why_not_prebuilt)
-            else:
-                _loaded.append(library)
-                _units.record(_units.UnitState(name, _units.PREBUILT, key, path))
-                return library
+    path, why_not_prebuilt = _prebuilt_choice(name)
+    if path is not None:
+        try:
+            library = ctypes.CDLL(path)
+        except OSError as error:   # a libstdc++ or torch it does not fit after all
+            why_not_prebuilt = f"the prebuilt {name} does not load here ({error})"
+            log.warning("matepoint: %s; compiling it here instead", why_not_prebuilt)
+        else:
+            _loaded.append(library)
+            _units.record(_units.UnitState(name, _units.PREBUILT, key, path))
+            return library
     try:
         library = load_library(*unit_build_inputs(name, extras))
     except (BuildError, OSError, ValueError) as error:

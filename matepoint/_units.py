@@ -36,13 +36,15 @@ FOLDER = os.path.join(_HERE, _build_layout.PREBUILT_FOLDER)
 PREBUILT = "prebuilt"          # the wheel's, for this torch
 COMPILED = "compiled here"     # compiled at run time (or from the cache of an earlier run)
 MISSING = "missing"            # neither: the reason says why, the fix how
+TO_COMPILE = "to compile"      # not yet: the first install_allocator() compiles it
 NOT_LOADED = "not loaded"      # install_allocator() has not asked for it
 
 
 @dataclasses.dataclass(frozen=True)
 class UnitState:
     """One C++ unit of this process: ``origin`` is PREBUILT, COMPILED,
-    MISSING or NOT_LOADED; ``path`` the library loaded; ``reason`` why it is
+    MISSING or NOT_LOADED (or TO_COMPILE, said ahead by _oom.outlook);
+    ``path`` the library loaded; ``reason`` why it is
     missing (or why the prebuilt one was not taken); ``fix`` the one thing
     to do about it; ``key`` the running torch's key for it."""
     unit: str

@@ -11,17 +11,15 @@ compiler. Once install_allocator() ran, allocator_info() says what it
 did instead, and this module reports that."""
 from __future__ import annotations
 
-import logging
-import os
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from matepoint import _adapter, _allocator, _oom, _units
 
-# what a unit would be, besides _units' PREBUILT and MISSING
-CACHED = "compiled here"          # a build of an earlier run, in the cache
-TO_COMPILE = "to compile"         # compiled at the first install_allocator()
+# what a unit would be, besides _units' origins
+CACHED = _units.COMPILED          # a build of an earlier run, in the cache
+TO_COMPILE = _units.TO_COMPILE    # compiled at the first install_allocator()
 NOT_APPLICABLE = "not applicable"
 
 # the allocator's state as a whole
@@ -30,76 +28,22 @@ FALLBACK = "fallback"      # the plain pluggable allocator: torch's memory API r
 NO_CUDA = "no CUDA"        # install_allocator() cannot run with this torch
 
 
-def _quiet(function: Callable[[], Any]) -> Any:
-    """``function()`` with matepoint's log held below errors: _units.find
-    warns about a refused prebuilt unit, which the outlook says itself."""
-    logger = logging.getLogger("matepoint")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        return function()
-    finally:
-        logger.setLevel(level)
-
-
 def _entry(unit: str, state: str, path: Optional[str] = None, reason: str = "",
            fix: str = "") -> Dict[str, Any]:
     return {"unit": unit, "state": state, "key": _units.key(unit), "path": path,
             "reason": reason, "fix": fix}
 
 
-def _cache_outlook(name: str, source: str, extras: _oom.UnitExtras,
-                   why_not_prebuilt: str) -> Dict[str, Any]:
-    """The unit to be compiled here: cached already, refused, or to build."""
-    compiler = _oom._compiler()
-    key = _oom.cache_key(source, compiler, extras)
-    folder = os.path.realpath(_oom.cache_dir())
-    target = os.path.join(folder, f"{name}-{key}.so")
-    problem = None
-    if os.path.isdir(folder):
-        problem = _units.folder_problem(folder, "the cache folder", (os.geteuid(),))
-    elif os.path.lexists(folder):
-        problem = f"the cache folder {folder} cannot be used (not a directory)"
-    if problem is None and os.path.lexists(target):
-        problem = _units.file_problem(target, "the cached library", (os.geteuid(),))
-        if problem is None:
-            return _entry(name, CACHED, target, why_not_prebuilt)
-    if problem is not None:
-        return _entry(name, TO_COMPILE, None,
-                      f"{why_not_prebuilt}; it is compiled at every start, in a private "
-                      f"temporary folder, because {problem}",
-                      "set MATEPOINT_CACHE_DIR to a folder only you can write")
-    marker = os.path.join(folder, f"{name}-{key}.failed")
-    if os.path.exists(marker) and _oom._recorded_failure(marker) is not None:
-        return _entry(name, _units.MISSING, None,
-                      f"{why_not_prebuilt}; and an earlier build failed, recorded in {marker}",
-                      f"read {marker}, fix what it says, then delete it (or set "
-                      f"MATEPOINT_BUILD_RETRY=1)")
-    return _entry(name, TO_COMPILE, None,
-                  f"{why_not_prebuilt}; the first install_allocator() compiles it (about "
-                  f"10-30 s, once) into {folder}")
-
-
 def unit_outlook(name: str, extras: Callable[[], _oom.UnitExtras] = _oom.UnitExtras
                  ) -> Dict[str, Any]:
-    """Unit ``name``'s outlook: state (PREBUILT, CACHED, TO_COMPILE or
-    MISSING), key, path, reason (why not prebuilt, why missing) and fix."""
-    why_not_prebuilt = "MATEPOINT_PREBUILT=0 asks to compile it here"
+    """Unit ``name``'s outlook (_oom.outlook, the choice load_unit makes,
+    stopping short of loading or compiling): state (PREBUILT, CACHED,
+    TO_COMPILE or MISSING), key, path, reason (why not prebuilt, why
+    missing) and fix. A bad MATEPOINT_PREBUILT is MISSING, with its fix."""
     try:
-        allowed = _oom.prebuilt_allowed()
+        return _from_state(_oom.outlook(name, extras))
     except ValueError as error:
         return _entry(name, _units.MISSING, None, str(error), "set MATEPOINT_PREBUILT to 1 or 0")
-    if allowed:
-        path, why_not_prebuilt = _quiet(lambda: _units.find(name))
-        if path is not None:
-            return _entry(name, _units.PREBUILT, path)
-    try:
-        source, _, unit_extras = _oom.unit_build_inputs(name, extras)
-        return _cache_outlook(name, source, unit_extras, why_not_prebuilt)
-    except (_oom.BuildError, OSError, ValueError) as error:
-        return _entry(name, _units.MISSING, None,
-                      f"{why_not_prebuilt}; and compiling it here would fail: {error}",
-                      getattr(error, "fix", ""))
 
 
 def _from_state(state: _units.UnitState) -> Dict[str, Any]:
