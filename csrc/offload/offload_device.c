@@ -13,6 +13,8 @@
 #include "base/compat.h"
 #include "streams.h"
 
+#include <stdio.h>
+
 offload_engine *
 offload_engine_of(PyObject *module)
 {
@@ -84,6 +86,22 @@ offload_engine_enter_device(mp_state *st, int index, int *previous)
     return streams_enter_device(st->engine->rt, index, previous);
 }
 
+/* torch's device guards warn when they cannot make the earlier device
+ * current again; so does the engine. The thread stays on `index` (torch's
+ * own calls set their device per operation), and the error must not stay
+ * for torch's next kernel launch to raise as its own. */
+static void
+warn_device_left(mp_state *st, int index, int previous, int status)
+{
+    char what[48], failure[256];
+    snprintf(what, sizeof(what), "cudaSetDevice(%d)", previous);
+    cudart_describe_failure(st->engine->rt, status, what, failure, sizeof(failure));
+    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                         "matepoint: after work on CUDA device %d, %s: this thread's current "
+                         "device stays %d", index, failure, index) < 0)
+        PyErr_WriteUnraisable(NULL);   /* warnings made errors: nothing to raise into */
+}
+
 void
 offload_engine_leave_device(mp_state *st, int index, int previous)
 {
@@ -99,8 +117,9 @@ offload_engine_leave_device(mp_state *st, int index, int previous)
     int has = has_context(st, previous);
     if (has < 0 || (has == 0 && st->engine->runtime->keep_target_device(st, previous) < 0))
         PyErr_WriteUnraisable(NULL);
-    if (has > 0 && st->engine->rt->set_device(previous) != CUDART_SUCCESS)
-        (void)st->engine->rt->get_last_error();
+    int status = has > 0 ? st->engine->rt->set_device(previous) : CUDART_SUCCESS;
+    if (status != CUDART_SUCCESS)
+        warn_device_left(st, index, previous, status);
     if (pending != NULL)
         mp_restore_exception(pending);
 }
