@@ -487,18 +487,25 @@ def test_a_refused_capture_allocation_is_no_out_of_memory(cuda_up) -> None:
 def test_a_cuda_error_in_cudamalloc_is_no_out_of_memory(cuda_up) -> None:
     """A sticky CUDA error (a faulting kernel's 700) fails cudaMalloc:
     raised as torch's allocator raises it, a RuntimeError naming the error,
-    not a torch.OutOfMemoryError."""
+    not a torch.OutOfMemoryError; as torch's, it counts no out of memory
+    (num_ooms) and the memory history records no "oom"."""
     torch.cuda.empty_cache()
     mallocs = _C._sim_stats()["calls"]["cudaMalloc"]
+    ooms = torch.cuda.memory_stats(0)["num_ooms"]
+    torch.cuda.memory._record_memory_history()
     _C._sim_fail("cudaMalloc", 0, 1, 700)
     try:
         with pytest.raises(RuntimeError, match="CUDA error 700") as raised:
             torch.empty(64 * MIB, dtype=torch.uint8, device="cuda:0")   # a segment of its own
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
     finally:
         _C._sim_fail("cudaMalloc", 0, 0, 0)
+        torch.cuda.memory._record_memory_history(None)
     assert _C._sim_stats()["calls"]["cudaMalloc"] == mallocs + 1     # premise: it was asked
     assert not isinstance(raised.value, torch.OutOfMemoryError)
     assert _C._sim_take_last_error() == 0
+    assert torch.cuda.memory_stats(0)["num_ooms"] == ooms
+    assert [entry["action"] for entry in trace] == [], trace
 
 
 def test_what_the_history_does_not_keep_is_said(cuda_up, capfd) -> None:

@@ -32,6 +32,24 @@ alloc_create(alloc_backend backend, int device_count)
     return a;
 }
 
+/* A request that got nothing: out of memory is counted and recorded
+ * (torch's num_ooms and its trace's oom), a backend error (`status`
+ * ALLOC_ERROR, a CUDA failure the backend reported) neither: torch's
+ * allocator raises such an error as it is, before its out-of-memory
+ * path. Unlocks the device. */
+static void *
+malloc_failed(allocator *a, device_state *dev, int status, uint64_t size, uint64_t rounded,
+              void *stream, const private_pool *pool, uint64_t tag, void *context)
+{
+    if (status != ALLOC_ERROR) {
+        stats_record_oom(a, dev, size, rounded);
+        history_record_oom(a, dev, rounded, stream, pool, tag, context);
+    }
+    history_drop(dev, context);
+    pthread_mutex_unlock(&dev->lock);
+    return NULL;
+}
+
 void *
 alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag)
 {
@@ -48,24 +66,18 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     if ((dev->events_pending != 0 || dev->deferred != NULL) && dev->captures == 0)
         events_process(a, dev, 0);
     block *b = NULL;
+    int status = ALLOC_OUT_OF_MEMORY;
     if (rounded != 0 &&
         (b = block_find_free(stream_list(dev, pool), rounded, small, stream, dev->index)) != NULL) {
         dev->stats.cache_hits++;
-    } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool)) == NULL) {
-        stats_record_oom(a, dev, size, rounded);
-        history_record_oom(a, dev, rounded, stream, pool, tag, context);
-        history_drop(dev, context);
-        pthread_mutex_unlock(&dev->lock);
-        return NULL;
+    } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool, &status)) == NULL) {
+        return malloc_failed(a, dev, status, size, rounded, stream, pool, tag, context);
     }
     if (block_take(b, rounded) < 0 || map_insert(dev, b) < 0) {
         if (!b->in_index)
             block_insert_free(b);
-        stats_record_oom(a, dev, size, rounded);
-        history_record_oom(a, dev, rounded, stream, pool, tag, context);
-        history_drop(dev, context);
-        pthread_mutex_unlock(&dev->lock);
-        return NULL;
+        return malloc_failed(a, dev, ALLOC_OUT_OF_MEMORY, size, rounded, stream, pool, tag,
+                             context);
     }
     stats_account_malloc(dev, b, size, tag);
     /* the block keeps the stack for snapshots; the record only if asked */

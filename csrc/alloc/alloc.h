@@ -194,7 +194,7 @@ allocator *alloc_create(alloc_backend backend, int device_count);
 void alloc_destroy(allocator *a);
 
 /* NULL when out of memory (then alloc_last_oom() tells the numbers) or on a
- * backend error. Size 0 is valid and gives a distinct 512-byte block, as
+ * backend error (counted and recorded as no out of memory). Size 0 is valid and gives a distinct 512-byte block, as
  * torch's device allocator would (torch's entry, matepoint_malloc, asks
  * for none: zero bytes are a null pointer there); a size too
  * large to round (alloc_round_size() == 0) is out of memory. */

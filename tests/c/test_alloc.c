@@ -1070,6 +1070,53 @@ test_history_records_out_of_memory(void)
     finish(a, &ctx);
 }
 
+/* A backend error (a CUDA error other than out of memory: a faulting
+ * kernel's sticky 700 fails cudaMalloc too) is no lack of memory: torch's
+ * allocator raises it as it is, before its out-of-memory path, so it
+ * counts no out of memory (num_ooms), no retry, and records no "oom" in
+ * the memory history. */
+static int
+failing_device_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
+{
+    (void)ctx;
+    (void)device;
+    (void)bytes;
+    *ptr = NULL;
+    return ALLOC_ERROR;
+}
+
+static void
+test_backend_error_is_no_out_of_memory(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    alloc_host_init(&ctx, 4 * MiB);
+    alloc_backend failing = alloc_host_backend(&ctx);
+    failing.device_malloc = failing_device_malloc;
+    allocator *a = alloc_create(failing, 1);
+    history(a, 1, 100, ALLOC_CONTEXT_NEVER, 1);
+    CHECK(alloc_malloc(a, 1000, 0, &s1, 0) == NULL);
+    alloc_device_stats torch;
+    CHECK(alloc_get_device_stats(a, 0, &torch) == 0);
+    CHECK(torch.num_ooms == 0 && torch.num_alloc_retries == 0);
+    CHECK(alloc_get_stats(a, 0).ooms == 0);
+    alloc_snapshot snap;
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 0);
+    alloc_snapshot_free(a, &snap);
+    history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    finish(a, &ctx);
+    /* premise: the same request out of memory is counted and recorded */
+    a = make(&ctx, MiB, 1);
+    history(a, 1, 100, ALLOC_CONTEXT_NEVER, 1);
+    CHECK(alloc_malloc(a, 1000, 0, &s1, 0) == NULL);
+    CHECK(alloc_get_device_stats(a, 0, &torch) == 0 && torch.num_ooms == 1);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 1);
+    CHECK(snap.trace_count == 1 && snap.trace[0].action == ALLOC_TRACE_OOM);
+    alloc_snapshot_free(a, &snap);
+    history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    finish(a, &ctx);
+}
+
 /* torch's skip_actions: the actions named are not recorded, the others are. */
 static void
 test_history_skips_actions(void)
@@ -1124,6 +1171,7 @@ main(void)
     test_history_skips_actions();
     test_history_ring_grows_to_its_bound();
     test_history_records_out_of_memory();
+    test_backend_error_is_no_out_of_memory();
     test_randomized_operations_keep_invariants();
     test_threads_stress();
     test_broken_invariants_stop_a_debug_build();
