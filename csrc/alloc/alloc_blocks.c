@@ -355,7 +355,7 @@ backend_segment(allocator *a, device_state *dev, uint64_t size, void **ptr)
 
 /* A new segment of `stream` in `pool` (NULL: the ordinary cache) holding
  * one free block; on out-of-memory it frees what the cache may and tries
- * once more. NULL, with *status ALLOC_OUT_OF_MEMORY or ALLOC_ERROR (the
+ * once more, unless a capture is underway. NULL, with *status ALLOC_OUT_OF_MEMORY or ALLOC_ERROR (the
  * backend's error), when it got none. */
 block *
 segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, private_pool *pool,
@@ -368,7 +368,9 @@ segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, pri
         return NULL;
     }
     *status = backend_segment(a, dev, size, &ptr);
-    if (*status == ALLOC_OUT_OF_MEMORY) {
+    /* while a capture is underway nothing is released (segment_release_cached):
+     * no retry, and none counted, as torch's allocator skips both then */
+    if (*status == ALLOC_OUT_OF_MEMORY && dev->captures == 0) {
         stats_count_retry(dev);
         segment_release_cached(a, dev);
         *status = backend_segment(a, dev, size, &ptr);

@@ -320,7 +320,7 @@ uint64_t segment_size_for(uint64_t rounded);
 /* A new segment of `stream` for a request of `rounded` bytes, in `pool`
  * (NULL: the ordinary cache), holding one free block (not indexed); on
  * out-of-memory it frees what it may (segment_release_cached) and retries
- * once. NULL when out of memory or on a backend error: then *status says
+ * once, when no capture is underway. NULL when out of memory or on a backend error: then *status says
  * which (ALLOC_OUT_OF_MEMORY, ALLOC_ERROR). */
 block *segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream,
                    private_pool *pool, int *status);
