@@ -213,6 +213,31 @@ def test_context_none_gathers_no_stack(cuda_up) -> None:
     del held
 
 
+def free_here(holder: List[torch.Tensor]) -> None:
+    holder.pop()    # the last reference: the tensor's memory is freed here
+
+
+def test_a_frees_records_carry_torchs_stacks(cuda_up) -> None:
+    """A free's trace entries carry the stack torch's would: with
+    context="alloc" the block's from its allocation, with "all" (the
+    default) the free's own, in free_requested and free_completed alike."""
+    def frames(entry: Dict[str, Any]) -> List[str]:
+        return [frame["name"] for frame in entry.get("frames", [])]
+    for context, where in (("alloc", "allocate_here"), ("all", "free_here")):
+        torch.cuda.memory._record_memory_history(context=context)
+        try:
+            held = [allocate_here()]
+            at = held[0].data_ptr()
+            free_here(held)
+            trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        finally:
+            torch.cuda.memory._record_memory_history(None)
+        entries = {entry["action"]: entry for entry in trace if entry.get("addr") == at}
+        assert "allocate_here" in frames(entries["alloc"]), context   # premise
+        for action in ("free_requested", "free_completed"):
+            assert where in frames(entries[action]), (context, action, frames(entries[action]))
+
+
 def test_recording_off_drops_the_trace(cuda_up) -> None:
     """Turning recording off drops what was recorded (torch clears its
     ring): a later recording starts from nothing."""

@@ -99,7 +99,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
  * capture another thread runs on the device, which the allocator may not
  * know of. Lock held. */
 void
-block_retire(allocator *a, device_state *dev, block *b)
+block_retire(allocator *a, device_state *dev, block *b, void *context)
 {
     if (b->n_extra > 0 && events_insert(a, dev, b) < 0) {
         block_defer(dev, b);
@@ -107,7 +107,7 @@ block_retire(allocator *a, device_state *dev, block *b)
     }
     block_forget_streams(b);
     if (b->event_count == 0) {
-        stats_block_inactive(dev, b);
+        stats_block_inactive(dev, b, context);
         block_insert_free(b);
     }
 }
@@ -129,12 +129,12 @@ alloc_free(allocator *a, void *ptr, int device)
     }
     stats_account_free(dev, b);
     history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->seg->owner, b->tag,
-                   context);
-    history_drop(dev, context);
+                   history_free_context(dev, b, context));
     if (b->n_extra > 0 && dev->captures != 0)
         block_defer(dev, b);
     else
-        block_retire(a, dev, b);
+        block_retire(a, dev, b, context);
+    history_drop(dev, context);
     pthread_mutex_unlock(&dev->lock);
     return 0;
 }

@@ -248,8 +248,9 @@ stream_find(device_state *dev, void *stream, int device)
 /* ---- alloc.c ------------------------------------------------------------ */
 
 /* A block just freed (taken from the live-pointer table): queued behind
- * events of the streams it was used on, else free at once. */
-void block_retire(allocator *a, device_state *dev, block *b);
+ * events of the streams it was used on, else free at once; `context` is
+ * the free's stack (NULL: none), for the record of its completion. */
+void block_retire(allocator *a, device_state *dev, block *b, void *context);
 
 /* ---- alloc_history.c ---------------------------------------------------- */
 
@@ -284,6 +285,18 @@ history_drop(device_state *dev, void *context)
 {
     if (context != NULL && dev->history.release != NULL)
         dev->history.release(context);
+}
+
+/* The context the record of a free of `b` carries, as torch's: the free's
+ * own (`context`, gathered when frees keep a stack), else the block's from
+ * its allocation; none unless records keep stacks (ALLOC_CONTEXT_ALLOC and
+ * up). Inline: on every free. */
+static inline void *
+history_free_context(const device_state *dev, const block *b, void *context)
+{
+    if (dev->history.when < ALLOC_CONTEXT_ALLOC)
+        return NULL;
+    return context != NULL ? context : b->context;
 }
 
 /* Adds a record (ALLOC_TRACE_*) of memory of `owner`'s segments when
@@ -415,9 +428,10 @@ void stats_segment_released(device_state *dev, segment *seg);
 /* Counts a failed request of `size` bytes (`rounded`, 0: too large to
  * round) and keeps its numbers for alloc_last_oom(). */
 void stats_record_oom(allocator *a, device_state *dev, uint64_t size, uint64_t rounded);
-/* A freed block stops being active: at its free, or once the events of the
- * other streams that used it completed. */
-void stats_block_inactive(device_state *dev, block *b);
+/* A freed block stops being active: at its free (`context`: the free's
+ * stack, or NULL), or once the events of the other streams that used it
+ * completed (NULL). */
+void stats_block_inactive(device_state *dev, block *b, void *context);
 /* A retry after releasing the cache (torch's num_alloc_retries). */
 void stats_count_retry(device_state *dev);
 

@@ -214,7 +214,7 @@ deferred_process(allocator *a, device_state *dev)
         block *next = b->list_next;
         b->list_next = NULL;
         b->deferred = 0;
-        block_retire(a, dev, b);
+        block_retire(a, dev, b, NULL);
         b = next;
     }
 }

@@ -146,7 +146,7 @@ tag_account(device_state *dev, uint64_t tag, uint64_t size, int allocate)
 /* ---- torch's figures (alloc.h: alloc_device_stats) --------------------------- */
 
 void
-stats_block_inactive(device_state *dev, block *b)
+stats_block_inactive(device_state *dev, block *b, void *context)
 {
     MP_ASSERT(!b->allocated);
     int pool = stat_pool(b->seg);
@@ -154,7 +154,7 @@ stats_block_inactive(device_state *dev, block *b)
     stat_sub(dev, ALLOC_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
     stat_sub(dev, ALLOC_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
     history_record(dev, ALLOC_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->seg->owner, b->tag,
-                   NULL);
+                   history_free_context(dev, b, context));
     history_drop(dev, b->context);
     b->context = NULL;
 }

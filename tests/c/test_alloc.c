@@ -956,7 +956,11 @@ test_history_records_and_snapshot(void)
     CHECK(snap.trace[4].size == 1000 && snap.trace[5].size == 1000);
     CHECK(snap.trace[0].size == 2 * MiB && snap.trace[1].pool_a == 0 && snap.trace[1].pool_b == 0);
     CHECK(snap.trace[1].tag == alloc_region_tag(3, TAG_FORWARD) && snap.trace[1].context);
-    CHECK(snap.trace[4].tag == alloc_region_tag(3, TAG_FORWARD) && !snap.trace[4].context);
+    /* stacks of allocations only (torch's context="alloc"): a free's records
+     * carry the block's stack from its allocation, as torch's */
+    CHECK(snap.trace[4].tag == alloc_region_tag(3, TAG_FORWARD));
+    CHECK(snap.trace[4].context == snap.trace[1].context);
+    CHECK(snap.trace[5].context == snap.trace[1].context);
     CHECK(snap.trace[3].stream == &s1 && snap.trace[3].size == 3 * MiB);
     /* segments oldest first, blocks in address order with state and tag */
     CHECK(snap.segment_count == 2 && snap.segments[0].small && !snap.segments[1].small);
@@ -999,10 +1003,20 @@ test_history_records_and_snapshot(void)
     alloc_empty_cache(a);
     CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 4);
     CHECK(snap.trace[0].action == ALLOC_TRACE_FREE_REQUESTED && snap.trace[0].context != NULL);
+    CHECK(((test_context *)snap.trace[0].context)->tag == ALLOC_TAG_NONE);
+    CHECK(snap.trace[1].action == ALLOC_TRACE_FREE_COMPLETED);
+    CHECK(snap.trace[1].context == snap.trace[0].context);     /* the free's own stack */
     CHECK(snap.trace[2].action == ALLOC_TRACE_SEGMENT_FREE);
     CHECK(snap.trace[3].action == ALLOC_TRACE_SEGMENT_FREE && snap.segment_count == 0);
     alloc_snapshot_free(a, &snap);
     CHECK(alloc_check(a, 0) == 0);
+    /* stacks of live blocks only (torch's context="state"): no record keeps one */
+    history(a, 1, 10, ALLOC_CONTEXT_STATE, 1);
+    alloc_free(a, alloc_malloc(a, 512, 0, &s1, 0), 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 4);
+    for (uint64_t i = 0; i < snap.trace_count; i++)
+        CHECK(snap.trace[i].context == NULL);
+    alloc_snapshot_free(a, &snap);
     /* out of memory is a record too */
     CHECK(alloc_malloc(a, UINT64_MAX - 100, 0, &s1, 0) == NULL);
     CHECK(alloc_take_snapshot(a, 0, &snap) == 0);
