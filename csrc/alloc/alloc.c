@@ -6,6 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Allocators made so far in the process (atomic, no owner): each gets the
+ * next as its id, which a thread's last failure names (alloc_stats.c). */
+static _Atomic uint64_t allocators_made;
+
 allocator *
 alloc_create(alloc_backend backend, int device_count)
 {
@@ -21,7 +25,7 @@ alloc_create(alloc_backend backend, int device_count)
     }
     a->backend = backend;
     a->device_count = device_count;
-    pthread_mutex_init(&a->oom_lock, NULL);
+    a->id = atomic_fetch_add(&allocators_made, 1) + 1;
     pthread_mutex_init(&a->history_lock, NULL);
     for (int i = 0; i < device_count; i++) {
         pthread_mutex_init(&a->devices[i].lock, NULL);
@@ -288,7 +292,6 @@ alloc_destroy(allocator *a)
         free(dev->ring);
         pthread_mutex_destroy(&dev->lock);
     }
-    pthread_mutex_destroy(&a->oom_lock);
     pthread_mutex_destroy(&a->history_lock);
     free(a->devices);
     free(a);

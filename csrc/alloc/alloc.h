@@ -240,6 +240,9 @@ int alloc_get_pool_figures(allocator *a, int device, alloc_pool_figures *out, in
 /* Copies up to `max` tag entries of `device` with live or peak bytes into
  * `out`; returns how many there are in all. */
 int alloc_get_tag_stats(allocator *a, int device, alloc_tag_stats *out, int max);
+/* The numbers of the calling thread's last request on `a` that got
+ * nothing for lack of memory (another thread's failure since does not
+ * replace them); zeros, limit UINT64_MAX, when it had none. */
 alloc_oom_info alloc_last_oom(allocator *a);
 /* Checks internal invariants of `device` (tests); 0 when they hold. */
 int alloc_check(allocator *a, int device);

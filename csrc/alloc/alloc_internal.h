@@ -197,8 +197,7 @@ struct allocator {
     alloc_backend backend;
     int device_count;
     device_state *devices;
-    pthread_mutex_t oom_lock;       /* guards last_oom */
-    alloc_oom_info last_oom;
+    uint64_t id;                    /* unique in the process: whose failure a thread's is */
     pthread_mutex_t history_lock;   /* guards history; taken after no device lock */
     alloc_history_config history;
     _Atomic int history_when;       /* ALLOC_CONTEXT_* of gathering, 0: none (no lock) */
@@ -426,7 +425,7 @@ void stats_account_free(device_state *dev, block *b);
 void stats_segment_added(device_state *dev, segment *seg);
 void stats_segment_released(device_state *dev, segment *seg);
 /* Counts a failed request of `size` bytes (`rounded`, 0: too large to
- * round) and keeps its numbers for alloc_last_oom(). */
+ * round) and keeps its numbers, the calling thread's, for alloc_last_oom(). */
 void stats_record_oom(allocator *a, device_state *dev, uint64_t size, uint64_t rounded);
 /* A freed block stops being active: at its free (`context`: the free's
  * stack, or NULL), or once the events of the other streams that used it

@@ -319,6 +319,48 @@ test_out_of_memory_releases_cache_then_fails_cleanly(void)
     finish(a, &ctx);
 }
 
+/* The numbers of an out of memory are the failing thread's own: another
+ * thread's failure meanwhile (DataParallel's replicas, a thread per GPU,
+ * run out of memory together) must not reach this one's message and
+ * torch's observers, which matepoint_malloc reads after the lock is gone. */
+typedef struct {
+    allocator *a;
+    void *got;
+    alloc_oom_info oom;
+} oom_elsewhere;
+
+static void *
+run_out_on_device_1(void *arg)
+{
+    oom_elsewhere *other = arg;
+    other->got = alloc_malloc(other->a, 7 * MiB, 1, NULL, 0);
+    other->oom = alloc_last_oom(other->a);
+    return NULL;
+}
+
+static void
+test_out_of_memory_numbers_are_the_threads_own(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 4 * MiB, 2);
+    CHECK(alloc_last_oom(a).limit == UINT64_MAX && alloc_last_oom(a).requested == 0);
+    alloc_set_limit(a, 0, 2 * MiB);
+    CHECK(alloc_malloc(a, 3 * MiB, 0, NULL, 0) == NULL);       /* a 20 MiB segment */
+    oom_elsewhere other = {.a = a};
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, run_out_on_device_1, &other) == 0);
+    pthread_join(thread, NULL);
+    CHECK(other.got == NULL && other.oom.device == 1 && other.oom.requested == 7 * MiB);
+    alloc_oom_info mine = alloc_last_oom(a);
+    CHECK(mine.device == 0 && mine.requested == 3 * MiB && mine.limit == 2 * MiB);
+    CHECK(mine.segment_bytes == 20 * MiB);
+    finish(a, &ctx);
+    /* another allocator: none of this thread's failures are its */
+    a = make(&ctx, 4 * MiB, 1);
+    CHECK(alloc_last_oom(a).requested == 0 && alloc_last_oom(a).limit == UINT64_MAX);
+    finish(a, &ctx);
+}
+
 /* A stream of another device that used a block (record_stream of a tensor
  * of GPU 0 on a stream of GPU 1): the same handle on two devices is two
  * streams, its event is made for it (never a spare of the block's device,
@@ -1175,6 +1217,7 @@ main(void)
     test_events_are_reused_across_frees();
     test_out_of_memory_releases_cache_then_fails_cleanly();
     test_huge_requests_are_out_of_memory();
+    test_out_of_memory_numbers_are_the_threads_own();
     test_memory_fraction();
     test_record_stream_of_another_device();
     test_on_handout_hook_runs_after_the_lock();
