@@ -226,6 +226,16 @@ alloc_set_limit(allocator *a, int device, uint64_t limit_bytes)
     pthread_mutex_unlock(&dev->lock);
 }
 
+/* `fraction` (in [0, 1]) of `total` bytes. The product of a total near
+ * UINT64_MAX rounds up to 2^64 as a double, whose conversion is undefined:
+ * a product at the total (rounded) is the total. */
+static uint64_t
+fraction_of(double fraction, uint64_t total)
+{
+    double bytes = fraction * (double)total;
+    return bytes >= (double)total ? total : (uint64_t)bytes;
+}
+
 int
 alloc_set_fraction(allocator *a, int device, double fraction, uint64_t total_bytes)
 {
@@ -236,7 +246,7 @@ alloc_set_fraction(allocator *a, int device, double fraction, uint64_t total_byt
     pthread_mutex_lock(&dev->lock);
     dev->fraction = fraction;
     if (total_bytes != 0)
-        dev->limit = (uint64_t)(fraction * (double)total_bytes);
+        dev->limit = fraction_of(fraction, total_bytes);
     pthread_mutex_unlock(&dev->lock);
     return 0;
 }

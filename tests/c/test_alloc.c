@@ -422,6 +422,17 @@ test_memory_fraction(void)
     void *again = alloc_malloc(a, 3 * MiB, 0, NULL, 0);
     CHECK(again != NULL);
     alloc_free(a, again, 0);
+    /* a total whose product rounds to 2^64 (no uint64_t holds it): the
+     * whole of it, not a wrapped cap */
+    alloc_empty_cache(a);                                        /* a new segment is asked */
+    CHECK(alloc_set_fraction(a, 0, 1.0, UINT64_MAX) == 0);
+    again = alloc_malloc(a, 3 * MiB, 0, NULL, 0);
+    CHECK(again != NULL);
+    alloc_free(a, again, 0);
+    CHECK(alloc_set_fraction(a, 0, 0.5, UINT64_MAX) == 0);
+    alloc_free(a, alloc_malloc(a, 8, 0, NULL, 0), 0);
+    CHECK(alloc_malloc(a, UINT64_MAX / 2 + 2 * MiB, 0, NULL, 0) == NULL);
+    CHECK(alloc_last_oom(a).limit == 1ull << 63);
     alloc_empty_cache(a);
     finish(a, &ctx);
 }
