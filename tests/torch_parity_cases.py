@@ -463,6 +463,34 @@ def test_a_failed_event_record_never_synchronizes_the_device(cuda_up) -> None:
         _C._sim_stream_destroy(side)
 
 
+def test_a_record_failing_on_is_not_retried_at_every_allocation(cuda_up, capfd) -> None:
+    """A block whose free cannot record its event, the record failing on (a
+    stream destroyed since, or another GPU's without the adapter), is tried
+    again after ever longer gaps: 200 allocations report a few failures,
+    not one each (and make no event each). Once a record works, empty_cache
+    takes the block back."""
+    reader = _C._sim_stream_create(0)
+    try:
+        tensor = torch.empty(1 << 16, dtype=torch.uint8, device="cuda:0")
+        _C._sim_kernel(0, reader, [tensor.data_ptr(), 1 << 16], [])
+        tensor.record_stream(stream_of_device(reader, 0))
+        _C._sim_fail("cudaEventRecord", 0, 1 << 40, 400)     # cudaErrorInvalidResourceHandle
+        try:
+            del tensor
+            for _ in range(200):
+                torch.empty(1024, dtype=torch.uint8, device="cuda:0")   # freed at once
+        finally:
+            _C._sim_fail("cudaEventRecord", 0, 0, 0)
+        reports = capfd.readouterr().err.count("cudaEventRecord failed")
+        assert 2 <= reports <= 10, reports
+        assert _C._sim_take_last_error() == 0
+        sim.finish()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved(0) == 0, "the block never came back"
+    finally:
+        _C._sim_stream_destroy(reader)
+
+
 def test_memory_stats_count_a_mem_pools_reserved_bytes(cuda_up) -> None:
     """torch 2.13+'s reserved_bytes_by_private_pools: a MemPool's segments,
     per pool kind, under the pool's id; kept (current 0) after it is gone."""

@@ -67,6 +67,8 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     /* while a capture is underway, no event is queried (torch's rule: one
      * recorded in the capture cannot be) */
     private_pool *pool = dev->active_pools != 0 ? pool_for_stream(dev, stream) : NULL;
+    if (dev->unrecorded != NULL && dev->captures == 0)
+        unrecorded_tick(a, dev);
     if ((dev->events_pending != 0 || dev->deferred != NULL) && dev->captures == 0)
         events_process(a, dev, 0);
     block *b = NULL;
@@ -98,15 +100,15 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
 
 /* A freed block: queued behind events of the streams it was used on, or
  * free at once. When an event could not be made or recorded (the failure
- * was reported), it waits among the deferred blocks and records again at
- * the next processing of events: a device-wide wait instead would break a
- * capture another thread runs on the device, which the allocator may not
- * know of. Lock held. */
+ * was reported), it waits among the unrecorded blocks and records again
+ * later (unrecorded_tick): a device-wide wait instead would break a capture
+ * another thread runs on the device, which the allocator may not know of.
+ * Lock held. */
 void
 block_retire(allocator *a, device_state *dev, block *b, void *context)
 {
     if (b->n_extra > 0 && events_insert(a, dev, b) < 0) {
-        block_defer(dev, b);
+        block_defer_unrecorded(dev, b);
         return;
     }
     block_forget_streams(b);

@@ -254,6 +254,7 @@ segment_release_cached(allocator *a, device_state *dev)
     if (dev->captures != 0)
         return;
     dev->torch.num_sync_all_streams++;      /* torch's synchronize_and_free_events */
+    unrecorded_retry(dev);
     events_process(a, dev, 1);
     events_free_spares(a, dev);
     blocks_free_spares(dev);

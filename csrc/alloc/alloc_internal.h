@@ -23,9 +23,10 @@
  *
  * A block is in exactly one state: allocated (in the live-pointer table),
  * pending (freed, waiting for `event_count` events of other streams),
- * deferred (freed after use on other streams during a capture, or when
- * an event could not be recorded: its events are recorded at the next
- * processing of events with no capture underway), or free (in its stream's
+ * deferred (freed after use on other streams during a capture: its events
+ * are recorded at the next processing of events with no capture underway;
+ * or when an event could not be recorded: recorded again at later mallocs,
+ * ever more spaced, and when memory is wanted), or free (in its stream's
  * bucket, `in_index`). Free neighbours inside a segment are always
  * merged. */
 #ifndef MATEPOINT_ALLOC_INTERNAL_H
@@ -50,6 +51,7 @@
 #define EXTRA_INLINE 2                  /* record_stream streams kept without a malloc */
 #define SPARE_EVENTS_MAX 64             /* completed events kept per device for reuse */
 #define SPARE_BLOCKS_MAX 64             /* merged-away block nodes kept per device for reuse */
+#define UNRECORDED_BACKOFF_MAX (1u << 16)   /* mallocs between tries of a record that fails */
 
 typedef struct segment segment;
 typedef struct block block;
@@ -182,6 +184,12 @@ struct device_state {
     uint64_t spare_block_count;
     private_pool *pools;            /* the one begun last first (torch asks LIFO) */
     block *deferred;                /* deferred blocks, linked by list_next */
+    /* deferred blocks whose event could not be recorded (the failure was
+     * reported), linked by list_next: tried again at the next malloc, then
+     * after twice as many each time it fails again (unrecorded_tick), and
+     * when memory is wanted (segment_release_cached) */
+    block *unrecorded;
+    uint64_t unrecorded_skip, unrecorded_backoff;   /* mallocs to the next try, and the step */
     uint64_t active_pools;          /* pools being allocated to */
     /* captures underway, during which no event is queried or waited for
      * and no memory freed: those torch marks (torch 2.13 and later tell a
@@ -346,10 +354,10 @@ void segment_release(allocator *a, device_state *dev, segment *seg);
  * (alloc_destroy). */
 typedef enum { RELEASE_CACHE, RELEASE_ALL } release_scope;
 void segment_release_free(allocator *a, device_state *dev, release_scope scope);
-/* Waits for pending frees and releases every cached segment of the
- * ordinary cache and of released pools (emptyCache, and the retry after
- * out of memory); while a capture is underway nothing, as torch (a wait or
- * a cudaFree would break it). */
+/* Tries the unrecorded blocks' records again, waits for pending frees and
+ * releases every cached segment of the ordinary cache and of released
+ * pools (emptyCache, and the retry after out of memory); while a capture
+ * is underway nothing, as torch (a wait or a cudaFree would break it). */
 void segment_release_cached(allocator *a, device_state *dev);
 
 /* ---- alloc_streams.c ---------------------------------------------------- */
@@ -397,14 +405,26 @@ void pools_free_all(device_state *dev);
  * record their events. */
 void captures_end_one(allocator *a, device_state *dev);
 /* A block used on other streams freed while a capture is underway (an
- * event recorded now on a capturing stream could never be queried), or
- * whose event could not be recorded: its events wait for the next
- * processing of events with no capture underway (torch's
- * needs_events_deferred_until_no_capture). */
+ * event recorded now on a capturing stream could never be queried): its
+ * events wait for the next processing of events with no capture underway
+ * (torch's needs_events_deferred_until_no_capture). */
 void block_defer(device_state *dev, block *b);
+/* A freed block whose event could not be recorded waits among the
+ * unrecorded blocks. */
+void block_defer_unrecorded(device_state *dev, block *b);
 /* Records the deferred blocks' events (or frees them); no capture may be
- * underway. A block whose record fails again is deferred again. */
+ * underway. A block whose record fails is unrecorded. */
 void deferred_process(allocator *a, device_state *dev);
+/* The unrecorded blocks are deferred again: the next processing of events
+ * tries their records once more. */
+void unrecorded_retry(device_state *dev);
+/* A malloc with unrecorded blocks and no capture underway: tries their
+ * records again when due, at the next malloc and then after gaps that
+ * double each time they fail again (up to UNRECORDED_BACKOFF_MAX). A
+ * failure that lasts (a stream destroyed since, or one of another device
+ * where no adapter passes its device) costs a try and its report a
+ * doubling, not a malloc; one that passes is tried again soon. */
+void unrecorded_tick(allocator *a, device_state *dev);
 /* Frees the spare block nodes of `dev` (empty_cache, destroy). */
 void blocks_free_spares(device_state *dev);
 

@@ -519,7 +519,7 @@ test_on_handout_hook_runs_after_the_lock(void)
 /* ---- CUDA backend over a fake runtime that keeps a per-thread last error */
 
 static _Thread_local int fake_last_error;
-static int fake_events_pending, fake_fail_record;
+static int fake_events_pending, fake_fail_record, fake_records_failed;
 static char fake_memory[4][2 << 20];
 static int fake_segments, fake_events_live, fake_device_syncs;
 
@@ -574,6 +574,7 @@ fake_event_record(void *event, void *stream)
 {
     (void)event;
     (void)stream;
+    fake_records_failed += fake_fail_record;
     return fake_fail_record ? fake_fail(700) : CUDART_SUCCESS;
 }
 
@@ -639,6 +640,40 @@ test_cuda_backend_clears_recovered_errors(void)
     CHECK(alloc_get_stats(a, 0).oom_retries == 1 && fake_events_live == 0);
     for (int i = 0; i < 8; i++)
         alloc_free(a, half[i], 0);
+    alloc_destroy(a);
+    CHECK(fake_segments == 0 && fake_events_live == 0 && fake_last_error == 0);
+}
+
+/* A record that keeps failing (its stream destroyed since) is tried again
+ * after ever longer gaps, not at every malloc, where each try is reported
+ * (a flood on stderr, and an event made and destroyed per malloc); it is
+ * tried at once when memory is wanted, and its block comes back once a
+ * record works. */
+static void
+test_a_failing_record_is_tried_ever_less_often(void)
+{
+    char s1, s2;
+    printf("test_alloc: a cudaEventRecord failing on, on purpose: a few reports of it below "
+           "are expected\n");
+    fflush(stdout);
+    allocator *a = alloc_create(alloc_cuda_backend(&fake_runtime), 1);
+    void *p = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, p, &s2) == 0);
+    fake_fail_record = 1;
+    int failed_before = fake_records_failed;
+    alloc_free(a, p, 0);
+    int reused = 0;
+    for (int i = 0; i < 200; i++) {
+        void *q = alloc_malloc(a, 4096, 0, &s1, 0);
+        reused += q == p;
+        alloc_free(a, q, 0);
+    }
+    /* the free's, then tries at mallocs 1, 3, 6, 11, 20, 37, 70, 135 */
+    int failed = fake_records_failed - failed_before;
+    CHECK(reused == 0 && failed >= 2 && failed <= 9 && fake_last_error == 0);
+    fake_fail_record = 0;
+    alloc_empty_cache(a);               /* recorded, waited for, its segment released */
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 0 && alloc_check(a, 0) == 0);
     alloc_destroy(a);
     CHECK(fake_segments == 0 && fake_events_live == 0 && fake_last_error == 0);
 }
@@ -1233,6 +1268,7 @@ main(void)
     test_record_stream_of_another_device();
     test_on_handout_hook_runs_after_the_lock();
     test_cuda_backend_clears_recovered_errors();
+    test_a_failing_record_is_tried_ever_less_often();
     test_tags_are_exact();
     test_torch_figures();
     test_history_records_and_snapshot();
