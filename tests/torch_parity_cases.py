@@ -491,6 +491,32 @@ def test_a_record_failing_on_is_not_retried_at_every_allocation(cuda_up, capfd) 
         _C._sim_stream_destroy(reader)
 
 
+def test_out_of_memory_is_out_of_memory_whatever_failed_on_the_way(cuda_up) -> None:
+    """A request out of memory raises torch.OutOfMemoryError, and its
+    observers hear of it, even when another call failed and was reported
+    on the way (an earlier free's event record, tried again at the retry):
+    retry-smaller code must see an out of memory."""
+    seen: List[Any] = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *figures: seen.append(figures))
+    reader = _C._sim_stream_create(0)
+    try:
+        tensor = torch.empty(1 << 16, dtype=torch.uint8, device="cuda:0")
+        _C._sim_kernel(0, reader, [tensor.data_ptr(), 1 << 16], [])
+        tensor.record_stream(stream_of_device(reader, 0))
+        _C._sim_fail("cudaEventRecord", 0, 1 << 40, 400)
+        try:
+            del tensor
+            with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+                torch.empty(1 << 50, dtype=torch.uint8, device="cuda:0")
+        finally:
+            _C._sim_fail("cudaEventRecord", 0, 0, 0)
+        assert [figures[:2] for figures in seen] == [(0, 1 << 50)], seen
+        sim.finish()
+        torch.cuda.empty_cache()
+    finally:
+        _C._sim_stream_destroy(reader)
+
+
 def test_memory_stats_count_a_mem_pools_reserved_bytes(cuda_up) -> None:
     """torch 2.13+'s reserved_bytes_by_private_pools: a MemPool's segments,
     per pool kind, under the pool's id; kept (current 0) after it is gone."""

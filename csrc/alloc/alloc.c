@@ -57,7 +57,15 @@ malloc_failed(allocator *a, device_state *dev, int status, uint64_t size, uint64
 void *
 alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag)
 {
+    int why;
+    return alloc_malloc_why(a, size, device, stream, tag, &why);
+}
+
+void *
+alloc_malloc_why(allocator *a, uint64_t size, int device, void *stream, uint64_t tag, int *why)
+{
     device_state *dev = device_of(a, device);
+    *why = ALLOC_OUT_OF_MEMORY;
     if (dev == NULL)
         return NULL;
     uint64_t rounded = alloc_round_size(size);
@@ -72,12 +80,11 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     if ((dev->events_pending != 0 || dev->deferred != NULL) && dev->captures == 0)
         events_process(a, dev, 0);
     block *b = NULL;
-    int status = ALLOC_OUT_OF_MEMORY;
     if (rounded != 0 &&
         (b = block_find_free(stream_list(dev, pool), rounded, small, stream, dev->index)) != NULL) {
         dev->stats.cache_hits++;
-    } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool, &status)) == NULL) {
-        return malloc_failed(a, dev, status, size, rounded, stream, pool, tag, context);
+    } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool, why)) == NULL) {
+        return malloc_failed(a, dev, *why, size, rounded, stream, pool, tag, context);
     }
     if (block_take(b, rounded) < 0 || map_insert(dev, b) < 0) {
         if (!b->in_index)
@@ -92,6 +99,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
                    dev->history.when >= ALLOC_CONTEXT_ALLOC ? context : NULL);
     void *ptr = (void *)b->ptr;
     uint64_t bytes = b->size;
+    *why = ALLOC_OK;
     pthread_mutex_unlock(&dev->lock);
     if (a->backend.on_handout != NULL)
         a->backend.on_handout(a->backend.ctx, device, stream, ptr, bytes);

@@ -199,6 +199,12 @@ void alloc_destroy(allocator *a);
  * for none: zero bytes are a null pointer there); a size too
  * large to round (alloc_round_size() == 0) is out of memory. */
 void *alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag);
+/* alloc_malloc, saying in *why what a NULL means: ALLOC_OUT_OF_MEMORY, or
+ * ALLOC_ERROR for the backend's error (whatever else failed and was
+ * reported during the call, such as a record of an earlier free's event);
+ * ALLOC_OK with memory. */
+void *alloc_malloc_why(allocator *a, uint64_t size, int device, void *stream, uint64_t tag,
+                       int *why);
 /* -1 when `ptr` is not a live allocation of `device`. */
 int alloc_free(allocator *a, void *ptr, int device);
 /* Marks a live block as used on `stream` too: 0; 1 when `ptr` is not a

@@ -1197,7 +1197,8 @@ test_backend_error_is_no_out_of_memory(void)
     failing.device_malloc = failing_device_malloc;
     allocator *a = alloc_create(failing, 1);
     history(a, 1, 100, ALLOC_CONTEXT_NEVER, 1);
-    CHECK(alloc_malloc(a, 1000, 0, &s1, 0) == NULL);
+    int why = ALLOC_OK;
+    CHECK(alloc_malloc_why(a, 1000, 0, &s1, 0, &why) == NULL && why == ALLOC_ERROR);
     alloc_device_stats torch;
     CHECK(alloc_get_device_stats(a, 0, &torch) == 0);
     CHECK(torch.num_ooms == 0 && torch.num_alloc_retries == 0);
@@ -1210,7 +1211,7 @@ test_backend_error_is_no_out_of_memory(void)
     /* premise: the same request out of memory is counted and recorded */
     a = make(&ctx, MiB, 1);
     history(a, 1, 100, ALLOC_CONTEXT_NEVER, 1);
-    CHECK(alloc_malloc(a, 1000, 0, &s1, 0) == NULL);
+    CHECK(alloc_malloc_why(a, 1000, 0, &s1, 0, &why) == NULL && why == ALLOC_OUT_OF_MEMORY);
     CHECK(alloc_get_device_stats(a, 0, &torch) == 0 && torch.num_ooms == 1);
     CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 1);
     CHECK(snap.trace_count == 1 && snap.trace[0].action == ALLOC_TRACE_OOM);
