@@ -194,10 +194,11 @@ allocator *alloc_create(alloc_backend backend, int device_count);
 void alloc_destroy(allocator *a);
 
 /* NULL when out of memory (then alloc_last_oom() tells the numbers) or on a
- * backend error (counted and recorded as no out of memory). Size 0 is valid and gives a distinct 512-byte block, as
- * torch's device allocator would (torch's entry, matepoint_malloc, asks
- * for none: zero bytes are a null pointer there); a size too
- * large to round (alloc_round_size() == 0) is out of memory. */
+ * backend error (counted and recorded as no out of memory). Size 0 is
+ * valid and gives a distinct 512-byte block, as torch's device allocator
+ * would (torch's entry, matepoint_malloc, asks for none: zero bytes are a
+ * null pointer there); a size too large to round (alloc_round_size() == 0)
+ * is out of memory. */
 void *alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag);
 /* alloc_malloc, saying in *why what a NULL means: ALLOC_OUT_OF_MEMORY, or
  * ALLOC_ERROR for the backend's error (whatever else failed and was

@@ -356,8 +356,9 @@ backend_segment(allocator *a, device_state *dev, uint64_t size, void **ptr)
 
 /* A new segment of `stream` in `pool` (NULL: the ordinary cache) holding
  * one free block; on out-of-memory it frees what the cache may and tries
- * once more, unless a capture is underway. NULL, with *status ALLOC_OUT_OF_MEMORY or ALLOC_ERROR (the
- * backend's error), when it got none. */
+ * once more, unless a capture is underway. NULL, with *status
+ * ALLOC_OUT_OF_MEMORY or ALLOC_ERROR (the backend's error), when it got
+ * none. */
 block *
 segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, private_pool *pool,
             int *status)

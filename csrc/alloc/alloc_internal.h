@@ -186,8 +186,8 @@ struct device_state {
     block *deferred;                /* deferred blocks, linked by list_next */
     /* deferred blocks whose event could not be recorded (the failure was
      * reported), linked by list_next: tried again at the next malloc, then
-     * after twice as many each time it fails again (unrecorded_tick), and
-     * when memory is wanted (segment_release_cached) */
+     * after gaps that double while they fail (unrecorded_tick), and when
+     * memory is wanted (segment_release_cached) */
     block *unrecorded;
     uint64_t unrecorded_skip, unrecorded_backoff;   /* mallocs to the next try, and the step */
     uint64_t active_pools;          /* pools being allocated to */
@@ -340,8 +340,9 @@ uint64_t segment_size_for(uint64_t rounded);
 /* A new segment of `stream` for a request of `rounded` bytes, in `pool`
  * (NULL: the ordinary cache), holding one free block (not indexed); on
  * out-of-memory it frees what it may (segment_release_cached) and retries
- * once, when no capture is underway. NULL when out of memory or on a backend error: then *status says
- * which (ALLOC_OUT_OF_MEMORY, ALLOC_ERROR). */
+ * once, when no capture is underway. NULL when out of memory or on a
+ * backend error: then *status says which (ALLOC_OUT_OF_MEMORY,
+ * ALLOC_ERROR). */
 block *segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream,
                    private_pool *pool, int *status);
 /* 1 when no block of `seg` is live or pending. */
