@@ -213,6 +213,31 @@ def test_context_none_gathers_no_stack(cuda_up) -> None:
     del held
 
 
+def free_here(holder: List[torch.Tensor]) -> None:
+    holder.pop()    # the last reference: the tensor's memory is freed here
+
+
+def test_a_frees_records_carry_torchs_stacks(cuda_up) -> None:
+    """A free's trace entries carry the stack torch's would: with
+    context="alloc" the block's from its allocation, with "all" (the
+    default) the free's own, in free_requested and free_completed alike."""
+    def frames(entry: Dict[str, Any]) -> List[str]:
+        return [frame["name"] for frame in entry.get("frames", [])]
+    for context, where in (("alloc", "allocate_here"), ("all", "free_here")):
+        torch.cuda.memory._record_memory_history(context=context)
+        try:
+            held = [allocate_here()]
+            at = held[0].data_ptr()
+            free_here(held)
+            trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        finally:
+            torch.cuda.memory._record_memory_history(None)
+        entries = {entry["action"]: entry for entry in trace if entry.get("addr") == at}
+        assert "allocate_here" in frames(entries["alloc"]), context   # premise
+        for action in ("free_requested", "free_completed"):
+            assert where in frames(entries[action]), (context, action, frames(entries[action]))
+
+
 def test_recording_off_drops_the_trace(cuda_up) -> None:
     """Turning recording off drops what was recorded (torch clears its
     ring): a later recording starts from nothing."""
@@ -438,6 +463,60 @@ def test_a_failed_event_record_never_synchronizes_the_device(cuda_up) -> None:
         _C._sim_stream_destroy(side)
 
 
+def test_a_record_failing_on_is_not_retried_at_every_allocation(cuda_up, capfd) -> None:
+    """A block whose free cannot record its event, the record failing on (a
+    stream destroyed since, or another GPU's without the adapter), is tried
+    again after ever longer gaps: 200 allocations report a few failures,
+    not one each (and make no event each). Once a record works, empty_cache
+    takes the block back."""
+    reader = _C._sim_stream_create(0)
+    try:
+        tensor = torch.empty(1 << 16, dtype=torch.uint8, device="cuda:0")
+        _C._sim_kernel(0, reader, [tensor.data_ptr(), 1 << 16], [])
+        tensor.record_stream(stream_of_device(reader, 0))
+        _C._sim_fail("cudaEventRecord", 0, 1 << 40, 400)     # cudaErrorInvalidResourceHandle
+        try:
+            del tensor
+            for _ in range(200):
+                torch.empty(1024, dtype=torch.uint8, device="cuda:0")   # freed at once
+        finally:
+            _C._sim_fail("cudaEventRecord", 0, 0, 0)
+        reports = capfd.readouterr().err.count("cudaEventRecord failed")
+        assert 2 <= reports <= 10, reports
+        assert _C._sim_take_last_error() == 0
+        sim.finish()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved(0) == 0, "the block never came back"
+    finally:
+        _C._sim_stream_destroy(reader)
+
+
+def test_out_of_memory_is_out_of_memory_whatever_failed_on_the_way(cuda_up) -> None:
+    """A request out of memory raises torch.OutOfMemoryError, and its
+    observers hear of it, even when another call failed and was reported
+    on the way (an earlier free's event record, tried again at the retry):
+    retry-smaller code must see an out of memory."""
+    seen: List[Any] = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *figures: seen.append(figures))
+    reader = _C._sim_stream_create(0)
+    try:
+        tensor = torch.empty(1 << 16, dtype=torch.uint8, device="cuda:0")
+        _C._sim_kernel(0, reader, [tensor.data_ptr(), 1 << 16], [])
+        tensor.record_stream(stream_of_device(reader, 0))
+        _C._sim_fail("cudaEventRecord", 0, 1 << 40, 400)
+        try:
+            del tensor
+            with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+                torch.empty(1 << 50, dtype=torch.uint8, device="cuda:0")
+        finally:
+            _C._sim_fail("cudaEventRecord", 0, 0, 0)
+        assert [figures[:2] for figures in seen] == [(0, 1 << 50)], seen
+        sim.finish()
+        torch.cuda.empty_cache()
+    finally:
+        _C._sim_stream_destroy(reader)
+
+
 def test_memory_stats_count_a_mem_pools_reserved_bytes(cuda_up) -> None:
     """torch 2.13+'s reserved_bytes_by_private_pools: a MemPool's segments,
     per pool kind, under the pool's id; kept (current 0) after it is gone."""
@@ -487,18 +566,25 @@ def test_a_refused_capture_allocation_is_no_out_of_memory(cuda_up) -> None:
 def test_a_cuda_error_in_cudamalloc_is_no_out_of_memory(cuda_up) -> None:
     """A sticky CUDA error (a faulting kernel's 700) fails cudaMalloc:
     raised as torch's allocator raises it, a RuntimeError naming the error,
-    not a torch.OutOfMemoryError."""
+    not a torch.OutOfMemoryError; as torch's, it counts no out of memory
+    (num_ooms) and the memory history records no "oom"."""
     torch.cuda.empty_cache()
     mallocs = _C._sim_stats()["calls"]["cudaMalloc"]
+    ooms = torch.cuda.memory_stats(0)["num_ooms"]
+    torch.cuda.memory._record_memory_history()
     _C._sim_fail("cudaMalloc", 0, 1, 700)
     try:
         with pytest.raises(RuntimeError, match="CUDA error 700") as raised:
             torch.empty(64 * MIB, dtype=torch.uint8, device="cuda:0")   # a segment of its own
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
     finally:
         _C._sim_fail("cudaMalloc", 0, 0, 0)
+        torch.cuda.memory._record_memory_history(None)
     assert _C._sim_stats()["calls"]["cudaMalloc"] == mallocs + 1     # premise: it was asked
     assert not isinstance(raised.value, torch.OutOfMemoryError)
     assert _C._sim_take_last_error() == 0
+    assert torch.cuda.memory_stats(0)["num_ooms"] == ooms
+    assert [entry["action"] for entry in trace] == [], trace
 
 
 def test_what_the_history_does_not_keep_is_said(cuda_up, capfd) -> None:

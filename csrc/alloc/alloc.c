@@ -6,6 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Allocators made so far in the process (atomic, no owner): each gets the
+ * next as its id, which a thread's last failure names (alloc_stats.c). */
+static _Atomic uint64_t allocators_made;
+
 allocator *
 alloc_create(alloc_backend backend, int device_count)
 {
@@ -21,7 +25,7 @@ alloc_create(alloc_backend backend, int device_count)
     }
     a->backend = backend;
     a->device_count = device_count;
-    pthread_mutex_init(&a->oom_lock, NULL);
+    a->id = atomic_fetch_add(&allocators_made, 1) + 1;
     pthread_mutex_init(&a->history_lock, NULL);
     for (int i = 0; i < device_count; i++) {
         pthread_mutex_init(&a->devices[i].lock, NULL);
@@ -32,10 +36,36 @@ alloc_create(alloc_backend backend, int device_count)
     return a;
 }
 
+/* A request that got nothing: out of memory is counted and recorded
+ * (torch's num_ooms and its trace's oom), a backend error (`status`
+ * ALLOC_ERROR, a CUDA failure the backend reported) neither: torch's
+ * allocator raises such an error as it is, before its out-of-memory
+ * path. Unlocks the device. */
+static void *
+malloc_failed(allocator *a, device_state *dev, int status, uint64_t size, uint64_t rounded,
+              void *stream, const private_pool *pool, uint64_t tag, void *context)
+{
+    if (status != ALLOC_ERROR) {
+        stats_record_oom(a, dev, size, rounded);
+        history_record_oom(a, dev, rounded, stream, pool, tag, context);
+    }
+    history_drop(dev, context);
+    pthread_mutex_unlock(&dev->lock);
+    return NULL;
+}
+
 void *
 alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag)
 {
+    int why;
+    return alloc_malloc_why(a, size, device, stream, tag, &why);
+}
+
+void *
+alloc_malloc_why(allocator *a, uint64_t size, int device, void *stream, uint64_t tag, int *why)
+{
     device_state *dev = device_of(a, device);
+    *why = ALLOC_OUT_OF_MEMORY;
     if (dev == NULL)
         return NULL;
     uint64_t rounded = alloc_round_size(size);
@@ -45,27 +75,22 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
     /* while a capture is underway, no event is queried (torch's rule: one
      * recorded in the capture cannot be) */
     private_pool *pool = dev->active_pools != 0 ? pool_for_stream(dev, stream) : NULL;
+    if (dev->unrecorded != NULL && dev->captures == 0)
+        unrecorded_tick(a, dev);
     if ((dev->events_pending != 0 || dev->deferred != NULL) && dev->captures == 0)
         events_process(a, dev, 0);
     block *b = NULL;
     if (rounded != 0 &&
         (b = block_find_free(stream_list(dev, pool), rounded, small, stream, dev->index)) != NULL) {
         dev->stats.cache_hits++;
-    } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool)) == NULL) {
-        stats_record_oom(a, dev, size, rounded);
-        history_record_oom(a, dev, rounded, stream, pool, tag, context);
-        history_drop(dev, context);
-        pthread_mutex_unlock(&dev->lock);
-        return NULL;
+    } else if (rounded == 0 || (b = segment_new(a, dev, rounded, stream, pool, why)) == NULL) {
+        return malloc_failed(a, dev, *why, size, rounded, stream, pool, tag, context);
     }
     if (block_take(b, rounded) < 0 || map_insert(dev, b) < 0) {
         if (!b->in_index)
             block_insert_free(b);
-        stats_record_oom(a, dev, size, rounded);
-        history_record_oom(a, dev, rounded, stream, pool, tag, context);
-        history_drop(dev, context);
-        pthread_mutex_unlock(&dev->lock);
-        return NULL;
+        return malloc_failed(a, dev, ALLOC_OUT_OF_MEMORY, size, rounded, stream, pool, tag,
+                             context);
     }
     stats_account_malloc(dev, b, size, tag);
     /* the block keeps the stack for snapshots; the record only if asked */
@@ -74,6 +99,7 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
                    dev->history.when >= ALLOC_CONTEXT_ALLOC ? context : NULL);
     void *ptr = (void *)b->ptr;
     uint64_t bytes = b->size;
+    *why = ALLOC_OK;
     pthread_mutex_unlock(&dev->lock);
     if (a->backend.on_handout != NULL)
         a->backend.on_handout(a->backend.ctx, device, stream, ptr, bytes);
@@ -82,20 +108,20 @@ alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag
 
 /* A freed block: queued behind events of the streams it was used on, or
  * free at once. When an event could not be made or recorded (the failure
- * was reported), it waits among the deferred blocks and records again at
- * the next processing of events: a device-wide wait instead would break a
- * capture another thread runs on the device, which the allocator may not
- * know of. Lock held. */
+ * was reported), it waits among the unrecorded blocks and records again
+ * later (unrecorded_tick): a device-wide wait instead would break a capture
+ * another thread runs on the device, which the allocator may not know of.
+ * Lock held. */
 void
-block_retire(allocator *a, device_state *dev, block *b)
+block_retire(allocator *a, device_state *dev, block *b, void *context)
 {
     if (b->n_extra > 0 && events_insert(a, dev, b) < 0) {
-        block_defer(dev, b);
+        block_defer_unrecorded(dev, b);
         return;
     }
     block_forget_streams(b);
     if (b->event_count == 0) {
-        stats_block_inactive(dev, b);
+        stats_block_inactive(dev, b, context);
         block_insert_free(b);
     }
 }
@@ -117,12 +143,12 @@ alloc_free(allocator *a, void *ptr, int device)
     }
     stats_account_free(dev, b);
     history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->seg->owner, b->tag,
-                   context);
-    history_drop(dev, context);
+                   history_free_context(dev, b, context));
     if (b->n_extra > 0 && dev->captures != 0)
         block_defer(dev, b);
     else
-        block_retire(a, dev, b);
+        block_retire(a, dev, b, context);
+    history_drop(dev, context);
     pthread_mutex_unlock(&dev->lock);
     return 0;
 }
@@ -210,6 +236,16 @@ alloc_set_limit(allocator *a, int device, uint64_t limit_bytes)
     pthread_mutex_unlock(&dev->lock);
 }
 
+/* `fraction` (in [0, 1]) of `total` bytes. The product of a total near
+ * UINT64_MAX rounds up to 2^64 as a double, whose conversion is undefined:
+ * a product at the total (rounded) is the total. */
+static uint64_t
+fraction_of(double fraction, uint64_t total)
+{
+    double bytes = fraction * (double)total;
+    return bytes >= (double)total ? total : (uint64_t)bytes;
+}
+
 int
 alloc_set_fraction(allocator *a, int device, double fraction, uint64_t total_bytes)
 {
@@ -220,7 +256,7 @@ alloc_set_fraction(allocator *a, int device, double fraction, uint64_t total_byt
     pthread_mutex_lock(&dev->lock);
     dev->fraction = fraction;
     if (total_bytes != 0)
-        dev->limit = (uint64_t)(fraction * (double)total_bytes);
+        dev->limit = fraction_of(fraction, total_bytes);
     pthread_mutex_unlock(&dev->lock);
     return 0;
 }
@@ -276,7 +312,6 @@ alloc_destroy(allocator *a)
         free(dev->ring);
         pthread_mutex_destroy(&dev->lock);
     }
-    pthread_mutex_destroy(&a->oom_lock);
     pthread_mutex_destroy(&a->history_lock);
     free(a->devices);
     free(a);

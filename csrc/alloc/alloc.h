@@ -194,11 +194,18 @@ allocator *alloc_create(alloc_backend backend, int device_count);
 void alloc_destroy(allocator *a);
 
 /* NULL when out of memory (then alloc_last_oom() tells the numbers) or on a
- * backend error. Size 0 is valid and gives a distinct 512-byte block, as
- * torch's device allocator would (torch's entry, matepoint_malloc, asks
- * for none: zero bytes are a null pointer there); a size too
- * large to round (alloc_round_size() == 0) is out of memory. */
+ * backend error (counted and recorded as no out of memory). Size 0 is
+ * valid and gives a distinct 512-byte block, as torch's device allocator
+ * would (torch's entry, matepoint_malloc, asks for none: zero bytes are a
+ * null pointer there); a size too large to round (alloc_round_size() == 0)
+ * is out of memory. */
 void *alloc_malloc(allocator *a, uint64_t size, int device, void *stream, uint64_t tag);
+/* alloc_malloc, saying in *why what a NULL means: ALLOC_OUT_OF_MEMORY, or
+ * ALLOC_ERROR for the backend's error (whatever else failed and was
+ * reported during the call, such as a record of an earlier free's event);
+ * ALLOC_OK with memory. */
+void *alloc_malloc_why(allocator *a, uint64_t size, int device, void *stream, uint64_t tag,
+                       int *why);
 /* -1 when `ptr` is not a live allocation of `device`. */
 int alloc_free(allocator *a, void *ptr, int device);
 /* Marks a live block as used on `stream` too: 0; 1 when `ptr` is not a
@@ -240,6 +247,9 @@ int alloc_get_pool_figures(allocator *a, int device, alloc_pool_figures *out, in
 /* Copies up to `max` tag entries of `device` with live or peak bytes into
  * `out`; returns how many there are in all. */
 int alloc_get_tag_stats(allocator *a, int device, alloc_tag_stats *out, int max);
+/* The numbers of the calling thread's last request on `a` that got
+ * nothing for lack of memory (another thread's failure since does not
+ * replace them); zeros, limit UINT64_MAX, when it had none. */
 alloc_oom_info alloc_last_oom(allocator *a);
 /* Checks internal invariants of `device` (tests); 0 when they hold. */
 int alloc_check(allocator *a, int device);

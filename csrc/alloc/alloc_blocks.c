@@ -254,6 +254,7 @@ segment_release_cached(allocator *a, device_state *dev)
     if (dev->captures != 0)
         return;
     dev->torch.num_sync_all_streams++;      /* torch's synchronize_and_free_events */
+    unrecorded_retry(dev);
     events_process(a, dev, 1);
     events_free_spares(a, dev);
     blocks_free_spares(dev);
@@ -355,22 +356,30 @@ backend_segment(allocator *a, device_state *dev, uint64_t size, void **ptr)
 
 /* A new segment of `stream` in `pool` (NULL: the ordinary cache) holding
  * one free block; on out-of-memory it frees what the cache may and tries
- * once more. NULL when out of memory. */
+ * once more, unless a capture is underway. NULL, with *status
+ * ALLOC_OUT_OF_MEMORY or ALLOC_ERROR (the backend's error), when it got
+ * none. */
 block *
-segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, private_pool *pool)
+segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream, private_pool *pool,
+            int *status)
 {
     uint64_t size = segment_size_for(rounded);
     void *ptr = NULL;
-    if (size == 0)
+    if (size == 0) {
+        *status = ALLOC_OUT_OF_MEMORY;
         return NULL;
-    int status = backend_segment(a, dev, size, &ptr);
-    if (status == ALLOC_OUT_OF_MEMORY) {
+    }
+    *status = backend_segment(a, dev, size, &ptr);
+    /* while a capture is underway nothing is released (segment_release_cached):
+     * no retry, and none counted, as torch's allocator skips both then */
+    if (*status == ALLOC_OUT_OF_MEMORY && dev->captures == 0) {
         stats_count_retry(dev);
         segment_release_cached(a, dev);
-        status = backend_segment(a, dev, size, &ptr);
+        *status = backend_segment(a, dev, size, &ptr);
     }
-    if (status != ALLOC_OK)
+    if (*status != ALLOC_OK)
         return NULL;
+    *status = ALLOC_OUT_OF_MEMORY;      /* from here on only host memory can fail */
     /* after the retry, which may have forgotten this stream */
     stream_state *owner = stream_get(dev, pool, stream, dev->index);
     segment *seg = owner ? calloc(1, sizeof(*seg)) : NULL;

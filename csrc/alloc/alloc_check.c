@@ -92,6 +92,8 @@ check_pools(device_state *dev)
     }
     for (block *b = dev->deferred; b != NULL; b = b->list_next)
         listed += b->deferred;
+    for (block *b = dev->unrecorded; b != NULL; b = b->list_next)
+        listed += b->deferred;
     return deferred == listed ? 0 : -16;
 }
 

@@ -23,9 +23,10 @@
  *
  * A block is in exactly one state: allocated (in the live-pointer table),
  * pending (freed, waiting for `event_count` events of other streams),
- * deferred (freed after use on other streams during a capture, or when
- * an event could not be recorded: its events are recorded at the next
- * processing of events with no capture underway), or free (in its stream's
+ * deferred (freed after use on other streams during a capture: its events
+ * are recorded at the next processing of events with no capture underway;
+ * or when an event could not be recorded: recorded again at later mallocs,
+ * ever more spaced, and when memory is wanted), or free (in its stream's
  * bucket, `in_index`). Free neighbours inside a segment are always
  * merged. */
 #ifndef MATEPOINT_ALLOC_INTERNAL_H
@@ -50,6 +51,7 @@
 #define EXTRA_INLINE 2                  /* record_stream streams kept without a malloc */
 #define SPARE_EVENTS_MAX 64             /* completed events kept per device for reuse */
 #define SPARE_BLOCKS_MAX 64             /* merged-away block nodes kept per device for reuse */
+#define UNRECORDED_BACKOFF_MAX (1u << 16)   /* mallocs between tries of a record that fails */
 
 typedef struct segment segment;
 typedef struct block block;
@@ -182,6 +184,12 @@ struct device_state {
     uint64_t spare_block_count;
     private_pool *pools;            /* the one begun last first (torch asks LIFO) */
     block *deferred;                /* deferred blocks, linked by list_next */
+    /* deferred blocks whose event could not be recorded (the failure was
+     * reported), linked by list_next: tried again at the next malloc, then
+     * after gaps that double while they fail (unrecorded_tick), and when
+     * memory is wanted (segment_release_cached) */
+    block *unrecorded;
+    uint64_t unrecorded_skip, unrecorded_backoff;   /* mallocs to the next try, and the step */
     uint64_t active_pools;          /* pools being allocated to */
     /* captures underway, during which no event is queried or waited for
      * and no memory freed: those torch marks (torch 2.13 and later tell a
@@ -197,8 +205,7 @@ struct allocator {
     alloc_backend backend;
     int device_count;
     device_state *devices;
-    pthread_mutex_t oom_lock;       /* guards last_oom */
-    alloc_oom_info last_oom;
+    uint64_t id;                    /* unique in the process: whose failure a thread's is */
     pthread_mutex_t history_lock;   /* guards history; taken after no device lock */
     alloc_history_config history;
     _Atomic int history_when;       /* ALLOC_CONTEXT_* of gathering, 0: none (no lock) */
@@ -248,8 +255,9 @@ stream_find(device_state *dev, void *stream, int device)
 /* ---- alloc.c ------------------------------------------------------------ */
 
 /* A block just freed (taken from the live-pointer table): queued behind
- * events of the streams it was used on, else free at once. */
-void block_retire(allocator *a, device_state *dev, block *b);
+ * events of the streams it was used on, else free at once; `context` is
+ * the free's stack (NULL: none), for the record of its completion. */
+void block_retire(allocator *a, device_state *dev, block *b, void *context);
 
 /* ---- alloc_history.c ---------------------------------------------------- */
 
@@ -286,6 +294,18 @@ history_drop(device_state *dev, void *context)
         dev->history.release(context);
 }
 
+/* The context the record of a free of `b` carries, as torch's: the free's
+ * own (`context`, gathered when frees keep a stack), else the block's from
+ * its allocation; none unless records keep stacks (ALLOC_CONTEXT_ALLOC and
+ * up). Inline: on every free. */
+static inline void *
+history_free_context(const device_state *dev, const block *b, void *context)
+{
+    if (dev->history.when < ALLOC_CONTEXT_ALLOC)
+        return NULL;
+    return context != NULL ? context : b->context;
+}
+
 /* Adds a record (ALLOC_TRACE_*) of memory of `owner`'s segments when
  * recording. Inline: one predictable branch when history is off. */
 static inline void
@@ -320,9 +340,11 @@ uint64_t segment_size_for(uint64_t rounded);
 /* A new segment of `stream` for a request of `rounded` bytes, in `pool`
  * (NULL: the ordinary cache), holding one free block (not indexed); on
  * out-of-memory it frees what it may (segment_release_cached) and retries
- * once. NULL when out of memory. */
+ * once, when no capture is underway. NULL when out of memory or on a
+ * backend error: then *status says which (ALLOC_OUT_OF_MEMORY,
+ * ALLOC_ERROR). */
 block *segment_new(allocator *a, device_state *dev, uint64_t rounded, void *stream,
-                   private_pool *pool);
+                   private_pool *pool, int *status);
 /* 1 when no block of `seg` is live or pending. */
 int segment_all_free(const segment *seg);
 /* Gives `seg`, all free, back to the backend. */
@@ -333,10 +355,10 @@ void segment_release(allocator *a, device_state *dev, segment *seg);
  * (alloc_destroy). */
 typedef enum { RELEASE_CACHE, RELEASE_ALL } release_scope;
 void segment_release_free(allocator *a, device_state *dev, release_scope scope);
-/* Waits for pending frees and releases every cached segment of the
- * ordinary cache and of released pools (emptyCache, and the retry after
- * out of memory); while a capture is underway nothing, as torch (a wait or
- * a cudaFree would break it). */
+/* Tries the unrecorded blocks' records again, waits for pending frees and
+ * releases every cached segment of the ordinary cache and of released
+ * pools (emptyCache, and the retry after out of memory); while a capture
+ * is underway nothing, as torch (a wait or a cudaFree would break it). */
 void segment_release_cached(allocator *a, device_state *dev);
 
 /* ---- alloc_streams.c ---------------------------------------------------- */
@@ -384,14 +406,26 @@ void pools_free_all(device_state *dev);
  * record their events. */
 void captures_end_one(allocator *a, device_state *dev);
 /* A block used on other streams freed while a capture is underway (an
- * event recorded now on a capturing stream could never be queried), or
- * whose event could not be recorded: its events wait for the next
- * processing of events with no capture underway (torch's
- * needs_events_deferred_until_no_capture). */
+ * event recorded now on a capturing stream could never be queried): its
+ * events wait for the next processing of events with no capture underway
+ * (torch's needs_events_deferred_until_no_capture). */
 void block_defer(device_state *dev, block *b);
+/* A freed block whose event could not be recorded waits among the
+ * unrecorded blocks. */
+void block_defer_unrecorded(device_state *dev, block *b);
 /* Records the deferred blocks' events (or frees them); no capture may be
- * underway. A block whose record fails again is deferred again. */
+ * underway. A block whose record fails is unrecorded. */
 void deferred_process(allocator *a, device_state *dev);
+/* The unrecorded blocks are deferred again: the next processing of events
+ * tries their records once more. */
+void unrecorded_retry(device_state *dev);
+/* A malloc with unrecorded blocks and no capture underway: tries their
+ * records again when due, at the next malloc and then after gaps that
+ * double each time they fail again (up to UNRECORDED_BACKOFF_MAX). A
+ * failure that lasts (a stream destroyed since, or one of another device
+ * where no adapter passes its device) costs a try and its report a
+ * doubling, not a malloc; one that passes is tried again soon. */
+void unrecorded_tick(allocator *a, device_state *dev);
 /* Frees the spare block nodes of `dev` (empty_cache, destroy). */
 void blocks_free_spares(device_state *dev);
 
@@ -412,11 +446,12 @@ void stats_account_free(device_state *dev, block *b);
 void stats_segment_added(device_state *dev, segment *seg);
 void stats_segment_released(device_state *dev, segment *seg);
 /* Counts a failed request of `size` bytes (`rounded`, 0: too large to
- * round) and keeps its numbers for alloc_last_oom(). */
+ * round) and keeps its numbers, the calling thread's, for alloc_last_oom(). */
 void stats_record_oom(allocator *a, device_state *dev, uint64_t size, uint64_t rounded);
-/* A freed block stops being active: at its free, or once the events of the
- * other streams that used it completed. */
-void stats_block_inactive(device_state *dev, block *b);
+/* A freed block stops being active: at its free (`context`: the free's
+ * stack, or NULL), or once the events of the other streams that used it
+ * completed (NULL). */
+void stats_block_inactive(device_state *dev, block *b, void *context);
 /* A retry after releasing the cache (torch's num_alloc_retries). */
 void stats_count_retry(device_state *dev);
 

@@ -241,9 +241,9 @@ free_now(device_state *dev, uintptr_t ptr)
     MP_ASSERT(b != NULL && b->seg->owner->pool != NULL);
     stats_account_free(dev, b);
     history_record(dev, ALLOC_TRACE_FREE_REQUESTED, b->ptr, b->requested, b->seg->owner, b->tag,
-                   NULL);
+                   history_free_context(dev, b, NULL));
     block_forget_streams(b);
-    stats_block_inactive(dev, b);
+    stats_block_inactive(dev, b, NULL);
     block_insert_free(b);
 }
 

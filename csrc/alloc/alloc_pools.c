@@ -195,13 +195,57 @@ alloc_empty_pool(allocator *a, uint64_t pool_a, uint64_t pool_b)
     }
 }
 
-void
-block_defer(device_state *dev, block *b)
+/* Puts freed block `b` on the deferred `list`. Lock held. */
+static void
+defer_onto(block **list, block *b)
 {
     MP_ASSERT(!b->allocated && !b->in_index && !b->deferred && b->event_count == 0);
     b->deferred = 1;
-    b->list_next = dev->deferred;
-    dev->deferred = b;
+    b->list_next = *list;
+    *list = b;
+}
+
+void
+block_defer(device_state *dev, block *b)
+{
+    defer_onto(&dev->deferred, b);
+}
+
+void
+block_defer_unrecorded(device_state *dev, block *b)
+{
+    defer_onto(&dev->unrecorded, b);
+}
+
+void
+unrecorded_retry(device_state *dev)
+{
+    while (dev->unrecorded != NULL) {
+        block *b = dev->unrecorded;
+        dev->unrecorded = b->list_next;
+        b->list_next = dev->deferred;
+        dev->deferred = b;
+    }
+}
+
+void
+unrecorded_tick(allocator *a, device_state *dev)
+{
+    MP_ASSERT(dev->captures == 0 && dev->unrecorded != NULL);
+    if (dev->unrecorded_skip > 0) {
+        dev->unrecorded_skip--;
+        return;
+    }
+    unrecorded_retry(dev);
+    deferred_process(a, dev);
+    if (dev->unrecorded == NULL) {
+        dev->unrecorded_backoff = 0;     /* the next failure is tried at the next malloc */
+        return;
+    }
+    uint64_t step = dev->unrecorded_backoff * 2;
+    dev->unrecorded_backoff = step == 0 ? 1 : step < UNRECORDED_BACKOFF_MAX ? step :
+                                                                         UNRECORDED_BACKOFF_MAX;
+    dev->unrecorded_skip = dev->unrecorded_backoff;
 }
 
 void
@@ -214,7 +258,7 @@ deferred_process(allocator *a, device_state *dev)
         block *next = b->list_next;
         b->list_next = NULL;
         b->deferred = 0;
-        block_retire(a, dev, b);
+        block_retire(a, dev, b, NULL);
         b = next;
     }
 }

@@ -146,7 +146,7 @@ tag_account(device_state *dev, uint64_t tag, uint64_t size, int allocate)
 /* ---- torch's figures (alloc.h: alloc_device_stats) --------------------------- */
 
 void
-stats_block_inactive(device_state *dev, block *b)
+stats_block_inactive(device_state *dev, block *b, void *context)
 {
     MP_ASSERT(!b->allocated);
     int pool = stat_pool(b->seg);
@@ -154,7 +154,7 @@ stats_block_inactive(device_state *dev, block *b)
     stat_sub(dev, ALLOC_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
     stat_sub(dev, ALLOC_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
     history_record(dev, ALLOC_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->seg->owner, b->tag,
-                   NULL);
+                   history_free_context(dev, b, context));
     history_drop(dev, b->context);
     b->context = NULL;
 }
@@ -166,18 +166,26 @@ stats_count_retry(device_state *dev)
     dev->torch.num_alloc_retries++;
 }
 
+/* The calling thread's last failed request, and the id of the allocator it
+ * failed on (0: none). A thread reads its own failure's numbers after the
+ * device's lock is gone (matepoint_malloc's message and torch's observers);
+ * another thread's failure meanwhile, as when DataParallel's replicas (a
+ * thread per GPU) run out of memory together, must not take their place.
+ * Each thread owns its copy: no lock. */
+static _Thread_local alloc_oom_info thread_oom;
+static _Thread_local uint64_t thread_oom_of;
+
 void
 stats_record_oom(allocator *a, device_state *dev, uint64_t size, uint64_t rounded)
 {
     dev->stats.ooms++;
     dev->torch.num_ooms++;
-    pthread_mutex_lock(&a->oom_lock);
-    a->last_oom = (alloc_oom_info){.requested = size, .device = dev->index,
-                                   .segment_bytes = rounded ? segment_size_for(rounded) : 0,
-                                   .reserved = dev->stats.reserved_bytes,
-                                   .allocated = dev->stats.allocated_bytes,
-                                   .limit = dev->limit};
-    pthread_mutex_unlock(&a->oom_lock);
+    thread_oom_of = a->id;
+    thread_oom = (alloc_oom_info){.requested = size, .device = dev->index,
+                                  .segment_bytes = rounded ? segment_size_for(rounded) : 0,
+                                  .reserved = dev->stats.reserved_bytes,
+                                  .allocated = dev->stats.allocated_bytes,
+                                  .limit = dev->limit};
 }
 
 void
@@ -435,8 +443,7 @@ alloc_get_tag_stats(allocator *a, int device, alloc_tag_stats *out, int max)
 alloc_oom_info
 alloc_last_oom(allocator *a)
 {
-    pthread_mutex_lock(&a->oom_lock);
-    alloc_oom_info info = a->last_oom;
-    pthread_mutex_unlock(&a->oom_lock);
-    return info;
+    if (thread_oom_of != a->id)
+        return (alloc_oom_info){.limit = UINT64_MAX};
+    return thread_oom;
 }

@@ -116,7 +116,7 @@ retire_head(allocator *a, device_state *dev, stream_state *s)
     block *b = e->b;
     event_give_spare(a, dev, e);
     if (--b->event_count == 0) {
-        stats_block_inactive(dev, b);
+        stats_block_inactive(dev, b, NULL);
         block_insert_free(b);
     }
 }

@@ -382,9 +382,15 @@ matepoint_malloc(size_t size, int device, void *stream)
         (a == NULL || !alloc_pool_takes(a, device, stream)))
         refuse_capture(size, device);
     alloc_cuda_forget_failure();
-    void *ptr = a ? alloc_malloc(a, size, device, stream, current_tag) : NULL;
-    if (ptr == NULL && alloc_cuda_failure()[0] != '\0')
-        cuda_failure(size, device, alloc_cuda_failure());
+    /* a CUDA error of the request itself, not one reported on the way (an
+     * earlier free's event record tried again): that request may still be
+     * out of memory */
+    int why = ALLOC_OUT_OF_MEMORY;
+    void *ptr = a ? alloc_malloc_why(a, size, device, stream, current_tag, &why) : NULL;
+    if (ptr == NULL && why == ALLOC_ERROR) {
+        const char *failure = alloc_cuda_failure();
+        cuda_failure(size, device, failure[0] != '\0' ? failure : "its backend failed");
+    }
     if (ptr == NULL)
         out_of_memory(a, size, device);
     return ptr;

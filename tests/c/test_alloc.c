@@ -319,6 +319,48 @@ test_out_of_memory_releases_cache_then_fails_cleanly(void)
     finish(a, &ctx);
 }
 
+/* The numbers of an out of memory are the failing thread's own: another
+ * thread's failure meanwhile (DataParallel's replicas, a thread per GPU,
+ * run out of memory together) must not reach this one's message and
+ * torch's observers, which matepoint_malloc reads after the lock is gone. */
+typedef struct {
+    allocator *a;
+    void *got;
+    alloc_oom_info oom;
+} oom_elsewhere;
+
+static void *
+run_out_on_device_1(void *arg)
+{
+    oom_elsewhere *other = arg;
+    other->got = alloc_malloc(other->a, 7 * MiB, 1, NULL, 0);
+    other->oom = alloc_last_oom(other->a);
+    return NULL;
+}
+
+static void
+test_out_of_memory_numbers_are_the_threads_own(void)
+{
+    alloc_host_ctx ctx;
+    allocator *a = make(&ctx, 4 * MiB, 2);
+    CHECK(alloc_last_oom(a).limit == UINT64_MAX && alloc_last_oom(a).requested == 0);
+    alloc_set_limit(a, 0, 2 * MiB);
+    CHECK(alloc_malloc(a, 3 * MiB, 0, NULL, 0) == NULL);       /* a 20 MiB segment */
+    oom_elsewhere other = {.a = a};
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, run_out_on_device_1, &other) == 0);
+    pthread_join(thread, NULL);
+    CHECK(other.got == NULL && other.oom.device == 1 && other.oom.requested == 7 * MiB);
+    alloc_oom_info mine = alloc_last_oom(a);
+    CHECK(mine.device == 0 && mine.requested == 3 * MiB && mine.limit == 2 * MiB);
+    CHECK(mine.segment_bytes == 20 * MiB);
+    finish(a, &ctx);
+    /* another allocator: none of this thread's failures are its */
+    a = make(&ctx, 4 * MiB, 1);
+    CHECK(alloc_last_oom(a).requested == 0 && alloc_last_oom(a).limit == UINT64_MAX);
+    finish(a, &ctx);
+}
+
 /* A stream of another device that used a block (record_stream of a tensor
  * of GPU 0 on a stream of GPU 1): the same handle on two devices is two
  * streams, its event is made for it (never a spare of the block's device,
@@ -380,6 +422,17 @@ test_memory_fraction(void)
     void *again = alloc_malloc(a, 3 * MiB, 0, NULL, 0);
     CHECK(again != NULL);
     alloc_free(a, again, 0);
+    /* a total whose product rounds to 2^64 (no uint64_t holds it): the
+     * whole of it, not a wrapped cap */
+    alloc_empty_cache(a);                                        /* a new segment is asked */
+    CHECK(alloc_set_fraction(a, 0, 1.0, UINT64_MAX) == 0);
+    again = alloc_malloc(a, 3 * MiB, 0, NULL, 0);
+    CHECK(again != NULL);
+    alloc_free(a, again, 0);
+    CHECK(alloc_set_fraction(a, 0, 0.5, UINT64_MAX) == 0);
+    alloc_free(a, alloc_malloc(a, 8, 0, NULL, 0), 0);
+    CHECK(alloc_malloc(a, UINT64_MAX / 2 + 2 * MiB, 0, NULL, 0) == NULL);
+    CHECK(alloc_last_oom(a).limit == 1ull << 63);
     alloc_empty_cache(a);
     finish(a, &ctx);
 }
@@ -466,7 +519,7 @@ test_on_handout_hook_runs_after_the_lock(void)
 /* ---- CUDA backend over a fake runtime that keeps a per-thread last error */
 
 static _Thread_local int fake_last_error;
-static int fake_events_pending, fake_fail_record;
+static int fake_events_pending, fake_fail_record, fake_records_failed;
 static char fake_memory[4][2 << 20];
 static int fake_segments, fake_events_live, fake_device_syncs;
 
@@ -521,6 +574,7 @@ fake_event_record(void *event, void *stream)
 {
     (void)event;
     (void)stream;
+    fake_records_failed += fake_fail_record;
     return fake_fail_record ? fake_fail(700) : CUDART_SUCCESS;
 }
 
@@ -586,6 +640,40 @@ test_cuda_backend_clears_recovered_errors(void)
     CHECK(alloc_get_stats(a, 0).oom_retries == 1 && fake_events_live == 0);
     for (int i = 0; i < 8; i++)
         alloc_free(a, half[i], 0);
+    alloc_destroy(a);
+    CHECK(fake_segments == 0 && fake_events_live == 0 && fake_last_error == 0);
+}
+
+/* A record that keeps failing (its stream destroyed since) is tried again
+ * after ever longer gaps, not at every malloc, where each try is reported
+ * (a flood on stderr, and an event made and destroyed per malloc); it is
+ * tried at once when memory is wanted, and its block comes back once a
+ * record works. */
+static void
+test_a_failing_record_is_tried_ever_less_often(void)
+{
+    char s1, s2;
+    printf("test_alloc: a cudaEventRecord failing on, on purpose: a few reports of it below "
+           "are expected\n");
+    fflush(stdout);
+    allocator *a = alloc_create(alloc_cuda_backend(&fake_runtime), 1);
+    void *p = alloc_malloc(a, 4096, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, p, &s2) == 0);
+    fake_fail_record = 1;
+    int failed_before = fake_records_failed;
+    alloc_free(a, p, 0);
+    int reused = 0;
+    for (int i = 0; i < 200; i++) {
+        void *q = alloc_malloc(a, 4096, 0, &s1, 0);
+        reused += q == p;
+        alloc_free(a, q, 0);
+    }
+    /* the free's, then tries at mallocs 1, 3, 6, 11, 20, 37, 70, 135 */
+    int failed = fake_records_failed - failed_before;
+    CHECK(reused == 0 && failed >= 2 && failed <= 9 && fake_last_error == 0);
+    fake_fail_record = 0;
+    alloc_empty_cache(a);               /* recorded, waited for, its segment released */
+    CHECK(alloc_get_stats(a, 0).reserved_bytes == 0 && alloc_check(a, 0) == 0);
     alloc_destroy(a);
     CHECK(fake_segments == 0 && fake_events_live == 0 && fake_last_error == 0);
 }
@@ -956,7 +1044,11 @@ test_history_records_and_snapshot(void)
     CHECK(snap.trace[4].size == 1000 && snap.trace[5].size == 1000);
     CHECK(snap.trace[0].size == 2 * MiB && snap.trace[1].pool_a == 0 && snap.trace[1].pool_b == 0);
     CHECK(snap.trace[1].tag == alloc_region_tag(3, TAG_FORWARD) && snap.trace[1].context);
-    CHECK(snap.trace[4].tag == alloc_region_tag(3, TAG_FORWARD) && !snap.trace[4].context);
+    /* stacks of allocations only (torch's context="alloc"): a free's records
+     * carry the block's stack from its allocation, as torch's */
+    CHECK(snap.trace[4].tag == alloc_region_tag(3, TAG_FORWARD));
+    CHECK(snap.trace[4].context == snap.trace[1].context);
+    CHECK(snap.trace[5].context == snap.trace[1].context);
     CHECK(snap.trace[3].stream == &s1 && snap.trace[3].size == 3 * MiB);
     /* segments oldest first, blocks in address order with state and tag */
     CHECK(snap.segment_count == 2 && snap.segments[0].small && !snap.segments[1].small);
@@ -999,10 +1091,20 @@ test_history_records_and_snapshot(void)
     alloc_empty_cache(a);
     CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 4);
     CHECK(snap.trace[0].action == ALLOC_TRACE_FREE_REQUESTED && snap.trace[0].context != NULL);
+    CHECK(((test_context *)snap.trace[0].context)->tag == ALLOC_TAG_NONE);
+    CHECK(snap.trace[1].action == ALLOC_TRACE_FREE_COMPLETED);
+    CHECK(snap.trace[1].context == snap.trace[0].context);     /* the free's own stack */
     CHECK(snap.trace[2].action == ALLOC_TRACE_SEGMENT_FREE);
     CHECK(snap.trace[3].action == ALLOC_TRACE_SEGMENT_FREE && snap.segment_count == 0);
     alloc_snapshot_free(a, &snap);
     CHECK(alloc_check(a, 0) == 0);
+    /* stacks of live blocks only (torch's context="state"): no record keeps one */
+    history(a, 1, 10, ALLOC_CONTEXT_STATE, 1);
+    alloc_free(a, alloc_malloc(a, 512, 0, &s1, 0), 0);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 4);
+    for (uint64_t i = 0; i < snap.trace_count; i++)
+        CHECK(snap.trace[i].context == NULL);
+    alloc_snapshot_free(a, &snap);
     /* out of memory is a record too */
     CHECK(alloc_malloc(a, UINT64_MAX - 100, 0, &s1, 0) == NULL);
     CHECK(alloc_take_snapshot(a, 0, &snap) == 0);
@@ -1070,6 +1172,54 @@ test_history_records_out_of_memory(void)
     finish(a, &ctx);
 }
 
+/* A backend error (a CUDA error other than out of memory: a faulting
+ * kernel's sticky 700 fails cudaMalloc too) is no lack of memory: torch's
+ * allocator raises it as it is, before its out-of-memory path, so it
+ * counts no out of memory (num_ooms), no retry, and records no "oom" in
+ * the memory history. */
+static int
+failing_device_malloc(void *ctx, int device, uint64_t bytes, void **ptr)
+{
+    (void)ctx;
+    (void)device;
+    (void)bytes;
+    *ptr = NULL;
+    return ALLOC_ERROR;
+}
+
+static void
+test_backend_error_is_no_out_of_memory(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0};
+    alloc_host_init(&ctx, 4 * MiB);
+    alloc_backend failing = alloc_host_backend(&ctx);
+    failing.device_malloc = failing_device_malloc;
+    allocator *a = alloc_create(failing, 1);
+    history(a, 1, 100, ALLOC_CONTEXT_NEVER, 1);
+    int why = ALLOC_OK;
+    CHECK(alloc_malloc_why(a, 1000, 0, &s1, 0, &why) == NULL && why == ALLOC_ERROR);
+    alloc_device_stats torch;
+    CHECK(alloc_get_device_stats(a, 0, &torch) == 0);
+    CHECK(torch.num_ooms == 0 && torch.num_alloc_retries == 0);
+    CHECK(alloc_get_stats(a, 0).ooms == 0);
+    alloc_snapshot snap;
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 0);
+    alloc_snapshot_free(a, &snap);
+    history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    finish(a, &ctx);
+    /* premise: the same request out of memory is counted and recorded */
+    a = make(&ctx, MiB, 1);
+    history(a, 1, 100, ALLOC_CONTEXT_NEVER, 1);
+    CHECK(alloc_malloc_why(a, 1000, 0, &s1, 0, &why) == NULL && why == ALLOC_OUT_OF_MEMORY);
+    CHECK(alloc_get_device_stats(a, 0, &torch) == 0 && torch.num_ooms == 1);
+    CHECK(alloc_take_snapshot(a, 0, &snap) == 0 && snap.trace_count == 1);
+    CHECK(snap.trace_count == 1 && snap.trace[0].action == ALLOC_TRACE_OOM);
+    alloc_snapshot_free(a, &snap);
+    history(a, 0, 0, ALLOC_CONTEXT_NEVER, 0);
+    finish(a, &ctx);
+}
+
 /* torch's skip_actions: the actions named are not recorded, the others are. */
 static void
 test_history_skips_actions(void)
@@ -1114,16 +1264,19 @@ main(void)
     test_events_are_reused_across_frees();
     test_out_of_memory_releases_cache_then_fails_cleanly();
     test_huge_requests_are_out_of_memory();
+    test_out_of_memory_numbers_are_the_threads_own();
     test_memory_fraction();
     test_record_stream_of_another_device();
     test_on_handout_hook_runs_after_the_lock();
     test_cuda_backend_clears_recovered_errors();
+    test_a_failing_record_is_tried_ever_less_often();
     test_tags_are_exact();
     test_torch_figures();
     test_history_records_and_snapshot();
     test_history_skips_actions();
     test_history_ring_grows_to_its_bound();
     test_history_records_out_of_memory();
+    test_backend_error_is_no_out_of_memory();
     test_randomized_operations_keep_invariants();
     test_threads_stress();
     test_broken_invariants_stop_a_debug_build();
