@@ -89,3 +89,55 @@ def test_unpinning_beside_a_capture_keeps_the_capture(offload):
     assert capture.made["cudaFreeHost"] >= 1, capture.made        # the premise
     capture.assert_survived()
     assert matepoint.pool_stats()["bytes_reserved"] == 0
+
+
+@pytest.fixture
+def spill_dir(tmp_path):
+    yield str(tmp_path / "spill")
+    matepoint.set_options(spill_dir=None, host_limit_bytes=None)
+
+
+def test_waiting_for_copies_out_beside_a_capture_keeps_it(simulated, spill_dir):
+    """Pinned memory at host_limit_bytes, the forward makes room by
+    spilling its oldest spans, whose copies out the lagging GPU has not
+    run yet: the host waits for the copy-out stream (a quiet
+    cudaStreamSynchronize, streams_wait_stream_quietly) while a side stream
+    captures. The wait is made and the capture survives; the gradients are
+    exact. Undone, the wait is refused (the capture invalidated) and the
+    spill writes buffers no copy filled."""
+    torch.manual_seed(0)
+    model, x = MLP(WIDTH, 2 * DEPTH), torch.randn(BATCH, WIDTH)
+    _, expected = train_step(model, x, no_checkpoint)
+    matepoint.set_options(spill_dir=spill_dir, host_limit_bytes=4 * INPUT_BYTES)
+    writes = matepoint.pool_stats()["spill_writes"]
+    with Capture(sim.side_streams()[0]) as capture:
+        _, grads = train_step(model, x, matepoint.checkpoint)
+    assert capture.made["cudaStreamSynchronize"] >= 1, capture.made    # the premise
+    assert matepoint.pool_stats()["spill_writes"] > writes
+    capture.assert_survived()
+    assert_bitwise_equal(grads, expected)
+
+
+def test_a_discard_waiting_for_its_copy_back_beside_a_capture_keeps_it(simulated):
+    """A prefetched span discarded unread while a side stream captures, the
+    stream wait that orders its memory after the copy back failing: the
+    host waits for the copy back instead (a quiet cudaEventSynchronize,
+    streams_wait_event_quietly). The wait is made and the capture survives."""
+    source = torch.randn(WIDTH, WIDTH)
+    group, saved = _C._sac_offload([source])
+    del source
+    sim.finish()                                  # the copy out ran ...
+    matepoint.pool_stats()                        # ... and the window retired the source
+    prefetched = matepoint.pool_stats()["prefetched"]
+    _C._sac_prefetch(group)                       # the copy back is queued, not run
+    assert matepoint.pool_stats()["prefetched"] == prefetched + 1     # not used in place
+    with Capture(sim.side_streams()[0]) as capture:
+        _C._sim_fail("cudaStreamWaitEvent", 0, 1, 1)     # cudaErrorInvalidValue, once
+        try:
+            _C._sac_discard(group)
+        finally:
+            _C._sim_fail("cudaStreamWaitEvent", 0, 0, 0)
+    assert capture.made["cudaEventSynchronize"] >= 1, capture.made    # the premise
+    assert _C._sim_take_last_error() == 0
+    capture.assert_survived()
+    del group, saved
