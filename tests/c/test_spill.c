@@ -8,7 +8,9 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
@@ -198,6 +200,55 @@ test_destroy_with_live_slots(void)
     CHECK(open_fds() == fds_before);
 }
 
+/* A slot held on another thread (spill.h, "Holds": the engine's waiter
+ * holds its slot across the GIL, and set_options(spill_dir=...) may
+ * destroy the tier meanwhile): spill_destroy() returns only once the
+ * hold was let go. The holder's request is paused, so it is still waiting
+ * when the destroy begins; it lingers after its request ran, so a destroy
+ * that did not wait has returned (and freed the tier under the holder:
+ * ASan reports the use after free) before the holder lets go. */
+typedef struct {
+    spill_tier *tier;
+    spill_slot *slot;
+    atomic_int held;                /* the hold is taken */
+    atomic_int destroyed;           /* spill_destroy() returned */
+    int destroyed_while_held;       /* ... before the holder let go */
+} holder;
+
+static void *
+hold_across_destroy(void *arg)
+{
+    holder *h = arg;
+    spill_slot_hold(h->tier, h->slot);
+    atomic_store(&h->held, 1);
+    CHECK(spill_wait(h->tier, h->slot) == 0);   /* ends once the destroy runs the queue */
+    usleep(50 * 1000);
+    h->destroyed_while_held = atomic_load(&h->destroyed);
+    spill_slot_unhold(h->tier, h->slot);
+    return NULL;
+}
+
+static void
+test_destroy_waits_for_a_hold_on_another_thread(void)
+{
+    char why[512];
+    holder h = {.tier = spill_create(root, 1, why, sizeof why)};
+    unsigned char *buffer = mp_host_alloc(1 << 20, SPILL_ALIGN);
+    fill(buffer, 1 << 20, 11);
+    spill_pause(h.tier, 1);
+    h.slot = spill_submit_write(h.tier, buffer, 1 << 20);
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, hold_across_destroy, &h) == 0);
+    while (!atomic_load(&h.held))
+        sched_yield();
+    CHECK(!spill_done(h.tier, h.slot));         /* the premise: held while queued */
+    spill_destroy(h.tier);
+    atomic_store(&h.destroyed, 1);
+    CHECK(pthread_join(thread, NULL) == 0);
+    CHECK(!h.destroyed_while_held);
+    mp_host_free(buffer);
+}
+
 /* A forked child has none of the tier's threads: it submits nothing and
  * its spill_destroy() leaves the parent's tier alone (no join of threads
  * it does not have, no lock a parent thread may have held). */
@@ -362,6 +413,7 @@ main(void)
     test_round_trip();
     test_injected_errors();
     test_destroy_with_live_slots();
+    test_destroy_waits_for_a_hold_on_another_thread();
     test_forked_child_leaves_the_tier_alone();
     test_forked_child_never_waits_for_the_parents_requests();
     test_full_tmpfs();
