@@ -291,14 +291,36 @@ site_arg(PyObject *name)
     return -2;
 }
 
-static PyObject *
-sim_drop_site(PyObject *module, PyObject *name)
+/* Adds the site `name` names (None: none) to `dropped`; -1 with an error. */
+static int
+add_dropped(PyObject *name, uint32_t *dropped)
 {
-    (void)module;
     int site = site_arg(name);
     if (site < -1)
+        return -1;
+    if (site >= 0)
+        *dropped |= 1u << site;
+    return 0;
+}
+
+/* `names`: None, one site's name, or a list or tuple of names. */
+static PyObject *
+sim_drop_site(PyObject *module, PyObject *names)
+{
+    (void)module;
+    uint32_t dropped = 0;
+    int many = PyList_Check(names) || PyTuple_Check(names);
+    Py_ssize_t count = many ? PySequence_Size(names) : 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *name = many ? PySequence_GetItem(names, i) : Py_NewRef(names);
+        int failed = name == NULL || add_dropped(name, &dropped) < 0;
+        Py_XDECREF(name);
+        if (failed)
+            return NULL;
+    }
+    if (count < 0)
         return NULL;
-    sim_runtime_drop_site(site);
+    sim_runtime_drop_sites(dropped);
     Py_RETURN_NONE;
 }
 
@@ -526,8 +548,9 @@ static PyMethodDef testing_methods[] = {
      "status."},
     {"_sim_drop_site", sim_drop_site, METH_O,
      "_sim_drop_site($module, name, /)\n--\n\n"
-     "From now on the engine's waits or records at call site name (a key of OFFLOAD_SITES; "
-     "None: no site) succeed and do nothing; every site's count starts from zero."},
+     "From now on the engine's waits or records at call site name (a key of OFFLOAD_SITES, "
+     "or a list of them; None: no site) succeed and do nothing; every site's count starts "
+     "from zero."},
     {"_sim_site_counts", sim_site_counts, METH_NOARGS,
      "_sim_site_counts($module, /)\n--\n\n"
      "{site: calls} the engine made at each call site since _sim_drop_site (dropped ones "

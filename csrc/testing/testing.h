@@ -72,10 +72,10 @@ int sim_runtime_attach_allocator(PyObject *path);
  * raise torch.OutOfMemoryError. */
 void sim_runtime_fail_fetches(uint64_t skip, uint64_t count);
 
-/* From now on the engine's waits and records at `site` (offload_sites.h;
- * -1: none) succeed and do nothing; every site's count starts again from
- * zero. GIL held. */
-void sim_runtime_drop_site(int site);
+/* From now on the engine's waits and records at the sites of `dropped`
+ * (bit `site` of offload_sites.h set; 0: none) succeed and do nothing;
+ * every site's count starts again from zero. GIL held. */
+void sim_runtime_drop_sites(uint32_t dropped);
 /* The calls the engine made at `site` since (dropped ones included). */
 uint64_t sim_runtime_site_issued(offload_site site);
 
