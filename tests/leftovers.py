@@ -8,7 +8,9 @@ a test that passes but leaves something is caught where it happened.
 Each leftover below is a (name, read, put back) triple: `read` takes the
 state, `put back` restores the state read before the test. Offloaded
 inputs come first (the rest cannot change while they are alive: the
-engine refuses to switch its runtime under them), the runtime last."""
+engine refuses to switch its runtime under them), the runtime last. Not
+read: the simulated GPU's injected call failures (_C._sim_fail), which it
+does not report; tests clear them in a finally."""
 from __future__ import annotations
 
 import gc
@@ -81,6 +83,21 @@ def _put_back_torch_cuda_entries(before: Dict[str, Any]) -> None:
     _C._torch_cuda_entries(before)
 
 
+def _test_controls() -> Dict[str, Any]:
+    """The test build's controls a test sets for itself (_C._test_controls):
+    call sites dropped, copies back or pool acquires set to fail, the yield
+    hook. {} in a build without them."""
+    return _C._test_controls() if TEST_BUILD else {}
+
+
+def _clear_test_controls(before: Dict[str, Any]) -> None:
+    _C._sim_drop_site(before["dropped_sites"] or None)
+    if before["failing_fetches"] == 0:
+        _C._sim_fail_fetches(0, 0)
+    _C._fail_pool_acquires(before["failing_pool_acquires"])
+    _C._set_yield_hook(before["yield_hook"])
+
+
 def _runtime() -> str:
     """'cpu' while a simulated GPU stands in for CUDA (tests/sim.py)."""
     return _C._offload_device_type()
@@ -98,6 +115,7 @@ LEFTOVERS = [
     Leftover("torch.utils.checkpoint patched", _patches, _unpatch),
     Leftover("torch's CUDA entry points replaced (_C._torch_cuda_entries)",
              _torch_cuda_entries, _put_back_torch_cuda_entries),
+    Leftover("test controls left set (_C._test_controls)", _test_controls, _clear_test_controls),
     Leftover("the simulated CUDA runtime switched on", _runtime, _switch_runtime),
 ]
 

@@ -271,6 +271,18 @@ sim_runtime_drop_sites(uint32_t dropped)
     sites.dropped = dropped;
 }
 
+uint32_t
+sim_runtime_dropped_sites(void)
+{
+    return sites.dropped;
+}
+
+uint64_t
+sim_runtime_failing_fetches(void)
+{
+    return failing_fetches.skip + failing_fetches.count;
+}
+
 uint64_t
 sim_runtime_site_issued(offload_site site)
 {
