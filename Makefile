@@ -265,6 +265,7 @@ mutants:
 	$(PY) tests/mutants/run.py --folders $(MUTANT_FOLDERS) $(if $(MUTANT_SAMPLE),--sample $(MUTANT_SAMPLE)) \
 	  --seed $(MUTANT_SEED) --budget-minutes $(MUTANT_BUDGET) --jobs $(MUTANT_JOBS) \
 	  --python $(abspath $(PY)) --cc "$(CC)" --ctest-flags "$(CTEST_CFLAGS)" \
+	  --tsan-flags "$(UNIT_CFLAGS) -DMATEPOINT_DEBUG=1 -fsanitize=thread" \
 	  $(foreach t,$(MUTANT_CTESTS),--ctest $(t)="$($(t)_SOURCES)") $(MUTANT_ARGS)
 
 # The disk tier's throughput against raw O_DIRECT I/O of the same sizes in

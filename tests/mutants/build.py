@@ -51,9 +51,12 @@ def _build_layout(root: str):
     return module
 
 
-def layout_of(root: str, cc: str, ctests: Dict[str, List[str]], ctest_flags: List[str]) -> Layout:
+def layout_of(root: str, cc: str, ctests: Dict[str, List[str]], ctest_flags: List[str],
+              tsan_flags: List[str]) -> Layout:
     """The libraries as setup.py builds them in a test build, and the unit
-    tests `ctests` (name -> sources) with `ctest_flags`."""
+    tests `ctests` (name -> sources) with `ctest_flags` (ASan and UBSan)
+    and, as `name:tsan`, with `tsan_flags` (ThreadSanitizer: a lock a
+    mutant removed shows as a race or an unlock of an unlocked mutex)."""
     build = _build_layout(root)
     environ = {"MATEPOINT_TESTING": "1", "MATEPOINT_WERROR": "1"}
     python = sysconfig.get_paths()["include"]
@@ -62,9 +65,13 @@ def layout_of(root: str, cc: str, ctests: Dict[str, List[str]], ctest_flags: Lis
     flags = {"ext": common, "alloc": common + ["-fexceptions"]}
     link = {"ext": ["-shared", "-ldl", "-lpthread"], "alloc": ["-shared", "-ldl", "-lpthread"]}
     for name, files in ctests.items():
-        sources[name] = files
-        flags[name] = ctest_flags
-        link[name] = [flag for flag in ctest_flags if flag.startswith("-fsanitize")] + ["-lpthread"]
+        for target, target_flags in ((name, ctest_flags), (f"{name}:tsan", tsan_flags)):
+            if not target_flags:
+                continue
+            sources[target] = files
+            flags[target] = target_flags
+            link[target] = [flag for flag in target_flags if flag.startswith("-fsanitize")] + \
+                ["-lpthread"]
     return Layout(root, cc, sources, flags, link, sorted(ctests))
 
 
@@ -83,7 +90,7 @@ def copy_tree(source: str, target: str) -> None:
 
 
 def _object(folder: str, target: str, path: str) -> str:
-    return os.path.join(folder, target, path[:-2] + ".o")
+    return os.path.join(folder, target.replace(":", "."), path[:-2] + ".o")
 
 
 def compile_one(layout: Layout, tree: str, target: str, path: str, objects: str) -> str:
@@ -101,7 +108,7 @@ def output_of(tree: str, target: str) -> str:
     """Where `target`'s library or binary goes in `tree`."""
     if target in LIBRARIES:
         return os.path.join(tree, LIBRARIES[target] + EXTENSION_SUFFIX)
-    return os.path.join(tree, "build", "mutants-ctest", target)
+    return os.path.join(tree, "build", "mutants-ctest", target.replace(":", "."))
 
 
 def link(layout: Layout, tree: str, target: str, pristine: str,

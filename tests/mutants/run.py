@@ -41,7 +41,8 @@ import targets  # noqa: E402
 log = logging.getLogger("mutants")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENVIRONMENT = {"MATEPOINT_TESTING": "1", "PYTHONDONTWRITEBYTECODE": "1",
-               "ASAN_OPTIONS": "allocator_may_return_null=1:detect_leaks=1"}
+               "ASAN_OPTIONS": "allocator_may_return_null=1:detect_leaks=1",
+               "TSAN_OPTIONS": "allocator_may_return_null=1"}
 
 
 # the process groups of the tests running now: killed with this process
@@ -210,6 +211,8 @@ def parse_arguments(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--ctest", action="append", default=[], metavar="NAME=SOURCES",
                         help="a C unit test and its sources (the Makefile's list)")
     parser.add_argument("--ctest-flags", default="", help="their compile flags (CTEST_CFLAGS)")
+    parser.add_argument("--tsan-flags", default="",
+                        help="their flags under ThreadSanitizer, for the NAME:tsan unit tests")
     parser.add_argument("--out", default=os.path.join(ROOT, "build", "mutants"))
     return parser.parse_args(argv)
 
@@ -227,7 +230,8 @@ def main(argv: List[str]) -> int:
              args.jobs)
     pristine = os.path.join(args.out, "tree")
     build.copy_tree(ROOT, pristine)
-    layout = build.layout_of(pristine, args.cc, ctests, shlex.split(args.ctest_flags))
+    layout = build.layout_of(pristine, args.cc, ctests, shlex.split(args.ctest_flags),
+                             shlex.split(args.tsan_flags))
     objects = os.path.join(args.out, "obj")
     build.build_pristine(layout, pristine, objects, args.jobs)
     judge = Judge(layout, args.python)

@@ -3,7 +3,8 @@ mutants judged equivalent: the one place to change any of them.
 
 TESTS maps a folder (or a file, which wins over its folder) of csrc/ to
 the fast tests that cover it, cheapest first: the C unit tests (built
-under ASan/UBSan from the Makefile's source lists, as `make ctest`) and
+under ASan/UBSan from the Makefile's source lists, as `make ctest`; as
+NAME:tsan under ThreadSanitizer, which sees a lock a mutant removed) and
 then pytest files, run with -x. The first failure kills a mutant, so
 order matters only for speed.
 
@@ -31,15 +32,18 @@ _OFFLOAD = ["tests/test_offload.py", "tests/test_engine_streams.py", "tests/test
 _SPILL = ["tests/test_spill.py", "tests/test_spill_threads.py", "tests/test_fork.py"]
 
 TESTS: Dict[str, Tests] = {
-    "csrc/pool": Tests(["test_pool"], [
-        "tests/test_offload.py", "tests/test_capture_beside.py", "tests/test_pageable_copy_back.py",
-        "tests/test_spill.py", "tests/test_cuda_failures.py"]),
-    "csrc/spill": Tests(["test_spill"], _SPILL + ["tests/test_offload_faults.py"]),
+    "csrc/pool": Tests(["test_pool", "test_pool:tsan"], [
+        "tests/test_pool_refusal.py", "tests/test_offload.py", "tests/test_capture_beside.py",
+        "tests/test_pageable_copy_back.py", "tests/test_spill.py", "tests/test_cuda_failures.py"]),
+    "csrc/spill": Tests(["test_spill", "test_spill:tsan"], _SPILL + ["tests/test_offload_faults.py"]),
     "csrc/offload": Tests([], _OFFLOAD),
     "csrc/offload/offload_spill.c": Tests([], _SPILL + _OFFLOAD),
     "csrc/offload/offload_spill_fork.c": Tests([], _SPILL),
     "csrc/offload/offload_spill_retire.c": Tests([], _SPILL),
-    "csrc/alloc": Tests(["test_alloc", "test_alloc_pools", "test_alloc_pool_state"], [
+    # test_alloc_pools fails under ThreadSanitizer (its allocator reuses
+    # addresses otherwise): no :tsan build of it
+    "csrc/alloc": Tests(["test_alloc", "test_alloc_pools", "test_alloc_pool_state",
+                         "test_alloc:tsan", "test_alloc_pool_state:tsan"], [
         "tests/test_allocator.py", "tests/test_allocator_segments.py",
         "tests/test_allocator_capture.py", "tests/test_allocator_sticky_errors.py",
         "tests/test_torch_graph_pools.py", "tests/test_offload.py", "tests/test_oom.py"]),
