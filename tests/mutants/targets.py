@@ -33,7 +33,7 @@ _SPILL = ["tests/test_spill.py", "tests/test_spill_threads.py", "tests/test_fork
 
 TESTS: Dict[str, Tests] = {
     "csrc/pool": Tests(["test_pool", "test_pool:tsan"], [
-        "tests/test_pool_refusal.py", "tests/test_offload.py", "tests/test_capture_beside.py",
+        "tests/test_pool_room.py", "tests/test_offload.py", "tests/test_capture_beside.py",
         "tests/test_pageable_copy_back.py", "tests/test_spill.py", "tests/test_cuda_failures.py"]),
     "csrc/spill": Tests(["test_spill", "test_spill:tsan"], _SPILL + ["tests/test_offload_faults.py"]),
     "csrc/offload": Tests([], _OFFLOAD),
