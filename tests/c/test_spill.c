@@ -259,6 +259,41 @@ test_destroy_with_live_slots(void)
     CHECK(open_fds() == fds_before);
 }
 
+/* Unpauses `arg`'s tier once the main thread is waiting for it to go idle. */
+static void *
+unpause_later(void *arg)
+{
+    usleep(50 * 1000);
+    spill_pause(arg, 0);
+    return NULL;
+}
+
+/* While a request is queued its slot reports no status (-1) and is not
+ * done; spill_wait_idle() returns only once every request ran (here: once
+ * another thread let the paused workers go). */
+static void
+test_idle_means_every_request_ran(void)
+{
+    char why[512];
+    spill_tier *tier = spill_create(root, 2, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(1 << 20, SPILL_ALIGN);
+    fill(buffer, 1 << 20, 19);
+    spill_pause(tier, 1);
+    spill_slot *slots[3];
+    for (int i = 0; i < 3; i++)
+        slots[i] = spill_submit_write(tier, buffer, 1 << 20);
+    CHECK(spill_status(tier, slots[0]) == -1 && !spill_done(tier, slots[0]));
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, unpause_later, tier) == 0);
+    spill_wait_idle(tier);
+    for (int i = 0; i < 3; i++)
+        CHECK(spill_done(tier, slots[i]) && spill_status(tier, slots[i]) == 0);
+    CHECK(spill_get_stats(tier).writes == 3);
+    CHECK(pthread_join(thread, NULL) == 0);
+    spill_destroy(tier);
+    mp_host_free(buffer);
+}
+
 /* A slot its owner frees while another thread holds it: it leaves the
  * tier's counts and its file closes at once; its memory goes with the
  * last hold (ASan's leak check sees it otherwise), and the tier can be
@@ -506,6 +541,7 @@ main(void)
     test_round_trip();
     test_injected_errors();
     test_destroy_with_live_slots();
+    test_idle_means_every_request_ran();
     test_a_slot_freed_while_held_goes_with_its_last_hold();
     test_destroy_waits_for_a_hold_on_another_thread();
     test_forked_child_leaves_the_tier_alone();
