@@ -146,6 +146,23 @@ test_checksums_notice_every_changed_byte(void)
     checksum_notices_changes(spill_checksum_portable, "portable");
 }
 
+/* Whether the filesystem of `folder` takes an aligned O_DIRECT write,
+ * asked apart from the tier: 1 or 0. */
+static int
+takes_direct_io(const char *folder)
+{
+    char path[300];
+    snprintf(path, sizeof path, "%s/direct-probe", folder);
+    int fd = open(path, O_CREAT | O_RDWR | O_DIRECT, 0600);
+    unsigned char *block = mp_host_alloc(SPILL_ALIGN, SPILL_ALIGN);
+    int taken = fd >= 0 && block != NULL && pwrite(fd, block, SPILL_ALIGN, 0) == SPILL_ALIGN;
+    if (fd >= 0)
+        close(fd);
+    unlink(path);
+    mp_host_free(block);
+    return taken;
+}
+
 /* Buffers of many sizes and alignments, several in flight, come back bit
  * for bit; no file is visible in the directory and none outlives its slot. */
 static void
@@ -198,7 +215,9 @@ round_trip(int direct)
     CHECK(stats.bytes_on_disk == 0 && stats.slots == 0 && stats.peak_bytes_on_disk == total);
     if (!direct)
         CHECK(stats.direct_bytes == 0);
-    else if (stats.direct)  /* the filesystem took O_DIRECT: the aligned parts used it */
+    else    /* O_DIRECT is in use exactly where the filesystem takes it */
+        CHECK(stats.direct == takes_direct_io(root));
+    if (direct && stats.direct)     /* and then the aligned parts used it */
         CHECK(stats.direct_bytes > 2 * (uint64_t)SPILL_CHUNK_BYTES);
     printf("spill round trip (direct %d): filesystem direct I/O %s, %llu bytes direct\n",
            direct, stats.direct ? "yes" : "no", (unsigned long long)stats.direct_bytes);
@@ -289,6 +308,8 @@ test_idle_means_every_request_ran(void)
     for (int i = 0; i < 3; i++)
         CHECK(spill_done(tier, slots[i]) && spill_status(tier, slots[i]) == 0);
     CHECK(spill_get_stats(tier).writes == 3);
+    /* a tier left to itself uses O_DIRECT where the filesystem takes it */
+    CHECK(spill_get_stats(tier).direct == takes_direct_io(root));
     CHECK(pthread_join(thread, NULL) == 0);
     spill_destroy(tier);
     mp_host_free(buffer);
