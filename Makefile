@@ -245,6 +245,29 @@ else
 	@echo "abi-check: csrc/cuda/cudart.h matches $(CUDA_INCLUDE)"
 endif
 
+# Mutation testing of the C core, outside `make test` (tests/mutants/: the
+# operators, the file-to-tests map and the equivalent mutants, the report):
+# each sampled mutant of the C files under MUTANT_FOLDERS is rebuilt in a
+# copy of the checkout (one object recompiled, libraries and unit tests
+# relinked) and judged by the fast tests of its file, MUTANT_JOBS at once,
+# until MUTANT_BUDGET minutes are spent; build/mutants/report.md has the
+# scores and the survivors (docs/development.md, "Mutation testing").
+MUTANT_FOLDERS ?= csrc/offload csrc/alloc csrc/spill csrc/pool
+MUTANT_SAMPLE ?= 300
+MUTANT_BUDGET ?= 60
+MUTANT_JOBS ?= 2
+MUTANT_SEED ?= 0
+MUTANT_ARGS ?=
+MUTANT_CTESTS := test_pool test_spill test_alloc test_alloc_pools test_alloc_pool_state
+.PHONY: mutants
+mutants:
+	@$(PY) -c "import torch" || { echo "make mutants: run 'make install' once first"; exit 1; }
+	$(PY) tests/mutants/run.py --folders $(MUTANT_FOLDERS) $(if $(MUTANT_SAMPLE),--sample $(MUTANT_SAMPLE)) \
+	  --seed $(MUTANT_SEED) --budget-minutes $(MUTANT_BUDGET) --jobs $(MUTANT_JOBS) \
+	  --python $(abspath $(PY)) --cc "$(CC)" --ctest-flags "$(CTEST_CFLAGS)" \
+	  --tsan-flags "$(UNIT_CFLAGS) -DMATEPOINT_DEBUG=1 -fsanitize=thread" \
+	  $(foreach t,$(MUTANT_CTESTS),--ctest $(t)="$($(t)_SOURCES)") $(MUTANT_ARGS)
+
 # The disk tier's throughput against raw O_DIRECT I/O of the same sizes in
 # the same directory (benchmarks/spill_probe.c; numbers in RESULTS.md).
 SPILL_DIR ?= /tmp

@@ -33,13 +33,59 @@ def _long_lived_objects_frozen():
     yield
 
 
+def _clear_frames(error: BaseException | None) -> None:
+    """The frames of `error`'s traceback, and of the errors it chains, let
+    go of their local variables."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            try:
+                tb.tb_frame.clear()
+            except RuntimeError:     # a frame still running: not the test's
+                pass
+            # Python 3.11 keeps the dict f_locals made (for pytest's
+            # report) after clear(): reading f_locals again empties it
+            tb.tb_frame.f_locals
+            tb = tb.tb_next
+        for inner in getattr(error, "exceptions", ()):    # an ExceptionGroup's
+            _clear_frames(inner)
+        error = error.__cause__ or error.__context__
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Once a phase that raised is reported (its text and, with -l, its
+    locals are in the report), the frames of its traceback let go of their
+    locals: a test that fails half-way holds its offloaded inputs, streams
+    and tensors in them, and pytest keeps the traceback (sys.last_traceback)
+    after the test; freed now, _nothing_left_behind's teardown finds them
+    gone. Kept for --pdb, which reads them after the report."""
+    report = yield
+    if call.excinfo is not None and not item.config.getoption("usepdb", False):
+        _clear_frames(call.excinfo.value)
+    return report
+
+
 @pytest.fixture(autouse=True)
-def _no_hooks_left_behind():
-    """Every test must leave torch's saved-tensor hook stack as it found it."""
-    before = torch._C._autograd._top_saved_tensors_default_hooks(False)
+def _nothing_left_behind(request: pytest.FixtureRequest):
+    """Whatever a test leaves behind (tests/leftovers.py: offloaded inputs,
+    a saved-tensor hook, options, the checkpoint patch, torch's CUDA entry
+    points, the simulated runtime) is put back after it, and the test fails
+    naming it: a failing test cannot take the tests after it down. Set up
+    before, so torn down after, every fixture a test asks for. A leftover
+    that cannot be put back stops the session (the tests after it would
+    all fail for it) with this test named."""
+    import leftovers
+    before = leftovers.snapshot()
     yield
-    after = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    assert after == before, "a saved-tensor hook was left installed"
+    left = leftovers.put_back(before)
+    if any("NOT put back" in line for line in left):
+        request.session.shouldstop = (f"{request.node.nodeid} left state behind that could "
+                                      f"not be put back: {'; '.join(left)}")
+    if left:
+        pytest.fail("the test left behind:\n  " + "\n  ".join(left), pytrace=False)
 
 
 def _on_simulated_gpu(progress: int, device_memory: bool = True):
@@ -64,6 +110,7 @@ def _on_simulated_gpu(progress: int, device_memory: bool = True):
     # stream as cudaFree waits: work still queued on it is a fault
     _C._sim_expandable(device_memory)
     launch_errors, unmap_faults = _C._sim_stats()["launch_errors"], sim.unjudged_unmap_faults()
+    live_before = _live_on_simulated_gpu()
     try:
         with sim.device_memory(device_memory) as allocator:
             with sim.as_on_cuda(lag=device_memory):
@@ -85,12 +132,23 @@ def _on_simulated_gpu(progress: int, device_memory: bool = True):
         sim_autograd.take_workers_errors()   # the next test starts clean
         _C._sim_set_progress(0)
         _C._sim_expandable(False)
-        _C._simulate_cuda(False)
         matepoint.set_options(**{name: getattr(saved, name) for name in saved.__dataclass_fields__})
+        _C._simulate_cuda(False)     # refused while inputs live: _nothing_left_behind tries again
+    assert _C._sim_stats()["ops_queued"] == 0, "queued work waits forever"
+    # counted from the test's start: what an earlier test leaked (pinned
+    # memory the pool forgot) was that test's failure, not this one's
+    live_after = _live_on_simulated_gpu()
+    assert live_after == live_before, f"left live on the simulated GPU: {live_before} -> {live_after}"
+
+
+def _live_on_simulated_gpu() -> dict:
+    """The simulated GPU's streams (but the tests' long-lived side
+    streams), events and pinned host bytes live."""
+    import sim
+    from matepoint import _C
     counts = _C._sim_stats()
-    assert counts["streams_live"] == sim.long_lived_streams(), counts
-    assert counts["events_live"] == 0, counts
-    assert counts["host_bytes_live"] == 0 and counts["ops_queued"] == 0, counts
+    return {"streams": counts["streams_live"] - sim.long_lived_streams(),
+            "events": counts["events_live"], "host_bytes": counts["host_bytes_live"]}
 
 
 @pytest.fixture

@@ -24,9 +24,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import operator
 import threading
 import time
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 
@@ -43,6 +44,21 @@ def _device_index(device: object, what: str) -> int:
     if not 0 <= device < DEVICES:
         raise ValueError(f"{what}: invalid device {device} (the simulated GPU has {DEVICES})")
     return device
+
+
+def _exchange_index(device: object) -> int:
+    """torch._C._cuda_maybeExchangeDevice's own argument checks
+    (torch/csrc/cuda/Module.cpp): an integer but a bool, within DeviceIndex
+    (int8_t), each refused with torch's RuntimeError."""
+    try:
+        if isinstance(device, bool):
+            raise TypeError
+        index = operator.index(device)
+    except TypeError:
+        raise RuntimeError("invalid argument to exchangeDevice") from None
+    if not -128 <= index <= 127:
+        raise RuntimeError("Overflow when unpacking DeviceIndex")
+    return index
 
 
 def _allocator_library() -> Optional[ctypes.CDLL]:
@@ -98,7 +114,14 @@ class TorchCudaStandin:
         return bool(_C._sim_stats()["contexts"][device])
 
     def _cuda_maybeExchangeDevice(self, device: int) -> int:
-        device = _device_index(device, "_cuda_maybeExchangeDevice")
+        """As torch's: a negative index answers -1 and changes nothing, one
+        the GPU lacks fails as torch's hasPrimaryContext does."""
+        device = _exchange_index(device)
+        if device < 0:
+            return -1
+        if device >= DEVICES:
+            raise RuntimeError("hasPrimaryContext expects a valid device index, but got "
+                               f"device_index={device}")
         self._enter("_cuda_maybeExchangeDevice")
         return _C._sim_maybe_exchange_device(device)
 
@@ -140,10 +163,13 @@ class TorchCudaStandin:
 
 
 @contextlib.contextmanager
-def installed(standin: Optional[TorchCudaStandin] = None) -> Iterator[TorchCudaStandin]:
-    """The adapter reaches `standin` instead of torch.cuda meanwhile."""
+def installed(standin: Optional[TorchCudaStandin] = None, torchs_own: Sequence[str] = ()
+              ) -> Iterator[TorchCudaStandin]:
+    """The adapter reaches `standin` instead of torch.cuda meanwhile, but
+    for the entry points named in `torchs_own`, which stay torch's."""
     standin = standin if standin is not None else TorchCudaStandin()
-    previous = _C._torch_cuda_entries(standin.entries())
+    entries = {name: entry for name, entry in standin.entries().items() if name not in torchs_own}
+    previous = _C._torch_cuda_entries(entries)
     try:
         yield standin
     finally:

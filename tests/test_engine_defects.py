@@ -399,3 +399,77 @@ def test_a_failed_wait_at_the_switch_leaves_no_cuda_error(simulated) -> None:
         assert stats["events_live"] == 0 and stats["host_bytes_live"] == 0, stats
     finally:
         _C._simulate_cuda(True)
+
+
+# torch's own device exchange: in its CUDA builds only (torch 2.14.1 here)
+TORCH_EXCHANGE = getattr(torch._C, "_cuda_maybeExchangeDevice", None)
+needs_torch_exchange = pytest.mark.skipif(
+    TORCH_EXCHANGE is None, reason="this torch (a CPU build) has no _cuda_maybeExchangeDevice")
+
+
+def outcome(call: Callable[[], Any]) -> tuple:
+    """What `call` answered: ("value", value) or ("raised", type, message)."""
+    try:
+        return ("value", call())
+    except Exception as error:  # noqa: BLE001 (compared, not handled)
+        return ("raised", type(error).__name__, str(error))
+
+
+@needs_torch_exchange
+@pytest.mark.parametrize("argument", [-1, -128, -129, 128, 1.0, True, None, "0"])
+def test_the_stand_in_checks_arguments_as_torchs_device_exchange(argument: Any) -> None:
+    """Where torch's own torch._C._cuda_maybeExchangeDevice answers without
+    CUDA (its argument checks, and -1 for a negative index, before its lazy
+    CUDA init), the stand-in the engine's tests run on answers the same."""
+    standin = fake_torch_cuda.TorchCudaStandin()
+    assert outcome(lambda: standin._cuda_maybeExchangeDevice(argument)) == \
+        outcome(lambda: TORCH_EXCHANGE(argument))
+
+
+@needs_torch_exchange
+def test_leaving_a_device_reaches_torchs_own_device_exchange(simulated) -> None:
+    """Defect 7(e)'s torch half on torch's own _cuda_maybeExchangeDevice (the
+    rest of torch.cuda is the stand-in's: no GPU here). A thread that never
+    used GPU 0 checkpoints a block on GPU 1: the engine leaves GPU 1 without
+    making GPU 0 current (it has no context) and tells torch GPU 0 is its
+    device, calling torch's function with index 0. Without a driver torch's
+    lazy CUDA init then refuses, the one step that needs a GPU: the engine
+    reports that as unraisable (a leave has no caller to raise to) and the
+    checkpoint is exact. With a driver the call succeeds, reports nothing,
+    and torch's current device stays 0."""
+    torch.manual_seed(0)
+    with sim.device(1):
+        layer = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+        x = torch.randn(BATCH, WIDTH).requires_grad_()
+    expected = layer(x).detach().clone()
+    reported: List[BaseException] = []
+    seen: Dict[str, Any] = {}
+
+    def checkpoint_on_gpu_1() -> None:
+        out = matepoint.checkpoint(layer, x, preserve_rng_state=False)
+        seen["cuda_device"] = _C._sim_get_device()
+        seen["torch_device"] = torch.cuda.current_device() if torch.cuda.is_available() else None
+        assert_bitwise_equal([out], [expected])
+        out.float().sum().backward()
+
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda report: reported.append(report.exc_value)
+    try:
+        with fake_torch_cuda.installed(torchs_own=["_cuda_maybeExchangeDevice"]) as standin:
+            assert _C._torch_cuda_entries({})["_cuda_maybeExchangeDevice"] is TORCH_EXCHANGE
+            _C._simulate_torch_adapter(True)
+            try:
+                _C._sim_forget_contexts()
+                run_in_thread(checkpoint_on_gpu_1)
+            finally:
+                _C._sim_set_device(0)           # the context every other test assumes
+                _C._simulate_torch_adapter(False)
+    finally:
+        sys.unraisablehook = hook
+    assert standin.calls["_cuda_hasPrimaryContext"] > 0      # premise: GPU 0 had no context
+    assert seen["cuda_device"] == 1, seen                     # left on GPU 1, as torch's guards
+    if torch.cuda.is_available():
+        assert reported == [] and seen["torch_device"] == 0, (reported, seen)
+    else:
+        assert [type(error) for error in reported] == [RuntimeError], reported
+        assert "NVIDIA driver" in str(reported[0]), reported[0]

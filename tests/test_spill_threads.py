@@ -207,6 +207,56 @@ def test_a_tier_being_retired_is_never_used_by_another_thread(offload, spill_dir
     matepoint.set_options(spill_dir=spill_dir)      # the new tier is idle: it can go too
 
 
+HOLD_S = 2.0     # how long a retire that does not wait for a hold gets to return
+
+
+def test_a_tier_retired_under_a_held_slot_waits_for_the_hold(offload, spill_dir, tmp_path):
+    # this thread holds a span's slot across the GIL, as the engine's wait
+    # for a request does; backward reads the span back and its slot is
+    # freed (the hold keeps the slot's memory); another thread then
+    # retires the tier (set_options(spill_dir=...)): its spill_destroy must
+    # not return while the hold is held, and does once it goes. (Forced at
+    # spill.wait_request with the hook's join, the retire would wait for
+    # the hook's own thread: a deadlock; so the hold is taken here.)
+    # Not a timing assertion: with the wait the retire cannot return
+    # before the hold goes; HOLD_S only bounds how long a retire that does
+    # not wait is given to show it.
+    model, x = model_and_input()
+    _, expected = train_step(model, x, no_checkpoint)
+    matepoint.set_options(spill_dir=spill_dir, host_limit_bytes=LIMIT)
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    xg = x.detach().clone().requires_grad_(True)
+    out = model(xg, matepoint.checkpoint)
+    _C._spill_settle()
+    held = _C._spill_hold()
+    (out.float() ** 2).mean().backward()
+    del out
+    gc.collect()
+    grads = [xg.grad] + [p.grad for p in model.parameters()]
+    assert matepoint.pool_stats()["spilled_bytes"] == 0      # premise: nothing left on disk
+    retired = threading.Event()
+    errors: list = []
+
+    def retire() -> None:
+        try:
+            matepoint.set_options(spill_dir=str(tmp_path / "other"))
+        except BaseException as error:  # noqa: BLE001 (asserted below)
+            errors.append(error)
+        retired.set()
+
+    thread = threading.Thread(target=retire)
+    thread.start()
+    returned_while_held = retired.wait(HOLD_S)
+    if not returned_while_held:     # else the tier is gone: letting go would touch freed memory
+        _C._spill_unhold(*held)
+    thread.join(JOIN_S)
+    assert not returned_while_held, "spill_destroy returned while another thread held a slot"
+    assert not thread.is_alive() and not errors, errors
+    assert matepoint.options.spill_dir == str(tmp_path / "other")
+    assert_bitwise_equal(grads, expected)
+
+
 @pytest.mark.parametrize("point", ["window.drain", "return.drain"])
 def test_a_drain_survives_another_thread_polling_between_its_waits(simulated, point):
     # a runtime switch (or the engine going away) drains the windows and

@@ -75,9 +75,8 @@ refused:
     return -1;
 }
 
-/* A name for the fallback when O_TMPFILE is refused: unlinked at once. */
-static int
-make_named(int dirfd)
+int
+spill_file_make_named(int dirfd)
 {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
@@ -109,5 +108,5 @@ spill_file_make(int dirfd)
     /* filesystems without O_TMPFILE say EOPNOTSUPP or EISDIR */
     if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL)
         return -errno;
-    return make_named(dirfd);
+    return spill_file_make_named(dirfd);
 }

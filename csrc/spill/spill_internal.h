@@ -41,9 +41,15 @@ struct spill_slot {
 /* The checksum of a buffer written, checked when it is read back
  * (spill_sum.c). No lock: pure. */
 uint64_t spill_checksum(const void *buffer, uint64_t bytes);
+/* The plain C checksum spill_checksum() falls back to where the CPU has no
+ * CRC32C instruction; the unit tests call it on CPUs that have one. */
+uint64_t spill_checksum_portable(const void *buffer, uint64_t bytes);
 
 /* A new unnamed file in `dirfd`, mode 0600: its descriptor, or -errno. */
 int spill_file_make(int dirfd);
+/* Its fallback where the filesystem refuses O_TMPFILE: a file made under
+ * a random name and unlinked at once; the unit tests call it directly. */
+int spill_file_make_named(int dirfd);
 
 /* Writes/reads `bytes` at offset 0 of `fd` from/into `buffer`, the part
  * aligned to SPILL_ALIGN through O_DIRECT when *direct (set to 0 when the

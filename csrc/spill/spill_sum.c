@@ -39,9 +39,10 @@ load64(const unsigned char *p)
 
 /* Four lanes of 8 bytes, then the tail byte by byte; the length is mixed
  * in (a file cut short differs). */
-static uint64_t
-sum_portable(const unsigned char *p, uint64_t bytes)
+uint64_t
+spill_checksum_portable(const void *buffer, uint64_t bytes)
 {
+    const unsigned char *p = buffer;
     uint64_t v[4] = {MIX1 + MIX2, MIX2, 0, (uint64_t)0 - MIX1};
     uint64_t i = 0;
     for (; i + 32 <= bytes; i += 32) {
@@ -82,5 +83,5 @@ spill_checksum(const void *buffer, uint64_t bytes)
     if (__builtin_cpu_supports("sse4.2"))
         return sum_crc32c(buffer, bytes);
 #endif
-    return sum_portable(buffer, bytes);
+    return spill_checksum_portable(buffer, bytes);
 }

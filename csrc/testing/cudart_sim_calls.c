@@ -74,13 +74,15 @@ sim_host_alloc(void **ptr, size_t bytes, unsigned flags)
 }
 
 /* Frees, like destroys, release their memory even when an injected
- * failure (an earlier asynchronous error) is reported. */
+ * failure (an earlier asynchronous error) is reported; not when a capture
+ * forbids the call (CUDA refuses it before doing anything). */
 static int
 sim_free_host(void *ptr)
 {
     int injected = sim_enter(SIM_FREE_HOST);
-    if (injected == CUDART_SUCCESS)
-        injected = sim_capture_forbids_locked();
+    int forbidden = sim_capture_forbids_locked();
+    if (forbidden != CUDART_SUCCESS)
+        return sim_leave(forbidden);
     int status = ptr != NULL ? sim_free_range_locked(ptr, 1, SIM_FREE_HOST) : CUDART_SUCCESS;
     return sim_leave(status != CUDART_SUCCESS ? status : injected);
 }

@@ -23,13 +23,14 @@ typedef void (*handout_fn)(int device, void *stream, void *ptr, uint64_t bytes);
 static void (*allocator_record_stream)(void *ptr, void *stream);
 
 /* The engine's waits and records by call site (offload_sites.h): how many
- * each site issued since sim_runtime_drop_site, and the site whose calls
- * succeed and do nothing (-1: none). The engine calls the runtime with
- * the GIL held: the GIL guards this. */
+ * each site issued since sim_runtime_drop_sites, and the sites whose calls
+ * succeed and do nothing (bit `site` set). The engine calls the runtime
+ * with the GIL held: the GIL guards this. */
 static struct {
     uint64_t issued[OFFLOAD_SITE_COUNT];
-    int dropped;
-} sites = {.dropped = -1};
+    uint32_t dropped;
+} sites;
+_Static_assert(OFFLOAD_SITE_COUNT <= 32, "sites.dropped has a bit per site");
 
 /* Copies back that find no device memory (sim_runtime_fail_fetches);
  * guarded by the GIL. */
@@ -94,7 +95,7 @@ site_dropped(offload_site site)
 {
     MP_ASSERT(site >= 0 && site < OFFLOAD_SITE_COUNT);
     sites.issued[site]++;
-    return (int)site == sites.dropped;
+    return (sites.dropped >> site) & 1u;
 }
 
 static int
@@ -263,11 +264,23 @@ sim_runtime_fail_fetches(uint64_t skip, uint64_t count)
 }
 
 void
-sim_runtime_drop_site(int site)
+sim_runtime_drop_sites(uint32_t dropped)
 {
-    MP_ASSERT(site >= -1 && site < OFFLOAD_SITE_COUNT);
+    MP_ASSERT(dropped >> OFFLOAD_SITE_COUNT == 0);
     memset(sites.issued, 0, sizeof(sites.issued));
-    sites.dropped = site;
+    sites.dropped = dropped;
+}
+
+uint32_t
+sim_runtime_dropped_sites(void)
+{
+    return sites.dropped;
+}
+
+uint64_t
+sim_runtime_failing_fetches(void)
+{
+    return failing_fetches.skip + failing_fetches.count;
 }
 
 uint64_t

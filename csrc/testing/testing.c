@@ -274,67 +274,6 @@ sim_fail(PyObject *module, PyObject *args)
     return PyErr_Format(PyExc_ValueError, "simulated GPU: no runtime call named %s", name);
 }
 
-/* The engine's call site named `name` (offload_sites.h), -1 for None;
- * -2 with a ValueError for a name no site has. */
-static int
-site_arg(PyObject *name)
-{
-    if (name == Py_None)
-        return -1;
-    const char *text = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
-    for (int site = 0; text != NULL && site < OFFLOAD_SITE_COUNT; site++) {
-        if (strcmp(offload_site_name(site), text) == 0)
-            return site;
-    }
-    if (!PyErr_Occurred())
-        PyErr_Format(PyExc_ValueError, "matepoint: no offload call site named %R", name);
-    return -2;
-}
-
-static PyObject *
-sim_drop_site(PyObject *module, PyObject *name)
-{
-    (void)module;
-    int site = site_arg(name);
-    if (site < -1)
-        return NULL;
-    sim_runtime_drop_site(site);
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-sim_site_counts(PyObject *module, PyObject *unused)
-{
-    (void)module;
-    (void)unused;
-    PyObject *counts = PyDict_New();
-    for (int site = 0; counts != NULL && site < OFFLOAD_SITE_COUNT; site++) {
-        PyObject *count = PyLong_FromUnsignedLongLong(sim_runtime_site_issued(site));
-        if (count == NULL || PyDict_SetItemString(counts, offload_site_name(site), count) < 0)
-            Py_CLEAR(counts);
-        Py_XDECREF(count);
-    }
-    return counts;
-}
-
-/* _C.OFFLOAD_SITES: {name: call} of every site of offload_sites.h. */
-static int
-add_sites(PyObject *module)
-{
-    PyObject *sites = PyDict_New();
-    for (int site = 0; sites != NULL && site < OFFLOAD_SITE_COUNT; site++) {
-        PyObject *call = PyUnicode_FromString(offload_site_call(site));
-        if (call == NULL || PyDict_SetItemString(sites, offload_site_name(site), call) < 0)
-            Py_CLEAR(sites);
-        Py_XDECREF(call);
-    }
-    if (sites == NULL)
-        return -1;
-    int failed = PyModule_AddObjectRef(module, "OFFLOAD_SITES", sites) < 0;
-    Py_DECREF(sites);
-    return failed ? -1 : 0;
-}
-
 static PyObject *
 sim_log_waits(PyObject *module, PyObject *on)
 {
@@ -524,14 +463,6 @@ static PyMethodDef testing_methods[] = {
      "_sim_fail($module, name, skip, count, status, /)\n--\n\n"
      "The next skip calls of the runtime call name succeed, the count after them fail with "
      "status."},
-    {"_sim_drop_site", sim_drop_site, METH_O,
-     "_sim_drop_site($module, name, /)\n--\n\n"
-     "From now on the engine's waits or records at call site name (a key of OFFLOAD_SITES; "
-     "None: no site) succeed and do nothing; every site's count starts from zero."},
-    {"_sim_site_counts", sim_site_counts, METH_NOARGS,
-     "_sim_site_counts($module, /)\n--\n\n"
-     "{site: calls} the engine made at each call site since _sim_drop_site (dropped ones "
-     "included)."},
     {"_sim_log_waits", sim_log_waits, METH_O,
      "_sim_log_waits($module, on, /)\n--\n\n"
      "Start (clearing it) or stop the log of every cudaStreamWaitEvent."},
@@ -567,7 +498,8 @@ testing_add_functions(PyObject *module)
 {
     cudart_sim_set_sync_observer(note_sync);
     if (testing_torch_add_functions(module) < 0 ||
-        PyModule_AddFunctions(module, testing_methods) < 0 || add_sites(module) < 0)
+        PyModule_AddFunctions(module, testing_methods) < 0 ||
+        testing_add_site_functions(module) < 0)
         return -1;
     if (testing_add_spill_functions(module) < 0)
         return -1;

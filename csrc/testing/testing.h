@@ -52,6 +52,10 @@ int testing_add_lag_functions(PyObject *module);
  * _spill_settle), added to `module`; 0 or -1. */
 int testing_add_spill_functions(PyObject *module);
 
+/* The call sites' controls (testing_sites.c: _sim_drop_site,
+ * _sim_site_counts, _test_controls, OFFLOAD_SITES), added to `module`; 0 or -1. */
+int testing_add_site_functions(PyObject *module);
+
 /* The offload runtime over the simulated GPU (sim_runtime.c). */
 extern const offload_runtime offload_runtime_sim;
 
@@ -72,10 +76,14 @@ int sim_runtime_attach_allocator(PyObject *path);
  * raise torch.OutOfMemoryError. */
 void sim_runtime_fail_fetches(uint64_t skip, uint64_t count);
 
-/* From now on the engine's waits and records at `site` (offload_sites.h;
- * -1: none) succeed and do nothing; every site's count starts again from
- * zero. GIL held. */
-void sim_runtime_drop_site(int site);
+/* From now on the engine's waits and records at the sites of `dropped`
+ * (bit `site` of offload_sites.h set; 0: none) succeed and do nothing;
+ * every site's count starts again from zero. GIL held. */
+void sim_runtime_drop_sites(uint32_t dropped);
+/* The sites dropped now (as above), and the copies back still to count
+ * or fail (sim_runtime_fail_fetches): 0 when a test left none set. */
+uint32_t sim_runtime_dropped_sites(void);
+uint64_t sim_runtime_failing_fetches(void);
 /* The calls the engine made at `site` since (dropped ones included). */
 uint64_t sim_runtime_site_issued(offload_site site);
 

@@ -9,7 +9,10 @@
  *   _spill_settle()            waits (GIL released) until the tier runs no
  *                              request, then finishes what it did (a poll)
  *   _spill_pause(on)           the tier's workers leave queued requests alone (True)
- *   _spill_fail_writes(n)      the tier's next n writes fail with ENOSPC */
+ *   _spill_fail_writes(n)      the tier's next n writes fail with ENOSPC
+ *   _spill_hold() -> (tier, slot)  a hold on the slot of a span on disk, as a
+ *                              waiter takes one across the GIL (spill.h, "Holds")
+ *   _spill_unhold(tier, slot)  lets that hold go (GIL released) */
 #include "testing.h"
 #include "offload/offload_internal.h"
 
@@ -94,6 +97,55 @@ spill_fail_writes(PyObject *module, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* The newest span on disk (or being written): its slot, into ctx. */
+static int
+find_spilled(offload_engine *engine, StorageCopy *copy, void *ctx)
+{
+    (void)engine;
+    if (copy->spill != NULL)
+        *(spill_slot **)ctx = copy->spill;
+    return 0;
+}
+
+/* The hold is the test's to let go: a test holds a slot on its thread
+ * while another retires the tier, as the engine's waiter does while it
+ * waits with the GIL released (offload_spill.c, wait_request). */
+static PyObject *
+spill_hold_slot(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    offload_engine *engine = mp_state_of(module)->engine;
+    spill_tier *tier = started_tier(module);
+    spill_slot *slot = NULL;
+    if (tier == NULL)
+        return NULL;
+    offload_walk_copies(engine, find_spilled, &slot);
+    if (slot == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "matepoint: no span is on disk to hold the slot of");
+        return NULL;
+    }
+    spill_slot_hold(tier, slot);
+    return Py_BuildValue("(NN)", PyLong_FromVoidPtr(tier), PyLong_FromVoidPtr(slot));
+}
+
+static PyObject *
+spill_unhold_slot(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *tier_arg, *slot_arg;
+    if (!PyArg_ParseTuple(args, "OO:_spill_unhold", &tier_arg, &slot_arg))
+        return NULL;
+    spill_tier *tier = PyLong_AsVoidPtr(tier_arg);
+    spill_slot *slot = PyErr_Occurred() ? NULL : PyLong_AsVoidPtr(slot_arg);
+    if (PyErr_Occurred())
+        return NULL;
+    /* a retiring tier waits for this with the GIL released: so must this */
+    Py_BEGIN_ALLOW_THREADS
+    spill_slot_unhold(tier, slot);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef spill_methods[] = {
     {"_spill_pause", spill_pause_tier, METH_O,
      "_spill_pause($module, on, /)\n--\n\n"
@@ -110,6 +162,12 @@ static PyMethodDef spill_methods[] = {
     {"_spill_settle", spill_settle, METH_NOARGS,
      "_spill_settle($module, /)\n--\n\n"
      "Waits until the disk tier runs no request, then polls it."},
+    {"_spill_hold", spill_hold_slot, METH_NOARGS,
+     "_spill_hold($module, /)\n--\n\n"
+     "Holds the slot of a span on disk, as a waiter does across the GIL; (tier, slot)."},
+    {"_spill_unhold", spill_unhold_slot, METH_VARARGS,
+     "_spill_unhold($module, tier, slot, /)\n--\n\n"
+     "Lets go of a hold _spill_hold took."},
     {NULL, NULL, 0, NULL},
 };
 

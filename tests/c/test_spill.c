@@ -2,13 +2,16 @@
 /* Unit tests of the disk tier (csrc/spill): private directories, unnamed
  * files, data that comes back bit for bit, errors as statuses. */
 #include "spill/spill.h"
+#include "spill/spill_internal.h"
 #include "common/host_memory.h"
 #include "check.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
@@ -70,19 +73,94 @@ test_directory_checks(void)
     snprintf(link, sizeof link, "%s/link", root);
     CHECK(symlink(path, link) == 0);
     CHECK(spill_dir_open(link, why, sizeof why) < 0);
-    CHECK(strstr(why, "symbolic link") != NULL);
+    CHECK(strstr(why, "is a symbolic link") != NULL);   /* not strerror(ELOOP)'s words */
     unlink(link);
     char file[300];
     snprintf(file, sizeof file, "%s/file", root);
     fd = open(file, O_CREAT | O_WRONLY, 0600);
     close(fd);
     CHECK(spill_dir_open(file, why, sizeof why) < 0);
-    CHECK(strstr(why, "not a directory") != NULL);
+    CHECK(strstr(why, "is not a directory") != NULL);
     unlink(file);
     CHECK(spill_dir_open("", why, sizeof why) < 0);
     CHECK(spill_create(path, 0, why, sizeof why) == NULL);
     CHECK(spill_create(path, SPILL_MAX_WORKERS + 1, why, sizeof why) == NULL);
     CHECK(rmdir(path) == 0);
+}
+
+/* The files of a tier: unnamed, 0600, read and written like any; where
+ * the filesystem refuses O_TMPFILE (procfs) the fallback makes a named one
+ * and unlinks it, and its own error is the one reported. */
+static void
+test_files_are_unnamed(void)
+{
+    int dirfd = open(root, O_RDONLY | O_DIRECTORY);
+    for (int named = 0; named < 2; named++) {
+        int fd = named ? spill_file_make_named(dirfd) : spill_file_make(dirfd);
+        CHECK(fd >= 0 && entries(root) == 0);
+        struct stat info;
+        CHECK(fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && (info.st_mode & 0777) == 0600);
+        char back[5] = {0};
+        CHECK(pwrite(fd, "span", 4, 0) == 4 && pread(fd, back, 4, 0) == 4);
+        CHECK(strcmp(back, "span") == 0);
+        close(fd);
+    }
+    close(dirfd);
+    int proc = open("/proc", O_RDONLY | O_DIRECTORY);
+    if (proc >= 0) {
+        CHECK(spill_file_make(proc) == -ENOENT);     /* the named file's error, not O_TMPFILE's */
+        close(proc);
+    }
+}
+
+/* A checksum tells a buffer from the same buffer with any one byte
+ * changed (in each lane, block and third of the bulk, and in the tail) or
+ * cut one byte short, and gives equal buffers equal sums; both the one
+ * this CPU uses and the portable one, whichever that is. */
+static void
+checksum_notices_changes(uint64_t (*sum)(const void *, uint64_t), const char *name)
+{
+    enum { BYTES = 1000 };      /* 31 blocks of 32 bytes, a tail of 8; thirds of 328 */
+    unsigned char buffer[BYTES];
+    fill(buffer, BYTES, 17);
+    uint64_t original = sum(buffer, BYTES);
+    int missed = 0;
+    for (uint64_t at = 0; at < BYTES; at++) {
+        buffer[at] ^= 0x40;
+        missed += sum(buffer, BYTES) == original;
+        buffer[at] ^= 0x40;
+    }
+    CHECK(missed == 0);
+    CHECK(sum(buffer, BYTES) == original);
+    CHECK(sum(buffer, BYTES - 1) != original);
+    unsigned char zeros[64] = {0};
+    CHECK(sum(zeros, 64) != sum(zeros, 63));   /* zeros cut short: the length counts */
+    if (missed != 0)
+        printf("spill checksum %s missed %d changed bytes\n", name, missed);
+}
+
+static void
+test_checksums_notice_every_changed_byte(void)
+{
+    checksum_notices_changes(spill_checksum, "in use");
+    checksum_notices_changes(spill_checksum_portable, "portable");
+}
+
+/* Whether the filesystem of `folder` takes an aligned O_DIRECT write,
+ * asked apart from the tier: 1 or 0. */
+static int
+takes_direct_io(const char *folder)
+{
+    char path[300];
+    snprintf(path, sizeof path, "%s/direct-probe", folder);
+    int fd = open(path, O_CREAT | O_RDWR | O_DIRECT, 0600);
+    unsigned char *block = mp_host_alloc(SPILL_ALIGN, SPILL_ALIGN);
+    int taken = fd >= 0 && block != NULL && pwrite(fd, block, SPILL_ALIGN, 0) == SPILL_ALIGN;
+    if (fd >= 0)
+        close(fd);
+    unlink(path);
+    mp_host_free(block);
+    return taken;
 }
 
 /* Buffers of many sizes and alignments, several in flight, come back bit
@@ -137,7 +215,9 @@ round_trip(int direct)
     CHECK(stats.bytes_on_disk == 0 && stats.slots == 0 && stats.peak_bytes_on_disk == total);
     if (!direct)
         CHECK(stats.direct_bytes == 0);
-    else if (stats.direct)  /* the filesystem took O_DIRECT: the aligned parts used it */
+    else    /* O_DIRECT is in use exactly where the filesystem takes it */
+        CHECK(stats.direct == takes_direct_io(root));
+    if (direct && stats.direct)     /* and then the aligned parts used it */
         CHECK(stats.direct_bytes > 2 * (uint64_t)SPILL_CHUNK_BYTES);
     printf("spill round trip (direct %d): filesystem direct I/O %s, %llu bytes direct\n",
            direct, stats.direct ? "yes" : "no", (unsigned long long)stats.direct_bytes);
@@ -196,6 +276,124 @@ test_destroy_with_live_slots(void)
     spill_destroy(tier);
     mp_host_free(buffer);
     CHECK(open_fds() == fds_before);
+}
+
+/* Unpauses `arg`'s tier once the main thread is waiting for it to go idle. */
+static void *
+unpause_later(void *arg)
+{
+    usleep(50 * 1000);
+    spill_pause(arg, 0);
+    return NULL;
+}
+
+/* While a request is queued its slot reports no status (-1) and is not
+ * done; spill_wait_idle() returns only once every request ran (here: once
+ * another thread let the paused workers go). */
+static void
+test_idle_means_every_request_ran(void)
+{
+    char why[512];
+    spill_tier *tier = spill_create(root, 2, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(1 << 20, SPILL_ALIGN);
+    fill(buffer, 1 << 20, 19);
+    spill_pause(tier, 1);
+    spill_slot *slots[3];
+    for (int i = 0; i < 3; i++)
+        slots[i] = spill_submit_write(tier, buffer, 1 << 20);
+    CHECK(spill_status(tier, slots[0]) == -1 && !spill_done(tier, slots[0]));
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, unpause_later, tier) == 0);
+    spill_wait_idle(tier);
+    for (int i = 0; i < 3; i++)
+        CHECK(spill_done(tier, slots[i]) && spill_status(tier, slots[i]) == 0);
+    CHECK(spill_get_stats(tier).writes == 3);
+    /* a tier left to itself uses O_DIRECT where the filesystem takes it */
+    CHECK(spill_get_stats(tier).direct == takes_direct_io(root));
+    CHECK(pthread_join(thread, NULL) == 0);
+    spill_destroy(tier);
+    mp_host_free(buffer);
+}
+
+/* A slot its owner frees while another thread holds it: it leaves the
+ * tier's counts and its file closes at once; its memory goes with the
+ * last hold (ASan's leak check sees it otherwise), and the tier can be
+ * destroyed after. */
+static void
+test_a_slot_freed_while_held_goes_with_its_last_hold(void)
+{
+    char why[512];
+    int fds_before = open_fds();
+    spill_tier *tier = spill_create(root, 1, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(1 << 16, SPILL_ALIGN);
+    fill(buffer, 1 << 16, 13);
+    spill_slot *slot = spill_submit_write(tier, buffer, 1 << 16);
+    spill_wait_idle(tier);
+    uint64_t waits = spill_get_stats(tier).waits;
+    CHECK(spill_wait(tier, slot) == 0 && spill_get_stats(tier).waits == waits);  /* finished */
+    spill_slot_hold(tier, slot);
+    spill_slot_hold(tier, slot);
+    spill_slot_free(tier, slot);
+    spill_stats stats = spill_get_stats(tier);
+    CHECK(stats.slots == 0 && stats.bytes_on_disk == 0);
+    CHECK(open_fds() == fds_before + 1);            /* the tier's directory alone */
+    spill_slot_unhold(tier, slot);
+    spill_slot_unhold(tier, slot);                  /* the last: frees the slot */
+    spill_destroy(tier);
+    CHECK(open_fds() == fds_before);
+    mp_host_free(buffer);
+}
+
+/* A slot held on another thread (spill.h, "Holds": the engine's waiter
+ * holds its slot across the GIL, and set_options(spill_dir=...) may
+ * destroy the tier meanwhile): spill_destroy() returns only once the
+ * hold was let go. The holder's request is paused, so it is still waiting
+ * when the destroy begins; it lingers after its request ran, so a destroy
+ * that did not wait has returned (and freed the tier under the holder:
+ * ASan reports the use after free) before the holder lets go. */
+typedef struct {
+    spill_tier *tier;
+    spill_slot *slot;
+    atomic_int held;                /* the hold is taken */
+    atomic_int destroyed;           /* spill_destroy() returned */
+    int destroyed_while_held;       /* ... before the holder let go */
+    uint64_t waits;                 /* the tier's count of waits that blocked */
+} holder;
+
+static void *
+hold_across_destroy(void *arg)
+{
+    holder *h = arg;
+    spill_slot_hold(h->tier, h->slot);
+    atomic_store(&h->held, 1);
+    CHECK(spill_wait(h->tier, h->slot) == 0);   /* ends once the destroy runs the queue */
+    h->waits = spill_get_stats(h->tier).waits;
+    usleep(50 * 1000);
+    h->destroyed_while_held = atomic_load(&h->destroyed);
+    spill_slot_unhold(h->tier, h->slot);
+    return NULL;
+}
+
+static void
+test_destroy_waits_for_a_hold_on_another_thread(void)
+{
+    char why[512];
+    holder h = {.tier = spill_create(root, 1, why, sizeof why)};
+    unsigned char *buffer = mp_host_alloc(1 << 20, SPILL_ALIGN);
+    fill(buffer, 1 << 20, 11);
+    spill_pause(h.tier, 1);
+    h.slot = spill_submit_write(h.tier, buffer, 1 << 20);
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, hold_across_destroy, &h) == 0);
+    while (!atomic_load(&h.held))
+        sched_yield();
+    CHECK(!spill_done(h.tier, h.slot));         /* the premise: held while queued */
+    spill_destroy(h.tier);
+    atomic_store(&h.destroyed, 1);
+    CHECK(pthread_join(thread, NULL) == 0);
+    CHECK(!h.destroyed_while_held);
+    CHECK(h.waits == 1);                        /* the holder's wait found it unfinished */
+    mp_host_free(buffer);
 }
 
 /* A forked child has none of the tier's threads: it submits nothing and
@@ -359,9 +557,14 @@ main(void)
         return 1;
     }
     test_directory_checks();
+    test_checksums_notice_every_changed_byte();
+    test_files_are_unnamed();
     test_round_trip();
     test_injected_errors();
     test_destroy_with_live_slots();
+    test_idle_means_every_request_ran();
+    test_a_slot_freed_while_held_goes_with_its_last_hold();
+    test_destroy_waits_for_a_hold_on_another_thread();
     test_forked_child_leaves_the_tier_alone();
     test_forked_child_never_waits_for_the_parents_requests();
     test_full_tmpfs();
