@@ -197,7 +197,8 @@ sanitize: install
 	rm -f $(ASAN_BUILD)/matepoint/*.so
 	CFLAGS="$(SANITIZE) -fno-omit-frame-pointer" LDFLAGS="$(SANITIZE)" MATEPOINT_DEBUG=1 \
 	  $(PY) setup.py -q build_ext --build-lib $(ASAN_BUILD) --build-temp $(ASAN_BUILD)-tmp
-	$(PY) setup.py -q build_py --build-lib $(ASAN_BUILD)   # the packages and files a wheel ships
+	@# the packages and files a wheel ships, its prebuilt units included
+	MATEPOINT_PREBUILT_UNITS=$(abspath matepoint/_prebuilt) $(PY) setup.py -q build_py --build-lib $(ASAN_BUILD)
 	cd $(ASAN_BUILD) && LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 \
 	  $(abspath $(PY)) -c "import matepoint._C as c; assert '$(ASAN_BUILD)' in c.__file__, c.__file__" && \
 	  LD_PRELOAD="$(SANITIZER_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 MATEPOINT_SANITIZED=1 \

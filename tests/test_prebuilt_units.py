@@ -23,7 +23,9 @@ import torch
 from matepoint import _adapter, _build_layout, _C, _oom, _units
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+# where the matepoint under test lies (make sanitize's is its own build): a child
+# run from there imports the same one
+PACKAGE_PARENT = Path(_oom.__file__).resolve().parents[1]
 
 
 def _has_cuda_libraries() -> bool:
@@ -96,7 +98,7 @@ def _install_without_tools(tmp_path: Path, **extra: str) -> Dict[str, Any]:
     cache.mkdir(mode=0o700)
     env = dict(os.environ, MATEPOINT_CACHE_DIR=str(cache), **extra)
     script = f"HERE = {str(HERE)!r}\nEMPTY = {str(empty)!r}\n" + INSTALL_WITHOUT_TOOLS
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=PACKAGE_PARENT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -27,6 +27,9 @@ from matepoint.bench.machine import report as machine_report
 from matepoint.bench.machine import units as machine_units
 
 ROOT = Path(__file__).resolve().parent.parent
+# where the matepoint under test lies (make sanitize's is its own build): a child
+# run from there imports the same one
+PACKAGE_PARENT = Path(_oom.__file__).resolve().parents[1]
 CUDA_TORCH = torch.version.cuda is not None
 
 
@@ -34,7 +37,7 @@ def run_report(*args: str, **env: str) -> subprocess.CompletedProcess:
     environ = {key: value for key, value in os.environ.items()
                if not key.startswith("MATEPOINT_") or key == "MATEPOINT_TESTING"}
     environ.update(env)
-    done = subprocess.run([sys.executable, "-m", "matepoint", *args], cwd=str(ROOT), env=environ,
+    done = subprocess.run([sys.executable, "-m", "matepoint", *args], cwd=str(PACKAGE_PARENT), env=environ,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done

@@ -25,11 +25,14 @@ import torch
 
 import sim
 import sim_target
+import matepoint
 from matepoint.bench.machine import report as machine_report
 from matepoint.bench.selfcheck import registry
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+# where the matepoint under test lies (make sanitize's is its own build): a child
+# run from there imports the same one
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(matepoint.__file__)))
 CUDA_TORCH = torch.version.cuda is not None
 NOT_SIMULATED = {"cudnn_benchmark", "cuda_graph", "compile_reduce_overhead", "mempool",
                  "ipc_spawn"}
@@ -48,7 +51,7 @@ def run_command(tmp_path, *args: str, fault: Optional[str] = None,
     if fault is not None:
         environ[sim_target.FAULT_VARIABLE] = fault
     done = subprocess.run([sys.executable, "-m", "matepoint", "check", "--target",
-                           "sim_target:SimTarget", "--json", str(out), *args], cwd=ROOT,
+                           "sim_target:SimTarget", "--json", str(out), *args], cwd=PACKAGE_PARENT,
                           env=environ, capture_output=True, text=True, timeout=900)
     assert out.is_file(), done.stdout[-3000:] + done.stderr[-3000:]
     return done, json.loads(out.read_text())

@@ -25,7 +25,9 @@ from matepoint.bench.selfcheck import cli, host_checks, registry
 from matepoint.bench.selfcheck.outcome import (Check, CheckFailed, CheckSkipped, first_difference,
                                           options_kept, run_check)
 
-ROOT = Path(__file__).resolve().parent.parent
+# where the matepoint under test lies (make sanitize's is its own build): a child
+# run from there imports the same one
+PACKAGE_PARENT = Path(matepoint.__file__).resolve().parents[1]
 
 
 def host_check(run, limit_s: int = 60) -> Check:
@@ -150,7 +152,7 @@ def test_without_a_gpu_the_host_checks_run_and_the_rest_say_they_need_one(tmp_pa
     out = tmp_path / "check.json"
     env = {key: value for key, value in os.environ.items() if not key.startswith("MATEPOINT_")}
     done = subprocess.run([sys.executable, "-m", "matepoint", "check", "--quick", "--json",
-                           str(out)], cwd=str(ROOT), env=env, capture_output=True, text=True,
+                           str(out)], cwd=str(PACKAGE_PARENT), env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
