@@ -160,8 +160,9 @@ def test_offload_window_option_is_checked():
 def test_threads_share_one_device_window(simulated):
     """Replicas in threads (as DataParallel runs them) offload to the same
     device: each one's regions may release the others' inputs, in stream
-    order, and every gradient stays exact."""
-    _C._sim_set_progress(1)
+    order, and every gradient stays exact. The GPU runs nothing until
+    waited for: one that moved at every call could catch up between the
+    threads' calls, and then no source was let go before its copy."""
     models = [MLP(WIDTH, 6) for _ in range(4)]
     inputs = [torch.randn(BATCH, WIDTH) for _ in models]
     expected = [train_step(m, x, no_checkpoint)[1] for m, x in zip(models, inputs)]

@@ -75,9 +75,15 @@ def layout_of(root: str, cc: str, ctests: Dict[str, List[str]], ctest_flags: Lis
     return Layout(root, cc, sources, flags, link, sorted(ctests))
 
 
+# the prebuilt C++ units (`make units`, ignored by git): the adapter's
+# tests load them instead of compiling the adapter in every copy
+PREBUILT = "matepoint/_prebuilt"
+
+
 def copy_tree(source: str, target: str) -> None:
     """The checkout's tracked and untracked-but-not-ignored files, built
-    libraries aside, from `source` into a fresh `target`."""
+    libraries aside, and its prebuilt C++ units from `source` into a
+    fresh `target`."""
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=source,
                             check=True, capture_output=True).stdout.decode().split("\0")
     if os.path.exists(target):
@@ -87,6 +93,8 @@ def copy_tree(source: str, target: str) -> None:
             continue
         os.makedirs(os.path.dirname(os.path.join(target, path)) or target, exist_ok=True)
         shutil.copy2(os.path.join(source, path), os.path.join(target, path))
+    if os.path.isdir(os.path.join(source, PREBUILT)):
+        shutil.copytree(os.path.join(source, PREBUILT), os.path.join(target, PREBUILT))
 
 
 def _object(folder: str, target: str, path: str) -> str:
@@ -100,8 +108,15 @@ def compile_one(layout: Layout, tree: str, target: str, path: str, objects: str)
     done = subprocess.run([layout.cc, *layout.flags[target], "-c", path, "-o", output], cwd=tree,
                           capture_output=True, text=True)
     if done.returncode != 0:
-        raise CompileError(done.stderr.strip().splitlines()[0] if done.stderr.strip() else "cc failed")
+        raise CompileError(_first_error(done.stderr) or "cc failed")
     return output
+
+
+def _first_error(stderr: str) -> str:
+    """The line of a compiler's output that says what failed (not the
+    "In function" or "Assembler messages:" line above it)."""
+    lines = stderr.strip().splitlines()
+    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
 
 
 def output_of(tree: str, target: str) -> str:

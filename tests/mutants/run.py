@@ -85,11 +85,11 @@ def kill_running() -> None:
 
 
 class Judge:
-    """Runs a file's tests in one tree: the unit tests its mutant changed,
-    then its pytest files with -x."""
+    """Runs a file's tests in one tree: the unit tests its mutant changed
+    and its pytest files with -x, quickest first."""
 
-    def __init__(self, layout: build.Layout, python: str) -> None:
-        self.layout, self.python = layout, python
+    def __init__(self, layout: build.Layout, python: str, cuda_python: Optional[str]) -> None:
+        self.layout, self.python, self.cuda_python = layout, python, cuda_python
         self.baseline: Dict[Tuple[str, ...], float] = {}
         self.lock = threading.Lock()
 
@@ -100,11 +100,18 @@ class Judge:
         if tests.pytests:
             found.append(("pytest", [self.python, "-m", "pytest", "-q", "-x", "-p",
                                      "no:cacheprovider", *tests.pytests]))
+        if tests.cuda_pytests and self.cuda_python:
+            found.append(("pytest-cuda", [self.cuda_python, "-m", "pytest", "-q", "-x", "-p",
+                                          "no:cacheprovider", *tests.cuda_pytests]))
         return found
 
     def judge(self, tree: str, path: str, timeout: Optional[float] = None) -> Tuple[str, str]:
-        """("passed" | "failed" | "timeout", which test said so)."""
-        for name, command in self.commands(tree, path):
+        """("passed" | "failed" | "timeout", which test said so), the
+        quickest of the unmutated runs first (a unit test under
+        ThreadSanitizer can take longer than the pytest files)."""
+        commands = sorted(self.commands(tree, path),
+                          key=lambda item: self.baseline.get(self.key(path, item[0]), 0.0))
+        for name, command in commands:
             limit = timeout if timeout is not None else self.limit(path, name)
             status, output = run_command(command, tree, limit)
             if status != "passed":
@@ -114,15 +121,20 @@ class Judge:
     def limit(self, path: str, name: str) -> float:
         """Three times what the unmutated run took, and 10 s more for a
         unit test (a binary), a minute for pytest (interpreter, torch)."""
+        return 3 * self.baseline[self.key(path, name)] + \
+            (60 if name.startswith("pytest") else 10)
+
+    @staticmethod
+    def key(path: str, name: str) -> Tuple[str, ...]:
+        """One command of one file's tests: measured once for every file
+        that names the same tests."""
         tests = targets.tests_for(path)
-        return 3 * self.baseline[(name, *tests.ctests, *tests.pytests)] + \
-            (60 if name == "pytest" else 10)
+        return (name, *tests.ctests, *tests.pytests, *tests.cuda_pytests)
 
     def measure(self, tree: str, path: str) -> None:
         """The unmutated tests of `path` pass, and how long each took."""
-        tests = targets.tests_for(path)
         for name, command in self.commands(tree, path):
-            key = (name, *tests.ctests, *tests.pytests)
+            key = self.key(path, name)
             with self.lock:
                 if key in self.baseline:
                     continue
@@ -207,6 +219,9 @@ def parse_arguments(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--budget-minutes", type=float, default=60.0)
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     parser.add_argument("--python", default=sys.executable, help="the test environment's python")
+    parser.add_argument("--cuda-python", default=None,
+                        help="a python with torch's CUDA build, for the C++ adapter's tests "
+                             "(default: the .venv-214 beside --python's environment)")
     parser.add_argument("--cc", default=os.environ.get("CC", "cc"))
     parser.add_argument("--ctest", action="append", default=[], metavar="NAME=SOURCES",
                         help="a C unit test and its sources (the Makefile's list)")
@@ -220,6 +235,7 @@ def parse_arguments(argv: List[str]) -> argparse.Namespace:
 def main(argv: List[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_arguments(argv)
+    args.out = os.path.abspath(args.out)    # the compilers run in the copies of the checkout
     ctests = {name: value.split() for name, _, value in (item.partition("=") for item in args.ctest)}
     paths = args.files or c_files(args.folders)
     found = [m for path in paths for m in operators.mutants(path, read(path))]
@@ -234,7 +250,13 @@ def main(argv: List[str]) -> int:
                              shlex.split(args.tsan_flags))
     objects = os.path.join(args.out, "obj")
     build.build_pristine(layout, pristine, objects, args.jobs)
-    judge = Judge(layout, args.python)
+    cuda_python = args.cuda_python or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(args.python))), ".venv-214", "bin", "python")
+    if not os.path.exists(cuda_python):
+        log.warning("no %s: the C++ adapter's tests (cuda_pytests) are left out", cuda_python)
+        cuda_python = None
+    args.cuda_python = cuda_python          # as the report records it
+    judge = Judge(layout, args.python, cuda_python)
     workers = [Worker(i, args.out, layout, judge) for i in range(args.jobs)]
     for path in sorted({m.path for m in chosen}):
         judge.measure(workers[0].tree, path)
