@@ -136,8 +136,10 @@ def step(model: nn.Module, x: torch.Tensor, wrap: Callable, backwards: int
 def run(scenario: Scenario, model: nn.Module, x: torch.Tensor) -> Optional[List]:
     """One offloaded step into fresh pinned buffers (a cached one would
     still hold the last run's bytes, the very bytes a copy reading it too
-    early should miss): its gradients, None when it raised."""
+    early should miss; the simulator hands new ones out full of poison):
+    its gradients, None when it raised."""
     matepoint.empty_pool()
+    assert matepoint.pool_stats()["bytes_reserved"] == 0, "a pinned buffer outlived its run"
     try:
         grads = step(model, x, scenario.wrap(), scenario.backwards)
         grads = [g.detach().clone() if g is not None else None for g in grads]

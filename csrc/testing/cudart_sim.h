@@ -53,7 +53,8 @@
  *   counts as global here (stricter); cudaStreamIsCapturing answers
  *   (none for a legacy stream: the streams are non-blocking). Work queued
  *   meanwhile runs as usual (no graph is built).
- * - "Device" and pinned host memory are host memory, so tests can read it.
+ * - "Device" and pinned host memory are host memory, so tests can read it;
+ *   cudaMalloc and cudaHostAlloc hand it out full of poison.
  *
  * Thread-safety: the simulation is process-wide state behind one mutex,
  * held while any of its functions runs (copies included); any thread may

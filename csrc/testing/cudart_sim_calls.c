@@ -43,12 +43,17 @@ sim_set_device(int device)
     return sim_leave(status);
 }
 
+/* New memory, device or pinned, is handed out full of poison: CUDA says
+ * nothing of its bytes, and memory malloc handed back may still hold the
+ * very bytes (a previous run's) that a copy reading it too early should
+ * miss, so that a missing wait showed or not by where malloc put it. */
 static int
 aligned_alloc_range(void **ptr, size_t bytes, int device)
 {
     void *base = mp_host_alloc(bytes, HOST_ALIGN);
     if (base == NULL)
         return CUDART_ERROR_MEMORY_ALLOCATION;
+    memset(base, CUDART_SIM_POISON, bytes);
     if (sim_add_range(base, bytes ? bytes : 1, device) < 0) {
         mp_host_free(base);
         return CUDART_ERROR_MEMORY_ALLOCATION;

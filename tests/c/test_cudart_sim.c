@@ -216,6 +216,33 @@ test_host_memory_is_counted(void)
     CHECK(cudart_sim_get_stats().host_bytes_live == before);
 }
 
+static int
+all_poison(const unsigned char *bytes, size_t count)
+{
+    for (size_t i = 0; i < count; i++)
+        if (bytes[i] != CUDART_SIM_POISON)
+            return 0;
+    return 1;
+}
+
+/* New device and pinned memory holds poison, not what the last owner of
+ * that memory left there (malloc hands freed memory back): a copy that
+ * reads a new buffer too early reads poison wherever the buffer lies. */
+static void
+test_new_memory_is_poison(void)
+{
+    for (int pinned = 0; pinned < 2; pinned++) {
+        for (int round = 0; round < 2; round++) {
+            void *ptr = NULL;
+            int status = pinned ? rt->host_alloc(&ptr, 4096, CUDART_HOST_ALLOC_PORTABLE)
+                                : rt->malloc(&ptr, 4096);
+            CHECK(status == CUDART_SUCCESS && all_poison(ptr, 4096));
+            memset(ptr, 0x11, 4096);                /* what a run left there */
+            CHECK((pinned ? rt->free_host(ptr) : rt->free(ptr)) == CUDART_SUCCESS);
+        }
+    }
+}
+
 /* A wait waits for the record it captured, as in CUDA: the same event
  * recorded again on another stream, and that record run first, does not
  * release it (an event re-recorded on several streams completes its
@@ -667,6 +694,7 @@ main(void)
     test_destroyed_handles_finish_their_work();
     test_progress_per_call_lets_the_gpu_catch_up();
     test_host_memory_is_counted();
+    test_new_memory_is_poison();
     test_a_missing_wait_orders_nothing();
     test_a_wait_keeps_the_record_it_captured();
     test_failed_releases_release();
