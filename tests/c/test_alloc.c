@@ -937,6 +937,8 @@ test_torch_figures(void)
     CHECK(alloc_get_device_stats(a, 1, &t) == 0);
     CHECK(t.arrays[ALLOC_STAT_ACTIVE_BYTES][ALLOC_POOL_LARGE].current == 0);
     CHECK(t.arrays[ALLOC_STAT_ACTIVE_BYTES][ALLOC_POOL_LARGE].freed == 3 * MiB);
+    CHECK(t.arrays[ALLOC_STAT_REQUESTED_BYTES][ALLOC_POOL_LARGE].current == 0);
+    CHECK(t.arrays[ALLOC_STAT_REQUESTED_BYTES][ALLOC_POOL_SMALL].current == 1000);  /* again */
     CHECK(t.arrays[ALLOC_STAT_INACTIVE_SPLIT][ALLOC_POOL_LARGE].current == 0);   /* merged */
     CHECK(t.arrays[ALLOC_STAT_ALLOCATED_BYTES][ALLOC_POOL_ALL].peak == 1024 + 3 * MiB);
     /* resets: peaks of device 1 only; accumulated counts restart */

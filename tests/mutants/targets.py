@@ -35,7 +35,8 @@ _OFFLOAD = ["tests/test_offload.py", "tests/test_engine_streams.py", "tests/test
             "tests/test_runtime_torch.py", "tests/test_cuda_failures.py",
             "tests/test_no_wasted_copy.py", "tests/test_prefetch_never_read.py",
             "tests/test_window_threads.py", "tests/test_device_restore.py",
-            "tests/test_pool_room.py", "tests/test_pageable_copy_back.py"]
+            "tests/test_pool_room.py", "tests/test_pageable_copy_back.py",
+            "tests/test_record_references.py"]
 _SPILL = ["tests/test_spill.py", "tests/test_spill_threads.py", "tests/test_fork.py"]
 # torch's memory API through the C++ adapter over the simulated GPU
 _ADAPTER = ["tests/test_torch_memory_api.py", "tests/test_torch_graph_pools.py"]
