@@ -955,6 +955,11 @@ test_torch_figures(void)
     CHECK(t.arrays[ALLOC_STAT_ALLOCATION][ALLOC_POOL_ALL].allocated == 0);
     CHECK(t.arrays[ALLOC_STAT_ALLOCATION][ALLOC_POOL_ALL].freed == 0);
     CHECK(t.arrays[ALLOC_STAT_ALLOCATION][ALLOC_POOL_ALL].current == 1 && t.num_device_alloc == 0);
+    /* every accumulated count restarts, those of oversize blocks too */
+    CHECK(t.oversize_allocations.allocated == 0 && t.oversize_allocations.freed == 0);
+    CHECK(t.oversize_segments.allocated == 0 && t.oversize_segments.freed == 0);
+    CHECK(t.num_alloc_retries == 0 && t.num_ooms == 0 && t.num_sync_all_streams == 0);
+    CHECK(t.num_device_free == 0);
     CHECK(alloc_get_device_stats(a, 9, &t) == -1);
     alloc_free(a, again, 1);
     alloc_empty_cache(a);
