@@ -79,4 +79,62 @@ def tests_for(path: str) -> Tests:
 
 
 EQUIVALENT: Dict[str, str] = {
+    'csrc/alloc/alloc.c: call: `pthread_mutex_destroy(&dev->lock);`: '
+    'pthread_mutex_destroy(&dev->lock); -> (void)0;':
+        "glibc's pthread_mutex_destroy releases nothing (a mutex holds no resource there): the "
+        "device's state is freed right after",
+    'csrc/alloc/alloc_blocks.c: condition: `MP_ASSERT(b->ptr + b->size == rest->ptr && '
+    'rest->ptr + rest->size <= b->seg->base + b->seg->size);`: && -> ||':
+        'an assertion weakened: every split the allocator makes satisfies both halves, so no '
+        'state of a correct allocator fails either form',
+    'csrc/alloc/alloc_blocks.c: condition: `MP_ASSERT(seg->first->next == NULL && '
+    'seg->first->size == seg->size);`: && -> ||':
+        'an assertion weakened: a segment given back has one free block covering it, so no '
+        'state of a correct allocator fails either form',
+    'csrc/alloc/alloc_check.c: constant: `return deferred == listed ? 0 : -16;`: 16 -> 17':
+        'the code of a failed check: its callers test for non-zero, and only a broken allocator '
+        'returns it',
+    'csrc/alloc/alloc_check.c: constant: `int64_t split[ALLOC_POOLS][2] = {{0}}, '
+    'reserved[ALLOC_POOLS] = {0};`: 0 -> 1':
+        'the changed element is index ALLOC_POOL_ALL, which the check never reads (its loops '
+        'run over the small and large pools)',
+    'csrc/alloc/alloc_check.c: constant: `int64_t allocated[ALLOC_POOLS] = {0};`: 0 -> 1':
+        'the changed element is index ALLOC_POOL_ALL, which the check never reads (its loops '
+        'run over the small and large pools)',
+    'csrc/alloc/alloc_check.c: condition: `for (int kind = 0; kind < ALLOC_STAT_ARRAYS; kind++) '
+    '{`: < -> >=':
+        "skips the checker's own test that each figure's all-pools value is the sum of its "
+        'pools: stat_add and stat_sub update the three together, so no state of the allocator '
+        'breaks it',
+    'csrc/alloc/alloc_history.c: constant: `out->blocks = calloc(blocks ? blocks : 1, '
+    'sizeof(*out->blocks));`: 1 -> 0':
+        "glibc's calloc(0, size) returns a unique pointer, not NULL: the guard matters on other "
+        'C libraries only',
+    'csrc/alloc/entry_pools.c: constant: `return a ? alloc_pool_use_count(a, device, pool_a, '
+    'pool_b) : -1;`: 1 -> 0 (#2)':
+        'unreachable: torch reaches the bridge only through the adapter, which '
+        'install_allocator() makes after the allocator exists, so entry_allocator() is never '
+        'NULL there',
+    'csrc/alloc/alloc_cuda.c: call: `cudart_leave_device(rt, device, previous);`: '
+    'cudart_leave_device(rt, device, previous); -> (void)0; (#4)':
+        'cuda_mem_info runs for an out-of-memory trace entry of the device being allocated on, '
+        "which is the current device (torch's pluggable allocator passes "
+        'c10::cuda::current_device()): leaving it changes nothing',
+    'csrc/offload/offload_restore.c: call: `PyErr_SetString(PyExc_TypeError, "matepoint: '
+    'offload unpack hook got a foreign object");`: PyErr_SetString(PyExc_TypeError, "matepoint: '
+    'offload unpack hook got a foreign object"); -> (void)0;':
+        "unreachable: the hook is given only to torch's SavedTensor by matepoint's packer, "
+        'whose pack returns a TensorRecord; no API hands it anything else',
+    'csrc/offload/offload_spill.c: constant: `if (done < 0)`: 0 -> 1':
+        'PyErr_Clear() with no error pending (done is 0 or 1 then) does nothing',
+    'csrc/offload/offload_inspect.c: constant: `return 0;`: 0 -> 1 (#2)':
+        "tensor_span's one caller tests `< 0`: 1 and 0 both mean success",
+    'csrc/offload/offload_inspect.c: constant: `return 0;`: 0 -> 1':
+        "tensor_span's one caller tests `< 0`: 1 and 0 both mean success",
+    'csrc/offload/offload_device.c: constant: `return 0;`: 0 -> 1 (#2)':
+        "offload_engine_ensure_pool's callers test `< 0`: 1 and 0 both mean success",
+    'csrc/offload/offload_device.c: constant: `return 0;`: 0 -> 1 (#4)':
+        "offload_device_record's callers test `< 0`: 1 and 0 both mean success",
+    'csrc/offload/offload_window.c: constant: `return 0;`: 0 -> 1 (#4)':
+        "offload_window_backward's one caller tests `< 0`: 1 and 0 both mean success",
 }
