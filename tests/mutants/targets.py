@@ -53,8 +53,10 @@ TESTS: Dict[str, Tests] = {
     "csrc/offload/offload_spill_retire.c": Tests([], _SPILL),
     "csrc/offload/offload_copy.c": Tests([], _OFFLOAD + _SPILL),
     "csrc/offload/offload_limits.c": Tests([], _OFFLOAD + _SPILL),
-    # what stays on the device: the planner asks it too (_offload_left_on_device)
-    "csrc/offload/offload_inspect.c": Tests([], _OFFLOAD + ["tests/test_planner.py"]),
+    # what stays on the device: the planner asks it too (_offload_left_on_device),
+    # and DTensor's local tensors move in its place
+    "csrc/offload/offload_inspect.c": Tests([], _OFFLOAD + ["tests/test_planner.py",
+                                                            "tests/test_dtensor.py"]),
     # torch's device exchange itself: on the CPU build only its stand-in
     "csrc/offload/offload_runtime_torch.c": Tests([], _OFFLOAD, ["tests/test_engine_defects.py"]),
     # test_alloc_pools fails under ThreadSanitizer (its allocator reuses
