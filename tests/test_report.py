@@ -37,8 +37,8 @@ def run_report(*args: str, **env: str) -> subprocess.CompletedProcess:
     environ = {key: value for key, value in os.environ.items()
                if not key.startswith("MATEPOINT_") or key == "MATEPOINT_TESTING"}
     environ.update(env)
-    done = subprocess.run([sys.executable, "-m", "matepoint", *args], cwd=str(PACKAGE_PARENT), env=environ,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "matepoint", *args], cwd=str(PACKAGE_PARENT),
+                          env=environ, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

@@ -152,8 +152,8 @@ def test_without_a_gpu_the_host_checks_run_and_the_rest_say_they_need_one(tmp_pa
     out = tmp_path / "check.json"
     env = {key: value for key, value in os.environ.items() if not key.startswith("MATEPOINT_")}
     done = subprocess.run([sys.executable, "-m", "matepoint", "check", "--quick", "--json",
-                           str(out)], cwd=str(PACKAGE_PARENT), env=env, capture_output=True, text=True,
-                          timeout=300)
+                           str(out)], cwd=str(PACKAGE_PARENT), env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     checks = {row["name"]: row for row in results["checks"]}

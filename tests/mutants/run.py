@@ -251,7 +251,8 @@ def main(argv: List[str]) -> int:
     objects = os.path.join(args.out, "obj")
     build.build_pristine(layout, pristine, objects, args.jobs)
     cuda_python = args.cuda_python or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(args.python))), ".venv-214", "bin", "python")
+        os.path.dirname(os.path.dirname(os.path.dirname(args.python))), ".venv-214", "bin",
+        "python")
     if not os.path.exists(cuda_python):
         log.warning("no %s: the C++ adapter's tests (cuda_pytests) are left out", cuda_python)
         cuda_python = None
