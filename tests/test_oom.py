@@ -6,6 +6,7 @@ On the CPU the allocator library runs on its host backend with a byte cap
 and stands in for torch's CPU allocator (tests/c/host_cpu_allocator.cpp),
 so the exception crosses torch's own bindings as it does on a GPU."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -108,3 +109,35 @@ def test_cuda_out_of_memory_is_caught_and_training_goes_on() -> None:
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cuda oom ok" in result.stdout
+
+
+NO_HANDLER_SCRIPT = textwrap.dedent("""
+    import ctypes, matepoint
+    from matepoint import _C
+    from matepoint._allocator import allocator_path
+    path = allocator_path()
+    lib = ctypes.CDLL(path)
+    lib.matepoint_malloc.restype = ctypes.c_void_p
+    lib.matepoint_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    _C._attach_allocator(path)
+    assert not matepoint.memory_stats()["oom_raises"], "premise: no OOM unit attached"
+    print("attached", flush=True)
+    lib.matepoint_malloc(128 << 20, 0, None)
+    print("returned", flush=True)
+""")
+
+
+def test_without_the_oom_unit_out_of_memory_stops_the_process_with_its_message() -> None:
+    """Without the OOM unit nothing can raise torch's exception, and torch
+    does not check the pointer it gets: the process stops at once, saying
+    why (as install_allocator() documents), rather than handing torch a
+    NULL that would fault far from its cause."""
+    env = dict(os.environ, MATEPOINT_ALLOC_BACKEND="host",
+               MATEPOINT_ALLOC_HOST_CAPACITY=str(64 * MIB))
+    result = subprocess.run([sys.executable, "-c", NO_HANDLER_SCRIPT], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert "attached" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == -signal.SIGABRT, (result.returncode, result.stdout)
+    assert "returned" not in result.stdout
+    assert "CUDA out of memory. Tried to allocate 128.00 MiB" in result.stderr, result.stderr
+
