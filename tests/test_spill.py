@@ -198,6 +198,23 @@ def test_spill_dir_must_be_private(tmp_path, spill_dir):
     assert stat.S_IMODE(os.stat(spill_dir).st_mode) == 0o700   # created private
 
 
+def test_a_spill_dir_that_stopped_being_a_folder_is_named(simulated, spill_dir):
+    """spill_dir is checked when it is set; should it be gone or replaced by
+    the time the disk tier starts (the first input past host_limit_bytes),
+    the step raises OSError naming it and why, and holds nothing (the
+    fixture checks the pool and the window)."""
+    matepoint.set_options(spill_dir=spill_dir, host_limit_bytes=LIMIT)
+    os.rmdir(spill_dir)
+    open(spill_dir, "w").close()        # a file where the folder was
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH)
+    try:
+        with pytest.raises(OSError, match="disk tier cannot start: .*is not a directory"):
+            train_step(model, x, matepoint.checkpoint)
+    finally:
+        os.remove(spill_dir)
+    assert matepoint.pool_stats()["spill_writes"] == 0
+
+
 def test_spill_options_from_the_environment(tmp_path):
     from matepoint._options import options_from_env
     options = options_from_env({"MATEPOINT_SPILL_DIR": str(tmp_path),
