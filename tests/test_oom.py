@@ -140,4 +140,3 @@ def test_without_the_oom_unit_out_of_memory_stops_the_process_with_its_message()
     assert result.returncode == -signal.SIGABRT, (result.returncode, result.stdout)
     assert "returned" not in result.stdout
     assert "CUDA out of memory. Tried to allocate 128.00 MiB" in result.stderr, result.stderr
-
