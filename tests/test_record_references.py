@@ -40,3 +40,37 @@ def test_the_garbage_collector_walks_every_offload_object(offload) -> None:
     reached = {kind.__name__ for kind in reachable_types(offloaded_inputs)}
     assert {"_OffloadGroup", "_TensorRecord", "_StorageCopy"} <= reached, reached
 
+
+
+def _live(name: str) -> list:
+    return [o for o in gc.get_objects()
+            if type(o).__module__ == "matepoint._C" and type(o).__name__ == name]
+
+
+def test_the_collector_sees_what_backward_holds(offload) -> None:
+    """While backward recomputes the last region, the inputs of the one
+    before it are prefetched: their copies hold the restored data and each
+    record its group. The collector must see both references, or a cycle
+    through them (a user's object kept on a restored input, say) could
+    never be collected."""
+    calls, seen = [], []
+
+    def fn(x, a):
+        calls.append(1)
+        if len(calls) == 3:         # the last region's recompute, inside backward
+            seen.extend((type(o).__name__, gc.get_referents(o))
+                        for o in _live("_StorageCopy") + _live("_TensorRecord"))
+        return (x * a).sin()
+
+    x, a = torch.randn(256, requires_grad=True), torch.randn(256, requires_grad=True)
+    before = matepoint.pool_stats()["prefetched"]
+    y = matepoint.checkpoint(fn, x, a)
+    matepoint.checkpoint(fn, y, a).sum().backward()
+    assert len(calls) == 4, "premise: backward recomputed both regions"
+    assert matepoint.pool_stats()["prefetched"] > before, "premise: backward prefetched"
+    copies = [refs for name, refs in seen if name == "_StorageCopy"]
+    records = [refs for name, refs in seen if name == "_TensorRecord"]
+    assert records, f"premise: the inputs were offloaded: {seen}"
+    assert any(isinstance(r, torch.Tensor) for refs in copies for r in refs), copies
+    for refs in records:
+        assert any(type(r).__name__ == "_OffloadGroup" for r in refs), refs
