@@ -3,6 +3,7 @@ import copy
 import dataclasses
 import gc
 import json
+import sys
 
 import pytest
 import torch
@@ -229,6 +230,28 @@ def test_what_an_offload_leaves_is_what_the_engine_leaves(offload) -> None:
     finally:
         matepoint.uncheckpoint_module(holder)
     assert holder.moved[0] == _storage_bytes([t for t in tensors if id(t) not in left]) > 0
+
+
+def test_a_question_that_raises_holds_on_to_no_tensor(offload) -> None:
+    """When asking what stays on the device raises (here a module whose
+    buffers() fails), the error reaches the planner and the tensors asked
+    about are not kept alive by the question."""
+    from matepoint._planning.profiling import _left_on_device
+
+    class Refusing(nn.Module):
+        def buffers(self, recurse: bool = True):
+            raise RuntimeError("buffers refused")
+
+    def ask(tensors: list) -> None:
+        with pytest.raises(RuntimeError, match="buffers refused"):
+            _left_on_device(tensors, Refusing())
+
+    tensors = [torch.randn(8)]
+    before = sys.getrefcount(tensors[0])
+    for _ in range(3):
+        ask(tensors)
+    after = sys.getrefcount(tensors[0])     # not in the assert: pytest's rewrite holds it
+    assert after == before
 
 
 def test_too_small_a_budget_names_the_smallest_feasible(offload) -> None:
