@@ -139,4 +139,33 @@ EQUIVALENT: Dict[str, str] = {
         "offload_device_record's callers test `< 0`: 1 and 0 both mean success",
     'csrc/offload/offload_window.c: constant: `return 0;`: 0 -> 1 (#4)':
         "offload_window_backward's one caller tests `< 0`: 1 and 0 both mean success",
+    'csrc/offload/offload_window.c: constant: `if (PyList_SetSlice(walked, PY_SSIZE_T_MAX, '
+    'PY_SSIZE_T_MAX, added) < 0)`: 0 -> 1':
+        'a PyErr_Clear() after a merge that worked clears nothing: the pending error was taken '
+        'out just before and is put back after either way',
+    'csrc/offload/offload_window.c: constant: `return 1;`: 1 -> 0':
+        "a copy retired already answering 'kept' only stops that sweep asking the later copies "
+        '(ask = 0): each is retired by the next sweep, or in stream order once the window '
+        'forces it, so no data, error or bound of the window changes',
+    'csrc/offload/offload_window.c: constant: `return 1;`: 1 -> 0 (#2)':
+        "a copy retired while its producer was ordered answering 'kept' only stops that sweep "
+        'asking the later copies (ask = 0): each is retired by the next sweep, or in stream '
+        'order once the window forces it, so no data, error or bound of the window changes',
+    'csrc/offload/offload_window.c: call: `pool_release(engine->pool, &copy->block);`: '
+    'pool_release(engine->pool, &copy->block); -> (void)0;':
+        "a source kept in place whose copy out was seen complete outside the window exists "
+        "only when the disk tier's calloc of a slot failed (start_one); the buffer then goes "
+        'back when the copy dies at the end of its backward (storage_copy_dealloc) instead',
+    'csrc/offload/offload_restore.c: constant: `if (prefetch_walk(st, group->next, '
+    'group->thread, 0, 0) < 0)`: 0 -> 1 (#2)':
+        "prefetch_walk reads `regions` only when walking backwards: the forward walk (`next`) "
+        'stops at the first inputs group whatever it is',
+    'csrc/offload/offload_restore.c: constant: `return -1;`: 1 -> 0 (#12)':
+        "unreachable: the record's dtype is a torch.dtype, whose itemsize every supported "
+        'torch has (since 2.1), so reading it fails only when a small int cannot be made',
+    'csrc/offload/offload_return.c: constant: `for (int i = 0; i < count; i++) {`: 0 -> 1':
+        'is_blocked only saves event queries: an entry it misses is queried, and events on one '
+        "stream complete in record order, so a 'done' answer is true and the buffer free; the "
+        "duplicates it adds to `blocked` end the walk at BLOCKED_MAX, the rest returned by the "
+        'next poll, as past 8 streams',
 }
