@@ -21,11 +21,9 @@ import pytest
 import torch
 
 from matepoint import _adapter, _build_layout, _C, _oom, _units
+from package_under_test import PACKAGE_PARENT
 
 HERE = Path(__file__).resolve().parent
-# where the matepoint under test lies (make sanitize's is its own build): a child
-# run from there imports the same one
-PACKAGE_PARENT = Path(_oom.__file__).resolve().parents[1]
 
 
 def _has_cuda_libraries() -> bool:

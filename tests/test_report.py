@@ -25,11 +25,9 @@ from matepoint.bench.machine import gpus as machine_gpus
 from matepoint.bench.machine import host as machine_host
 from matepoint.bench.machine import report as machine_report
 from matepoint.bench.machine import units as machine_units
+from package_under_test import PACKAGE_PARENT
 
 ROOT = Path(__file__).resolve().parent.parent
-# where the matepoint under test lies (make sanitize's is its own build): a child
-# run from there imports the same one
-PACKAGE_PARENT = Path(_oom.__file__).resolve().parents[1]
 CUDA_TORCH = torch.version.cuda is not None
 
 

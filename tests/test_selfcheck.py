@@ -28,11 +28,9 @@ import sim_target
 import matepoint
 from matepoint.bench.machine import report as machine_report
 from matepoint.bench.selfcheck import registry
+from package_under_test import PACKAGE_PARENT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# where the matepoint under test lies (make sanitize's is its own build): a child
-# run from there imports the same one
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(matepoint.__file__)))
 CUDA_TORCH = torch.version.cuda is not None
 NOT_SIMULATED = {"cudnn_benchmark", "cuda_graph", "compile_reduce_overhead", "mempool",
                  "ipc_spawn"}

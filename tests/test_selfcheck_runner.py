@@ -24,10 +24,7 @@ from matepoint.bench.machine import report as machine_report
 from matepoint.bench.selfcheck import cli, host_checks, registry
 from matepoint.bench.selfcheck.outcome import (Check, CheckFailed, CheckSkipped, first_difference,
                                           options_kept, run_check)
-
-# where the matepoint under test lies (make sanitize's is its own build): a child
-# run from there imports the same one
-PACKAGE_PARENT = Path(matepoint.__file__).resolve().parents[1]
+from package_under_test import PACKAGE_PARENT
 
 
 def host_check(run, limit_s: int = 60) -> Check:
