@@ -289,6 +289,33 @@ test_record_stream_defers_reuse(void)
     finish(a, &ctx);
 }
 
+/* Emptying the cache retires every stream's pending events by waiting for
+ * them: a block another stream still reads becomes free only once that
+ * stream is done, so the next request, on any stream, may take it. (Its
+ * segment stays: another block of it is in use.) */
+static void
+test_empty_cache_waits_for_the_streams_using_a_block(void)
+{
+    alloc_host_ctx ctx;
+    alloc_host_stream s1 = {0}, s2 = {0};
+    allocator *a = make(&ctx, 0, 1);
+    void *p = alloc_malloc(a, 8192, 0, &s1, 0);
+    void *kept = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(alloc_record_stream(a, p, &s2) == 0);
+    alloc_host_submit(&s2);                   /* s2 reads p */
+    alloc_free(a, p, 0);
+    CHECK(atomic_load(&s2.completed) < atomic_load(&s2.submitted));    /* premise */
+    alloc_empty_cache(a);
+    CHECK(alloc_get_stats(a, 0).reserved_bytes > 0);                     /* premise: kept's */
+    void *q = alloc_malloc(a, 8192, 0, &s1, 0);
+    CHECK(q == p);
+    CHECK(atomic_load(&s2.completed) == atomic_load(&s2.submitted));
+    alloc_free(a, q, 0);
+    alloc_free(a, kept, 0);
+    CHECK(alloc_check(a, 0) == 0);
+    finish(a, &ctx);
+}
+
 static void
 test_out_of_memory_releases_cache_then_fails_cleanly(void)
 {
@@ -1268,6 +1295,7 @@ main(void)
     test_events_queried_per_stream_in_order();
     test_out_of_memory_moves_memory_between_streams();
     test_record_stream_defers_reuse();
+    test_empty_cache_waits_for_the_streams_using_a_block();
     test_events_are_reused_across_frees();
     test_out_of_memory_releases_cache_then_fails_cleanly();
     test_huge_requests_are_out_of_memory();
