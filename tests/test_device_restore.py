@@ -5,7 +5,10 @@ other device without a word, and leaves no CUDA error for torch's next
 launch. Found by the review of the offload floors (issue 54)."""
 from __future__ import annotations
 
+import contextlib
+import resource
 import warnings
+from typing import Iterator
 
 import torch
 
@@ -61,3 +64,79 @@ def test_a_device_left_current_after_a_failed_restore_is_warned_about(simulated)
                    and "cudaSetDevice(0) failed" in text for text in texts), (position, texts)
         _C._sim_set_device(0)
     assert left_behind > 0, "no failed cudaSetDevice left the thread on another device"
+
+
+def test_a_copy_back_to_another_device_leaves_the_thread_on_its_own(offload) -> None:
+    """An input of GPU 1 offloaded, its GPU copy let go (offload_window=1
+    and two regions after it), and copied back while GPU 0 is this
+    thread's current device: the copy back runs on GPU 1, and afterwards
+    GPU 0 is current again (for CUDA, and as torch.cuda.current_device()
+    answers), with the data back exact."""
+    matepoint.set_options(offload_window=1)
+    with sim.device(1):
+        source = torch.randn(BATCH, WIDTH)
+        group, saved = _C._sac_offload([source], True)
+        later = [_C._sac_offload([torch.randn(BATCH, WIDTH) * 1], True) for _ in range(2)]
+    expected = source.clone()
+    del source
+    assert _C._sim_get_device() == 0
+    before = matepoint.pool_stats()
+    (restored,) = _C._sac_restore(group, saved)
+    device_after = (_C._sim_get_device(), _C._sim_torch_device())
+    after = matepoint.pool_stats()
+    for other, _ in later:
+        _C._sac_discard(other)
+    assert after["fetched_at_need"] - before["fetched_at_need"] == 1, "not copied back"
+    assert device_after == (0, 0), "the thread was left on GPU 1"
+    assert torch.equal(restored, expected)
+
+
+MIB = 1 << 20
+
+
+@contextlib.contextmanager
+def _address_space_capped(room: int) -> Iterator[None]:
+    """The process may map only `room` bytes more meanwhile (as a memory
+    limit leaves a container's host): a larger span gets neither pinned
+    nor pageable host memory."""
+    saved = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+    cap = kib * 1024 + room
+    if saved[1] != resource.RLIM_INFINITY:
+        cap = min(cap, saved[1])
+    resource.setrlimit(resource.RLIMIT_AS, (cap, saved[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, saved)
+
+
+def test_an_input_of_another_gpu_the_host_has_no_memory_for_stays_there(simulated) -> None:
+    """A block on GPU 1 checkpointed while GPU 0 is current, its 128 MiB
+    input finding no host memory at all (no pinned buffer, no pageable
+    one): the forward still succeeds with the input left on GPU 1, GPU 0
+    is current again afterwards (for CUDA, and as torch.cuda.current_device()
+    answers), and the gradients equal those without checkpointing."""
+    with sim.device(1):
+        x = torch.randn(128 * MIB // 4)
+
+    def on_gpu_1(t: torch.Tensor) -> torch.Tensor:
+        with sim.device(1):
+            return torch.linalg.vector_norm(t)
+
+    leaf = x.detach().requires_grad_(True)
+    on_gpu_1(leaf).backward()         # also starts the threads its kernels use
+    expected = leaf.grad
+    before = matepoint.pool_stats()["failures"]
+    leaf = x.detach().requires_grad_(True)
+    with _address_space_capped(32 * MIB):
+        out = matepoint.checkpoint(on_gpu_1, leaf, preserve_rng_state=False)
+        device_after = (_C._sim_get_device(), _C._sim_torch_device())
+        copies = _C._offload_copies()
+    failures = matepoint.pool_stats()["failures"] - before
+    out.backward()
+    assert failures == 1, "the pool did get host memory for the input"
+    assert copies == [], "the input did not stay on GPU 1"
+    assert device_after == (0, 0), "the thread was left on GPU 1"
+    assert_bitwise_equal([leaf.grad], [expected])

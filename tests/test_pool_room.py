@@ -6,11 +6,17 @@ so the span still lands in pinned memory; only when that fails too does
 it fall back to pageable memory. On the simulated GPU (tests/sim.py)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import matepoint
 from matepoint import _C
+
+from conftest import run_in_thread
 
 MEMORY_ALLOCATION = 2       # cudaErrorMemoryAllocation
 KIB = 1024
@@ -79,3 +85,64 @@ def test_at_the_limit_the_smallest_cached_buffers_make_room(offload, limit_over:
     assert after["fallbacks"] == before["fallbacks"], "the span went to pageable memory"
     assert after["host_frees"] - before["host_frees"] == 1      # one 256-byte buffer does
     assert after["bytes_reserved"] <= 4 * 256 + 512 - limit_over
+
+
+def test_pinning_in_another_devices_context_leaves_torchs_device_as_it_was(offload) -> None:
+    """reserve_pool() on a thread whose current device (GPU 1) has no
+    context yet pins in GPU 0's context, which exists, rather than create
+    one; afterwards torch.cuda.current_device() still answers 1, as torch's
+    own guards leave it (GPU 0 stays CUDA's current device: setting GPU 1
+    would create its context)."""
+    seen = {}
+
+    def on_a_thread_of_gpu_1() -> None:
+        _C._sim_set_device(1)                 # torch.cuda.set_device(1)
+        _C._sim_forget_contexts()             # no context anywhere yet...
+        run_in_thread(lambda: _C._sim_set_device(0))    # ...but GPU 0's, made elsewhere
+        assert _C._sim_stats()["contexts"] == [True, False]
+        before = matepoint.pool_stats()["host_allocations"]
+        seen["reserved"] = matepoint.reserve_pool(64 * KIB, 2)
+        seen["pinned"] = matepoint.pool_stats()["host_allocations"] - before
+        seen["contexts"] = _C._sim_stats()["contexts"]
+        seen["devices"] = (_C._sim_get_device(), _C._sim_torch_device())
+
+    try:
+        run_in_thread(on_a_thread_of_gpu_1)
+    finally:
+        _C._sim_set_device(0)
+    matepoint.empty_pool()
+    assert (seen["reserved"], seen["pinned"]) == (2, 2)
+    assert seen["contexts"] == [True, False], "pinning created GPU 1's context"
+    assert seen["devices"] == (0, 1), "torch.cuda.current_device() no longer answers 1"
+
+
+# reserve_pool() in a process with no CUDA runtime to load: its buffers,
+# and whether a libcudart got loaded all the same
+NO_CUDA_RUNTIME = """
+import matepoint
+reserved = matepoint.reserve_pool(64 * 1024, 2)
+stats = matepoint.pool_stats()
+loaded = any("libcudart" in line for line in open("/proc/self/maps"))
+print(reserved, stats["backend"], stats["host_allocations"], loaded)
+"""
+
+
+def test_without_a_cuda_runtime_reserve_pool_reserves_host_memory() -> None:
+    """On a CPU-only install (no CUDA runtime library to load, so no
+    device), reserve_pool() still reserves its buffers, in plain host
+    memory, entering no device. Run in a process whose dynamic loader
+    ignores /etc/ld.so.cache, where a machine lists its CUDA toolkit's
+    libcudart."""
+    loader = next((line.split()[-1] for line in open("/proc/self/maps")
+                   if os.path.basename(line.split()[-1]).startswith("ld-linux")), None)
+    if loader is None:
+        pytest.skip("no glibc dynamic loader to run Python under")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(matepoint.__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    done = subprocess.run([loader, "--inhibit-cache", sys.executable, "-c", NO_CUDA_RUNTIME],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    reserved, backend, allocations, loaded = done.stdout.split()
+    if loaded == "True":
+        pytest.skip("a CUDA runtime library is in the loader's default folders")
+    assert (reserved, backend, allocations) == ("2", "host", "2")
