@@ -168,4 +168,12 @@ EQUIVALENT: Dict[str, str] = {
         "stream complete in record order, so a 'done' answer is true and the buffer free; the "
         "duplicates it adds to `blocked` end the walk at BLOCKED_MAX, the rest returned by the "
         'next poll, as past 8 streams',
+    'csrc/alloc/alloc_history.c: constant: `#define RING_FIRST 64u`: 64u -> 65u':
+        "the first ring's size only says when the ring grows: it doubles up to the device's "
+        'bound from any start, and keeps the last records up to that bound either way',
+    'csrc/alloc/entry_bridge.c: call: `memset(out, 0, sizeof(*out));`: memset(out, 0, '
+    'sizeof(*out)); -> (void)0;':
+        'unreachable: torch reaches the bridge only through the adapter, which '
+        'install_allocator() makes after the allocator exists, so entry_allocator() is never '
+        'NULL there',
 }
