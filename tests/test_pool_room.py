@@ -17,6 +17,7 @@ import matepoint
 from matepoint import _C
 
 from conftest import run_in_thread
+from package_under_test import PACKAGE_PARENT
 
 MEMORY_ALLOCATION = 2       # cudaErrorMemoryAllocation
 KIB = 1024
@@ -137,10 +138,9 @@ def test_without_a_cuda_runtime_reserve_pool_reserves_host_memory() -> None:
                    if os.path.basename(line.split()[-1]).startswith("ld-linux")), None)
     if loader is None:
         pytest.skip("no glibc dynamic loader to run Python under")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(matepoint.__file__)))
-    env = dict(os.environ, PYTHONPATH=root)
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT))
     done = subprocess.run([loader, "--inhibit-cache", sys.executable, "-c", NO_CUDA_RUNTIME],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=300)
+                          env=env, cwd=PACKAGE_PARENT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     reserved, backend, allocations, loaded = done.stdout.split()
     if loaded == "True":
