@@ -176,4 +176,14 @@ EQUIVALENT: Dict[str, str] = {
         'unreachable: torch reaches the bridge only through the adapter, which '
         'install_allocator() makes after the allocator exists, so entry_allocator() is never '
         'NULL there',
+    'csrc/offload/offload_save.c: constant: `if (offload_return_poll(engine, copy->device) > 0 '
+    '&&`: 0 -> 1':
+        'with exactly one buffer returned the mutant skips the cached lookup, but pool_acquire '
+        'begins with the same pool_acquire_cached: the same buffer and the same counters (a '
+        'miss is counted only after that lookup fails)',
+    'csrc/offload/offload_device.c: constant: `"device stays %d", index, failure, index) < 0)`: '
+    '0 -> 1':
+        'PyErr_WriteUnraisable(NULL) with no exception set calls no hook and prints nothing '
+        "on a release CPython (its default hook has no type, object or traceback to write): "
+        'the warning was issued either way',
 }
