@@ -177,3 +177,100 @@ def test_a_child_forked_after_a_pinned_pool_forward_trains_exactly(tmp_path):
     assert child is not None and child["backward"] == "exact", child
     assert child["own_step_exact"] and child["stats"]["bytes_in_use"] == 0, child
     assert parent["exact"] and parent["after"]["bytes_in_use"] == 0, parent
+
+
+WRITING_AT_FORK_SCRIPT = r"""
+import json, os, sys, warnings
+sys.path.insert(0, sys.argv[1])
+import torch, matepoint, sim
+from matepoint import _C
+from conftest import MLP
+WIDTH, BATCH, DEPTH = 64, 64, 12
+INPUT_BYTES = WIDTH * BATCH * 4
+LIMIT = 8 * INPUT_BYTES
+matepoint.set_options(min_offload_bytes=0, spill_dir=sys.argv[2], host_limit_bytes=LIMIT)
+_C._simulate_cuda(True)
+_C._sim_set_progress(sim.EVERYTHING)
+
+
+def forward(model, x, paused_from):
+    # the first input's write fails: it stays in host memory, first of all;
+    # the tier takes no request from region `paused_from` on: those inputs
+    # are being written when the process forks
+    for index, layer in enumerate(model.layers):
+        if index == paused_from:
+            _C._spill_settle()
+            _C._spill_pause(True)
+        x = matepoint.checkpoint(layer, x)
+    return x
+
+
+def child():
+    torch.set_num_threads(1)    # torch's intra-op threads are the parent's
+    failures = matepoint.pool_stats()["spill_failures"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = MLP(WIDTH, DEPTH)(torch.randn(BATCH, WIDTH, requires_grad=True), matepoint.checkpoint)
+        _C._spill_settle()
+    stats = matepoint.pool_stats()
+    print("child " + json.dumps({"failures_at_fork": failures, "stats": stats,
+                                 "warnings": [str(w.message) for w in caught]}), flush=True)
+
+
+with sim.device_memory(False):
+    _C._spill_room(0)           # the tier starts
+    _C._spill_fail_writes(1)
+    torch.manual_seed(0)
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH, requires_grad=True)
+    out = forward(model, x, DEPTH - 2)
+    before = matepoint.pool_stats()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            child()
+            status = 0
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    _C._spill_pause(False)
+    _C._spill_settle()
+    writes = matepoint.pool_stats()["spill_writes"]
+    out.sum().backward()
+    got = [x.grad] + [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    model(x, lambda fn, *args: fn(*args)).sum().backward()
+    exact = all(torch.equal(a, b) for a, b in zip(got, [x.grad] + [p.grad for p in model.parameters()]))
+    print("parent " + json.dumps({"child_status": status, "exact": exact, "before": before,
+                                  "writes_after_fork": writes}), flush=True)
+"""
+
+
+def test_a_child_keeps_the_inputs_being_written_at_the_fork_in_memory(tmp_path):
+    """Inputs the parent's disk tier was still writing at the fork are in
+    the child's memory: the child counts them in host memory, no write of
+    them failed, and its own forward spills ahead counting them, down to
+    half host_limit_bytes and no further, as it would in the parent; the
+    parent's step is untouched. (A failed write, earlier, left the first
+    input in host memory ahead of them.)"""
+    sim.require_test_build()
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", WRITING_AT_FORK_SCRIPT, tests,
+                          str(tmp_path / "spill")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    reports = dict(line.split(" ", 1) for line in run.stdout.splitlines()
+                   if line.startswith(("child ", "parent ")))
+    parent, child = json.loads(reports["parent"]), json.loads(reports["child"])
+    # premises: one write failed before the fork, two were queued at it
+    assert parent["before"]["spill_failures"] == 1 == child["failures_at_fork"]
+    assert parent["writes_after_fork"] == parent["before"]["spill_writes"] + 2
+    assert parent["child_status"] == 0 and parent["exact"], parent
+    stats, input_bytes = child["stats"], 64 * 64 * 4      # the script's spans, and its
+    limit = 8 * input_bytes                                  # host_limit_bytes
+    assert stats["spill_failures"] == 1 and child["warnings"] == [], child
+    assert stats["spill_writes"] > 0 and stats["fallbacks"] == 0, stats
+    assert limit // 2 - input_bytes < stats["bytes_in_use"] <= limit // 2, stats

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import warnings
 import sys
+import time
 
 import pytest
 import torch
@@ -474,3 +475,74 @@ def test_the_tier_figures_are_the_current_tiers(simulated, spill_dir, tmp_path):
     assert (stats["spill_writes"], stats["spill_reads"], stats["spilled_bytes"]) == (0, 0, 0)
     checked_step(str(tmp_path / "other"), LIMIT)
     assert matepoint.pool_stats()["spill_writes"] >= DEPTH // 2
+
+
+def widths_model(widths: list) -> MLP:
+    """An MLP whose regions take inputs of the given widths, in order."""
+    torch.manual_seed(0)
+    model = MLP(WIDTH, 1)
+    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.Tanh())
+                                 for a, b in zip(widths, widths[1:]))
+    return model
+
+
+@pytest.mark.parametrize("widths", [
+    [WIDTH] * (DEPTH - 1) + [2 * WIDTH, WIDTH],     # the last input twice the others
+    [2 * WIDTH] * (DEPTH - 1) + [WIDTH, WIDTH],     # the last input half the others
+], ids=["widening", "narrowing"])
+def test_the_forward_spills_ahead_to_half_the_limit_and_no_further(offload, spill_dir, widths):
+    """However large the input just saved is next to those resident, the
+    forward leaves host memory holding at most half host_limit_bytes (the
+    other half is backward's, to read back into), and keeps resident every
+    input that fits there: it writes no more to disk than it must."""
+    matepoint.set_options(spill_dir=spill_dir, host_limit_bytes=LIMIT)
+    model = widths_model(widths)
+    x = torch.randn(BATCH, widths[0], requires_grad=True)
+    out = model(x, matepoint.checkpoint)
+    matepoint._C._spill_settle()
+    stats = matepoint.pool_stats()
+    assert stats["spill_writes"] > DEPTH // 2 and stats["fallbacks"] == 0   # premise: it spilled
+    largest = 2 * INPUT_BYTES
+    assert LIMIT // 2 - largest < stats["bytes_in_use"] <= LIMIT // 2, stats
+    (out ** 2).mean().backward()
+    assert matepoint.pool_stats()["spill_reads"] == stats["spill_writes"]
+
+
+def spill_files_written(path: str, count: int, nbytes: int) -> bool:
+    """Waits (at most 30 s) until this process has `count` files in `path`
+    of `nbytes` each: the tier's writes went through, seen without asking
+    matepoint (pool_stats() would poll the tier)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        sizes = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(path + os.sep):
+                    sizes.append(os.stat(f"/proc/self/fd/{fd}").st_size)
+            except OSError:
+                continue        # closed meanwhile (listdir's own descriptor)
+        if sizes.count(nbytes) >= count:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_backward_lets_go_of_the_inputs_written_while_the_forward_ended(offload, spill_dir):
+    """The forward's last spills are still being written when it returns;
+    backward, though nothing asks pool_stats() during the step, sees that
+    those writes finished, gives their pinned buffers back and reads those
+    inputs back from disk like every other: each input written is read."""
+    matepoint.set_options(spill_dir=spill_dir, host_limit_bytes=LIMIT)
+    torch.manual_seed(0)
+    model, x = MLP(WIDTH, DEPTH), torch.randn(BATCH, WIDTH, requires_grad=True)
+    _, expected = train_step(model, x, no_checkpoint)
+    model.zero_grad(set_to_none=True)
+    out = model(x, matepoint.checkpoint)
+    spilled = DEPTH - LIMIT // 2 // INPUT_BYTES      # all but half the limit's worth
+    assert spill_files_written(spill_dir, spilled, INPUT_BYTES)
+    (out.float() ** 2).mean().backward()
+    stats = matepoint.pool_stats()
+    assert_bitwise_equal([x.grad] + [p.grad for p in model.parameters()], expected)
+    assert stats["spill_writes"] == spilled        # premise: as many went to disk
+    assert stats["spill_reads"] == spilled
+
