@@ -186,4 +186,17 @@ EQUIVALENT: Dict[str, str] = {
         'PyErr_WriteUnraisable(NULL) with no exception set calls no hook and prints nothing '
         "on a release CPython (its default hook has no type, object or traceback to write): "
         'the warning was issued either way',
+    'csrc/offload/offload_spill.c: constant: `return 0;`: 0 -> 1 (#17)':
+        "after ready_step's SPILL_WRITING case the copy is resident again (finish_write keeps "
+        'its block: its one caller, fetch_copy, pinned it first) and the GIL is held until the '
+        'next step, which then returns 1 with nothing to do: the same answer one step sooner',
+    'csrc/offload/offload_spill.c: constant: `engine->spill_dir, strerror(error)) < 0)`: 0 -> 1':
+        'PyErr_WriteUnraisable(NULL) with no exception set calls no hook and prints nothing '
+        "on a release CPython (its default hook has no type, object or traceback to write): "
+        'the warning was issued either way',
+    'csrc/offload/offload_spill_retire.c: condition: `if (engine->orphans[i].writing)`: '
+    '(engine->orphans[i].writing) -> (!(engine->orphans[i].writing))':
+        'the branch only corrects spill_writing_bytes; detach runs with orphans only from '
+        "offload_spill_free, when the module is freed and the counter is never read again "
+        '(set_options retires a tier only once tier_busy saw no orphans)',
 }
