@@ -17,6 +17,7 @@ import sys
 import pytest
 
 import sim
+from package_under_test import PACKAGE_PARENT
 
 FORK_SCRIPT = r"""
 import gc, json, os, sys, time
@@ -123,14 +124,14 @@ with sim.device_memory(False):
 """
 
 
-def run_forked(case: str, spill_dir: str) -> tuple:
-    """The script's two reports: the child's (None when it printed none)
-    and the parent's."""
+def run_script(script: str, *args: str) -> tuple:
+    """Runs a fork script with the tests' folder and `args`: its two
+    reports, the child's (None when it printed none) and the parent's."""
     sim.require_test_build()
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", FORK_SCRIPT, tests, case, spill_dir],
+        [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", script, tests, *args],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr
     reports = {}
@@ -140,6 +141,11 @@ def run_forked(case: str, spill_dir: str) -> tuple:
             reports[who] = json.loads(report)
     assert "parent" in reports, run.stdout + run.stderr
     return reports.get("child"), reports["parent"]
+
+
+def run_forked(case: str, spill_dir: str) -> tuple:
+    """FORK_SCRIPT's two reports for `case`."""
+    return run_script(FORK_SCRIPT, case, spill_dir)
 
 
 @pytest.mark.parametrize("case", ["spill", "spill-free"], ids=["backward", "graph-freed"])
@@ -254,17 +260,8 @@ def test_a_child_keeps_the_inputs_being_written_at_the_fork_in_memory(tmp_path):
     half host_limit_bytes and no further, as it would in the parent; the
     parent's step is untouched. (A failed write, earlier, left the first
     input in host memory ahead of them.)"""
-    sim.require_test_build()
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", WRITING_AT_FORK_SCRIPT, tests,
-                          str(tmp_path / "spill")],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr
-    reports = dict(line.split(" ", 1) for line in run.stdout.splitlines()
-                   if line.startswith(("child ", "parent ")))
-    parent, child = json.loads(reports["parent"]), json.loads(reports["child"])
+    child, parent = run_script(WRITING_AT_FORK_SCRIPT, str(tmp_path / "spill"))
+    assert child is not None, parent
     # premises: one write failed before the fork, two were queued at it
     assert parent["before"]["spill_failures"] == 1 == child["failures_at_fork"]
     assert parent["writes_after_fork"] == parent["before"]["spill_writes"] + 2
