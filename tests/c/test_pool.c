@@ -364,6 +364,24 @@ test_a_miss_at_the_limit_frees_only_what_it_needs(void)
     CHECK(ctx.live_bytes == 0);
 }
 
+/* A buffer larger than the limit can never be pinned: its miss frees no
+ * cached buffer (that would buy nothing) and goes to pageable memory. */
+static void
+test_a_miss_past_the_limit_keeps_the_cache(void)
+{
+    const uint64_t k = 1024;
+    pool_host_ctx ctx = {0};
+    pool *p = pool_create(pool_host_backend(&ctx), 256 * k);
+    CHECK(pool_reserve(p, 64 * k, 2) == 2);
+    pool_block big;
+    CHECK(pool_acquire(p, 512 * k, &big) == 0 && big.fallback);
+    pool_stats stats = pool_get_stats(p);
+    CHECK(stats.host_frees == 0 && stats.bytes_reserved == 128 * k);
+    pool_release(p, &big);
+    pool_destroy(p);
+    CHECK(ctx.live_bytes == 0);
+}
+
 static void
 test_backend_never_runs_under_the_pool_lock(void)
 {
@@ -468,6 +486,7 @@ int
 main(void)
 {
     test_reserve_fills_the_cache_within_the_limit();
+    test_a_miss_past_the_limit_keeps_the_cache();
     test_class_sizes_bound_waste();
     test_reuse_makes_no_new_allocations();
     test_pending_release_is_reused_only_once_recycled();
