@@ -199,4 +199,56 @@ EQUIVALENT: Dict[str, str] = {
         'the branch only corrects spill_writing_bytes; detach runs with orphans only from '
         "offload_spill_free, when the module is freed and the counter is never read again "
         '(set_options retires a tier only once tier_busy saw no orphans)',
+    'csrc/spill/spill.c: call: `pthread_cond_init(&tier->finished, NULL);`: '
+    'pthread_cond_init(&tier->finished, NULL); -> (void)0;':
+        "the tier comes from calloc, and glibc's PTHREAD_COND_INITIALIZER is all zero bytes: "
+        'the condition is initialized either way',
+    'csrc/spill/spill.c: call: `pthread_cond_init(&tier->published, NULL);`: '
+    'pthread_cond_init(&tier->published, NULL); -> (void)0;':
+        "the tier comes from calloc, and glibc's PTHREAD_COND_INITIALIZER is all zero bytes: "
+        'the condition is initialized either way',
+    'csrc/spill/spill.c: call: `pthread_cond_init(&tier->released, NULL);`: '
+    'pthread_cond_init(&tier->released, NULL); -> (void)0;':
+        "the tier comes from calloc, and glibc's PTHREAD_COND_INITIALIZER is all zero bytes: "
+        'the condition is initialized either way',
+    'csrc/spill/spill.c: call: `pthread_cond_destroy(&tier->finished);`: '
+    'pthread_cond_destroy(&tier->finished); -> (void)0;':
+        "glibc's pthread_cond_destroy and pthread_mutex_destroy release nothing (they hold no "
+        'resource there): the tier is freed right after',
+    'csrc/spill/spill.c: call: `pthread_cond_destroy(&tier->work);`: '
+    'pthread_cond_destroy(&tier->work); -> (void)0;':
+        "glibc's pthread_cond_destroy and pthread_mutex_destroy release nothing (they hold no "
+        'resource there): the tier is freed right after',
+    'csrc/spill/spill.c: call: `pthread_cond_destroy(&tier->work);`: '
+    'pthread_cond_destroy(&tier->work); -> (void)0; (#2)':
+        "glibc's pthread_cond_destroy and pthread_mutex_destroy release nothing (they hold no "
+        'resource there): the tier is freed right after',
+    'csrc/spill/spill.c: call: `pthread_mutex_destroy(&tier->lock);`: '
+    'pthread_mutex_destroy(&tier->lock); -> (void)0;':
+        "glibc's pthread_cond_destroy and pthread_mutex_destroy release nothing (they hold no "
+        'resource there): the tier is freed right after',
+    'csrc/spill/spill_sum.c: condition: `for (; i + 32 <= bytes; i += 32) {`: <= -> >':
+        'another checksum, computed the same way at the write and at the read in this '
+        "process: every buffer still matches itself, and test_spill's every-byte check still "
+        'passes',
+    'csrc/spill/spill_sum.c: constant: `uint64_t h = rotl(v[0], 1) + rotl(v[1], 7) + '
+    'rotl(v[2], 12) + rotl(v[3], 18) + bytes;`: 18 -> 19':
+        'another checksum, computed the same way at the write and at the read in this '
+        "process: every buffer still matches itself, and test_spill's every-byte check still "
+        'passes',
+    'csrc/spill/spill_sum.c: constant: `uint64_t v[4] = {MIX1 + MIX2, MIX2, 0, '
+    '(uint64_t)0 - MIX1};`: 0 -> 1 (#2)':
+        'another checksum, computed the same way at the write and at the read in this '
+        "process: every buffer still matches itself, and test_spill's every-byte check still "
+        'passes',
+    'csrc/spill/spill_dir.c: constant: `(unsigned long)(now.tv_nsec ^ ((unsigned '
+    'long)now.tv_sec << 20)), attempt);`: 20 -> 21':
+        "another mix of the clock in a temporary file's name: any mix makes names unlikely to "
+        'collide, and a collision is retried (EEXIST)',
+    'csrc/spill/spill.c: call: `pthread_mutex_lock(&tier->lock);`: '
+    'pthread_mutex_lock(&tier->lock); -> (void)0; (#16)':
+        "forget_forked runs only in a forked child, where the parent's tier has no worker "
+        'thread and its slots are forgotten only with the GIL held (offload_spill_fork.c): '
+        "nothing else touches the live list meanwhile, and glibc's unlock of a normal mutex "
+        'checks no owner',
 }
