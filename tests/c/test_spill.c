@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 
 static char root[] = "/tmp/matepoint-spill-test-XXXXXX";
 
@@ -498,6 +499,175 @@ test_forked_child_never_waits_for_the_parents_requests(void)
     mp_host_free(back);
 }
 
+/* An empty directory name is refused with its own sentence (not an
+ * attempt to open or create ""). */
+static void
+test_an_empty_directory_name_is_refused(void)
+{
+    char why[512] = "";
+    CHECK(spill_dir_open("", why, sizeof why) == -1);
+    CHECK(strcmp(why, "the spill directory is empty: name a directory") == 0);
+}
+
+/* With stdin closed the next file is descriptor 0, and it is a good one:
+ * spill_file_make() and its named fallback return it (not the stale
+ * errno left by an earlier call) and the named file is unlinked. */
+static void
+test_a_file_may_be_descriptor_zero(void)
+{
+    int had_stdin = fcntl(0, F_GETFD) >= 0;
+    if (!had_stdin)
+        CHECK(open("/dev/null", O_RDONLY) == 0);    /* so dirfd is not 0 */
+    int dirfd = open(root, O_RDONLY | O_DIRECTORY);
+    int saved = dup(0);
+    CHECK(dirfd > 0 && saved > 0);
+    for (int named = 0; named < 2; named++) {
+        close(0);
+        errno = EBADF;          /* stale, as an earlier failed call leaves it */
+        int fd = named ? spill_file_make_named(dirfd) : spill_file_make(dirfd);
+        CHECK(fd == 0);
+        CHECK(entries(root) == 0);
+        CHECK(dup2(saved, 0) == 0);
+    }
+    close(saved);
+    close(dirfd);
+    if (!had_stdin)
+        close(0);
+}
+
+/* A write that fails before it touches the disk moved no byte with
+ * O_DIRECT: direct_bytes stays 0. */
+static void
+test_a_failed_write_moves_no_direct_bytes(void)
+{
+    char why[512];
+    spill_tier *tier = spill_create(root, 1, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(1 << 16, SPILL_ALIGN);
+    fill(buffer, 1 << 16, 23);
+    spill_set_direct(tier, 0);
+    spill_inject_write_errors(tier, EIO, 1);
+    spill_slot *slot = spill_submit_write(tier, buffer, 1 << 16);
+    CHECK(spill_wait(tier, slot) == EIO);
+    spill_stats stats = spill_get_stats(tier);
+    CHECK(stats.write_errors == 1 && stats.direct_bytes == 0);
+    spill_slot_free(tier, slot);
+    spill_destroy(tier);
+    mp_host_free(buffer);
+}
+
+/* A file cut short behind the tier's back reads as EIO (the end came
+ * early), whatever errno an earlier call left. */
+static void
+test_a_truncated_file_reads_as_eio(void)
+{
+    char why[512];
+    spill_tier *tier = spill_create(root, 1, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(1 << 16, SPILL_ALIGN);
+    fill(buffer, 1 << 16, 29);
+    spill_slot *slot = spill_submit_write(tier, buffer, 1 << 16);
+    CHECK(spill_wait(tier, slot) == 0);
+    CHECK(ftruncate(slot->fd, 1 << 15) == 0);     /* idle: the owner may touch it */
+    CHECK(spill_submit_read(tier, slot, buffer) == 0);
+    CHECK(spill_wait(tier, slot) == EIO);
+    CHECK(spill_get_stats(tier).read_errors == 1);
+    spill_slot_free(tier, slot);
+    spill_destroy(tier);
+    mp_host_free(buffer);
+}
+
+/* Turning O_DIRECT on and off succeeds whatever errno an earlier call
+ * left: an aligned write where the filesystem takes direct I/O is 0, all
+ * of it direct. */
+static void
+test_direct_io_ignores_a_stale_errno(void)
+{
+    if (!takes_direct_io(root)) {
+        printf("spill: no direct I/O under %s: stale errno around O_DIRECT not tested\n", root);
+        return;
+    }
+    int dirfd = open(root, O_RDONLY | O_DIRECTORY);
+    int fd = spill_file_make(dirfd);
+    unsigned char *buffer = mp_host_alloc(SPILL_ALIGN, SPILL_ALIGN);
+    fill(buffer, SPILL_ALIGN, 31);
+    int direct = 1;
+    uint64_t direct_bytes = 0;
+    errno = ENOENT;
+    CHECK(spill_io_write(fd, buffer, SPILL_ALIGN, &direct, &direct_bytes) == 0);
+    CHECK(direct == 1 && direct_bytes == SPILL_ALIGN);
+    mp_host_free(buffer);
+    close(fd);
+    close(dirfd);
+}
+
+/* A write of one byte reserves its space first too: where nothing can be
+ * reserved (a character device: ENODEV) it fails before writing. */
+static void
+test_a_one_byte_write_reserves_first(void)
+{
+    int fd = open("/dev/null", O_WRONLY);
+    int direct = 0;
+    uint64_t direct_bytes = 0;
+    CHECK(fd >= 0 && spill_io_write(fd, "x", 1, &direct, &direct_bytes) == ENODEV);
+    close(fd);
+}
+
+/* A child forked without the fork handlers (a raw clone, as a library may
+ * make one) still holds the parent's slot file: freeing the slot there
+ * closes it. */
+static void
+test_forked_child_without_handlers_closes_the_slot_file(void)
+{
+    char why[512];
+    spill_tier *tier = spill_create(root, 1, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(1 << 16, SPILL_ALIGN);
+    fill(buffer, 1 << 16, 37);
+    spill_slot *slot = spill_submit_write(tier, buffer, 1 << 16);
+    CHECK(spill_wait(tier, slot) == 0);
+    spill_wait_idle(tier);                  /* no worker holds a lock at the clone */
+    fflush(NULL);
+    long child = syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
+    if (child == 0) {
+        int fd = slot->fd;
+        int ok = spill_slot_forked(slot) && fd > 2 && fcntl(fd, F_GETFD) >= 0;
+        spill_slot_free(tier, slot);
+        ok &= fcntl(fd, F_GETFD) == -1 && errno == EBADF;
+        _exit(ok ? 0 : 1);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid((pid_t)child, &status, 0) == child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    spill_slot_free(tier, slot);
+    spill_destroy(tier);
+    mp_host_free(buffer);
+}
+
+/* A forked child that frees a parent's slot (its file closed at the fork)
+ * closes nothing else: its stdin stays open. */
+static void
+test_forked_child_keeps_stdin_when_freeing_a_slot(void)
+{
+    char why[512];
+    spill_tier *tier = spill_create(root, 1, why, sizeof why);
+    unsigned char *buffer = mp_host_alloc(1 << 16, SPILL_ALIGN);
+    fill(buffer, 1 << 16, 41);
+    spill_slot *slot = spill_submit_write(tier, buffer, 1 << 16);
+    CHECK(spill_wait(tier, slot) == 0);
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        if (fcntl(0, F_GETFD) < 0 && open("/dev/null", O_RDONLY) != 0)
+            _exit(2);                       /* the premise: a stdin to lose */
+        spill_slot_free(tier, slot);
+        _exit(fcntl(0, F_GETFD) >= 0 ? 0 : 1);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    spill_slot_free(tier, slot);
+    spill_destroy(tier);
+    mp_host_free(buffer);
+}
+
 /* A real full disk: a 1 MiB tmpfs in a mount namespace of its own (a
  * child process, so no mount outlives the test), where one can be made:
  * ENOSPC from the reservation, and the directory is empty afterwards. */
@@ -570,6 +740,14 @@ main(void)
     test_forked_child_leaves_the_tier_alone();
     test_forked_child_never_waits_for_the_parents_requests();
     test_full_tmpfs();
+    test_an_empty_directory_name_is_refused();
+    test_a_file_may_be_descriptor_zero();
+    test_a_failed_write_moves_no_direct_bytes();
+    test_a_truncated_file_reads_as_eio();
+    test_direct_io_ignores_a_stale_errno();
+    test_a_one_byte_write_reserves_first();
+    test_forked_child_without_handlers_closes_the_slot_file();
+    test_forked_child_keeps_stdin_when_freeing_a_slot();
     CHECK(entries(root) == 0);
     rmdir(root);
     return check_report("test_spill");
