@@ -245,10 +245,4 @@ EQUIVALENT: Dict[str, str] = {
     'long)now.tv_sec << 20)), attempt);`: 20 -> 21':
         "another mix of the clock in a temporary file's name: any mix makes names unlikely to "
         'collide, and a collision is retried (EEXIST)',
-    'csrc/spill/spill.c: call: `pthread_mutex_lock(&tier->lock);`: '
-    'pthread_mutex_lock(&tier->lock); -> (void)0; (#16)':
-        "forget_forked runs only in a forked child, where the parent's tier has no worker "
-        'thread and its slots are forgotten only with the GIL held (offload_spill_fork.c): '
-        "nothing else touches the live list meanwhile, and glibc's unlock of a normal mutex "
-        'checks no owner',
 }
