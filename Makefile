@@ -294,7 +294,8 @@ build/ctest/fuzz_ops: $(FUZZ_SOURCES) $(ALLOC_HEADERS) csrc/pool/pool.h
 	$(CC) $(CTEST_CFLAGS) -DFUZZ_DRIVER -o $@ $(FUZZ_SOURCES) -lpthread
 
 # The same C unit tests, uninstrumented, under valgrind's memcheck.
-VALGRIND := valgrind -q --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite
+VALGRIND := valgrind -q --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite \
+  --show-leak-kinds=definite
 valgrind: $(VALGRIND_TESTS)
 	@if command -v valgrind >/dev/null; then \
 	  for t in $(VALGRIND_TESTS); do $(VALGRIND) $$t || exit 1; done; \
